@@ -1,0 +1,43 @@
+"""Unit tests (CPU): topoep.solve rejects bad input with a ValueError that names the problem."""
+
+import pytest
+import torch
+
+from topoep import Topology, solve
+
+TOPO = Topology(num_domains=2, ranks_per_domain=2)
+OM = torch.ones(4, 8, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(omega=-OM), "negative"),
+    (dict(omega=OM.int()), "int64"),
+    (dict(omega=OM.float()), "int64"),
+    (dict(omega=OM[0]), "2-D"),
+    (dict(omega=[[1, 2]]), "torch.Tensor"),
+    (dict(omega=torch.ones(4, 6, dtype=torch.int64)), "multiple of the number of ranks"),
+    (dict(omega=torch.ones(3, 6, dtype=torch.int64)), "covers 4 ranks"),
+    (dict(topology=Topology(num_domains=1, ranks_per_domain=8)), "covers 8 ranks"),
+    (dict(num_slots=-1), "num_slots"),
+    (dict(num_slots=1.5), "num_slots"),
+    (dict(policy="eplb"), "unknown policy"),
+    (dict(main_rank=torch.tensor([0, 0, 1, 1, 2, 2, 3, 4])), "main_rank out of range"),
+    (dict(main_rank=torch.tensor([0, 0, 1, 1, 2, 2, 3, -1])), "main_rank out of range"),
+    (dict(main_rank=torch.zeros(7, dtype=torch.int64)), "main_rank must be"),
+    (dict(expert_bytes=0), "expert_bytes"),
+    (dict(token_bytes=-5), "token_bytes"),
+    (dict(topology="2x2"), "topoep.Topology"),
+])
+def test_bad_input(kwargs, match):
+    args = dict(omega=OM, topology=TOPO, num_slots=2, policy="topoep")
+    args.update(kwargs)
+    omega, topology = args.pop("omega"), args.pop("topology")
+    with pytest.raises(ValueError, match=match):
+        solve(omega, topology, **args)
+
+
+def test_custom_main_rank_is_respected():
+    main = torch.tensor([3, 3, 2, 2, 1, 1, 0, 0])
+    plan = solve(OM, TOPO, num_slots=1, policy="topoep", main_rank=main).check()
+    assert torch.equal(plan.main_rank, main)
+    assert torch.equal(plan.instance_rank[:8], main)

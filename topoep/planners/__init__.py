@@ -1,0 +1,101 @@
+"""`topoep.solve`: one entry point for every policy (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from topoep.plan import Plan, default_main_rank
+from topoep.topology import Topology
+
+# Qwen3-30B-A3B in BF16: an expert is 3 matrices of 2048 x 768; a routed activation is 2048 values.
+QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2
+QWEN3_TOKEN_BYTES = 2048 * 2
+
+
+def _policies():
+    from topoep.planners import baselines, reference
+
+    return {
+        "static": reference.solve_static,
+        "topoep": reference.solve_topoep,
+        "deepseek": baselines.solve_deepseek,
+        "fastermoe": baselines.solve_fastermoe,
+        "flexmoe": baselines.solve_flexmoe,
+    }
+
+
+POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe")
+
+
+def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
+          expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
+          main_rank: torch.Tensor | None = None, t_ffn: float | None = None) -> Plan:
+    """Plan replicas and the token split for one MoE layer and microbatch.
+
+    Args:
+        omega: int64[R, E], omega[s, e] = assignments from source rank s that selected expert e
+            (the all-gathered routing counts; every rank passes the same tensor and gets the same plan).
+        topology: the EP group's domains and per-byte costs; must have R ranks.
+        num_slots: N, replica slots per rank besides its main experts (>= 0).
+        policy: one of POLICIES.
+        expert_bytes: W, bytes of one expert's parameters as transferred (default: Qwen3-30B-A3B, BF16).
+        token_bytes: S_tok, bytes of one routed activation (default: hidden 2048 in BF16).
+        main_rank: int64[E], rank owning each expert; default e // (E // R) (megatron's placement).
+        t_ffn: seconds of expert FFN time per assignment (forward + backward) for the policies that
+            weigh compute against transfers (fastermoe); default `topoep.metrics.DEFAULT_T_FFN`.
+
+    Returns:
+        a `Plan` on omega's device. Raises ValueError for bad input.
+    """
+    omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank)
+    kw = {}
+    if policy == "fastermoe":
+        from topoep.metrics import DEFAULT_T_FFN
+
+        t = DEFAULT_T_FFN if t_ffn is None else t_ffn
+        if not (isinstance(t, (int, float)) and t > 0):
+            raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t!r}")
+        kw["t_ffn"] = float(t)
+    return _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
+                               expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
+
+
+def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank):
+    """Check the inputs of `solve`; returns (omega, main_rank) as int64 tensors on omega's device."""
+    if not isinstance(omega, torch.Tensor):
+        raise ValueError(f"omega must be a torch.Tensor of int64[R, E], got {type(omega).__name__}")
+    if omega.dtype != torch.int64:
+        raise ValueError(f"omega must have dtype torch.int64 (integer routing counts), got {omega.dtype}; "
+                         "use omega.long() if the counts are integers")
+    if omega.dim() != 2:
+        raise ValueError(f"omega must be 2-D [R, E] (source ranks x experts), got shape {list(omega.shape)}")
+    R, E = omega.shape
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
+    if topology.num_ranks != R:
+        raise ValueError(f"topology covers {topology.num_ranks} ranks ({topology.num_domains} domains x "
+                         f"{topology.ranks_per_domain}) but omega has R={R} rows")
+    if E == 0 or E % R != 0:
+        raise ValueError(f"the number of experts E={E} must be a positive multiple of the number of ranks "
+                         f"R={R} (each rank owns E // R main experts)")
+    if (omega < 0).any():
+        s, e = torch.nonzero(omega < 0)[0].tolist()
+        raise ValueError(f"omega has negative counts, e.g. omega[{s}, {e}] = {omega[s, e].item()}")
+    if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
+        raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    for name, v in (("expert_bytes", expert_bytes), ("token_bytes", token_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")
+    if main_rank is None:
+        main_rank = default_main_rank(E, R, omega.device)
+    else:
+        if not isinstance(main_rank, torch.Tensor) or main_rank.dtype != torch.int64 or main_rank.shape != (E,):
+            raise ValueError(f"main_rank must be an int64[{E}] tensor (rank owning each expert)")
+        if ((main_rank < 0) | (main_rank >= R)).any():
+            e = torch.nonzero((main_rank < 0) | (main_rank >= R))[0].item()
+            raise ValueError(f"main_rank out of range: main_rank[{e}] = {main_rank[e].item()}, "
+                             f"must be in [0, {R})")
+        main_rank = main_rank.to(omega.device)
+    return omega, main_rank

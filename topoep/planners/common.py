@@ -1,0 +1,124 @@
+"""Building blocks shared by all policies: instance tables, the token split, and the group-wise
+interval routing. Pure PyTorch, integer arithmetic only, every tie broken by the lowest index.
+
+Shapes: R ranks, E experts, N slots per rank, P = E + R * N physical instances (see `topoep.plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from topoep.topology import Topology
+
+LOCALITIES = ("none", "domain", "rank")
+
+
+def instance_tables(main_rank: torch.Tensor, slot_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(instance_expert: int64[P] with -1 for empty slots, instance_rank: int64[P])."""
+    R, N = slot_expert.shape
+    E = main_rank.numel()
+    dev = slot_expert.device
+    inst_expert = torch.cat([torch.arange(E, device=dev), slot_expert.reshape(-1)])
+    inst_rank = torch.cat([main_rank, torch.arange(R, device=dev).repeat_interleave(N)])
+    return inst_expert, inst_rank
+
+
+def group_exclusive_cumsum(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """For int64[P] values and group ids (-1 = no group), the sum of the values of the elements of the
+    same group that come before each element in index order. Elements with group -1 get 0."""
+    P = group.numel()
+    dev = group.device
+    idx = torch.arange(P, device=dev)
+    valid = group >= 0
+    g = torch.where(valid, group, group.max().clamp(min=0) + 1)
+    order = torch.argsort(g * P + idx)  # group-major, index order inside a group
+    v_sorted = torch.where(valid, values, 0)[order]
+    csum = torch.cumsum(v_sorted, 0) - v_sorted
+    g_sorted = g[order]
+    first = torch.ones(P, dtype=torch.bool, device=dev)
+    first[1:] = g_sorted[1:] != g_sorted[:-1]
+    seg_start = torch.cummax(torch.where(first, idx, 0), 0).values
+    out = torch.empty_like(csum)
+    out[order] = csum - csum[seg_start]
+    return torch.where(valid, out, 0)
+
+
+def rank_within_group(group: torch.Tensor) -> torch.Tensor:
+    """Position of each element among the elements of its group, in index order (0 for the first)."""
+    return group_exclusive_cumsum(torch.ones_like(group), group)
+
+
+def even_split(omega: torch.Tensor, inst_expert: torch.Tensor, inst_rank: torch.Tensor,
+               topology: Topology, locality: str) -> torch.Tensor:
+    """route: int64[R, P]. Each omega[s, e] is split as evenly as possible over a selected set of e's
+    instances: with locality "domain" the instances in the source's domain when there are any, with
+    "rank" the instance on the source rank itself when there is one, otherwise (and for "none") all
+    instances of e. Instance i of n selected (in instance order) gets omega // n, plus one if
+    (i - s) mod n < omega mod n: the remainder is rotated by the source rank so that small demands
+    do not all land on the main instance."""
+    assert locality in LOCALITIES, locality
+    R, E = omega.shape
+    dev = omega.device
+    valid = inst_expert >= 0
+    e_of = inst_expert.clamp(min=0)
+    src = torch.arange(R, device=dev)
+    n_all = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, e_of, valid.long())  # instances per expert
+    pos_all = rank_within_group(torch.where(valid, e_of, -1))
+    if locality == "none":
+        sel = valid[None, :].expand(R, -1)
+        n = n_all[e_of][None, :].expand(R, -1)
+        pos = pos_all[None, :].expand(R, -1)
+    else:
+        if locality == "domain":
+            M = topology.num_domains
+            unit_of_rank = topology.domain_of.to(dev)
+            num_units = M
+        else:
+            unit_of_rank = torch.arange(R, device=dev)
+            num_units = R
+        p_unit = unit_of_rank[inst_rank]
+        key = torch.where(valid, e_of * num_units + p_unit, -1)
+        n_unit = torch.zeros(E * num_units, dtype=torch.int64, device=dev).index_add_(
+            0, key.clamp(min=0), valid.long())  # instances of e in each unit
+        pos_unit = rank_within_group(key)
+        s_unit = unit_of_rank[src]
+        n_local = n_unit.view(E, num_units)[e_of[None, :], s_unit[:, None]]  # [R, P]
+        has_local = n_local > 0
+        same = p_unit[None, :] == s_unit[:, None]
+        sel = valid[None, :] & (same | ~has_local)
+        n = torch.where(has_local, n_local, n_all[e_of][None, :])
+        pos = torch.where(has_local, pos_unit[None, :], pos_all[None, :])
+    w = omega[:, e_of]  # [R, P]
+    n_safe = n.clamp(min=1)
+    base, rem = w // n_safe, w % n_safe
+    extra = ((pos - src[:, None]) % n_safe) < rem
+    route = torch.where(sel, base + extra.long(), 0)
+    return route
+
+
+def interval_route(amount: torch.Tensor, inst_group: torch.Tensor, inst_load: torch.Tensor) -> torch.Tensor:
+    """route: int64[R, P] realising per-instance loads U from per-source amounts, group by group.
+
+    amount: int64[R, G], what source s sends to group g (a set of instances of one expert);
+    inst_group: int64[P], the group of each instance (-1 for none); inst_load: int64[P] with
+    sum over a group == sum over sources of amount[:, g].
+    Within a group, sources in increasing rank order fill instances in increasing index order
+    (the overlap of [cumA_s, cumA_s + A_s) with [cumU_p, cumU_p + U_p)), so each source talks to as
+    few instances as possible and the mapping is a pure function of its inputs.
+    """
+    R, G = amount.shape
+    valid = inst_group >= 0
+    g = inst_group.clamp(min=0)
+    cumA = torch.cumsum(amount, 0) - amount  # exclusive over sources, [R, G]
+    cumU = group_exclusive_cumsum(inst_load, inst_group)  # exclusive over a group's instances, [P]
+    a_lo = cumA[:, g]
+    a_hi = a_lo + amount[:, g]
+    u_lo = cumU[None, :]
+    u_hi = u_lo + inst_load[None, :]
+    overlap = (torch.minimum(a_hi, u_hi) - torch.maximum(a_lo, u_lo)).clamp(min=0)
+    return torch.where(valid[None, :], overlap, 0)
+
+
+def static_rank_load(omega: torch.Tensor, main_rank: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """int64[R]: rank loads with main instances only."""
+    return torch.zeros(num_ranks, dtype=torch.int64, device=omega.device).index_add_(0, main_rank, omega.sum(0))

@@ -1,0 +1,170 @@
+"""Expert-parallel ranks grouped into NVLink domains, and the per-byte cost matrix C of paper 4.1.
+
+Ranks of one domain are contiguous (rank r lives in domain r // ranks_per_domain), as torchrun and
+Slurm number them node by node. A *virtual* topology (e.g. 4 ranks on one host treated as 2 domains)
+is just a config: nothing here looks at the hardware.
+
+Costs are seconds per byte (`cost`, float64) for models and metrics, and an integer copy in
+femtoseconds per byte (`cost_fs`, int64) for planner decisions, which must use integer arithmetic
+only so that the CUDA planner reproduces the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# Defaults from the paper's fabric (6.1): NVLink/NVSwitch inside a node, "up to 400 GB/s of aggregate
+# bidirectional bandwidth" -> 200 GB/s per direction; between nodes, two 200 Gb/s InfiniBand links
+# per GPU -> 400 Gb/s = 50 GB/s per direction.
+NVLINK_BYTES_PER_S = 200e9
+RDMA_BYTES_PER_S = 50e9
+DEFAULT_INTRA_COST = 1.0 / NVLINK_BYTES_PER_S  # s/byte
+DEFAULT_INTER_COST = 1.0 / RDMA_BYTES_PER_S  # s/byte
+FEMTO = 1e15  # integer cost scale: femtoseconds per byte
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """EP ranks -> NVLink domains, with a symmetric per-byte cost matrix.
+
+    Attributes:
+        num_domains: M, the number of NVLink domains (nodes).
+        ranks_per_domain: ranks in each domain; num_ranks = num_domains * ranks_per_domain.
+        intra_cost: seconds per byte between two different ranks of one domain.
+        inter_cost: seconds per byte between ranks of different domains.
+        cost: optional explicit float64[R, R] matrix (zero diagonal, symmetric); overrides the two
+            scalars. Use `Topology.from_cost_matrix` to build one.
+    """
+
+    num_domains: int = 1
+    ranks_per_domain: int = 8
+    intra_cost: float = DEFAULT_INTRA_COST
+    inter_cost: float = DEFAULT_INTER_COST
+    cost: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("num_domains", "ranks_per_domain"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Topology.{name} must be an integer >= 1, got {v!r}")
+        for name in ("intra_cost", "inter_cost"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
+                raise ValueError(f"Topology.{name} must be a finite number >= 0 (seconds per byte), got {v!r}")
+        R = self.num_ranks
+        if self.cost is None:
+            dom = torch.arange(R) // self.ranks_per_domain
+            same = dom[:, None] == dom[None, :]
+            c = torch.full((R, R), float(self.inter_cost), dtype=torch.float64)
+            c[same] = float(self.intra_cost)
+            c.fill_diagonal_(0.0)
+        else:
+            c = torch.as_tensor(self.cost, dtype=torch.float64).cpu()
+            if c.shape != (R, R):
+                raise ValueError(f"Topology.cost must have shape [{R}, {R}] for {R} ranks, got {list(c.shape)}")
+            if not torch.isfinite(c).all() or (c < 0).any():
+                raise ValueError("Topology.cost must be finite and >= 0 (seconds per byte)")
+            if not torch.equal(c, c.T):
+                raise ValueError("Topology.cost must be symmetric (paper 4.1): cost[s, r] == cost[r, s]")
+            if (c.diagonal() != 0).any():
+                raise ValueError("Topology.cost must have a zero diagonal (cost[r, r] == 0)")
+            c = c.clone()
+        object.__setattr__(self, "cost", c)
+        object.__setattr__(self, "cost_fs", torch.round(c * FEMTO).to(torch.int64))
+        object.__setattr__(self, "domain_of", torch.arange(R, dtype=torch.int64) // self.ranks_per_domain)
+
+    # -- derived -------------------------------------------------------------------------------
+    cost_fs: torch.Tensor = field(init=False, compare=False, repr=False)
+    """int64[R, R]: cost rounded to femtoseconds per byte (used by planner decisions)."""
+    domain_of: torch.Tensor = field(init=False, compare=False, repr=False)
+    """int64[R]: domain of each rank."""
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_domains * self.ranks_per_domain
+
+    def domain_ranks(self, d: int) -> range:
+        """The (contiguous) ranks of domain d."""
+        return range(d * self.ranks_per_domain, (d + 1) * self.ranks_per_domain)
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, Topology)
+            and self.num_domains == other.num_domains
+            and self.ranks_per_domain == other.ranks_per_domain
+            and torch.equal(self.cost, other.cost)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.num_domains, self.ranks_per_domain))
+
+    def __repr__(self) -> str:
+        c = self.cost
+        intra = c[0, 1].item() if self.ranks_per_domain > 1 else self.intra_cost
+        inter = c[0, self.ranks_per_domain].item() if self.num_domains > 1 else self.inter_cost
+        return (
+            f"Topology(num_domains={self.num_domains}, ranks_per_domain={self.ranks_per_domain}, "
+            f"intra={1 / intra / 1e9 if intra else float('inf'):.0f} GB/s, "
+            f"inter={1 / inter / 1e9 if inter else float('inf'):.0f} GB/s)"
+        )
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def from_cost_matrix(cls, cost, ranks_per_domain: int | None = None) -> "Topology":
+        """Build from an explicit symmetric float[R, R] per-byte cost matrix (seconds per byte).
+
+        Domains must be contiguous and of equal size. When `ranks_per_domain` is not given it is
+        inferred: rank 0's domain is rank 0 plus the ranks whose cost from rank 0 is the smallest
+        off-diagonal cost of row 0 (so a matrix with a single cost level is a single domain).
+        """
+        c = torch.as_tensor(cost, dtype=torch.float64)
+        if c.dim() != 2 or c.shape[0] != c.shape[1] or c.shape[0] < 1:
+            raise ValueError(f"cost must be a square [R, R] matrix, got shape {list(c.shape)}")
+        R = c.shape[0]
+        if ranks_per_domain is None:
+            if R == 1:
+                ranks_per_domain = 1
+            else:
+                row = c[0, 1:]
+                near = (row == row.min()).tolist()
+                ranks_per_domain = 1 + (near.index(False) if False in near else len(near))
+        if ranks_per_domain < 1 or R % ranks_per_domain != 0:
+            raise ValueError(
+                f"ranks_per_domain={ranks_per_domain} does not divide the {R} ranks of the cost matrix; "
+                "domains must be contiguous and of equal size"
+            )
+        return cls(num_domains=R // ranks_per_domain, ranks_per_domain=ranks_per_domain, cost=c)
+
+    @classmethod
+    def from_env(cls, ep_size: int | None = None, ranks_per_domain: int | None = None, **costs) -> "Topology":
+        """Topology of the job from the launcher's environment: a node is a domain.
+
+        Reads WORLD_SIZE and LOCAL_WORLD_SIZE (torchrun), or SLURM_NTASKS and SLURM_NTASKS_PER_NODE
+        (srun). `ep_size` restricts to an expert-parallel group of that many consecutive ranks.
+        `ranks_per_domain` (or env TOPOEP_RANKS_PER_DOMAIN) overrides the node size, e.g. to treat
+        one 4-GPU host as 2 virtual domains of 2.
+        """
+        env = os.environ
+        world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
+        local = env.get("LOCAL_WORLD_SIZE") or _slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"))
+        world = int(world) if world else 1
+        local = int(local) if local else world
+        R = ep_size if ep_size is not None else world
+        rpd = ranks_per_domain or int(env.get("TOPOEP_RANKS_PER_DOMAIN", 0)) or min(local, R)
+        if R < 1 or rpd < 1 or R % rpd != 0:
+            raise ValueError(
+                f"expert-parallel size {R} is not a multiple of the domain size {rpd} "
+                "(LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / TOPOEP_RANKS_PER_DOMAIN): "
+                "set ranks_per_domain to a divisor of the EP size"
+            )
+        return cls(num_domains=R // rpd, ranks_per_domain=rpd, **costs)
+
+
+def _slurm_tasks_per_node(value: str | None) -> str | None:
+    # SLURM_NTASKS_PER_NODE can look like "8" or "8(x4)".
+    if not value:
+        return None
+    return value.split("(")[0]
