@@ -121,12 +121,12 @@ def solve_fastermoe(omega, topology, *, num_slots, main_rank, expert_bytes, toke
 def solve_flexmoe(omega, topology, *, num_slots, main_rank, **kw) -> Plan:
     """FlexMoE expand / shrink / migrate, per microbatch from the static placement.
 
-    Loads are modelled with each expert's total demand split evenly over its instances. Repeatedly:
-    take the busiest rank and its heaviest expert instance; *expand* that expert with a replica on the
-    least-loaded rank that has a free slot and no copy of it; when no rank has a free slot, *migrate*
-    the lightest replica (shrinking its expert) to serve the hot expert instead. A step is kept only if
-    the busiest rank gets lighter and the maximum load does not grow; stop at the first step that does
-    not help (or after 4 * R * N steps).
+    Loads are modelled with each expert's total demand split evenly over its instances. Repeatedly take
+    the busiest rank and try its experts, heaviest instance first: *expand* the expert with a replica on
+    the least-loaded rank that has a free slot and no copy of it; when no such rank has a free slot,
+    *migrate* the lightest replica elsewhere (shrinking its expert) to serve this expert instead. The
+    first change that makes the busiest rank lighter without raising the maximum load is kept; stop
+    when none of the busiest rank's experts yields one (or after 4 * R * N steps).
     """
     R, E = omega.shape
     N = num_slots
@@ -185,28 +185,29 @@ def solve_flexmoe(omega, topology, *, num_slots, main_rank, **kw) -> Plan:
     while steps < 4 * R * N:
         steps += 1
         rb = max(range(R), key=lambda r: (L[r], -r))
-        on_rb = [(s, e) for e in hosted_on[rb] for (r, s) in shares(e) if r == rb and s > 0]
-        if not on_rb:
-            break
-        _, hot = min(on_rb, key=lambda t: (-t[0], t[1]))
-        hosts = {r for _, r in inst[hot]}
-        free = [r for r in range(R) if -1 in slot_expert[r] and r not in hosts]
-        if free:
-            rt = min(free, key=lambda r: (L[r], r))
-            j = slot_expert[rt].index(-1)
-            if try_change([(hot, (E + rt * N + j, rt), None)]):
-                slot_expert[rt][j] = hot
+        on_rb = sorted((-s, e) for e in hosted_on[rb] for (r, s) in shares(e) if r == rb and s > 0)
+        changed = False
+        for _, hot in on_rb:  # the busiest rank's experts, heaviest instance first
+            hosts = {r for _, r in inst[hot]}
+            free = [r for r in range(R) if -1 in slot_expert[r] and r not in hosts]
+            if free:  # expand
+                rt = min(free, key=lambda r: (L[r], r))
+                j = slot_expert[rt].index(-1)
+                if try_change([(hot, (E + rt * N + j, rt), None)]):
+                    slot_expert[rt][j] = hot
+                    changed = True
+                    break
                 continue
+            # no free slot: migrate the lightest replica (shrinking its expert) to serve `hot`
+            reps = [(dict(shares(f))[r], r, j, f) for r in range(R) for j, f in enumerate(slot_expert[r])
+                    if f >= 0 and f != hot and r not in hosts]
+            if reps:
+                _, r, j, f = min(reps)
+                p = E + r * N + j
+                if try_change([(f, None, (p, r)), (hot, (p, r), None)]):
+                    slot_expert[r][j] = hot
+                    changed = True
+                    break
+        if not changed:
             break
-        # migrate: the lightest replica (of another expert, on a rank without `hot`) changes expert
-        reps = [(dict(shares(f))[r], r, j, f) for r in range(R) for j, f in enumerate(slot_expert[r])
-                if f >= 0 and f != hot and r not in hosts]
-        if not reps:
-            break
-        _, r, j, f = min(reps)
-        p = E + r * N + j
-        if try_change([(f, None, (p, r)), (hot, (p, r), None)]):
-            slot_expert[r][j] = hot
-            continue
-        break
     return _finish(omega, topology, N, main_rank, slot_expert, "none", "flexmoe", info={"steps": steps}, **kw)

@@ -151,6 +151,7 @@ def solve_topoep(omega, topology, *, num_slots, main_rank, expert_bytes, token_b
 
     # 1. inter-node placement
     slot_expert = internode_placement(omega, topology, N, main_rank, expert_bytes, token_bytes)
+    stage1_replicas = int((slot_expert >= 0).sum())
     # 2. routing with same-domain preference
     inst_expert0, inst_rank0 = instance_tables(main_rank, slot_expert)
     route0 = even_split(omega, inst_expert0, inst_rank0, topology, "domain")
@@ -189,11 +190,12 @@ def solve_topoep(omega, topology, *, num_slots, main_rank, expert_bytes, token_b
     group = torch.where(inst_expert >= 0, inst_expert * M + dom[inst_rank], -1)
     route = interval_route(amount, group, torch.where(inst_expert >= 0, U, 0))
 
+    info = {"refine_iters": iters, "stage1_replicas": stage1_replicas}
     plan = Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
-                route=route, policy="topoep", info={"refine_iters": iters}, **common)
+                route=route, policy="topoep", info=info, **common)
     # 6. never worse than static in the bottleneck
     if int(plan.rank_load.max()) > int(static.rank_load.max()):
         static.policy = "topoep"
-        static.info = {"refine_iters": iters, "fallback": "static"}
+        static.info = {**info, "fallback": "static"}
         return static
     return plan

@@ -1,0 +1,85 @@
+"""Unit tests (CPU): routing workload generators, calibration and trace I/O."""
+
+import pytest
+import torch
+
+from topoep import workloads as wl
+
+
+def test_fig10_calibration_matches_the_paper_no_balancing_ratio():
+    om = wl.fig10_workload()
+    assert om.shape == (32, 640)
+    assert om.sum().item() == 32 * 4096 * 8
+    assert wl.static_imbalance(om) == pytest.approx(8.39, abs=0.01)
+
+
+def test_layouts_share_bias_values_and_move_hot_experts():
+    b = {lay: wl.expert_bias(640, -2.5, num_ranks=32, seed=13, layout=lay) for lay in wl.LAYOUTS}
+    for lay in ("clustered", "scattered"):
+        assert torch.equal(b[lay].sort().values, b["random"].sort().values)
+    assert torch.equal(b["clustered"], b["random"].sort(descending=True).values)
+    hottest = torch.topk(b["scattered"], 32).indices // 20  # ranks of the 32 hottest experts
+    assert sorted(hottest.tolist()) == list(range(32))
+    om_c = wl.fig10_workload(layout="clustered")
+    om_s = wl.fig10_workload(layout="scattered")
+    assert wl.static_imbalance(om_c) > wl.static_imbalance(wl.fig10_workload()) > wl.static_imbalance(om_s)
+
+
+def test_skew_zero_is_uniform_in_expectation_and_skew_concentrates():
+    om0 = wl.biased_routing(8, 64, 2048, 4, 0.0, seed=1)
+    load = om0.sum(0).double()
+    assert (load.max() / load.mean()).item() < 1.15
+    om4 = wl.biased_routing(8, 64, 2048, 4, -4.0, seed=1)
+    top8 = torch.topk(om4.sum(0), 8).values.sum() / om4.sum()
+    assert top8 > 0.5
+    # each token picks k distinct experts
+    one = wl.biased_routing(1, 16, 1, 4, -2.0, seed=3)
+    assert one.sum() == 4 and one.max() == 1
+
+
+def test_deterministic_for_a_seed():
+    a = wl.biased_routing(4, 32, 100, 2, -1.0, seed=5)
+    b = wl.biased_routing(4, 32, 100, 2, -1.0, seed=5)
+    c = wl.biased_routing(4, 32, 100, 2, -1.0, seed=6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_zipf():
+    om = wl.zipf_routing(4, 64, 4096, 2, alpha=1.2, seed=0, layout="clustered")
+    load = om.sum(0)
+    assert om.sum() == 4 * 4096 * 2
+    assert load[0] > load[10] > load[60]
+    u = wl.zipf_routing(4, 64, 4096, 2, alpha=0.0, seed=0).sum(0).double()
+    assert (u.max() / u.mean()).item() < 1.15
+
+
+def test_drift_rate_controls_hot_set_changes():
+    tr = wl.drifting_trace(4, 64, 512, 4, -3.0, num_layers=2, num_steps=12, drift=0.2, seed=0)
+    assert tr.shape == (12, 2, 4, 64)
+    assert 0.05 < wl.topk_change_fraction(tr, k=4) < 0.45
+    still = wl.drifting_trace(4, 64, 512, 4, -3.0, num_layers=1, num_steps=6, drift=0.0, seed=0)
+    # no drift: the hot set only changes by sampling noise (none at this skew and size)
+    assert wl.topk_change_fraction(still, k=4) < 0.1
+    with pytest.raises(ValueError, match="drift"):
+        wl.drifting_trace(4, 64, 8, 2, -1.0, drift=1.5)
+
+
+def test_trace_round_trip(tmp_path):
+    tr = wl.drifting_trace(2, 8, 16, 2, -1.0, num_layers=3, num_steps=2)
+    wl.save_trace(tmp_path / "t.pt", tr, {"model": "tiny"})
+    back, meta = wl.load_trace(tmp_path / "t.pt")
+    assert torch.equal(back, tr) and meta == {"model": "tiny"}
+    torch.save({"x": 1}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="not a TopoEP routing trace"):
+        wl.load_trace(tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="int64"):
+        wl.save_trace(tmp_path / "f.pt", tr.float())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="layout"):
+        wl.expert_bias(8, -1.0, layout="diagonal")
+    with pytest.raises(ValueError, match="top_k"):
+        wl.biased_routing(2, 8, 4, 9, -1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        wl.expert_bias(10, -1.0, num_ranks=4)
