@@ -1,0 +1,152 @@
+"""Execution backends: the four operations a balanced MoE layer needs besides expert compute.
+
+    all_gather_counts  omega_local[E] -> omega[R, E] (every rank gets the same matrix)
+    exchange_counts    rows per (destination, local group) -> rows per (source, local group)
+    dispatch/combine   variable-size all-to-all of token rows; each is the other's backward
+    fetch_replicas     copy each replicated expert's weights from its main rank into the slots
+    return_grads       send the slots' weight gradients back to the main ranks, summed there in a
+                       fixed order (source rank, then slot), so results do not depend on timing
+
+`TorchBackend` implements them with torch.distributed collectives (gloo on CPU, NCCL on GPU). It is
+the portable reference and may synchronise the host (split sizes are host lists).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from topoep.plan import Plan
+from topoep.runtime.pool import ReplicaPool
+
+
+class _Done:
+    """A finished 'asynchronous' operation (single process, or a zero-size exchange)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
+class _Pending:
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+
+    def wait(self):
+        self.work.wait()
+        return self.out
+
+
+class TorchBackend:
+    """torch.distributed collectives over `group` (None: the default group; no process group: 1 rank)."""
+
+    name = "torch"
+
+    def __init__(self, group=None):
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+
+    # -- small metadata ------------------------------------------------------------------------
+    def all_gather_counts(self, local: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return local[None].clone()
+        out = local.new_empty(self.world_size * local.numel())
+        dist.all_gather_into_tensor(out, local.contiguous().view(-1), group=self.group)
+        return out.view(self.world_size, *local.shape)
+
+    def exchange_counts(self, send: torch.Tensor) -> torch.Tensor:
+        """send: int64[R, G] rows for each destination -> int64[R, G] rows from each source."""
+        if self.world_size == 1:
+            return send.clone()
+        out = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(out, send.contiguous().view(-1), group=self.group)
+        return out.view_as(send)
+
+    # -- token rows ----------------------------------------------------------------------------
+    def _all_to_all(self, rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor):
+        if self.world_size == 1:
+            return _Done(rows)
+        in_splits = send_counts.tolist()
+        out_splits = recv_counts.tolist()
+        out = rows.new_empty(sum(out_splits), *rows.shape[1:])
+        work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+        return _Pending(work, out)
+
+    def dispatch(self, rows, send_counts, recv_counts):
+        """Start sending rows (grouped by destination rank) to their ranks; .wait() -> received rows."""
+        return self._all_to_all(rows, send_counts, recv_counts)
+
+    def combine(self, rows, recv_counts, send_counts):
+        """The reverse of dispatch: return rows to the ranks they came from."""
+        return self._all_to_all(rows, recv_counts, send_counts)
+
+    # -- replica weights -----------------------------------------------------------------------
+    def _slot_routes(self, plan: Plan):
+        """For this rank: [(dest r, slot j, expert e)] it must send (as main), and
+        [(src m, slot j, expert e)] it receives, both in (peer, slot) order."""
+        R, N = plan.num_ranks, plan.num_slots
+        E_loc = plan.num_experts // R
+        se = plan.slot_expert.tolist()
+        send = [(r, j, se[r][j]) for r in range(R) for j in range(N)
+                if se[r][j] >= 0 and e_main(se[r][j], E_loc) == self.rank]
+        recv = sorted(((e_main(e, E_loc), j, e) for j, e in enumerate(se[self.rank]) if e >= 0))
+        return send, recv, E_loc
+
+    def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool) -> None:
+        """Copy every replicated expert's weights from its main rank into the slot the plan gives it."""
+        send, recv, E_loc = self._slot_routes(plan)
+        n1, n2 = pool.fc1[0].numel() if pool.num_slots else 0, pool.fc2[0].numel() if pool.num_slots else 0
+        if self.world_size == 1:
+            return
+        R = self.world_size
+        dtype, dev = pool.fc1.dtype, pool.fc1.device
+        if send:
+            buf = torch.cat([torch.cat([main_fc1[e - self.rank * E_loc].detach().reshape(-1).to(dtype),
+                                        main_fc2[e - self.rank * E_loc].detach().reshape(-1).to(dtype)])
+                             for _, _, e in send])
+        else:
+            buf = torch.empty(0, dtype=dtype, device=dev)
+        in_splits = [sum(n1 + n2 for r, _, _ in send if r == d) for d in range(R)]
+        out_splits = [sum(n1 + n2 for m, _, _ in recv if m == s) for s in range(R)]
+        out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
+        for i, (_, j, _) in enumerate(recv):
+            row = out[i * (n1 + n2):(i + 1) * (n1 + n2)]
+            pool.fc1[j].copy_(row[:n1].view_as(pool.fc1[j]))
+            pool.fc2[j].copy_(row[n1:].view_as(pool.fc2[j]))
+
+    def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list) -> None:
+        """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
+        grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order."""
+        send, recv, E_loc = self._slot_routes(plan)
+        if self.world_size == 1:
+            return
+        R = self.world_size
+        n1, n2 = (pool.fc1[0].numel(), pool.fc2[0].numel()) if pool.num_slots else (0, 0)
+        dtype, dev = pool.fc1.dtype, pool.fc1.device
+        # what I hold (recv list of the fetch) goes back to its main rank, in (main, slot) order
+        buf = (torch.cat([torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv])
+               if recv else torch.empty(0, dtype=dtype, device=dev))
+        in_splits = [sum(n1 + n2 for m, _, _ in recv if m == d) for d in range(R)]
+        out_splits = [sum(n1 + n2 for r, _, _ in send if r == s) for s in range(R)]
+        out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
+        for i, (_, _, e) in enumerate(send):  # sorted by (source rank, slot): a fixed summation order
+            row = out[i * (n1 + n2):(i + 1) * (n1 + n2)]
+            li = e - self.rank * E_loc
+            grad_fc1[li].add_(row[:n1].view_as(grad_fc1[li]))
+            grad_fc2[li].add_(row[n1:].view_as(grad_fc2[li]))
+
+
+def e_main(e: int, experts_per_rank: int) -> int:
+    return e // experts_per_rank
+
+
+def make_backend(name: str, group=None):
+    if name == "torch":
+        return TorchBackend(group)
+    raise ValueError(f"unknown backend {name!r}; available: 'torch' (the GPU-native 'cuda' backend is not built yet)")

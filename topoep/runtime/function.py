@@ -1,0 +1,108 @@
+"""The autograd function of one balanced MoE layer: replica fetch, dispatch, grouped experts, combine,
+and in backward the replica reload, data gradients, weight gradients and gradient return, scheduled
+explicitly in a two-chunk pipeline (paper 3.3).
+
+Pipeline: the assignments are split into chunks of consecutive tokens. Forward issues the dispatch of
+every chunk, then for each chunk waits for its rows, computes its experts and issues its combine, so
+the communication of one chunk overlaps the expert compute of the other (asynchronous collectives on
+GPU and gloo alike; the results do not depend on the overlap). Backward mirrors it: token gradients go
+out and come back per chunk, every chunk's data gradient is computed before any weight gradient, so
+the replica weights are no longer needed and the pool's storage receives the replica weight
+gradients, which then travel to their main ranks.
+
+Routing weights are applied outside (plain PyTorch in `ExpertParallelMoE.forward`), so autograd owns
+their gradient; this function maps x[T, H] to per-assignment expert outputs [T * k, H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from topoep.plan import Plan
+from topoep.runtime.experts import swiglu_dgrad, swiglu_forward, swiglu_wgrad
+from topoep.runtime.layout import ChunkLayout
+from topoep.runtime.pool import ReplicaPool
+
+
+@dataclass
+class LayerCall:
+    """Everything one call needs besides tensors with gradients (kept for the backward pass)."""
+
+    plan: Plan
+    chunks: list[ChunkLayout]
+    backend: object
+    pool: ReplicaPool
+    num_tokens: int
+    top_k: int
+
+
+def _scatter_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of rows[order]: out[order] = rows."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out
+
+
+class ExpertParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, call: LayerCall, *weights: torch.Tensor) -> torch.Tensor:
+        n = len(weights) // 2
+        fc1, fc2 = list(weights[:n]), list(weights[n:])
+        be, pool = call.backend, call.pool
+        be.fetch_replicas(call.plan, fc1, fc2, pool)
+        s1, s2 = pool.slot_weights()
+        W1, W2 = fc1 + s1, fc2 + s2
+        k = call.top_k
+        out = x.new_empty(call.num_tokens * k, x.shape[1])
+        sent = [be.dispatch(x[ch.send_idx // k], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        back, saved = [], []
+        for ch, handle in zip(call.chunks, sent):
+            xin = handle.wait()[ch.group_order]
+            y, h = swiglu_forward(xin, ch.group_sizes.tolist(), W1, W2)
+            back.append(be.combine(_scatter_rows(y, ch.group_order), ch.recv_counts, ch.send_counts))
+            saved += [xin, h]
+        for ch, handle in zip(call.chunks, back):
+            out[ch.send_idx] = handle.wait()
+        ctx.call = call
+        ctx.num_weights = n
+        ctx.save_for_backward(*weights, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        call: LayerCall = ctx.call
+        n = ctx.num_weights
+        tensors = ctx.saved_tensors
+        fc1, fc2 = list(tensors[:n]), list(tensors[n:2 * n])
+        saved = tensors[2 * n:]
+        be, pool = call.backend, call.pool
+        k = call.top_k
+        # slots were reused by later layers: reload this layer's replicas
+        be.fetch_replicas(call.plan, fc1, fc2, pool)
+        s1, s2 = pool.slot_weights()
+        W1, W2 = fc1 + s1, fc2 + s2
+        grad_out = grad_out.contiguous()
+        sent = [be.dispatch(grad_out[ch.send_idx], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        back, wgrad_inputs = [], []
+        for c, (ch, handle) in enumerate(zip(call.chunks, sent)):
+            xin, h = saved[2 * c], saved[2 * c + 1]
+            gy = handle.wait()[ch.group_order]
+            sizes = ch.group_sizes.tolist()
+            gx, gh = swiglu_dgrad(gy, h, sizes, W1, W2)  # dgrad first: token gradients leave early
+            back.append(be.combine(_scatter_rows(gx, ch.group_order), ch.recv_counts, ch.send_counts))
+            wgrad_inputs.append((xin, h, gy, gh, sizes))
+        # every data gradient is done: the pool's weights are free and receive the replica wgrads
+        g1 = [torch.zeros_like(w) for w in fc1]
+        g2 = [torch.zeros_like(w) for w in fc2]
+        pool.fc1.zero_()
+        pool.fc2.zero_()
+        for xin, h, gy, gh, sizes in wgrad_inputs:
+            swiglu_wgrad(xin, h, gy, gh, sizes, g1 + s1, g2 + s2)
+        be.return_grads(call.plan, pool, g1, g2)
+        grad_assign = grad_out.new_empty(call.num_tokens * k, grad_out.shape[1])
+        for ch, handle in zip(call.chunks, back):
+            grad_assign[ch.send_idx] = handle.wait()
+        grad_x = grad_assign.view(call.num_tokens, k, -1).sum(1)  # fixed order over the k choices
+        return (grad_x, None, *g1, *g2)

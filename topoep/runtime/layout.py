@@ -1,0 +1,91 @@
+"""Where every token-expert assignment of this rank goes under a plan, and the send/receive orders of
+dispatch and combine. Pure tensor code (no collectives), all metadata int64: routing ids never travel
+inside the activation rows, so they stay exact at any number of instances (bf16 is exact only to 256).
+
+Vocabulary: an *assignment* is one (token t, choice j) of topk_idx[T, k], numbered a = t * k + j.
+On every rank the *local groups* are its E_loc = E / R main experts (group i = expert r * E_loc + i)
+followed by its N replica slots (group E_loc + j = slot j); G = E_loc + N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from topoep.plan import Plan
+from topoep.planners.common import group_exclusive_cumsum, rank_within_group
+
+
+def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
+    """int64[T * k]: the physical instance p executing each assignment of source `rank`.
+
+    The assignments of one expert e, in assignment order, are split over e's instances in instance
+    order, plan.route[rank, p] at a time (the contract of `topoep.plan`)."""
+    e = topk_idx.reshape(-1)
+    A = e.numel()
+    if A == 0:
+        return e.clone()
+    counts = plan.route[rank]  # [P]
+    inst_expert = plan.instance_expert
+    start = group_exclusive_cumsum(counts, inst_expert)  # first ordinal served by each instance
+    used = (counts > 0) & (inst_expert >= 0)
+    p_used = torch.nonzero(used).flatten()
+    big = A + 1
+    inst_key = inst_expert[p_used] * big + start[p_used]
+    order = torch.argsort(inst_key)
+    ordinal = rank_within_group(e)
+    idx = torch.searchsorted(inst_key[order], e * big + ordinal, right=True) - 1
+    return p_used[order][idx]
+
+
+def local_group(instance: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """int64: the destination-local group of physical instances (module docstring). Assumes the
+    default placement main_rank[e] = e // E_loc."""
+    E, N = plan.num_experts, plan.num_slots
+    E_loc = E // plan.num_ranks
+    slot = instance - E
+    return torch.where(instance < E, instance % E_loc, E_loc + slot.clamp(min=0) % max(N, 1))
+
+
+@dataclass
+class ChunkLayout:
+    """Send and receive orders of one chunk of this rank's assignments.
+
+    send_idx: int64[A_c], assignments in send order (by destination rank, then group, then a);
+    send_counts: int64[R] rows to each rank; send_group_counts: int64[R, G];
+    recv_group_counts: int64[R, G] rows from each source per local group (after the counts exchange);
+    recv_counts: int64[R]; group_order: int64[A_recv], received row -> group-major order (groups
+    concatenated, sources in rank order inside a group); group_sizes: int64[G].
+    """
+
+    send_idx: torch.Tensor
+    send_counts: torch.Tensor
+    send_group_counts: torch.Tensor
+    recv_group_counts: torch.Tensor | None = None
+    recv_counts: torch.Tensor | None = None
+    group_order: torch.Tensor | None = None
+    group_sizes: torch.Tensor | None = None
+
+    def set_received(self, recv_group_counts: torch.Tensor) -> None:
+        R, G = recv_group_counts.shape
+        dev = recv_group_counts.device
+        self.recv_group_counts = recv_group_counts
+        self.recv_counts = recv_group_counts.sum(1)
+        row_group = torch.repeat_interleave(torch.arange(G, device=dev).repeat(R), recv_group_counts.reshape(-1))
+        self.group_order = torch.argsort(row_group, stable=True)
+        self.group_sizes = recv_group_counts.sum(0)
+
+
+def chunk_layouts(dest_rank: torch.Tensor, dest_group: torch.Tensor, num_tokens: int, top_k: int,
+                  num_ranks: int, num_groups: int, num_chunks: int) -> list[ChunkLayout]:
+    """Split the assignments into `num_chunks` chunks of consecutive tokens and lay each out for sending."""
+    bounds = [num_tokens * c // num_chunks for c in range(num_chunks + 1)]
+    out = []
+    for c in range(num_chunks):
+        a0, a1 = bounds[c] * top_k, bounds[c + 1] * top_k
+        key = dest_rank[a0:a1] * num_groups + dest_group[a0:a1]
+        order = torch.argsort(key, stable=True)
+        gc = torch.bincount(key, minlength=num_ranks * num_groups).view(num_ranks, num_groups)
+        out.append(ChunkLayout(send_idx=order + a0, send_counts=gc.sum(1), send_group_counts=gc))
+    return out

@@ -1,0 +1,148 @@
+"""`ExpertParallelMoE`: the framework-agnostic balanced expert-parallel MoE layer (no megatron import).
+
+Per call: all-gather the local routing counts into omega, plan with `topoep.solve`, fetch replica
+weights into the shared slot pool, dispatch every assignment to the instance the plan gives, run the
+experts (main and replica, grouped), combine, and weight by topk_weights. Backward returns replica
+weight gradients to the main ranks (see `function.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
+from topoep.planners import POLICIES, solve
+from topoep.topology import Topology
+from topoep.runtime.backend import make_backend
+from topoep.runtime.function import ExpertParallelFunction, LayerCall
+from topoep.runtime.layout import assignment_instances, chunk_layouts, local_group
+from topoep.runtime.pool import ReplicaPool
+
+LAYER_STAT_NAMES = STAT_NAMES + ("planner_ms",)
+
+
+class ExpertParallelMoE(nn.Module):
+    """Balanced expert-parallel MoE layer.
+
+    Args:
+        num_experts: E (a multiple of the EP size R = topology.num_ranks).
+        hidden_size, ffn_hidden_size: H and the expert FFN size F (SwiGLU: fc1 [2F, H], fc2 [H, F]).
+        topology: the EP group's domains; its num_ranks must equal the group's size.
+        num_slots: replica slots per rank (shared by all layers through one `ReplicaPool`).
+        policy: a `topoep.POLICIES` name ("static" = no balancing).
+        group: the EP process group (None: the default group, or a single process).
+        backend: "torch" (torch.distributed collectives; gloo or NCCL).
+        dtype, device: of the expert weights and the pool.
+        num_chunks: tokens are processed in this many chunks (2: the paper's pipeline).
+        expert_weights: optional callable returning (fc1 list, fc2 list) of this rank's E/R main experts
+            (e.g. megatron's own parameters); when given, the layer owns no expert parameters.
+        pool: an explicit `ReplicaPool`; default: the process-wide pool of this shape, dtype and device.
+        t_ffn: seconds per assignment used by cost-aware policies and the modelled-time statistics.
+    """
+
+    def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, topology: Topology,
+                 num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
+                 device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
+                 pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN):
+        super().__init__()
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
+        R = topology.num_ranks
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                        ("num_chunks", num_chunks)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if num_experts % R:
+            raise ValueError(f"num_experts={num_experts} must be a multiple of the EP size {R} (topology.num_ranks)")
+        if not isinstance(num_slots, int) or num_slots < 0:
+            raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.backend = make_backend(backend, group)
+        if self.backend.world_size != R:
+            raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
+                             "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.topology, self.num_slots, self.policy, self.num_chunks = topology, num_slots, policy, num_chunks
+        self.rank = self.backend.rank
+        self.experts_per_rank = num_experts // R
+        self.t_ffn = t_ffn
+        dtype = dtype or torch.get_default_dtype()
+        self._expert_weights = expert_weights
+        if expert_weights is None:
+            E_loc, F, H = self.experts_per_rank, ffn_hidden_size, hidden_size
+            self.fc1 = nn.Parameter(torch.empty(E_loc, 2 * F, H, dtype=dtype, device=device))
+            self.fc2 = nn.Parameter(torch.empty(E_loc, H, F, dtype=dtype, device=device))
+            self.reset_parameters()
+        self.pool = pool or ReplicaPool.shared(num_slots, hidden_size, ffn_hidden_size, dtype, device)
+        self.last_plan = None
+        self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        if self._expert_weights is None:
+            with torch.no_grad():
+                self.fc1.normal_(0.0, std)
+                self.fc2.normal_(0.0, std / math.sqrt(2.0))
+
+    def main_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(fc1 [2F, H] x E_loc, fc2 [H, F] x E_loc): this rank's main experts."""
+        if self._expert_weights is not None:
+            fc1, fc2 = self._expert_weights()
+            return list(fc1), list(fc2)
+        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
+
+    @property
+    def expert_bytes(self) -> int:
+        return 3 * self.hidden_size * self.ffn_hidden_size * self.pool.fc1.element_size()
+
+    def _validate(self, x, topk_idx, topk_weights):
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [T, hidden_size={self.hidden_size}], got {list(x.shape)}")
+        if topk_idx.dtype != torch.int64:
+            raise ValueError(f"topk_idx must be int64, got {topk_idx.dtype}")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_idx must be [T={x.shape[0]}, k], got {list(topk_idx.shape)} "
+                             "(T must match x)")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights must match topk_idx's shape {list(topk_idx.shape)} "
+                             f"(one weight per choice, same k), got {list(topk_weights.shape)}")
+        if not topk_weights.is_floating_point():
+            raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
+            raise ValueError(f"topk_idx out of range: values must be in [0, {self.num_experts}), got "
+                             f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
+        self._validate(x, topk_idx, topk_weights)
+        T, k = topk_idx.shape
+        R, E, N = self.topology.num_ranks, self.num_experts, self.num_slots
+        be = self.backend
+        local = torch.bincount(topk_idx.reshape(-1), minlength=E)
+        omega = be.all_gather_counts(local)
+        t0 = time.perf_counter()
+        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
+                     token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
+        planner_ms = 1e3 * (time.perf_counter() - t0)
+        inst = assignment_instances(topk_idx, plan, self.rank)
+        G = self.experts_per_rank + N
+        chunks = chunk_layouts(plan.instance_rank[inst], local_group(inst, plan), T, k, R, G, self.num_chunks)
+        for ch in chunks:
+            ch.set_received(be.exchange_counts(ch.send_group_counts))
+        fc1, fc2 = self.main_weights()
+        call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k)
+        out = ExpertParallelFunction.apply(x, call, *fc1, *fc2)
+        y = (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        self.last_plan = plan
+        self.stats = torch.cat([plan_stats(plan, self.t_ffn),
+                                torch.tensor([planner_ms], dtype=torch.float64, device=omega.device)])
+        return y
+
+    def stats_dict(self) -> dict[str, float]:
+        """The last call's statistics as Python floats (synchronises: call it every N steps)."""
+        return dict(zip(LAYER_STAT_NAMES, self.stats.tolist())) if self.stats is not None else {}

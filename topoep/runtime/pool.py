@@ -1,0 +1,40 @@
+"""The replica-slot pool: N expert-weight buffers per rank, allocated once and shared by every MoE layer
+of a model (paper 3.2). Applying a plan copies the replicated experts' weights into the slots; in the
+backward pass the same storage holds the replica weight gradients before they go back to their main
+ranks. Only compute-dtype weights live here (BF16 on GPU): optimizer state never moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReplicaPool:
+    """fc1: [N, 2F, H] and fc2: [N, H, F] slot buffers. `ReplicaPool.shared(...)` returns the one pool of
+    a given shape, dtype and device, so that all layers of a model reuse the same memory."""
+
+    allocations = 0  # number of pools ever allocated in this process (tests check it stays 1)
+    _shared: dict = {}
+
+    def __init__(self, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype=torch.float32, device=None):
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        self.fc1 = torch.zeros(num_slots, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device)
+        self.fc2 = torch.zeros(num_slots, hidden_size, ffn_hidden_size, dtype=dtype, device=device)
+        ReplicaPool.allocations += 1
+
+    @classmethod
+    def shared(cls, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype=torch.float32, device=None):
+        key = (num_slots, hidden_size, ffn_hidden_size, dtype, torch.device(device) if device is not None else None)
+        pool = cls._shared.get(key)
+        if pool is None:
+            pool = cls._shared[key] = cls(num_slots, hidden_size, ffn_hidden_size, dtype, device)
+        return pool
+
+    def slot_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
