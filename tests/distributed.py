@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -16,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -24,9 +26,15 @@ def _entry(rank, world_size, port, fn, args, queue):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
+        kw = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5), **kw)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()  # plain bytes: tensors must not travel as shared-memory handles of a dying process
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report any failure of the rank to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -34,13 +42,14 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args):
-    """Run fn(rank, world_size, *args) in `world_size` forked processes joined by a gloo group.
-    Returns the list of per-rank results; raises AssertionError with the failing rank's traceback."""
-    ctx = mp.get_context("fork")
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo"):
+    """Run fn(rank, world_size, *args) in `world_size` processes joined by a process group (gloo: forked
+    CPU processes; nccl: spawned processes, one GPU each). Returns the per-rank results; raises
+    AssertionError with the failing rank's traceback."""
+    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}
@@ -50,7 +59,7 @@ def run_ranks(fn, world_size: int, *args):
             for p in procs:
                 p.terminate()
             raise AssertionError(f"rank {rank} failed:\n{payload}")
-        results[rank] = payload
+        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     for p in procs:
         p.join()
     return [results[r] for r in range(world_size)]

@@ -5,8 +5,9 @@ y = fc2 @ (silu(x fc1_gate^T) * (x fc1_up^T)). Forward returns the pre-activatio
 backward pass; backward computes the data gradient of every group before any weight gradient (so
 token gradients can leave early and the replica weights can be released), as in paper 3.3.2.
 
-On CUDA with bf16 and weights that are views into one stacked buffer, `torch._grouped_mm` runs all
-groups in one kernel; otherwise a loop over groups (CPU, fp32 tests).
+Groups whose weights are consecutive slices of one buffer (the main experts' stacked parameter, the
+replica pool) form a *run*. On CUDA in bf16 with 16-byte aligned rows, each run is one
+`torch._grouped_mm` call; otherwise (CPU, fp32, odd sizes) a loop over the groups of the run.
 """
 
 from __future__ import annotations
@@ -20,14 +21,6 @@ def _silu_grad(g: torch.Tensor) -> torch.Tensor:
     return s * (1 + g * (1 - s))
 
 
-def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
-    out, a = [], 0
-    for s in sizes:
-        out.append((a, a + s))
-        a += s
-    return out
-
-
 def stacked_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
     """[n, *shape] view over tensors that are consecutive equal-size slices of one buffer (e.g. the
     unbind() of a stacked parameter, or the slots of the replica pool); None if they are not."""
@@ -35,92 +28,124 @@ def stacked_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     w0 = ws[0]
     step = w0.numel()
-    if not w0.is_contiguous() or any(w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous() or
-                                     w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr() or
-                                     w.data_ptr() != w0.data_ptr() + i * step * w0.element_size()
-                                     for i, w in enumerate(ws)):
-        return None
+    for i, w in enumerate(ws):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+                or w.data_ptr() != w0.data_ptr() + i * step * w0.element_size()):
+            return None
     return torch.as_strided(w0, (len(ws), *w0.shape), (step, *w0.stride()))
 
 
-def _runs(fc1, fc2):
-    """Maximal runs of groups whose fc1 and fc2 weights are stacked views: [(g0, g1, W1, W2)]."""
+def _runs(ws1: list[torch.Tensor], ws2: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Maximal runs of groups whose two weight lists are both stacked views: [(g0, g1, W1, W2)]."""
     runs, g0 = [], 0
-    while g0 < len(fc1):
-        g1 = len(fc1)
-        while g1 > g0:
-            w1, w2 = stacked_view(fc1[g0:g1]), stacked_view(fc2[g0:g1])
-            if w1 is not None and w2 is not None:
-                break
+    while g0 < len(ws1):
+        g1 = len(ws1)
+        while g1 > g0 + 1 and (stacked_view(ws1[g0:g1]) is None or stacked_view(ws2[g0:g1]) is None):
             g1 -= 1
-        if g1 == g0:  # a group that is not a view of anything: stack it alone
-            w1, w2, g1 = fc1[g0][None], fc2[g0][None], g0 + 1
-        runs.append((g0, g1, w1, w2))
+        w1 = stacked_view(ws1[g0:g1])
+        w2 = stacked_view(ws2[g0:g1])
+        runs.append((g0, g1, w1 if w1 is not None else ws1[g0][None], w2 if w2 is not None else ws2[g0][None]))
         g0 = g1
     return runs
 
 
-def use_grouped_mm(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+def _grouped_ok(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return (t.is_cuda and t.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and all(s % 8 == 0 for x in tensors for s in x.shape[-2:]))
 
 
-def _offsets(sizes: list[int], device) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+class _Segments:
+    """Row ranges of the groups, and of the runs of groups, of one grouped computation."""
+
+    def __init__(self, sizes: list[int], ws1: list[torch.Tensor], ws2: list[torch.Tensor]):
+        self.sizes = sizes
+        self.starts = [0]
+        for s in sizes:
+            self.starts.append(self.starts[-1] + s)
+        self.runs = _runs(ws1, ws2)
+
+    def rows(self, g0: int, g1: int) -> tuple[int, int]:
+        return self.starts[g0], self.starts[g1]
+
+    def offsets(self, g0: int, g1: int, device) -> torch.Tensor:
+        base = self.starts[g0]
+        return torch.tensor([self.starts[g + 1] - base for g in range(g0, g1)], dtype=torch.int32).to(device)
 
 
 def swiglu_forward(x: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor], fc2: list[torch.Tensor]):
     """x: [A, H] rows sorted by group; sizes: rows per group (len G); fc1[g]: [2F, H]; fc2[g]: [H, F].
     Returns (y [A, H], h [A, 2F])."""
     A, H = x.shape
-    Fdim = fc2[0].shape[1] if fc2 else 0
-    h = x.new_empty(A, 2 * Fdim)
+    Fd = fc2[0].shape[1]
+    h = x.new_empty(A, 2 * Fd)
     y = x.new_empty(A, H)
-    if use_grouped_mm(x):
-        bounds = _bounds(sizes)
-        for g0, g1, w1, w2 in _runs(fc1, fc2):
-            a0, a1 = bounds[g0][0], bounds[g1 - 1][1] if g1 > g0 else bounds[g0][0]
-            if a1 == a0:
-                continue
-            offs = _offsets(sizes[g0:g1], x.device)
-            hg = torch._grouped_mm(x[a0:a1], w1.transpose(1, 2), offs=offs)
-            h[a0:a1] = hg
-            act = F.silu(hg[:, :Fdim]) * hg[:, Fdim:]
-            y[a0:a1] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-        return y, h
-    for g, (a0, a1) in enumerate(_bounds(sizes)):
+    seg = _Segments(sizes, fc1, fc2)
+    for g0, g1, w1, w2 in seg.runs:
+        a0, a1 = seg.rows(g0, g1)
         if a1 == a0:
             continue
-        hg = x[a0:a1] @ fc1[g].t()
-        h[a0:a1] = hg
-        y[a0:a1] = (F.silu(hg[:, :Fdim]) * hg[:, Fdim:]) @ fc2[g].t()
+        if _grouped_ok(x, w1, w2):
+            offs = seg.offsets(g0, g1, x.device)
+            h[a0:a1] = torch._grouped_mm(x[a0:a1], w1.transpose(1, 2), offs=offs)
+            act = F.silu(h[a0:a1, :Fd]) * h[a0:a1, Fd:]
+            y[a0:a1] = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+            continue
+        for g in range(g0, g1):
+            b0, b1 = seg.rows(g, g + 1)
+            if b1 > b0:
+                h[b0:b1] = x[b0:b1] @ fc1[g].t()
+                y[b0:b1] = (F.silu(h[b0:b1, :Fd]) * h[b0:b1, Fd:]) @ fc2[g].t()
     return y, h
+
+
+def _act_grads(grad_act: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    Fd = h.shape[1] // 2
+    gate, up = h[:, :Fd], h[:, Fd:]
+    return torch.cat([grad_act * up * _silu_grad(gate), grad_act * F.silu(gate)], 1)
 
 
 def swiglu_dgrad(grad_y: torch.Tensor, h: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor],
                  fc2: list[torch.Tensor]):
     """Data gradient. Returns (grad_x [A, H], grad_h [A, 2F]) - grad_h feeds the weight gradient."""
     A, H = grad_y.shape
-    Fdim = h.shape[1] // 2
     grad_x = grad_y.new_empty(A, H)
     grad_h = h.new_empty(h.shape)
-    for g, (a0, a1) in enumerate(_bounds(sizes)):
+    seg = _Segments(sizes, fc1, fc2)
+    for g0, g1, w1, w2 in seg.runs:
+        a0, a1 = seg.rows(g0, g1)
         if a1 == a0:
             continue
-        gate, up = h[a0:a1, :Fdim], h[a0:a1, Fdim:]
-        grad_act = grad_y[a0:a1] @ fc2[g]  # [n, F]
-        grad_h[a0:a1, :Fdim] = grad_act * up * _silu_grad(gate)
-        grad_h[a0:a1, Fdim:] = grad_act * F.silu(gate)
-        grad_x[a0:a1] = grad_h[a0:a1] @ fc1[g]
+        if _grouped_ok(grad_y, w1, w2):
+            offs = seg.offsets(g0, g1, grad_y.device)
+            grad_h[a0:a1] = _act_grads(torch._grouped_mm(grad_y[a0:a1], w2, offs=offs), h[a0:a1])
+            grad_x[a0:a1] = torch._grouped_mm(grad_h[a0:a1], w1, offs=offs)
+            continue
+        for g in range(g0, g1):
+            b0, b1 = seg.rows(g, g + 1)
+            if b1 > b0:
+                grad_h[b0:b1] = _act_grads(grad_y[b0:b1] @ fc2[g], h[b0:b1])
+                grad_x[b0:b1] = grad_h[b0:b1] @ fc1[g]
     return grad_x, grad_h
 
 
 def swiglu_wgrad(x: torch.Tensor, h: torch.Tensor, grad_y: torch.Tensor, grad_h: torch.Tensor, sizes: list[int],
                  out_fc1: list[torch.Tensor], out_fc2: list[torch.Tensor]) -> None:
-    """Weight gradients, *accumulated* into out_fc1[g] [2F, H] and out_fc2[g] [H, F] (group by group)."""
-    Fdim = h.shape[1] // 2
-    for g, (a0, a1) in enumerate(_bounds(sizes)):
+    """Weight gradients, *accumulated* into out_fc1[g] [2F, H] and out_fc2[g] [H, F]."""
+    Fd = h.shape[1] // 2
+    act = F.silu(h[:, :Fd]) * h[:, Fd:]
+    seg = _Segments(sizes, out_fc1, out_fc2)
+    for g0, g1, o1, o2 in seg.runs:
+        a0, a1 = seg.rows(g0, g1)
         if a1 == a0:
             continue
-        act = F.silu(h[a0:a1, :Fdim]) * h[a0:a1, Fdim:]
-        out_fc2[g].add_(grad_y[a0:a1].t() @ act)
-        out_fc1[g].add_(grad_h[a0:a1].t() @ x[a0:a1])
+        if _grouped_ok(x, o1, o2) and o1.shape[0] == g1 - g0:
+            offs = seg.offsets(g0, g1, x.device)
+            o2 += torch._grouped_mm(grad_y[a0:a1].t(), act[a0:a1], offs=offs)
+            o1 += torch._grouped_mm(grad_h[a0:a1].t(), x[a0:a1], offs=offs)
+            continue
+        for g in range(g0, g1):
+            b0, b1 = seg.rows(g, g + 1)
+            if b1 > b0:
+                out_fc2[g].add_(grad_y[b0:b1].t() @ act[b0:b1])
+                out_fc1[g].add_(grad_h[b0:b1].t() @ x[b0:b1])

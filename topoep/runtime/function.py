@@ -94,8 +94,8 @@ class ExpertParallelFunction(torch.autograd.Function):
             back.append(be.combine(_scatter_rows(gx, ch.group_order), ch.recv_counts, ch.send_counts))
             wgrad_inputs.append((xin, h, gy, gh, sizes))
         # every data gradient is done: the pool's weights are free and receive the replica wgrads
-        g1 = [torch.zeros_like(w) for w in fc1]
-        g2 = [torch.zeros_like(w) for w in fc2]
+        g1 = list(fc1[0].new_zeros(n, *fc1[0].shape).unbind(0))  # stacked: one grouped wgrad per run
+        g2 = list(fc2[0].new_zeros(n, *fc2[0].shape).unbind(0))
         pool.fc1.zero_()
         pool.fc2.zero_()
         for xin, h, gy, gh, sizes in wgrad_inputs:
