@@ -135,6 +135,12 @@ class ExpertParallelMoE(nn.Module):
         for ch in chunks:
             ch.set_received(be.exchange_counts(ch.send_group_counts))
         fc1, fc2 = self.main_weights()
+        if fc1[0].dtype != x.dtype:
+            raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
+                             "the weights' dtype (e.g. under megatron's Float16Module for bf16)")
+        if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
+            # the model was cast or moved after construction (e.g. megatron's Float16Module)
+            self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k)
         out = ExpertParallelFunction.apply(x, call, *fc1, *fc2)
         y = (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
