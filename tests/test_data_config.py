@@ -90,6 +90,9 @@ def test_paper_config_has_the_six_sources_with_their_hub_ids_and_fields():
     # one corpus directory per tokenizer
     glm = compose_data_config("paper", ["data.tokenizer.name=zai-org/GLM-4.5-Air"])
     assert glm.output_dir.endswith("zai-org/GLM-4.5-Air") and glm.fingerprint() != cfg.fingerprint()
+    # composed beside a model config that names its tokenizer, the corpus follows the model
+    dsv2 = compose_data_config("paper", ["+model.tokenizer=deepseek-ai/DeepSeek-V2"])
+    assert dsv2.tokenizer.name == "deepseek-ai/DeepSeek-V2" and dsv2.output_dir.endswith("DeepSeek-V2")
 
 
 def test_bad_override_fails_at_composition_with_the_field_named():

@@ -89,3 +89,47 @@ def test_unreachable_hub_tokenizer_is_reported_with_the_tokenizer_and_the_fix(mo
         build_tokenizer(TokenizerConfig(name="zai-org/GLM-4.5-Air"))
     msg = str(err.value)
     assert "local Hugging Face cache" in msg and "data.tokenizer.name" in msg and "data=offline" in msg
+
+
+@pytest.fixture(scope="module")
+def local_hf_tokenizer(tmp_path_factory) -> str:
+    """A tiny byte-level BPE tokenizer saved as a Hugging Face tokenizer directory (no download)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "def f(x):\n    return x\n" * 20],
+                            trainer)
+    path = tmp_path_factory.mktemp("hf_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(path)
+    return str(path)
+
+
+def test_hf_tokenizer_from_a_local_directory_separates_documents_with_endoftext(local_hf_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = build_tokenizer(TokenizerConfig(name=local_hf_tokenizer))
+    ref = AutoTokenizer.from_pretrained(local_hf_tokenizer)
+    # <|endoftext|> is preferred to the chat eos (<|im_end|>), as for Qwen3
+    assert tok.eod_id == ref.convert_tokens_to_ids("<|endoftext|>") and tok.vocab_size == len(ref)
+    eos = build_tokenizer(TokenizerConfig(name=local_hf_tokenizer, eod_token="<|im_end|>"))
+    assert eos.eod_id == ref.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(TokenizerUnavailableError, match="eod_token"):
+        build_tokenizer(TokenizerConfig(name=local_hf_tokenizer, eod_token="<|not_a_token|>"))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 50, 300])
+def test_hf_truncation_of_long_texts_equals_the_prefix_of_the_full_tokenization(local_hf_tokenizer, max_tokens):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(local_hf_tokenizer)
+    tok = build_tokenizer(TokenizerConfig(name=local_hf_tokenizer))
+    texts = ["the quick brown fox " * 400 + "def g(y): return y", "short text", "x" * 20000, ""]
+    for text, ids in zip(texts, tok.encode_truncated(texts, max_tokens)):
+        full = ref(text, add_special_tokens=False)["input_ids"]
+        assert ids.tolist() == full[:max_tokens]
