@@ -82,6 +82,7 @@ class ExpertParallelMoE(nn.Module):
         self.pool = pool or ReplicaPool.shared(num_slots, hidden_size, ffn_hidden_size, dtype, device)
         self.last_plan = None
         self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
+        self._stats_sum, self._stats_calls = None, 0
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -147,7 +148,16 @@ class ExpertParallelMoE(nn.Module):
         self.last_plan = plan
         self.stats = torch.cat([plan_stats(plan, self.t_ffn),
                                 torch.tensor([planner_ms], dtype=torch.float64, device=omega.device)])
+        self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
+        self._stats_calls += 1
         return y
+
+    def pop_stats(self) -> tuple[torch.Tensor | None, int]:
+        """(mean statistics over the calls since the last pop, on the device; number of calls), then
+        reset. A trainer calls it once per step to log every micro-batch's plans without a sync per layer."""
+        out = (self._stats_sum / self._stats_calls if self._stats_calls else None, self._stats_calls)
+        self._stats_sum, self._stats_calls = None, 0
+        return out
 
     def stats_dict(self) -> dict[str, float]:
         """The last call's statistics as Python floats (synchronises: call it every N steps)."""

@@ -1,0 +1,223 @@
+"""Typed configs of the training job, one dataclass per Hydra group (configs/<group>/*.yaml extend
+`base_<group>`), each validated in __post_init__ with errors that name the field and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from topoep.planners import POLICIES
+
+
+def _positive(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{type(obj).__name__}.{n} must be an integer >= 1, got {v!r}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A megatron-core GPT MoE model (the paper's reduced-depth models, or tiny shapes for CPU)."""
+
+    name: str
+    num_layers: int
+    """Transformer layers in total (dense + MoE)."""
+    first_k_dense: int = 0
+    """Leading dense (non-MoE) layers (GLM-4.5-Air and DeepSeek-V2 have one)."""
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    ffn_hidden_size: int
+    """FFN size of the dense layers."""
+    num_moe_experts: int
+    moe_ffn_hidden_size: int
+    moe_router_topk: int
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_score_function: str = "softmax"
+    """softmax or sigmoid (GLM-4.5's router, with expert bias)."""
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2): number of expert groups ..."""
+    moe_router_group_topk: int | None = None
+    """... and how many of them a token may use."""
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 1e-3
+    moe_router_dtype: str | None = None
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    multi_latent_attention: bool = False
+    mla: dict[str, Any] = field(default_factory=dict)
+    """MLATransformerConfig fields (q_lora_rank, kv_lora_rank, qk_head_dim, ...) when MLA is on."""
+    init_method_std: float = 0.02
+    vocab_size: int | None = None
+    """None: the tokenizer's vocabulary (padded to a multiple of 128)."""
+
+    def __post_init__(self):
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_moe_experts",
+                  "moe_ffn_hidden_size", "moe_router_topk")
+        if not 0 <= self.first_k_dense < self.num_layers:
+            raise ValueError(f"model.first_k_dense must be in [0, num_layers={self.num_layers}), got {self.first_k_dense}")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts="
+                             f"{self.num_moe_experts}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.moe_router_score_function must be softmax or sigmoid, got "
+                             f"{self.moe_router_score_function!r}")
+
+
+@dataclass(kw_only=True)
+class EplbConfig:
+    """Expert-parallel load balancing: `none` is megatron's own alltoall dispatcher (the baseline);
+    any other name runs the TopoEP layer with that planner policy."""
+
+    name: str = "topoep"
+    policy: str | None = None
+    """Planner policy; defaults to `name` (topoep, deepseek, fastermoe, flexmoe, static)."""
+    num_slots: int = 2
+    """Replica slots per rank."""
+    backend: str = "torch"
+    """Execution backend of the TopoEP layer."""
+    num_chunks: int = 2
+    """Token chunks of the pipeline (paper 3.3)."""
+    t_ffn: float | None = None
+    """Seconds of expert time per assignment for cost-aware policies; None: from the model's shape."""
+
+    def __post_init__(self):
+        if self.name != "none":
+            self.policy = self.policy or self.name
+            if self.policy not in POLICIES:
+                raise ValueError(f"eplb.policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)} "
+                                 "(or eplb=none for megatron's baseline)")
+        if not isinstance(self.num_slots, int) or self.num_slots < 0:
+            raise ValueError(f"eplb.num_slots must be an integer >= 0, got {self.num_slots!r}")
+        _positive(self, "num_chunks")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+
+@dataclass(kw_only=True)
+class RouterConfig:
+    """`natural`: the model's router as trained. `synthetic`: megatron's moe_router_force_biased
+    (random logits plus a fixed expert bias of std |router_skew|, paper 6.4): for performance runs only,
+    the loss is meaningless."""
+
+    name: str = "natural"
+    router_skew: float | None = None
+
+    def __post_init__(self):
+        if self.name not in ("natural", "synthetic"):
+            raise ValueError(f"router.name must be natural or synthetic, got {self.name!r}")
+        if self.name == "synthetic" and self.router_skew is None:
+            raise ValueError("router=synthetic needs router.router_skew (e.g. -4: stationary bias of std 4)")
+
+
+@dataclass(kw_only=True)
+class TopologyConfig:
+    """NVLink domains of the expert-parallel group."""
+
+    name: str = "node"
+    ranks_per_domain: int | None = None
+    """None: a node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE ranks) is a domain. A number makes
+    virtual domains of that many consecutive EP ranks (tests, single-host runs)."""
+    intra_gbytes_per_s: float = 200.0
+    inter_gbytes_per_s: float = 50.0
+
+    def __post_init__(self):
+        if self.ranks_per_domain is not None and self.ranks_per_domain < 1:
+            raise ValueError(f"topology.ranks_per_domain must be >= 1 or null, got {self.ranks_per_domain}")
+        if self.intra_gbytes_per_s <= 0 or self.inter_gbytes_per_s <= 0:
+            raise ValueError("topology bandwidths must be > 0 GB/s")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int | None = None
+    """Expert-parallel size (experts are split over ep ranks); None: world size / (tp * pp)."""
+    expert_tp: int = 1
+    num_microbatches: int = 1
+    """Micro-batches per step and data-parallel rank (gradient accumulation / pipeline fill)."""
+
+    def __post_init__(self):
+        _positive(self, "tp", "pp", "expert_tp", "num_microbatches")
+        if self.ep is not None:
+            _positive(self, "ep")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    steps: int = 50
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 5
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+    bf16: bool = True
+    seed: int = 1234
+    device: str = "cuda"
+    """cuda or cpu (cpu: gloo and the megatron CPU compatibility layer)."""
+    run_dir: str = "runs/${model.name}-${eplb.name}-${router.name}"
+    checkpoint_dir: str | None = None
+    """None: <run_dir>/checkpoints."""
+    save_interval: int = 0
+    """Save every N steps (0: only at the end when checkpoint_dir is set)."""
+    resume: bool = True
+    """Continue from the latest checkpoint in checkpoint_dir when there is one."""
+    log_interval: int = 1
+    heatmap_interval: int = 25
+    """Every N steps, a per-layer expert-load heatmap (paper Fig. 2)."""
+
+    def __post_init__(self):
+        _positive(self, "steps", "micro_batch_size", "seq_length", "log_interval")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"trainer.device must be cuda or cpu, got {self.device!r}")
+        if self.save_interval < 0 or self.heatmap_interval < 0:
+            raise ValueError("trainer.save_interval and trainer.heatmap_interval must be >= 0")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise ValueError(f"trainer.lr_decay_style must be cosine, linear or constant, got {self.lr_decay_style!r}")
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    name: str = "wandb"
+    """wandb or none (console only)."""
+    mode: str = "offline"
+    """W&B mode: offline (no account needed; `wandb sync` later) or online."""
+    project: str = "topoep"
+    entity: str | None = None
+
+    def __post_init__(self):
+        if self.name not in ("wandb", "none"):
+            raise ValueError(f"logger.name must be wandb or none, got {self.name!r}")
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline, online or disabled, got {self.mode!r}")
+
+
+GROUPS = {"model": ModelConfig, "eplb": EplbConfig, "router": RouterConfig, "topology": TopologyConfig,
+          "parallel": ParallelConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+
+
+def register_configs() -> None:
+    """Register every group's schema as `<group>/base_<group>` (the yaml files extend them)."""
+    from hydra.core.config_store import ConfigStore
+
+    from data.store import register_configs as register_data
+
+    cs = ConfigStore.instance()
+    for group, cls in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=cls)
+    register_data()

@@ -1,0 +1,198 @@
+"""The training job: build everything from the typed configs, train, log, checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from app import setup
+from app.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from app.logger import Logger
+from app.moe_stats import COLUMNS, MoEStats
+from app.plots import expert_load_heatmap
+
+
+@dataclasses.dataclass
+class Job:
+    model: object
+    eplb: object
+    router: object
+    topology: object
+    parallel: object
+    trainer: object
+    logger: object
+    data: object
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    losses = output.float()
+    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    # megatron's schedule divides the returned loss in place by num_microbatches: report a copy
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(device, data_iterator, model):
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _mean_loss(losses: list[dict], device) -> float:
+    """Mean 'lm loss' over micro-batches and data-parallel ranks of the last pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.zeros(2, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        for m in losses:
+            t[0] += m["lm loss"].double()
+            t[1] += 1
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+
+
+def _quiet_megatron() -> None:
+    """megatron-core logs every gradient bucket and its whole optimizer config at INFO level."""
+    import logging
+    import warnings
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl\.logging).*")
+
+
+def run(job: Job, resolved_config: dict) -> list[dict]:
+    """Train; returns the per-step metrics (rank 0; other ranks get an empty list)."""
+    _quiet_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from data.loader import build_loader
+    from topoep.megatron.model import build_gpt_model, moe_layers
+    from topoep.megatron.moe_layer import TopoEPLayerConfig
+
+    tr, mc, ec = job.trainer, job.model, job.eplb
+    d = setup.init_distributed(tr)
+    par = setup.resolve_parallel(job.parallel, mc, d.world_size)
+    topology = setup.build_topology(job.topology, par.ep, d.local_world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                 expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp)
+    torch.manual_seed(tr.seed)
+    if tr.device == "cuda":
+        model_parallel_cuda_manual_seed(tr.seed)
+    else:
+        from topoep.megatron.cpu_compat import init_cpu_rng_tracker
+
+        init_cpu_rng_tracker()
+    is_logger = d.rank == 0
+    run_dir = Path(tr.run_dir)
+    ckpt_dir = Path(tr.checkpoint_dir) if tr.checkpoint_dir else run_dir / "checkpoints"
+    latest = latest_checkpoint(ckpt_dir) if tr.resume else None
+    logger = Logger(job.logger, run_dir, resolved_config, enabled=is_logger, fresh=latest is None)
+    if is_logger:
+        (run_dir / "config.yaml").write_text(resolved_config["_yaml"])
+        print(f"world {d.world_size} on {tr.device}: tp {par.tp} pp {par.pp} ep {par.ep} dp "
+              f"{ps.get_data_parallel_world_size()}; {topology}; eplb {ec.name}"
+              + (f" (policy {ec.policy}, {ec.num_slots} slots, backend {ec.backend})" if ec.enabled else ""), flush=True)
+
+    loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
+                          dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                          seed=tr.seed, progress=is_logger)
+    vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
+    tc = setup.transformer_config(mc, par, tr, job.router)
+    topoep_cfg = (TopoEPLayerConfig(topology=topology, policy=ec.policy, num_slots=ec.num_slots, backend=ec.backend,
+                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec))
+                  if ec.enabled else None)
+    model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
+                            rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,
+                            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    if tr.device == "cuda":
+        model.cuda(d.device)
+    if tr.bf16:
+        model = Float16Module(tc, model)
+    ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    tc.finalize_model_grads_func = finalize_model_grads
+    tc.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay, adam_beta1=0.9,
+                        adam_beta2=0.95, clip_grad=tr.clip_grad, bf16=tr.bf16, params_dtype=tc.params_dtype,
+                        use_distributed_optimizer=False), [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if tr.warmup_steps else tr.lr, max_lr=tr.lr, min_lr=tr.min_lr,
+        lr_warmup_steps=tr.warmup_steps, lr_decay_steps=tr.steps, lr_decay_style=tr.lr_decay_style,
+        start_wd=tr.weight_decay, end_wd=tr.weight_decay, wd_incr_steps=tr.steps, wd_incr_style="constant")
+    layers = moe_layers(model)
+    stats = MoEStats(layers, topology, mc.num_layers - mc.first_k_dense, mc.first_k_dense, d.device)
+
+    start = 0
+    if latest is not None:
+        start = load_checkpoint(latest, ddp, optimizer, scheduler, loader)
+        if is_logger:
+            print(f"resumed from {latest} at step {start}", flush=True)
+
+    fwd_bwd = get_forward_backward_func()
+    dp = ps.get_data_parallel_world_size()
+    tokens_per_step = tr.micro_batch_size * tr.seq_length * par.num_microbatches * dp
+    history = []
+    for step in range(start + 1, tr.steps + 1):
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = fwd_bwd(forward_step_func=partial(_forward_step, d.device), data_iterator=loader, model=[ddp],
+                         num_microbatches=par.num_microbatches, seq_length=tr.seq_length,
+                         micro_batch_size=tr.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        if tr.device == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+        loss = _mean_loss(losses, d.device)
+        moe, loads = stats.collect()
+        metrics = {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
+                   "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s, "skipped": not ok}
+        if layers or stats.num_moe_layers:
+            m = moe.cpu()
+            for j, c in enumerate(COLUMNS):
+                metrics[f"moe/{c}"] = m[:, j].sum().item() if c == "planner_ms" else m[:, j].mean().item()
+                for li in range(m.shape[0]):
+                    metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
+        if is_logger and step % tr.log_interval == 0:
+            logger.log(step, metrics, _line(step, tr.steps, metrics, ec.enabled))
+        history.append(metrics)
+        if tr.heatmap_interval and (step % tr.heatmap_interval == 0 or step == tr.steps) and is_logger:
+            png = expert_load_heatmap(loads, run_dir / "heatmaps" / f"expert_load_step{step:06d}.png",
+                                      f"expert load per MoE layer, step {step} ({mc.name}, eplb {ec.name})")
+            logger.log_image(step, "moe/expert_load_heatmap", png)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and tr.checkpoint_dir):
+            path = save_checkpoint(ckpt_dir, step, ddp, optimizer, scheduler, loader)
+            if is_logger:
+                print(f"saved {path}", flush=True)
+    logger.finish()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return history if is_logger else []
+
+
+def _line(step, steps, m, balanced) -> str:
+    s = (f"step {step:>4}/{steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | "
+         f"{1e3 * m['step_time_s']:.0f} ms")
+    if "moe/imbalance_before" in m:
+        s += f" | imbalance {m['moe/imbalance_before']:.2f}"
+        if balanced:
+            s += (f" -> {m['moe/imbalance_after']:.2f} | inter-node {100 * m['moe/internode_after']:.1f} % | "
+                  f"replica {100 * m['moe/replica_fraction']:.1f} % | planner {m['moe/planner_ms']:.1f} ms")
+        else:
+            s += f" | inter-node {100 * m['moe/internode_before']:.1f} %"
+    return s

@@ -1,0 +1,144 @@
+"""End-to-end tests (CPU, torchrun with 4 gloo processes as 2 virtual domains): the quickstart trains and
+logs, eplb=topoep follows megatron's baseline loss curve, checkpoints resume the same curve and move
+between eplb=none and eplb=topoep, and bad configs fail fast with the field name."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 50
+
+
+def train(run_dir: Path, *overrides: str, nproc: int = 4, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+           "model=tiny", "trainer=cpu", f"trainer.run_dir={run_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    out = {}
+    out["topoep_proc"] = train(root / "topoep", "eplb=topoep", f"trainer.steps={STEPS}")
+    out["topoep"] = metrics(root / "topoep")
+    out["none_proc"] = train(root / "none", "eplb=none", f"trainer.steps={STEPS}", "trainer.save_interval=25",
+                             "logger=none")
+    out["none"] = metrics(root / "none")
+    out["root"] = root
+    return out
+
+
+def test_quickstart_trains_and_logs(runs):
+    root = runs["root"] / "topoep"
+    stdout = runs["topoep_proc"].stdout
+    assert f"step   {STEPS}/{STEPS} | loss" in stdout and "tok/s" in stdout and "imbalance" in stdout
+    m = runs["topoep"]
+    assert [r["step"] for r in m] == list(range(1, STEPS + 1))
+    assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in m)
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5  # it learns
+    assert all(r["moe/replica_fraction"] > 0 for r in m)  # replicas are used
+    assert all(r["moe/imbalance_after"] <= r["moe/imbalance_before"] + 1e-9 for r in m)
+    assert "moe/layer2/imbalance_after" in m[0] and m[0]["moe/planner_ms"] > 0
+    assert (root / "config.yaml").read_text().count("eplb:") == 1
+    assert list((root / "heatmaps").glob("expert_load_step*.png"))
+    assert list((root / "wandb").glob("offline-run-*"))  # W&B offline run directory
+
+
+def test_topoep_follows_megatron_baseline(runs):
+    a, b = runs["none"], runs["topoep"]
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-6, abs=0)  # same routing: same step-1 loss
+    rel = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]
+    assert max(rel) < 1e-3, rel  # float reduction order only
+    # the baseline logs the same routing statistics, without balancing
+    assert all(r["moe/imbalance_after"] == r["moe/imbalance_before"] for r in a)
+    assert a[0]["moe/imbalance_before"] == pytest.approx(b[0]["moe/imbalance_before"])
+
+
+def _resume_from(runs, name, *overrides):
+    root = runs["root"]
+    ckpt = root / f"ckpt_{name}"
+    shutil.copytree(root / "none" / "checkpoints" / "iter_0000025", ckpt / "iter_0000025")
+    (ckpt / "latest").write_text("iter_0000025\n")
+    train(root / name, "trainer.steps=30", f"trainer.checkpoint_dir={ckpt}", "logger=none", *overrides)
+    return metrics(root / name)
+
+
+def test_resume_continues_the_same_curve(runs):
+    resumed = _resume_from(runs, "resume_none", "eplb=none")
+    assert [r["step"] for r in resumed] == [26, 27, 28, 29, 30]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(runs["none"][r["step"] - 1]["loss"], rel=1e-6)
+
+
+def test_checkpoint_from_baseline_loads_with_topoep(runs):
+    resumed = _resume_from(runs, "resume_topoep", "eplb=topoep")
+    for r in resumed:
+        assert r["loss"] == pytest.approx(runs["none"][r["step"] - 1]["loss"], rel=1e-4)
+        assert r["moe/replica_fraction"] > 0
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from app.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eplb.num_slots=-1"], "eplb.num_slots must be an integer >= 0"),
+    (["eplb.policy=greedy"], "eplb.policy='greedy' is unknown"),
+    (["router=synthetic", "router.router_skew=null"], "router.router_skew"),
+    (["trainer.device=tpu"], "trainer.device must be cuda or cpu"),
+    (["model.moe_router_topk=9"], "model.moe_router_topk=9 exceeds model.num_moe_experts=8"),
+])
+def test_bad_config_values_name_the_field(overrides, message):
+    from omegaconf import OmegaConf
+
+    from app.config import GROUPS
+
+    cfg = compose(*overrides)
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
+        for group in GROUPS:
+            OmegaConf.to_object(cfg[group])
+
+
+def test_bad_layouts_name_the_field():
+    from omegaconf import OmegaConf
+
+    from app.config import ParallelConfig, TopologyConfig
+    from app.setup import build_topology, resolve_parallel
+
+    model = OmegaConf.to_object(compose().model)  # tiny: 8 experts
+    with pytest.raises(ValueError, match="parallel.ep=3 does not divide model.num_moe_experts=8"):
+        resolve_parallel(ParallelConfig(ep=3), model, world=3)
+    with pytest.raises(ValueError, match="parallel.ep=4 x parallel.expert_tp=1 must divide"):
+        resolve_parallel(ParallelConfig(ep=4), model, world=6)
+    with pytest.raises(ValueError, match="topology.ranks_per_domain"):
+        build_topology(TopologyConfig(ranks_per_domain=3), ep=4, local_world_size=4)
+    assert build_topology(TopologyConfig(), ep=32, local_world_size=8).num_domains == 4  # a node is a domain
+
+
+def test_bad_config_fails_fast_from_the_command_line(tmp_path):
+    proc = train(tmp_path / "bad", "parallel.ep=3", "logger=none", nproc=3, check=False)
+    assert proc.returncode != 0
+    assert "parallel.ep=3 does not divide model.num_moe_experts=8" in proc.stdout + proc.stderr
+    proc = train(tmp_path / "bad", "model=llama", nproc=1, check=False)
+    assert proc.returncode != 0 and "model/llama" in proc.stdout + proc.stderr
