@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test setup
+.PHONY: run test setup plan-quality
 .DEFAULT_GOAL := run
 
 $(STAMP): pyproject.toml
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Main job on its embedded default.
+# Main job on its embedded default: the CPU quickstart (4 gloo processes as 2 virtual NVLink domains,
+# tiny MoE model, offline corpus, W&B offline). GPUs: launch/single_node.sh model=qwen3 trainer=default.
 run: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 train.py model=tiny trainer=cpu eplb=topoep
+
+# The plan-quality benchmark (paper Fig. 10 / 16): results/plan_quality.{md,json,png}.
+plan-quality: $(STAMP)
 	$(PY) bench/plan_quality.py
 
 # Whole test suite (CPU; GPU tests skip without CUDA).

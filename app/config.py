@@ -187,6 +187,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.device must be cuda or cpu, got {self.device!r}")
         if self.save_interval < 0 or self.heatmap_interval < 0:
             raise ValueError("trainer.save_interval and trainer.heatmap_interval must be >= 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} must be in [0, trainer.steps={self.steps})")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ValueError(f"trainer.lr_decay_style must be cosine, linear or constant, got {self.lr_decay_style!r}")
 

@@ -8,7 +8,9 @@ installs a small set of substitutions (see shared/notes/megatron-core.md for wha
 - a TorchFunctionMode maps device "cuda" to "cpu" in tensor factories and `.to()`/`.cuda()`, and
   reports `Tensor.type()` with the CUDA names megatron's optimizer and clip-grad code compare with;
 - megatron's all-to-all receives its split sizes as Python lists (gloo needs them on the host);
-- the CUDA RNG tracker is replaced by megatron's own no-op tracker (forks use the CPU generator).
+- the CUDA RNG tracker is replaced by megatron's own no-op tracker (forks use the CPU generator);
+- torch.compile (megatron's jit_fuser) runs eager: compiling its fused router kernels for the CPU takes
+  longer than a whole smoke run.
 
 Nothing here changes numerics: the same model on the same data gives the same losses as far as
 float arithmetic on the CPU allows.
@@ -108,6 +110,9 @@ def enable_cpu_compat() -> bool:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *a, **k: None
     _CudaToCpu().__enter__()  # process-wide: stays active for the rest of the run
+    from torch import _dynamo
+
+    _dynamo.config.disable = True
     _patch_megatron()
     _enabled = True
     return True
