@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# What we run on the GPU machine (device tool), in one place so anyone can rerun it:
+#   bash tools/gpu_session.sh setup tests memory train pp
+# Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch).
+# Writes short logs and result files to $OUT (default /tmp/gpu_out).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/../launch/env.sh"
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true
+export PYTHONPATH=/tmp/site:$TOPOEP_ROOT${PYTHONPATH:+:$PYTHONPATH}
+TOPOEP_PYTHON=python3
+cd "$TOPOEP_ROOT"
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+RUNS=/tmp/gpu_runs
+
+step_setup() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, megatron.core, hydra, wandb; print("torch", torch.__version__, "mcore", megatron.core.__version__)'
+}
+
+step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense reference)
+  python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+}
+
+step_memory() {  # one MoE layer, Qwen3 expert shape: peak memory and time, static vs topoep
+  python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/layer_memory.py --out "$OUT/layer_memory.md" \
+    2>&1 | grep -v -i warn | tail -12
+}
+
+step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, eplb none vs topoep
+  for eplb in none topoep; do
+    python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py model=qwen3 trainer=default \
+      eplb=$eplb trainer.steps=${STEPS:-50} trainer.run_dir=$RUNS/qwen3-$eplb "$@" > "$RUNS-qwen3-$eplb.log" 2>&1
+    echo "== qwen3 eplb=$eplb: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-qwen3-$eplb.log" | tail -8
+    cp "$RUNS/qwen3-$eplb/metrics.jsonl" "$OUT/qwen3-$eplb-metrics.jsonl" 2>/dev/null
+    grep -E "^world|^step|W&B|Error" "$RUNS-qwen3-$eplb.log" > "$OUT/qwen3-$eplb.log"
+  done
+  tar -C "$RUNS/qwen3-topoep" -czf "$OUT/qwen3-topoep-wandb.tgz" wandb heatmaps config.yaml 2>/dev/null
+}
+
+step_pp() {  # pipeline parallelism 2 (the paper's GLM/DeepSeek-V2 setting), depth reduced to fit 2 GPUs
+  python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py model=glm45air model.num_layers=2 \
+    parallel.pp=2 trainer=default eplb=topoep trainer.steps=10 logger=none trainer.run_dir=$RUNS/glm-pp2 \
+    > "$RUNS-glm-pp2.log" 2>&1
+  echo "== glm45air pp=2: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-glm-pp2.log" | tail -6 | tee "$OUT/glm-pp2.log"
+}
+
+for s in "$@"; do echo "##### $s"; "step_$s"; done
