@@ -76,6 +76,7 @@ class TopoEPMoELayer(MoELayer):
             num_experts=config.num_moe_experts, hidden_size=config.hidden_size,
             ffn_hidden_size=config.moe_ffn_hidden_size, topology=topoep.topology, num_slots=topoep.num_slots,
             policy=topoep.policy, group=self.ep_group, backend=topoep.backend, dtype=config.params_dtype,
+            device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
             num_chunks=topoep.num_chunks, expert_weights=lambda: expert_weight_lists(self.experts),
             t_ffn=topoep.t_ffn)
 

@@ -49,10 +49,10 @@ def _runs(ws1: list[torch.Tensor], ws2: list[torch.Tensor]) -> list[tuple[int, i
     return runs
 
 
-def _grouped_ok(*tensors: torch.Tensor) -> bool:
-    t = tensors[0]
-    return (t.is_cuda and t.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and all(s % 8 == 0 for x in tensors for s in x.shape[-2:]))
+def _grouped_ok(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm needs CUDA, bf16 and 16-byte aligned rows (feature sizes multiples of 8)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and all(s % 8 == 0 for w in (w1, w2) for s in w.shape[-2:]))
 
 
 class _Segments:
