@@ -28,8 +28,10 @@ def stacked_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     w0 = ws[0]
     step = w0.numel()
+    storage = w0.untyped_storage().data_ptr()
     for i, w in enumerate(ws):
         if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != storage  # adjacent allocations are not one buffer
                 or w.data_ptr() != w0.data_ptr() + i * step * w0.element_size()):
             return None
     return torch.as_strided(w0, (len(ws), *w0.shape), (step, *w0.stride()))
