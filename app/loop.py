@@ -132,7 +132,8 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
         lr_warmup_steps=tr.warmup_steps, lr_decay_steps=tr.steps, lr_decay_style=tr.lr_decay_style,
         start_wd=tr.weight_decay, end_wd=tr.weight_decay, wd_incr_steps=tr.steps, wd_incr_style="constant")
     layers = moe_layers(model)
-    stats = MoEStats(layers, topology, mc.num_layers - mc.first_k_dense, mc.first_k_dense, d.device)
+    stats = MoEStats(layers, topology, mc.num_layers - mc.first_k_dense, mc.num_moe_experts, mc.first_k_dense,
+                     d.device)
 
     start = 0
     if latest is not None:
@@ -160,7 +161,7 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
         moe, loads = stats.collect()
         metrics = {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
                    "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s, "skipped": not ok}
-        if layers or stats.num_moe_layers:
+        if stats.num_moe_layers:
             m = moe.cpu()
             for j, c in enumerate(COLUMNS):
                 metrics[f"moe/{c}"] = m[:, j].sum().item() if c == "planner_ms" else m[:, j].mean().item()

@@ -21,15 +21,15 @@ _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
 
 class MoEStats:
-    def __init__(self, layers, topology: Topology, num_moe_layers: int, first_k_dense: int, device):
-        self.layers = layers
+    def __init__(self, layers, topology: Topology, num_moe_layers: int, num_experts: int, first_k_dense: int,
+                 device):
+        self.layers = layers  # this pipeline stage's MoE layers (a stage may have none)
         self.topology = topology
         self.num_moe_layers = num_moe_layers
         self.device = device
-        E = layers[0].config.num_moe_experts if layers else 0
-        self.num_experts = E
+        E = self.num_experts = num_experts
         self.index = [layer.layer_number - 1 - first_k_dense for layer in layers]  # global MoE-layer index
-        self.counts = torch.zeros(len(layers), max(E, 1), dtype=torch.int64, device=device)
+        self.counts = torch.zeros(len(layers), E, dtype=torch.int64, device=device)
         for i, layer in enumerate(layers):
             layer.router.register_forward_hook(self._hook(i))
 

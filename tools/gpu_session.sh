@@ -41,9 +41,9 @@ step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, e
 }
 
 step_pp() {  # pipeline parallelism 2 (the paper's GLM/DeepSeek-V2 setting), depth reduced to fit 2 GPUs
-  python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py model=glm45air model.num_layers=2 \
-    parallel.pp=2 trainer=default eplb=topoep trainer.steps=10 logger=none trainer.run_dir=$RUNS/glm-pp2 \
-    > "$RUNS-glm-pp2.log" 2>&1
+  timeout 420 python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py model=glm45air \
+    model.num_layers=2 parallel.pp=2 trainer=default eplb=topoep trainer.steps=10 logger=none \
+    trainer.run_dir=$RUNS/glm-pp2 > "$RUNS-glm-pp2.log" 2>&1
   echo "== glm45air pp=2: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-glm-pp2.log" | tail -6 | tee "$OUT/glm-pp2.log"
 }
 
