@@ -155,3 +155,13 @@ def test_glm_and_deepseek_structures_match_baseline(tmp_path, model):
         losses[eplb] = [r["loss"] for r in metrics(tmp_path / eplb)]
     assert losses["topoep"][0] == pytest.approx(losses["none"][0], rel=1e-6)
     assert losses["topoep"] == pytest.approx(losses["none"], rel=1e-4)
+
+
+def test_pipeline_parallel_with_a_stage_without_moe_layers(tmp_path):
+    """PP 2 x EP 2 on 4 ranks; the first stage holds only the dense first layer (GLM-4.5-Air structure)."""
+    losses = {}
+    for eplb in ("none", "topoep"):
+        train(tmp_path / eplb, "model=tiny_glm45air", "model.num_layers=2", "parallel.pp=2", f"eplb={eplb}",
+              "topology=node", "trainer.steps=3", "logger=none")
+        losses[eplb] = [r["loss"] for r in metrics(tmp_path / eplb)]
+    assert losses["topoep"] == pytest.approx(losses["none"], rel=1e-4)
