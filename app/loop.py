@@ -88,12 +88,7 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
     ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
                                  expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp)
     torch.manual_seed(tr.seed)
-    if tr.device == "cuda":
-        model_parallel_cuda_manual_seed(tr.seed)
-    else:
-        from topoep.megatron.cpu_compat import init_cpu_rng_tracker
-
-        init_cpu_rng_tracker()
+    model_parallel_cuda_manual_seed(tr.seed)  # on CPU the compatibility layer keeps its streams on the CPU
     is_logger = d.rank == 0
     run_dir = Path(tr.run_dir)
     ckpt_dir = Path(tr.checkpoint_dir) if tr.checkpoint_dir else run_dir / "checkpoints"

@@ -165,3 +165,13 @@ def test_pipeline_parallel_with_a_stage_without_moe_layers(tmp_path):
               "topology=node", "trainer.steps=3", "logger=none")
         losses[eplb] = [r["loss"] for r in metrics(tmp_path / eplb)]
     assert losses["topoep"] == pytest.approx(losses["none"], rel=1e-4)
+
+
+def test_synthetic_router_skews_and_topoep_balances(tmp_path):
+    """router=synthetic is megatron's moe_router_force_biased (random logits + fixed expert bias)."""
+    train(tmp_path / "syn", "router=synthetic", "router.router_skew=-4", "eplb=topoep", "trainer.steps=3",
+          "logger=none")
+    for r in metrics(tmp_path / "syn"):
+        assert r["moe/imbalance_before"] > 1.5
+        assert r["moe/imbalance_after"] < r["moe/imbalance_before"] - 0.3
+        assert r["moe/replica_fraction"] > 0.2

@@ -8,7 +8,8 @@ installs a small set of substitutions (see shared/notes/megatron-core.md for wha
 - a TorchFunctionMode maps device "cuda" to "cpu" in tensor factories and `.to()`/`.cuda()`, and
   reports `Tensor.type()` with the CUDA names megatron's optimizer and clip-grad code compare with;
 - megatron's all-to-all receives its split sizes as Python lists (gloo needs them on the host);
-- the CUDA RNG tracker is replaced by megatron's own no-op tracker (forks use the CPU generator);
+- megatron's RNG tracker keeps its named streams (data-parallel, tensor-parallel, expert-parallel) in
+  the CPU generator, so `model_parallel_cuda_manual_seed` works and seeds each stream as on GPUs;
 - torch.compile (megatron's jit_fuser) runs eager: compiling its fused router kernels for the CPU takes
   longer than a whole smoke run.
 
@@ -114,6 +115,7 @@ def enable_cpu_compat() -> bool:
 
     _dynamo.config.disable = True
     _patch_megatron()
+    _patch_rng()
     _enabled = True
     return True
 
@@ -139,8 +141,17 @@ def _patch_megatron() -> None:
             pass
 
 
-def init_cpu_rng_tracker() -> None:
-    """Use megatron's no-op RNG tracker (its CUDA tracker needs CUDA generators)."""
+def _patch_rng() -> None:
+    import logging
+
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # the tracker's streams now live in the CPU generator, so its "CPU state changed" check always fires
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
