@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
 #   bash tools/gpu_session.sh setup tests memory train pp
-# Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch).
+# Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
+# and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
+# carried as build/ext.
 # Writes short logs and result files to $OUT (default /tmp/gpu_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -22,6 +24,11 @@ step_setup() {
 
 step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense reference)
   python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+}
+
+step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency
+  python3 -m pytest -q -rA tests/test_planner_cuda.py 2>&1 | tail -15 | tee "$OUT/planner_tests.log"
+  python3 bench/planner_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -30
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape: peak memory and time, static vs topoep

@@ -27,9 +27,12 @@ def _policies():
 POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe")
 
 
+BACKENDS = ("auto", "reference", "cuda")
+
+
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
-          main_rank: torch.Tensor | None = None, t_ffn: float | None = None) -> Plan:
+          main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto") -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -43,11 +46,34 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         main_rank: int64[E], rank owning each expert; default e // (E // R) (megatron's placement).
         t_ffn: seconds of expert FFN time per assignment (forward + backward) for the policies that
             weigh compute against transfers (fastermoe); default `topoep.metrics.DEFAULT_T_FFN`.
+        backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
+            static and topoep, default placement, CUDA omega; no host synchronisation, so the values of
+            omega are not checked), or "auto": cuda when omega is on a GPU and the policy has a kernel.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input.
     """
-    omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        from topoep.planners.cuda import CUDA_POLICIES
+
+        use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and policy in CUDA_POLICIES
+                    and main_rank is None)
+    else:
+        use_cuda = backend == "cuda"
+    omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank,
+                                check_values=not use_cuda)
+    if use_cuda:
+        from topoep.planners.cuda import CUDA_POLICIES, solve_cuda
+
+        if not omega.is_cuda:
+            raise ValueError("backend='cuda' needs omega on a CUDA device (omega.cuda())")
+        if policy not in CUDA_POLICIES:
+            raise ValueError(f"backend='cuda' implements the policies {', '.join(CUDA_POLICIES)}, not {policy!r}; "
+                             "use backend='reference'")
+        return solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
+                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
     kw = {}
     if policy == "fastermoe":
         from topoep.metrics import DEFAULT_T_FFN
@@ -60,8 +86,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
                                expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
 
 
-def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank):
-    """Check the inputs of `solve`; returns (omega, main_rank) as int64 tensors on omega's device."""
+def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank, check_values=True):
+    """Check the inputs of `solve`; returns (omega, main_rank) as int64 tensors on omega's device.
+    check_values=False skips the checks that read tensor values (they would synchronise a GPU)."""
     if not isinstance(omega, torch.Tensor):
         raise ValueError(f"omega must be a torch.Tensor of int64[R, E], got {type(omega).__name__}")
     if omega.dtype != torch.int64:
@@ -78,7 +105,7 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
     if E == 0 or E % R != 0:
         raise ValueError(f"the number of experts E={E} must be a positive multiple of the number of ranks "
                          f"R={R} (each rank owns E // R main experts)")
-    if (omega < 0).any():
+    if check_values and (omega < 0).any():
         s, e = torch.nonzero(omega < 0)[0].tolist()
         raise ValueError(f"omega has negative counts, e.g. omega[{s}, {e}] = {omega[s, e].item()}")
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
@@ -90,6 +117,9 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
             raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")
     if main_rank is None:
         main_rank = default_main_rank(E, R, omega.device)
+    elif not check_values:
+        raise ValueError("the CUDA planner supports the default placement main_rank[e] = e // (E // R) only; "
+                         "use backend='reference' for a custom main_rank")
     else:
         if not isinstance(main_rank, torch.Tensor) or main_rank.dtype != torch.int64 or main_rank.shape != (E,):
             raise ValueError(f"main_rank must be an int64[{E}] tensor (rank owning each expert)")

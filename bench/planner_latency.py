@@ -1,0 +1,112 @@
+"""Planner latency, paper Fig. 11, on one GPU: the whole `topoep.solve(..., backend="cuda")` call (eager)
+and the planner replayed from a CUDA graph, beside the CPU reference planner's time.
+
+    python bench/planner_latency.py            # (a) E=640, EP 8..128 (8 ranks per domain); (b) EP=32, E 40..640
+
+Fig. 10-style skewed workload (megatron's biased router, router_skew -2.5, top-8), 2 slots. GPU times:
+median over 200 runs after 20 warm-ups, CUDA events. Writes results/planner_latency.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from topoep import Topology, solve  # noqa: E402
+from topoep.planners.cuda import CudaPlanner  # noqa: E402
+from topoep.workloads import biased_routing  # noqa: E402
+
+
+def _events_median(fn, runs: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)  # us
+    return statistics.median(times)
+
+
+def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
+    topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
+    omega_cpu = biased_routing(ep, experts, tokens, 8, -2.5, seed=13)
+    omega = omega_cpu.cuda()
+    eager = _events_median(lambda: solve(omega, topo, num_slots=slots, backend="cuda"), runs, warmup)
+    planner = CudaPlanner(ep, experts, topo.num_domains, slots, "cuda")
+    se = torch.empty(ep, slots, dtype=torch.int64, device="cuda")
+    rt = torch.empty(ep, experts + ep * slots, dtype=torch.int64, device="cuda")
+    args = (omega, topo, "topoep", 9_437_184, 4096, se, rt)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        planner.plan(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planner.plan(*args)
+    graphed = _events_median(graph.replay, runs, warmup)
+    ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
+    assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
+    cpu_times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        solve(omega_cpu, topo, num_slots=slots, backend="reference")
+        cpu_times.append(time.perf_counter() - t0)
+    return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
+                reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank of the generated workload")
+    ap.add_argument("--out", type=Path, default=REPO / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("planner_latency needs a GPU")
+    torch.set_num_threads(4)
+    configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (40, 80, 160, 320, 640)]
+    rows = []
+    for sweep, ep, e in configs:
+        r = measure(ep, e, args.slots, 8, args.runs, args.warmup, args.tokens)
+        r["sweep"] = sweep
+        rows.append(r)
+        print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
+              f"reference {r['reference_ms']:8.2f} ms", flush=True)
+    info = run_info(vars(args) | {"out": str(args.out)})
+    paper = {(8, 640): 131, (128, 640): 510}
+    table = markdown_table(["sweep", "EP", "experts", "domains", "slots", "eager us", "graph us", "CPU reference ms",
+                            "paper (H800) us"],
+                           [[r["sweep"], r["ep"], r["experts"], r["domains"], r["slots"], f"{r['eager_us']:.1f}",
+                             f"{r['graph_us']:.1f}", f"{r['reference_ms']:.2f}", paper.get((r["ep"], r["experts"]), "")]
+                            for r in rows])
+    md = (f"# Planner latency (paper Fig. 11)\n\n- date: {info['date']}; commit: `{info['commit']}`; "
+          f"hardware: {info['hardware']}\n- workload: biased router, router_skew -2.5, top-8, {args.tokens} tokens "
+          f"per rank, 8 ranks per domain, {args.slots} slots; median of {args.runs} runs after {args.warmup} "
+          "warm-ups (CUDA events). eager = the whole `topoep.solve(..., backend='cuda')` call; graph = the planner "
+          "replayed from a CUDA graph. Every measured plan equals the CPU reference plan.\n- reproduce: "
+          "`python bench/planner_latency.py`\n\n" + table + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planner_latency.md").write_text(md)
+    write_json(args.out / "planner_latency.json", info, rows)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

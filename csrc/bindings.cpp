@@ -1,0 +1,77 @@
+// The one binding file of csrc/: validates inputs (TORCH_CHECK) and registers the planner as torch.library
+// ops (fake implementations are in topoep/planners/cuda.py), so torch.compile and CUDA graphs see them.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "planner.h"
+
+namespace {
+
+void check_i64_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_outputs(const at::Tensor& omega, int64_t N, const at::Tensor& slot_expert, const at::Tensor& route) {
+  const int64_t R = omega.size(0), E = omega.size(1);
+  check_i64_cuda(slot_expert, "slot_expert");
+  check_i64_cuda(route, "route");
+  TORCH_CHECK(slot_expert.dim() == 2 && slot_expert.size(0) == R && slot_expert.size(1) == N,
+              "slot_expert must be int64[R, num_slots]");
+  TORCH_CHECK(route.dim() == 2 && route.size(0) == R && route.size(1) == E + R * N, "route must be int64[R, E + R*N]");
+}
+
+void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
+                 int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route,
+                 at::Tensor workspace) {
+  check_i64_cuda(omega, "omega");
+  check_i64_cuda(cost_fs, "cost_fs");
+  check_i64_cuda(workspace, "workspace");
+  TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
+  const int64_t R = omega.size(0), E = omega.size(1);
+  TORCH_CHECK(R >= 1 && E % R == 0, "E must be a multiple of R");
+  TORCH_CHECK(num_domains >= 1 && R % num_domains == 0, "num_domains must divide R");
+  TORCH_CHECK(R / num_domains <= topoep::kMaxRanksPerDomain, "at most ", topoep::kMaxRanksPerDomain,
+              " ranks per domain");
+  TORCH_CHECK(num_slots >= 0, "num_slots must be >= 0");
+  TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_elems(R, E, num_domains, num_slots),
+              "workspace too small");
+  TORCH_CHECK(topoep::refine_smem_bytes(R, E, num_domains, num_slots) <= 160 * 1024,
+              "a domain's refinement state does not fit in shared memory (ranks_per_domain x (E/R + slots))");
+  check_outputs(omega, num_slots, slot_expert, route);
+  const c10::cuda::CUDAGuard guard(omega.device());
+  topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E, (int)num_domains,
+                      (int)num_slots, expert_bytes, token_bytes, slot_expert.data_ptr<int64_t>(),
+                      route.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
+                      c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_expert, at::Tensor route) {
+  check_i64_cuda(omega, "omega");
+  TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
+  check_outputs(omega, num_slots, slot_expert, route);
+  const c10::cuda::CUDAGuard guard(omega.device());
+  topoep::plan_static(omega.data_ptr<int64_t>(), (int)omega.size(0), (int)omega.size(1), (int)num_slots,
+                      slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
+                      c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(topoep, m) {
+  m.def("plan_topoep(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
+        "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace) -> ()");
+  m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(topoep, CUDA, m) {
+  m.impl("plan_topoep", &plan_topoep);
+  m.impl("plan_static", &plan_static);
+}

@@ -1,0 +1,142 @@
+"""The GPU planner (csrc/planner.cu): `static` and `topoep`, bit-equal to the reference planners.
+
+The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
+build made on one machine runs on another with the same torch (the cache folder can be carried). It
+registers `torch.ops.topoep.plan_topoep` / `plan_static` (mutating ops with fake implementations, so
+torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the workspace once per
+(device, R, E, domains, slots) and never synchronises the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from topoep.plan import Plan
+
+CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
+SOURCES = ("bindings.cpp", "planner.cu")
+CUDA_POLICIES = ("static", "topoep")
+_loaded = False
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit root: $CUDA_HOME, else the folder above the real nvcc (PATH's nvcc may be a wrapper
+    script, which makes torch guess a wrong root and fail to link)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    for root in ("/usr/local/cuda",):
+        if Path(root, "bin", "nvcc").exists():
+            return str(Path(root).resolve())
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        text = Path(nvcc).read_bytes()[:4096]
+        if text.startswith(b"#!"):  # a wrapper script: find the real binary it execs
+            for token in text.decode(errors="ignore").split():
+                if token.endswith("/bin/nvcc") and Path(token).exists():
+                    return str(Path(token).parent.parent)
+        return str(Path(nvcc).resolve().parent.parent)
+    return None
+
+
+def build_dir() -> Path:
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
+    h = hashlib.sha256(f"{torch.__version__}|{arch}".encode())
+    for name in SOURCES + ("planner.h",):
+        h.update((CSRC / name).read_bytes())
+    root = Path(os.environ.get("TOPOEP_EXT_DIR", CSRC.parent / "build" / "ext"))
+    return root / f"topoep_planner_{h.hexdigest()[:16]}"
+
+
+def load_extension(verbose: bool = False) -> Path:
+    """Build (first use) or load the planner extension; returns the shared library's path."""
+    global _loaded
+    out = build_dir()
+    lib = out / "topoep_planner.so"
+    if not _loaded:
+        if not lib.exists():
+            from torch.utils import cpp_extension
+
+            home = cuda_home()
+            if home is None:
+                raise RuntimeError("building the CUDA planner needs nvcc (the CUDA toolkit); set CUDA_HOME")
+            os.environ["CUDA_HOME"] = home
+            cpp_extension.CUDA_HOME = home
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+            out.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name="topoep_planner", sources=[str(CSRC / s) for s in SOURCES], build_directory=str(out),
+                               extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-lineinfo"], with_cuda=True,
+                               is_python_module=False, verbose=verbose)
+        else:
+            torch.ops.load_library(str(lib))
+        _register_fakes()
+        _loaded = True
+    return lib
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("topoep::plan_topoep")
+    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace):
+        return None
+
+    @torch.library.register_fake("topoep::plan_static")
+    def _(omega, num_slots, slot_expert, route):
+        return None
+
+
+def workspace_elems(R: int, E: int, M: int, N: int) -> int:
+    """Mirror of csrc/planner.cu:workspace_elems."""
+    P = E + R * N
+    i64s = M * E + E + P + R + R * N
+    i32s = 2 * P + E + M * E + 1 + M
+    return i64s + (i32s + 1) // 2 + 1
+
+
+class CudaPlanner:
+    """Plans on the GPU with buffers allocated once for a shape. `plan()` is capturable in a CUDA graph."""
+
+    def __init__(self, num_ranks: int, num_experts: int, num_domains: int, num_slots: int, device):
+        load_extension()
+        self.R, self.E, self.M, self.N = num_ranks, num_experts, num_domains, num_slots
+        self.device = torch.device(device)
+        self.workspace = torch.empty(workspace_elems(self.R, self.E, self.M, self.N), dtype=torch.int64,
+                                     device=self.device)
+        self._cost = {}
+
+    def cost_fs(self, topology) -> torch.Tensor:
+        key = id(topology)
+        if key not in self._cost:
+            self._cost[key] = (topology, topology.cost_fs.to(self.device))  # keep topology alive with its id
+        return self._cost[key][1]
+
+    def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
+             slot_expert: torch.Tensor, route: torch.Tensor) -> None:
+        """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync)."""
+        if policy == "static":
+            torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
+        else:
+            torch.ops.topoep.plan_topoep(omega, self.cost_fs(topology), self.M, self.N, expert_bytes, token_bytes,
+                                         slot_expert, route, self.workspace)
+
+
+_planners: dict = {}
+
+
+def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
+               expert_bytes: int, token_bytes: int) -> Plan:
+    """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached."""
+    R, E = omega.shape
+    key = (omega.device, R, E, topology.num_domains, num_slots)
+    planner = _planners.get(key)
+    if planner is None:
+        planner = _planners[key] = CudaPlanner(R, E, topology.num_domains, num_slots, omega.device)
+    slot_expert = torch.empty(R, num_slots, dtype=torch.int64, device=omega.device)
+    route = torch.empty(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
+    planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route)
+    return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
+                route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
+                info={"backend": "cuda"})
