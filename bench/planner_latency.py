@@ -69,6 +69,28 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
                 reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0))
 
 
+def kernel_breakdown(slots: int, tokens: int) -> str:
+    """GPU time per planner kernel for EP 8 and EP 128 (E 640), from torch.profiler over 50 solves."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = ["\n## Where the time goes (GPU time per kernel, us per solve)\n"]
+    for ep in (8, 128):
+        topo = Topology(num_domains=max(1, ep // 8), ranks_per_domain=min(8, ep))
+        omega = biased_routing(ep, 640, tokens, 8, -2.5, seed=13).cuda()
+        for _ in range(5):
+            solve(omega, topo, num_slots=slots, backend="cuda")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                solve(omega, topo, num_slots=slots, backend="cuda")
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / 50) for e in prof.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda r: -r[1])
+        out.append(f"EP {ep}, E 640: " + ", ".join(f"{k.split('(')[0].replace('topoep::', '')} {v:.1f}"
+                                                    for k, v in rows[:9]) + "\n")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200)
@@ -76,11 +98,14 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank of the generated workload")
     ap.add_argument("--out", type=Path, default=REPO / "results")
+    ap.add_argument("--profile", action="store_true", help="add a per-kernel time breakdown (torch.profiler)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("planner_latency needs a GPU")
     torch.set_num_threads(4)
-    configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (40, 80, 160, 320, 640)]
+    # (b): the paper uses E = 40 and 80 at EP 32; TopoEP (like megatron) needs E to be a multiple of EP, so
+    # those two points become 64 and 96
+    configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (64, 96, 160, 320, 640)]
     rows = []
     for sweep, ep, e in configs:
         r = measure(ep, e, args.slots, 8, args.runs, args.warmup, args.tokens)
@@ -88,6 +113,7 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
               f"reference {r['reference_ms']:8.2f} ms", flush=True)
+    breakdown = kernel_breakdown(args.slots, args.tokens) if args.profile else ""
     info = run_info(vars(args) | {"out": str(args.out)})
     paper = {(8, 640): 131, (128, 640): 510}
     table = markdown_table(["sweep", "EP", "experts", "domains", "slots", "eager us", "graph us", "CPU reference ms",
@@ -100,7 +126,7 @@ def main(argv=None) -> int:
           f"per rank, 8 ranks per domain, {args.slots} slots; median of {args.runs} runs after {args.warmup} "
           "warm-ups (CUDA events). eager = the whole `topoep.solve(..., backend='cuda')` call; graph = the planner "
           "replayed from a CUDA graph. Every measured plan equals the CPU reference plan.\n- reproduce: "
-          "`python bench/planner_latency.py`\n\n" + table + "\n")
+          "`python bench/planner_latency.py`\n\n" + table + "\n" + breakdown)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner_latency.md").write_text(md)
     write_json(args.out / "planner_latency.json", info, rows)

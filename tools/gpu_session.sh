@@ -28,7 +28,7 @@ step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense re
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency
   python3 -m pytest -q -rA tests/test_planner_cuda.py 2>&1 | tail -15 | tee "$OUT/planner_tests.log"
-  python3 bench/planner_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -30
+  python3 bench/planner_latency.py --profile --out "$OUT" 2>&1 | grep -v -i warn | tail -30
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape: peak memory and time, static vs topoep
