@@ -7,7 +7,8 @@
 //   placement  stage 1, one block per domain: positive-benefit candidates ranked by counting (D desc,
 //              e asc), round robin over the domain's ranks sorted by static load
 //   instances  positions and counts of every instance of the stage-1 placement (main first, p order)
-//   split      stage 2: U0[p], the even split with same-domain preference, summed over sources
+//   split      stage 2: U0[p], the even split with same-domain preference, summed over sources (a block
+//              per instance)
 //   refine     stage 3, one block per domain, state in shared memory, warp/block argmin per iteration
 //   finalize   drop replicas that serve nothing; the never-worse-than-static guard
 //   route      per instance, the interval mapping of each (expert, domain) group's sources
@@ -104,10 +105,13 @@ __global__ void placement_kernel(const i64* __restrict__ D, const i64* __restric
 // ---------------------------------------------------------------------------------------------------
 // instances of a placement: pos_all[p] (position among e's instances), pos_dom[p] (among e's instances
 // in p's domain), cnt_all[e], cnt_dom[m*E+e]. Threads: E mains + R*N slots.
-__global__ void instances_kernel(const i64* __restrict__ slot_expert, Dims d, int* __restrict__ pos_all,
+__global__ void instances_kernel(const i64* __restrict__ slot_expert_g, Dims d, int* __restrict__ pos_all,
                                  int* __restrict__ pos_dom, int* __restrict__ cnt_all, int* __restrict__ cnt_dom) {
-  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  extern __shared__ i64 slot_expert[];  // the R*N slot table, staged once per block
   const int RN = d.R * d.N;
+  for (int q = threadIdx.x; q < RN; q += blockDim.x) slot_expert[q] = slot_expert_g[q];
+  __syncthreads();
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t < d.E) {  // main of expert t: first of its instances; counts over all slots
     int e = t, md = dom_of_rank(main_rank_of(e, d), d);
     pos_all[e] = 0;
@@ -163,19 +167,31 @@ __device__ __forceinline__ void instance_of(int p, const i64* slot_expert, const
   else { *e = (int)slot_expert[p - d.E]; *rank = (p - d.E) / d.N; }
 }
 
-// split (stage 2): U0[p] = sum over sources of the split, one thread per instance
+// split (stage 2): U0[p] = sum over sources of the split; one block per instance, threads over sources
 __global__ void split_kernel(const i64* __restrict__ omega, const i64* __restrict__ slot_expert, Dims d,
                              const int* __restrict__ pos_all, const int* __restrict__ pos_dom,
                              const int* __restrict__ cnt_all, const int* __restrict__ cnt_dom, i64* __restrict__ U) {
-  int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= d.P) return;
+  __shared__ i64 partial[32];
+  const int p = blockIdx.x;
   int e, r;
   instance_of(p, slot_expert, d, &e, &r);
-  if (e < 0) { U[p] = 0; return; }
-  int pdom = dom_of_rank(r, d);
+  if (e < 0) {
+    if (threadIdx.x == 0) U[p] = 0;
+    return;
+  }
+  const int pdom = dom_of_rank(r, d);
   i64 acc = 0;
-  for (int s = 0; s < d.R; ++s) acc += split_share(omega, s, e, p, pdom, pos_all, pos_dom, cnt_all, cnt_dom, d);
-  U[p] = acc;
+  for (int s = threadIdx.x; s < d.R; s += blockDim.x)
+    acc += split_share(omega, s, e, p, pdom, pos_all, pos_dom, cnt_all, cnt_dom, d);
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  if (lane == 0) partial[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    i64 total = 0;
+    for (int w = 0; w < nwarps; ++w) total += partial[w];  // fixed order: integer sums are exact anyway
+    U[p] = total;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -474,6 +490,7 @@ void plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int
   if (!attrs_set) {
     cudaFuncSetAttribute(placement_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
     cudaFuncSetAttribute(refine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+    cudaFuncSetAttribute(instances_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
     attrs_set = true;
   }
   cudaMemsetAsync(slot_expert, 0xff, sizeof(int64_t) * (size_t)R * N, stream);  // -1
@@ -482,10 +499,9 @@ void plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int
     placement_kernel<<<M, threads, sizeof(i64) * E, stream>>>(D, T, d, slot_expert);
   }
   cudaMemcpyAsync(slot0, slot_expert, sizeof(int64_t) * (size_t)R * N, cudaMemcpyDeviceToDevice, stream);
-  instances_kernel<<<blocks_for(E + R * N, threads), threads, 0, stream>>>(slot0, d, pos_all0, pos_dom0, cnt_all0,
-                                                                             cnt_dom0);
-  split_kernel<<<blocks_for(d.P, threads), threads, 0, stream>>>(omega, slot0, d, pos_all0, pos_dom0, cnt_all0,
-                                                                 cnt_dom0, U);
+  instances_kernel<<<blocks_for(E + R * N, threads), threads, sizeof(i64) * (size_t)R * N, stream>>>(
+      slot0, d, pos_all0, pos_dom0, cnt_all0, cnt_dom0);
+  split_kernel<<<d.P, 128, 0, stream>>>(omega, slot0, d, pos_all0, pos_dom0, cnt_all0, cnt_dom0, U);
   refine_kernel<<<M, threads, refine_smem, stream>>>(slot_expert, cost_fs, d, U, L, iters);
   finalize_kernel<<<1, 1024, 0, stream>>>(T, L, U, d, slot_expert, flag);
   route_kernel<<<d.P, kRouteThreads, 0, stream>>>(omega, slot_expert, slot0, U, d, pos_all0, cnt_all0, cnt_dom0,
