@@ -41,6 +41,9 @@ def hardware() -> str:
 
 
 def run_info(config: dict) -> dict:
+    """Provenance of a result: date, commit, hardware and the configuration (without output paths, which
+    are this machine's, not the result's)."""
+    config = {k: v for k, v in config.items() if k != "out"}
     return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
             "hardware": hardware(), "config": config}
 
