@@ -105,13 +105,16 @@ class CudaPlanner:
         self.device = torch.device(device)
         self.workspace = torch.empty(workspace_elems(self.R, self.E, self.M, self.N), dtype=torch.int64,
                                      device=self.device)
-        self._cost = {}
+        self._cost: dict = {}  # Topology -> its integer cost matrix on the device (a few recent ones)
 
     def cost_fs(self, topology) -> torch.Tensor:
-        key = id(topology)
-        if key not in self._cost:
-            self._cost[key] = (topology, topology.cost_fs.to(self.device))  # keep topology alive with its id
-        return self._cost[key][1]
+        cost = self._cost.pop(topology, None)  # Topology hashes by shape and compares its cost matrix
+        if cost is None:
+            cost = topology.cost_fs.to(self.device)
+        self._cost[topology] = cost  # most recent last
+        while len(self._cost) > 8:
+            self._cost.pop(next(iter(self._cost)))
+        return cost
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
