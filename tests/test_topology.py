@@ -74,3 +74,11 @@ def test_from_env_torchrun_and_slurm(monkeypatch):
     assert (t.num_domains, t.ranks_per_domain) == (2, 8)
     with pytest.raises(ValueError, match="ranks_per_domain"):
         Topology.from_env(ep_size=12)
+
+
+def test_device_copies_are_made_once():
+    t = Topology(num_domains=2, ranks_per_domain=2)
+    assert t.on("cpu") is t
+    m = t.on("meta")
+    assert m is t.on(torch.device("meta"))  # cached per device
+    assert m.cost_fs.device.type == "meta" and m.cost_fs.shape == (4, 4) and m.num_ranks == 4

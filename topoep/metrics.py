@@ -50,9 +50,9 @@ def plan_stats(plan: Plan, t_ffn: float = DEFAULT_T_FFN) -> torch.Tensor:
     """float64[len(STAT_NAMES)] on the plan's device, in STAT_NAMES order. No host synchronisation."""
     dev = plan.omega.device
     R = plan.num_ranks
-    topo = plan.topology
-    dom = topo.domain_of.to(dev)
-    cost = topo.cost.to(dev)
+    topo = plan.topology.on(dev)
+    dom = topo.domain_of
+    cost = topo.cost
     route = plan.route.double()
     ir = plan.instance_rank
     E = plan.num_experts

@@ -75,6 +75,7 @@ class Topology:
         object.__setattr__(self, "cost", c)
         object.__setattr__(self, "cost_fs", torch.round(c * FEMTO).to(torch.int64))
         object.__setattr__(self, "domain_of", torch.arange(R, dtype=torch.int64) // self.ranks_per_domain)
+        object.__setattr__(self, "_on_device", {})
 
     # -- derived -------------------------------------------------------------------------------
     cost_fs: torch.Tensor = field(init=False, compare=False, repr=False)
@@ -85,6 +86,22 @@ class Topology:
     @property
     def num_ranks(self) -> int:
         return self.num_domains * self.ranks_per_domain
+
+    def on(self, device) -> "Topology":
+        """This topology with cost, cost_fs and domain_of on `device`, copied once per device (the
+        planners and statistics run every layer and microbatch: no host-to-device copy each time)."""
+        device = torch.device(device)
+        if device == self.cost.device:
+            return self
+        if device not in self._on_device:
+            t = object.__new__(Topology)
+            for name in ("num_domains", "ranks_per_domain", "intra_cost", "inter_cost"):
+                object.__setattr__(t, name, getattr(self, name))
+            for name in ("cost", "cost_fs", "domain_of"):
+                object.__setattr__(t, name, getattr(self, name).to(device))
+            object.__setattr__(t, "_on_device", {})
+            self._on_device[device] = t
+        return self._on_device[device]
 
     def domain_ranks(self, d: int) -> range:
         """The (contiguous) ranks of domain d."""
@@ -149,7 +166,7 @@ class Topology:
         """
         env = os.environ
         world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
-        local = env.get("LOCAL_WORLD_SIZE") or _slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"))
+        local = env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"))
         world = int(world) if world else 1
         local = int(local) if local else world
         R = ep_size if ep_size is not None else world
@@ -163,7 +180,7 @@ class Topology:
         return cls(num_domains=R // rpd, ranks_per_domain=rpd, **costs)
 
 
-def _slurm_tasks_per_node(value: str | None) -> str | None:
+def slurm_tasks_per_node(value: str | None) -> str | None:
     # SLURM_NTASKS_PER_NODE can look like "8" or "8(x4)".
     if not value:
         return None

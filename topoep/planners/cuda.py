@@ -105,16 +105,6 @@ class CudaPlanner:
         self.device = torch.device(device)
         self.workspace = torch.empty(workspace_elems(self.R, self.E, self.M, self.N), dtype=torch.int64,
                                      device=self.device)
-        self._cost: dict = {}  # Topology -> its integer cost matrix on the device (a few recent ones)
-
-    def cost_fs(self, topology) -> torch.Tensor:
-        cost = self._cost.pop(topology, None)  # Topology hashes by shape and compares its cost matrix
-        if cost is None:
-            cost = topology.cost_fs.to(self.device)
-        self._cost[topology] = cost  # most recent last
-        while len(self._cost) > 8:
-            self._cost.pop(next(iter(self._cost)))
-        return cost
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
@@ -122,7 +112,7 @@ class CudaPlanner:
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         else:
-            torch.ops.topoep.plan_topoep(omega, self.cost_fs(topology), self.M, self.N, expert_bytes, token_bytes,
+            torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes, token_bytes,
                                          slot_expert, route, self.workspace)
 
 
