@@ -43,8 +43,8 @@ def dense_reference(x, idx, w, fc1, fc2, gy):
     return y.detach(), x.grad, w.grad, fc1.grad, fc2.grad
 
 
-def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="cpu"):
-    E_loc, T, k, H, Fd, N = 4, 24, 2, 8, 6, 2
+def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="cpu", N=2):
+    E_loc, T, k, H, Fd = 4, 24, 2, 8, 6
     R, E = world, world * E_loc
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     topo = Topology(num_domains=world // rpd, ranks_per_domain=rpd)
@@ -89,6 +89,11 @@ def test_every_policy_matches_dense_reference(world, rpd):
             assert rep[0] > 0.0, f"{policy}: replicas not exercised under skew"
         assert results[0][(policy, 2)]["imbalance"] <= results[0][(policy, 2)]["static_imbalance"] + 1e-9 \
             or policy == "fastermoe"  # fastermoe trades balance for traffic by its own model
+
+
+def test_layer_without_replica_slots():
+    for r in run_ranks(_layer_vs_reference, 4, 2, ["static", "topoep"], [2], 2.0, "cpu", 0):
+        assert r[("topoep", 2)]["replica_fraction"] == 0.0
 
 
 def test_two_chunk_pipeline_equals_one_chunk():

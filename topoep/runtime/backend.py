@@ -96,47 +96,43 @@ class TorchBackend:
         recv = sorted(((e_main(e, E_loc), j, e) for j, e in enumerate(se[self.rank]) if e >= 0))
         return send, recv, E_loc
 
-    def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool) -> None:
-        """Copy every replicated expert's weights from its main rank into the slot the plan gives it."""
-        send, recv, E_loc = self._slot_routes(plan)
-        n1, n2 = pool.fc1[0].numel() if pool.num_slots else 0, pool.fc2[0].numel() if pool.num_slots else 0
-        if self.world_size == 1:
-            return
+    def _exchange(self, rows: list, to_peer: list[int], from_peer: list[int], pool: ReplicaPool) -> list:
+        """All-to-all of expert-sized rows (fc1 then fc2, flattened): rows[i] goes to rank to_peer[i]
+        (to_peer ascending); returns the received rows, one per entry of from_peer (ascending)."""
         R = self.world_size
+        n = pool.fc1[0].numel() + pool.fc2[0].numel()
         dtype, dev = pool.fc1.dtype, pool.fc1.device
-        if send:
-            buf = torch.cat([torch.cat([main_fc1[e - self.rank * E_loc].detach().reshape(-1).to(dtype),
-                                        main_fc2[e - self.rank * E_loc].detach().reshape(-1).to(dtype)])
-                             for _, _, e in send])
-        else:
-            buf = torch.empty(0, dtype=dtype, device=dev)
-        in_splits = [sum(n1 + n2 for r, _, _ in send if r == d) for d in range(R)]
-        out_splits = [sum(n1 + n2 for m, _, _ in recv if m == s) for s in range(R)]
+        buf = torch.cat(rows) if rows else torch.empty(0, dtype=dtype, device=dev)
+        in_splits = [n * to_peer.count(d) for d in range(R)]
+        out_splits = [n * from_peer.count(s) for s in range(R)]
         out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
         dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
-        for i, (_, j, _) in enumerate(recv):
-            row = out[i * (n1 + n2):(i + 1) * (n1 + n2)]
+        return list(out.split(n)) if from_peer else []
+
+    def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool) -> None:
+        """Copy every replicated expert's weights from its main rank into the slot the plan gives it."""
+        if self.world_size == 1 or pool.num_slots == 0:  # no replica anywhere (same on every rank)
+            return
+        send, recv, E_loc = self._slot_routes(plan)
+        dtype = pool.fc1.dtype
+        rows = [torch.cat([main_fc1[e - self.rank * E_loc].detach().reshape(-1).to(dtype),
+                           main_fc2[e - self.rank * E_loc].detach().reshape(-1).to(dtype)]) for _, _, e in send]
+        n1 = pool.fc1[0].numel()
+        for row, (_, j, _) in zip(self._exchange(rows, [r for r, _, _ in send], [m for m, _, _ in recv], pool), recv):
             pool.fc1[j].copy_(row[:n1].view_as(pool.fc1[j]))
             pool.fc2[j].copy_(row[n1:].view_as(pool.fc2[j]))
 
     def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list) -> None:
         """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
         grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order."""
-        send, recv, E_loc = self._slot_routes(plan)
-        if self.world_size == 1:
+        if self.world_size == 1 or pool.num_slots == 0:
             return
-        R = self.world_size
-        n1, n2 = (pool.fc1[0].numel(), pool.fc2[0].numel()) if pool.num_slots else (0, 0)
-        dtype, dev = pool.fc1.dtype, pool.fc1.device
-        # what I hold (recv list of the fetch) goes back to its main rank, in (main, slot) order
-        buf = (torch.cat([torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv])
-               if recv else torch.empty(0, dtype=dtype, device=dev))
-        in_splits = [sum(n1 + n2 for m, _, _ in recv if m == d) for d in range(R)]
-        out_splits = [sum(n1 + n2 for r, _, _ in send if r == s) for s in range(R)]
-        out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
-        dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
-        for i, (_, _, e) in enumerate(send):  # sorted by (source rank, slot): a fixed summation order
-            row = out[i * (n1 + n2):(i + 1) * (n1 + n2)]
+        send, recv, E_loc = self._slot_routes(plan)
+        # what this rank holds (the fetch's recv list) goes back to its main rank, in (main, slot) order
+        rows = [torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv]
+        n1 = pool.fc1[0].numel()
+        received = self._exchange(rows, [m for m, _, _ in recv], [r for r, _, _ in send], pool)
+        for row, (_, _, e) in zip(received, send):  # sorted by (source rank, slot): a fixed summation order
             li = e - self.rank * E_loc
             grad_fc1[li].add_(row[:n1].view_as(grad_fc1[li]))
             grad_fc2[li].add_(row[n1:].view_as(grad_fc2[li]))
