@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from app.config import EplbConfig, ModelConfig, ParallelConfig, RouterConfig, TopologyConfig, TrainerConfig
 from topoep.metrics import ffn_time_per_assignment
-from topoep.topology import Topology
+from topoep.topology import Topology, slurm_tasks_per_node
 
 
 @dataclass
@@ -33,7 +33,7 @@ def init_distributed(trainer: TrainerConfig) -> Dist:
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
-    local_world = int(str(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", world))).split("(")[0])
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE")) or world)
     if world == 1:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
@@ -23,12 +25,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def slurm(tmp_path):
     host = socket.gethostname()
@@ -36,8 +32,8 @@ def slurm(tmp_path):
     for d in ("state", "spool", "log"):
         (tmp_path / d).mkdir()
     conf.write_text("\n".join([
-        "ClusterName=topoepci", f"SlurmctldHost={host}", f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}", "AuthType=auth/none", "CredType=cred/none", "SlurmUser=root",
+        "ClusterName=topoepci", f"SlurmctldHost={host}", f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}", "AuthType=auth/none", "CredType=cred/none", "SlurmUser=root",
         "SlurmdUser=root", f"StateSaveLocation={tmp_path}/state", f"SlurmdSpoolDir={tmp_path}/spool",
         f"SlurmctldPidFile={tmp_path}/slurmctld.pid", f"SlurmdPidFile={tmp_path}/slurmd.pid",
         f"SlurmctldLogFile={tmp_path}/log/slurmctld.log", f"SlurmdLogFile={tmp_path}/log/slurmd.log",
