@@ -58,6 +58,8 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     with torch.cuda.graph(graph):
         planner.plan(*args)
     graphed = _events_median(graph.replay, runs, warmup)
+    phases = _phase_medians(planner, graph, runs)
+    refine = planner.refine_profile()
     ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
     cpu_times = []
@@ -66,7 +68,17 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
         solve(omega_cpu, topo, num_slots=slots, backend="reference")
         cpu_times.append(time.perf_counter() - t0)
     return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
-                reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0))
+                reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0),
+                phases_us=phases, refine_domain0=refine)
+
+
+def _phase_medians(planner: CudaPlanner, graph, runs: int) -> dict[str, float]:
+    """Median GPU time of each planner phase (us), from the kernel's own %globaltimer stamps."""
+    samples = []
+    for _ in range(min(runs, 50)):
+        graph.replay()
+        samples.append(planner.phase_ns())
+    return {k: statistics.median(s[k] for s in samples) / 1e3 for k in samples[0]}
 
 
 def kernel_breakdown(slots: int, tokens: int) -> str:
@@ -91,6 +103,23 @@ def kernel_breakdown(slots: int, tokens: int) -> str:
     return "\n".join(out)
 
 
+def phase_table(rows: list[dict]) -> str:
+    """Where the time goes: the planner kernel's phases (graph replay, median us)."""
+    names = list(rows[0]["phases_us"])
+    table = markdown_table(["sweep", "EP", "experts"] + names + ["sum"],
+                           [[r["sweep"], r["ep"], r["experts"]] + [f"{r['phases_us'][n]:.1f}" for n in names]
+                            + [f"{sum(r['phases_us'].values()):.1f}"] for r in rows])
+    counters = list(rows[0]["refine_domain0"])
+    table2 = markdown_table(["sweep", "EP", "experts"] + counters + ["cycles per iteration"],
+                            [[r["sweep"], r["ep"], r["experts"]] + [r["refine_domain0"][c] for c in counters]
+                             + [f"{r['refine_domain0']['loop_cycles'] / max(1, r['refine_domain0']['iterations']):.0f}"]
+                             for r in rows])
+    table += ("\nRefinement of domain 0 (SM cycles counted by its warp's lane 0, last replay):\n\n" + table2)
+    return ("\n## Where the time goes\n\nGPU time of each phase of the planner kernel (us, median over 50 graph "
+            "replays, from %globaltimer stamps block 0 writes after each grid barrier; the rest of the graph time "
+            "is launch overhead).\n\n" + table + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200)
@@ -113,7 +142,7 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
               f"reference {r['reference_ms']:8.2f} ms", flush=True)
-    breakdown = kernel_breakdown(args.slots, args.tokens) if args.profile else ""
+    breakdown = phase_table(rows) + (kernel_breakdown(args.slots, args.tokens) if args.profile else "")
     info = run_info(vars(args) | {"out": str(args.out)})
     paper = {(8, 640): 131, (128, 640): 510}
     table = markdown_table(["sweep", "EP", "experts", "domains", "slots", "eager us", "graph us", "CPU reference ms",

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "planner.h"
 
 namespace {
@@ -38,18 +40,20 @@ void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num
   TORCH_CHECK(R / num_domains <= topoep::kMaxRanksPerDomain, "at most ", topoep::kMaxRanksPerDomain,
               " ranks per domain");
   TORCH_CHECK(num_slots >= 0, "num_slots must be >= 0");
+  TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
+              "rank (E=", E, ", R=", R, "); use backend='reference'");
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_elems(R, E, num_domains, num_slots),
               "workspace too small");
-  TORCH_CHECK(topoep::refine_smem_bytes(R, E, num_domains, num_slots) <= 160 * 1024,
-              "a domain's refinement state does not fit in shared memory (ranks_per_domain x (E/R + slots))");
+  TORCH_CHECK(topoep::smem_bytes(R, E, num_domains, num_slots) <= 200 * 1024,
+              "the planner's per-block state does not fit in shared memory (ranks_per_domain x (E/R + slots), ",
+              "or E, or R x slots too large): use fewer experts per rank or slots");
   check_outputs(omega, num_slots, slot_expert, route);
   const c10::cuda::CUDAGuard guard(omega.device());
-  topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E, (int)num_domains,
-                      (int)num_slots, expert_bytes, token_bytes, slot_expert.data_ptr<int64_t>(),
-                      route.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
-                      c10::cuda::getCurrentCUDAStream().stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E,
+                                     (int)num_domains, (int)num_slots, expert_bytes, token_bytes,
+                                     slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
+                                     workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_expert, at::Tensor route) {
@@ -57,10 +61,15 @@ void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_exp
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   check_outputs(omega, num_slots, slot_expert, route);
   const c10::cuda::CUDAGuard guard(omega.device());
-  topoep::plan_static(omega.data_ptr<int64_t>(), (int)omega.size(0), (int)omega.size(1), (int)num_slots,
-                      slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
-                      c10::cuda::getCurrentCUDAStream().stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(topoep::plan_static(omega.data_ptr<int64_t>(), (int)omega.size(0), (int)omega.size(1),
+                                     (int)num_slots, slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
+                                     c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// [workspace int64 elements, offset of the phase timestamps (ns) in it] for (R, E, domains, slots)
+std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains, int64_t num_slots) {
+  return {(int64_t)topoep::workspace_elems((int)R, (int)E, (int)num_domains, (int)num_slots),
+          (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
 }
 
 }  // namespace
@@ -69,6 +78,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("plan_topoep(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
+  m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
 }
 
 TORCH_LIBRARY_IMPL(topoep, CUDA, m) {

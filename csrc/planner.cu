@@ -2,443 +2,615 @@
 //
 // Every decision is integer and breaks ties by the lowest index, exactly as the reference (its module
 // docstring is the spec). No host synchronisation: sizes come from the tensor shapes, data never leaves
-// the device. Kernels, in order (one stream):
-//   demand     D[d, e] = sum of omega over domain d's ranks; T[e] = total demand of e
-//   placement  stage 1, one block per domain: positive-benefit candidates ranked by counting (D desc,
-//              e asc), round robin over the domain's ranks sorted by static load
-//   instances  positions and counts of every instance of the stage-1 placement (main first, p order)
-//   split      stage 2: U0[p], the even split with same-domain preference, summed over sources (a block
-//              per instance)
-//   refine     stage 3, one block per domain, state in shared memory, warp/block argmin per iteration
-//   finalize   drop replicas that serve nothing; the never-worse-than-static guard
-//   route      per instance, the interval mapping of each (expert, domain) group's sources
+// the device.
+//
+// `topoep` is one cooperative kernel (a launch costs more than most phases at these sizes). Its phases
+// are separated by grid barriers (a block barrier when the grid is one block, as at EP 8):
+//   1 demand     D[m, e] = sum of omega over domain m's ranks (grid-stride, coalesced over e)
+//   2 placement  per domain (a block each): static rank loads L0; stage 1's positive-benefit candidates
+//                ranked by counting (D desc, e asc), round robin over the domain's ranks by static load
+//   3 instances  position and count of every instance of the stage-1 placement (main first, p order)
+//   4 split      stage 2: U0[p], the even split with same-domain preference summed over sources (a lane
+//                group per instance, a shuffle reduction)
+//   5 refine     stage 3 per domain: one warp, its state in shared memory, no block barrier in the loop.
+//                Lanes are target ranks; a target's best "existing instance" candidate is one of at most
+//                2N shared experts, its best "new replica" candidate the first of the busiest rank's
+//                instances in (load desc, expert asc) order not hosted on it, found by warp argmax rounds
+//   6 route      the never-worse-than-static guard (every block reduces it), empty replicas dropped, and
+//                per instance the interval mapping of its (expert, domain) group's sources (a lane group
+//                per instance, a shuffle scan)
+// Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset).
 //
 // Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
 // is slot j of rank r. Default placement main(e) = e / (E / R) only.
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdint.h>
 
 #include "planner.h"
 
 namespace topoep {
 
+namespace cg = cooperative_groups;
 using i64 = int64_t;
 
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
 struct Dims {
-  int R, E, M, rpd, N, P, Eloc;
+  int R, E, M, rpd, N, P, Eloc, G;  // G: instances a rank can hold (its mains, then its slots)
+  int gw;                            // lanes per instance in phases 4 and 6 (a power of two <= 32)
+  int local;                         // 1: one block, omega and the whole state in shared memory
+  unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
   i64 W, S;
 };
 
-__device__ __forceinline__ int main_rank_of(int e, const Dims& d) { return e / d.Eloc; }
-__device__ __forceinline__ int dom_of_rank(int r, const Dims& d) { return r / d.rpd; }
-__device__ __forceinline__ i64 floor_mod(i64 a, i64 n) { i64 m = a % n; return m < 0 ? m + n : m; }
+// The planner's state between phases: in the global workspace, or (d.local) in shared memory, where a
+// single block reaches it without global-memory latency.
+struct Work {
+  const i64* om;  // omega (the input, or its shared-memory copy)
+  i64 *D, *L0, *U, *L, *slot0, *slot1;
+  int *pos_all0, *pos_dom0, *cnt_all0, *cnt_dom0;
+  i64* stamps;  // always global: kNumStamps
+};
 
-// ---------------------------------------------------------------------------------------------------
-// demand: one thread per expert column (coalesced over e)
-__global__ void demand_kernel(const i64* __restrict__ omega, Dims d, i64* __restrict__ D, i64* __restrict__ T) {
-  int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= d.E) return;
-  i64 total = 0;
-  for (int m = 0; m < d.M; ++m) {
-    i64 acc = 0;
-    for (int s = m * d.rpd; s < (m + 1) * d.rpd; ++s) acc += omega[(i64)s * d.E + e];
-    D[(i64)m * d.E + e] = acc;
-    total += acc;
+// i64 elements of the state (D[M*E], L0[R], U[P], L[R], slot0[R*N], slot1[R*N], then the int arrays
+// pos_all0[P], pos_dom0[P], cnt_all0[E], cnt_dom0[M*E], two per i64)
+__host__ __device__ inline size_t state_elems(const Dims& d) {
+  const size_t i64s = (size_t)d.M * d.E + 2 * (size_t)d.R + d.P + 2 * (size_t)d.R * d.N;
+  const size_t i32s = 2 * (size_t)d.P + d.E + (size_t)d.M * d.E;
+  return i64s + (i32s + 1) / 2;
+}
+
+__host__ __device__ inline void carve(Work& w, i64* base, const Dims& d) {
+  w.D = base;
+  w.L0 = w.D + (size_t)d.M * d.E;
+  w.U = w.L0 + d.R;
+  w.L = w.U + d.P;
+  w.slot0 = w.L + d.R;
+  w.slot1 = w.slot0 + (size_t)d.R * d.N;
+  w.pos_all0 = (int*)(w.slot1 + (size_t)d.R * d.N);
+  w.pos_dom0 = w.pos_all0 + d.P;
+  w.cnt_all0 = w.pos_dom0 + d.P;
+  w.cnt_dom0 = w.cnt_all0 + d.E;
+}
+
+// i64 elements of the per-phase shared scratch: placement's keys, the slot tables of phases 3-6, a
+// domain's refinement state
+__host__ __device__ inline size_t scratch_elems(const Dims& d) {
+  const size_t rpd = d.rpd, G = d.G;
+  const size_t placement = (size_t)d.E + rpd;
+  const size_t slots = (size_t)d.R * d.N;  // two int tables
+  const size_t refine = rpd * G + rpd + (rpd <= 32 ? rpd * rpd : 0) + (rpd * d.N + 1) / 2;
+  return max(placement, max(slots, refine));
+}
+
+__device__ __forceinline__ int main_rank_of(int e, const Dims& d) { return (int)(((unsigned long long)e * d.inv_eloc) >> 32); }
+__device__ __forceinline__ int dom_of_rank(int r, const Dims& d) { return (int)(((unsigned long long)r * d.inv_rpd) >> 32); }
+__device__ __forceinline__ int floor_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+// q = x / n, r = x % n for x >= 0, n >= 1 (exact; 32-bit division when x fits, 64-bit otherwise)
+__device__ __forceinline__ void divmod(i64 x, int n, i64* q, i64* r) {
+  if ((unsigned long long)x <= 0xffffffffull) {
+    const unsigned xu = (unsigned)x, qu = xu / (unsigned)n;
+    *q = qu;
+    *r = xu - qu * (unsigned)n;
+  } else {
+    *q = x / n;
+    *r = x - *q * n;
   }
-  T[e] = total;
 }
 
-// static rank loads L0[r] = sum of T over r's main experts
-__device__ i64 static_load(const i64* T, int r, const Dims& d) {
-  i64 acc = 0;
-  for (int i = 0; i < d.Eloc; ++i) acc += T[r * d.Eloc + i];
-  return acc;
+__device__ __forceinline__ void grid_sync() {
+  if (gridDim.x == 1) __syncthreads();
+  else cg::this_grid().sync();
+}
+
+__device__ __forceinline__ void stamp(const Work& w, int i) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    w.stamps[i] = (i64)t;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// placement (stage 1): one block per domain. slot_expert must be -1 on entry.
-__global__ void placement_kernel(const i64* __restrict__ D, const i64* __restrict__ T, Dims d,
-                                 i64* __restrict__ slot_expert) {
-  extern __shared__ i64 smem[];
-  const int dom = blockIdx.x;
-  i64* keys = smem;                        // [E] compacted positive keys
+// phase 2: stage-1 placement of domain `dom` (one block). slot0 of the domain is written in full.
+__device__ void placement(int dom, const Dims& d, const Work& w, i64* smem) {
   __shared__ int num_pos;
   __shared__ int rank_order[kMaxRanksPerDomain];  // domain ranks sorted by (static load, id)
+  i64* keys = smem;                               // [E] compacted positive keys
+  i64* l0 = smem + d.E;                           // [rpd] static loads of the domain's ranks
+  const int r0 = dom * d.rpd, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) num_pos = 0;
+  for (int q = threadIdx.x; q < d.rpd * d.N; q += blockDim.x) w.slot0[(i64)r0 * d.N + q] = -1;
+  // static load of rank r = sum over its main experts of their total demand (a warp per rank)
+  for (int a = warp; a < d.rpd; a += kWarps) {
+    const int r = r0 + a;
+    i64 acc = 0;
+    for (int j = lane; j < d.Eloc * d.M; j += 32) acc += w.D[(i64)(j / d.Eloc) * d.E + r * d.Eloc + j % d.Eloc];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off);
+    if (lane == 0) { l0[a] = acc; w.L0[r] = acc; }
+  }
   __syncthreads();
+  if (d.M == 1 || d.N == 0) return;  // no remote experts / no slots: nothing to place
   // compact the positive-benefit candidates (order is irrelevant: they are ranked by counting next)
   for (int e = threadIdx.x; e < d.E; e += blockDim.x) {
-    i64 De = D[(i64)dom * d.E + e];
-    bool remote = dom_of_rank(main_rank_of(e, d), d) != dom;
-    if (remote && 2 * De * d.S > d.W) {
-      int i = atomicAdd(&num_pos, 1);
+    const i64 De = w.D[(i64)dom * d.E + e];
+    if (dom_of_rank(main_rank_of(e, d), d) != dom && 2 * De * d.S > d.W) {
+      const int i = atomicAdd(&num_pos, 1);
       keys[i] = De * d.E + (d.E - 1 - e);  // descending key == (D desc, e asc); all keys distinct
     }
   }
-  // ranks of the domain by (static load asc, id asc): position = number of ranks before it
   for (int a = threadIdx.x; a < d.rpd; a += blockDim.x) {
-    int r = dom * d.rpd + a;
-    i64 la = static_load(T, r, d);
     int pos = 0;
-    for (int b = 0; b < d.rpd; ++b) {
-      i64 lb = static_load(T, dom * d.rpd + b, d);
-      pos += (lb < la) || (lb == la && b < a);
-    }
-    rank_order[pos] = r;
+    for (int b = 0; b < d.rpd; ++b) pos += (l0[b] < l0[a]) || (l0[b] == l0[a] && b < a);
+    rank_order[pos] = r0 + a;
   }
   __syncthreads();
-  const int n = num_pos;
-  const int cap = d.rpd * d.N;
+  const int n = num_pos, cap = d.rpd * d.N;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    i64 k = keys[i];
+    const i64 k = keys[i];
     int rank = 0;  // candidates with a larger key come first
     for (int j = 0; j < n; ++j) rank += keys[j] > k;
-    if (rank < cap) {
-      int e = d.E - 1 - (int)(k % d.E);
-      int r = rank_order[rank % d.rpd];
-      slot_expert[(i64)r * d.N + rank / d.rpd] = e;
-    }
+    if (rank < cap) w.slot0[(i64)rank_order[rank % d.rpd] * d.N + rank / d.rpd] = d.E - 1 - (int)(k % d.E);
   }
+  __syncthreads();
 }
 
-// ---------------------------------------------------------------------------------------------------
-// instances of a placement: pos_all[p] (position among e's instances), pos_dom[p] (among e's instances
-// in p's domain), cnt_all[e], cnt_dom[m*E+e]. Threads: E mains + R*N slots.
-__global__ void instances_kernel(const i64* __restrict__ slot_expert_g, Dims d, int* __restrict__ pos_all,
-                                 int* __restrict__ pos_dom, int* __restrict__ cnt_all, int* __restrict__ cnt_dom) {
-  extern __shared__ i64 slot_expert[];  // the R*N slot table, staged once per block
+// phase 3: for every replica slot p of the stage-1 placement, pos_all0[p] / pos_dom0[p] (position among
+// its expert's instances / among those in its domain; the main is first), and the replica counts added to
+// cnt_all0[e] / cnt_dom0[m*E+e] (phase 1 counted the mains; integer atomics, so the result is exact).
+// `se` is the slot table staged in shared memory.
+__device__ void instances(const Dims& d, const Work& w, const int* se) {
   const int RN = d.R * d.N;
-  for (int q = threadIdx.x; q < RN; q += blockDim.x) slot_expert[q] = slot_expert_g[q];
-  __syncthreads();
-  int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < d.E) {  // main of expert t: first of its instances; counts over all slots
-    int e = t, md = dom_of_rank(main_rank_of(e, d), d);
-    pos_all[e] = 0;
-    pos_dom[e] = 0;
-    for (int m = 0; m < d.M; ++m) cnt_dom[(i64)m * d.E + e] = (m == md);
-    int c = 1;
-    for (int q = 0; q < RN; ++q) {
-      if (slot_expert[q] == e) {
-        ++c;
-        cnt_dom[(i64)dom_of_rank(q / d.N, d) * d.E + e] += 1;
-      }
-    }
-    cnt_all[e] = c;
-  } else if (t < d.E + RN) {
-    int q = t - d.E;
-    i64 e = slot_expert[q];
-    int p = d.E + q;
-    if (e < 0) { pos_all[p] = 0; pos_dom[p] = 0; return; }
-    int md = dom_of_rank(q / d.N, d);
-    int pa = 1, pd = (dom_of_rank(main_rank_of((int)e, d), d) == md);
+  // block-cyclic: few items with long loops, spread over every block of the grid
+  for (int q = threadIdx.x * gridDim.x + blockIdx.x; q < RN; q += gridDim.x * blockDim.x) {
+    const int e = se[q], p = d.E + q;
+    if (e < 0) { w.pos_all0[p] = 0; w.pos_dom0[p] = 0; continue; }
+    const int md = dom_of_rank(q / d.N, d), q_dom = md * d.rpd * d.N;  // the domain's slots start at q_dom
+    int before = 0, before_dom = 0;
     for (int q2 = 0; q2 < q; ++q2) {
-      if (slot_expert[q2] == e) {
-        ++pa;
-        pd += dom_of_rank(q2 / d.N, d) == md;
+      const bool same = se[q2] == e;
+      before += same;
+      before_dom += same && q2 >= q_dom;
+    }
+    w.pos_all0[p] = 1 + before;
+    w.pos_dom0[p] = (dom_of_rank(main_rank_of(e, d), d) == md) + before_dom;
+    atomicAdd(&w.cnt_all0[e], 1);
+    atomicAdd(&w.cnt_dom0[(i64)md * d.E + e], 1);
+  }
+}
+
+// expert and rank of instance p under slot table se (int, R*N); e < 0 for an empty slot
+__device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d, int* e, int* rank) {
+  if (p < d.E) { *e = p; *rank = main_rank_of(p, d); }
+  else { *e = se[p - d.E]; *rank = (p - d.E) / d.N; }
+}
+
+// The instance handled by this thread's lane group in round `it` of phases 4 and 6; every lane of a warp
+// runs the same number of rounds (shuffles need the whole warp), lanes past P get p >= P.
+struct LaneGroup {
+  int lig, first, stride;  // lane in group, first instance, instances per round over the grid
+};
+__device__ __forceinline__ LaneGroup lane_group(const Dims& d) {
+  const int gpw = 32 / d.gw;  // groups per warp
+  const int warp_global = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  LaneGroup g;
+  g.lig = threadIdx.x & (d.gw - 1);
+  g.first = warp_global * gpw + ((threadIdx.x & 31) / d.gw);
+  g.stride = (gridDim.x * blockDim.x >> 5) * gpw;
+  return g;
+}
+
+// phase 4: U0[p] = sum over sources of the stage-2 split
+__device__ void split(const Dims& d, const Work& w, const int* se) {
+  const LaneGroup lg = lane_group(d);
+  const int sub = (threadIdx.x & 31) / d.gw;
+  for (int base = lg.first - sub; base < d.P; base += lg.stride) {  // uniform per warp
+    const int p = base + sub;
+    int e = -1, r = 0;
+    if (p < d.P) instance_of(p, se, d, &e, &r);
+    i64 acc = 0;
+    if (e >= 0) {
+      // share of omega[s, e] the stage-2 split gives p: even over e's instances in s's domain if it has
+      // any (p must be one of them), else over all of e's instances; the remainder rotated by s
+      const int pdom = dom_of_rank(r, d), pos_dom = w.pos_dom0[p], pos_all = w.pos_all0[p], n_all = w.cnt_all0[e];
+#pragma unroll 4
+      for (int s = lg.lig; s < d.R; s += d.gw) {
+        const i64 x = w.om[(i64)s * d.E + e];
+        const int sd = dom_of_rank(s, d), nloc = w.cnt_dom0[(i64)sd * d.E + e];
+        if (nloc > 0 && pdom != sd) continue;
+        const int n = nloc > 0 ? nloc : n_all, pos = nloc > 0 ? pos_dom : pos_all;
+        i64 q, rem;
+        divmod(x, n, &q, &rem);
+        acc += q + (floor_mod(pos - s, n) < rem ? 1 : 0);
       }
     }
-    pos_all[p] = pa;
-    pos_dom[p] = pd;
-  }
-}
-
-// share of omega[s, e] that the stage-2 split gives instance p (of expert e, on domain pdom)
-__device__ __forceinline__ i64 split_share(const i64* omega, int s, int e, int p, int pdom, const int* pos_all,
-                                           const int* pos_dom, const int* cnt_all, const int* cnt_dom,
-                                           const Dims& d) {
-  int sd = dom_of_rank(s, d);
-  int nloc = cnt_dom[(i64)sd * d.E + e];
-  i64 n, pos;
-  if (nloc > 0) {
-    if (pdom != sd) return 0;
-    n = nloc;
-    pos = pos_dom[p];
-  } else {
-    n = cnt_all[e];
-    pos = pos_all[p];
-  }
-  i64 w = omega[(i64)s * d.E + e];
-  return w / n + (floor_mod(pos - s, n) < w % n ? 1 : 0);
-}
-
-__device__ __forceinline__ void instance_of(int p, const i64* slot_expert, const Dims& d, int* e, int* rank) {
-  if (p < d.E) { *e = p; *rank = main_rank_of(p, d); }
-  else { *e = (int)slot_expert[p - d.E]; *rank = (p - d.E) / d.N; }
-}
-
-// split (stage 2): U0[p] = sum over sources of the split; one block per instance, threads over sources
-__global__ void split_kernel(const i64* __restrict__ omega, const i64* __restrict__ slot_expert, Dims d,
-                             const int* __restrict__ pos_all, const int* __restrict__ pos_dom,
-                             const int* __restrict__ cnt_all, const int* __restrict__ cnt_dom, i64* __restrict__ U) {
-  __shared__ i64 partial[32];
-  const int p = blockIdx.x;
-  int e, r;
-  instance_of(p, slot_expert, d, &e, &r);
-  if (e < 0) {
-    if (threadIdx.x == 0) U[p] = 0;
-    return;
-  }
-  const int pdom = dom_of_rank(r, d);
-  i64 acc = 0;
-  for (int s = threadIdx.x; s < d.R; s += blockDim.x)
-    acc += split_share(omega, s, e, p, pdom, pos_all, pos_dom, cnt_all, cnt_dom, d);
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  if (lane == 0) partial[warp] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    i64 total = 0;
-    for (int w = 0; w < nwarps; ++w) total += partial[w];  // fixed order: integer sums are exact anyway
-    U[p] = total;
+    for (int off = d.gw >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off, d.gw);
+    if (p < d.P && lg.lig == 0) w.U[p] = acc;
   }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// refine (stage 3): one block per domain. Candidate key, compared lexicographically:
-// (-delta, L[rt], cost[rb][rt], new replica, -U[p], rt, e)
-struct Cand {
-  i64 neg_delta, lt, cost, neg_u;
-  int is_new, rt, e, slot;  // slot: local index of the source instance on rb (0..Eloc+N-1)
+// phase 5: refinement of one domain by one warp. Candidate key, compared lexicographically as in the
+// reference: (-delta, L[rt], cost[rb][rt], new replica, -U[p], rt, e); a = rt's index in the domain.
+// Every lane keeps its best candidate; the warp then picks the best lane field by field with 32-bit
+// warp reductions (__reduce_*_sync), stopping as soon as one lane is left.
+struct Key {
+  i64 delta, lt, cost, u;
+  int a, e, gs, gt;  // gs / gt: local index of the source instance on rb / of the target instance on a
+                     // (gt = -1 - j: a new replica in a's free slot j)
 };
 
-__device__ __forceinline__ bool better(const Cand& a, const Cand& b) {
-  if (a.neg_delta != b.neg_delta) return a.neg_delta < b.neg_delta;
-  if (a.lt != b.lt) return a.lt < b.lt;
-  if (a.cost != b.cost) return a.cost < b.cost;
-  if (a.is_new != b.is_new) return a.is_new < b.is_new;
-  if (a.neg_u != b.neg_u) return a.neg_u < b.neg_u;
-  if (a.rt != b.rt) return a.rt < b.rt;
-  return a.e < b.e;
+__device__ __forceinline__ bool better(const Key& x, const Key& y) {
+  if (x.delta != y.delta) return x.delta > y.delta;
+  if (x.lt != y.lt) return x.lt < y.lt;
+  if (x.cost != y.cost) return x.cost < y.cost;
+  if ((x.gt < 0) != (y.gt < 0)) return x.gt >= 0;  // an existing instance before a new replica
+  if (x.u != y.u) return x.u > y.u;
+  if (x.a != y.a) return x.a < y.a;
+  return x.e < y.e;
 }
 
-__device__ __forceinline__ Cand shfl_cand(const Cand& c, int src) {
-  Cand o;
-  o.neg_delta = __shfl_sync(0xffffffff, c.neg_delta, src);
-  o.lt = __shfl_sync(0xffffffff, c.lt, src);
-  o.cost = __shfl_sync(0xffffffff, c.cost, src);
-  o.neg_u = __shfl_sync(0xffffffff, c.neg_u, src);
-  o.is_new = __shfl_sync(0xffffffff, c.is_new, src);
-  o.rt = __shfl_sync(0xffffffff, c.rt, src);
-  o.e = __shfl_sync(0xffffffff, c.e, src);
-  o.slot = __shfl_sync(0xffffffff, c.slot, src);
-  return o;
+__device__ __forceinline__ Key no_key() {
+  Key k;
+  k.delta = 0; k.lt = 0; k.cost = 0; k.u = 0; k.a = INT_MAX; k.e = INT_MAX; k.gs = -1; k.gt = 0;
+  return k;  // every real candidate has delta >= 1, so this loses against all of them
 }
 
-__device__ __forceinline__ Cand warp_best(Cand c) {
-  for (int off = 16; off > 0; off >>= 1) {
-    Cand o = shfl_cand(c, (threadIdx.x & 31) ^ off);
-    if (better(o, c)) c = o;
-  }
-  return c;
+// Among the lanes in `tied`, keep those whose v is largest (v >= 0 as unsigned 64-bit); exact.
+__device__ __forceinline__ unsigned keep_max(unsigned tied, unsigned long long v) {
+  const int lane = threadIdx.x & 31;
+  const bool in = tied >> lane & 1;
+  const unsigned hi = in ? (unsigned)(v >> 32) : 0u;
+  const unsigned mh = __reduce_max_sync(kFull, hi);
+  const unsigned lo = (in && hi == mh) ? (unsigned)v : 0u;
+  const unsigned ml = __reduce_max_sync(kFull, lo);
+  return __ballot_sync(kFull, in && hi == mh && (unsigned)v == ml);
 }
 
-// A "none" candidate that loses against every real one.
-__device__ __forceinline__ Cand no_cand() {
-  Cand c;
-  c.neg_delta = 0; c.lt = 0; c.cost = 0; c.neg_u = 0; c.is_new = 0; c.rt = 0x7fffffff; c.e = 0x7fffffff; c.slot = -1;
-  return c;
+// shared-memory state of one domain's refinement
+struct DomState {
+  i64* su;          // [rpd][G] instance loads
+  i64* sl;          // [rpd] rank loads
+  const i64* cost;  // [rpd][rpd] cost_fs of the domain (shared memory when rpd <= 32), row stride cs
+  int cs;
+  int* se;          // [rpd][N] slot experts
+};
+
+__device__ __forceinline__ int expert_at(const DomState& st, int a, int g, int r0, const Dims& d) {
+  return g < d.Eloc ? (r0 + a) * d.Eloc + g : st.se[a * d.N + g - d.Eloc];
 }
 
-__global__ void refine_kernel(i64* __restrict__ slot_expert, const i64* __restrict__ cost_fs, Dims d,
-                              i64* __restrict__ U, i64* __restrict__ L, int* __restrict__ iters_out) {
-  extern __shared__ i64 smem[];
-  const int dom = blockIdx.x, rpd = d.rpd, G = d.Eloc + d.N;
-  const int r0 = dom * rpd;
-  i64* su = smem;                        // [rpd][G] instance loads: mains then slots
-  i64* sl = su + (i64)rpd * G;           // [rpd] rank loads
-  int* se = (int*)(sl + rpd);            // [rpd][N] slot experts
-  __shared__ Cand warp_res[32];
-  __shared__ Cand best;
-  __shared__ int rb_s;
-  for (int i = threadIdx.x; i < rpd * G; i += blockDim.x) {
-    int a = i / G, g = i % G, r = r0 + a;
-    su[i] = g < d.Eloc ? U[r * d.Eloc + g] : U[d.E + (i64)r * d.N + (g - d.Eloc)];
-  }
-  for (int i = threadIdx.x; i < rpd * d.N; i += blockDim.x) se[i] = (int)slot_expert[(i64)r0 * d.N + i];
-  __syncthreads();
-  for (int a = threadIdx.x; a < rpd; a += blockDim.x) {
-    i64 acc = 0;
-    for (int g = 0; g < G; ++g) acc += su[a * G + g];
-    sl[a] = acc;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  int iters = 0;
+// Slot loops run to NT, the compile-time slot count (1-4), or to d.N when NT == 0 (any count).
+template <int NT>
+__device__ __forceinline__ int num_slots(const Dims& d) { return NT > 0 ? NT : d.N; }
+
+// slot of expert e on the domain's rank a, or -1
+template <int NT>
+__device__ __forceinline__ int slot_of(const DomState& st, int a, int e, const Dims& d) {
+  const int N = num_slots<NT>(d);
+  int found = -1;
+#pragma unroll
+  for (int j = N - 1; j >= 0; --j) if (st.se[a * N + j] == e) found = j;
+  return found;
+}
+
+template <int NT>
+__device__ __forceinline__ int first_free(const DomState& st, int a, const Dims& d) {
+  return slot_of<NT>(st, a, -1, d);
+}
+
+// local index of expert e's instance on the domain's rank a (global rank r0 + a), or -1
+template <int NT>
+__device__ __forceinline__ int find_on(const DomState& st, int a, int e, int r0, const Dims& d) {
+  if (main_rank_of(e, d) == r0 + a) return e - (r0 + a) * d.Eloc;
+  const int j = slot_of<NT>(st, a, e, d);
+  return j < 0 ? -1 : d.Eloc + j;
+}
+
+__device__ __forceinline__ void consider(Key& best, i64 u, i64 half, i64 lt, i64 cost, int a, int e, int gs,
+                                         int gt) {
+  Key k;
+  k.delta = u < half ? u : half;
+  k.lt = lt; k.cost = cost; k.u = u; k.a = a; k.e = e; k.gs = gs; k.gt = gt;
+  if (better(k, best)) best = k;
+}
+
+template <int NT>
+__device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* prof) {
+  const int lane = threadIdx.x & 31, r0 = dom * d.rpd, N = num_slots<NT>(d);
+  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h)
+  const bool count = dom == 0 && lane == 0;
+  long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
+  const long long t_begin = clock64();
+  long long t0 = t_begin, t1;
   while (true) {
-    // rb = busiest rank of the domain, ties -> lowest id (rpd is small: one thread scans)
-    if (threadIdx.x == 0) {
-      int b = 0;
-      for (int a = 1; a < rpd; ++a) if (sl[a] > sl[b]) b = a;
-      rb_s = b;
+    // rb = busiest rank of the domain, ties -> lowest id
+    i64 bl = -1;
+    int b = INT_MAX;
+    if (d.rpd <= 16) {  // every lane scans the whole domain: no warp communication
+      for (int a = 0; a < d.rpd; ++a) { const i64 v = st.sl[a]; if (v > bl) { bl = v; b = a; } }
+    } else {
+      for (int a = lane; a < d.rpd; a += 32) if (st.sl[a] > bl) { bl = st.sl[a]; b = a; }
+      const unsigned tied = keep_max(kFull, (unsigned long long)(bl + 1));
+      b = (int)__reduce_min_sync(kFull, (tied >> lane & 1) ? (unsigned)b : 0xffffffffu);
+      bl = st.sl[b];
     }
-    __syncthreads();
-    const int b = rb_s;
-    const i64 lb = sl[b];
-    Cand mine = no_cand();
-    const int ncand = G * rpd;  // (source instance g on rb) x (target a)
-    for (int c = threadIdx.x; c < ncand; c += blockDim.x) {
-      int g = c / rpd, a = c % rpd;
-      if (a == b) continue;
-      i64 u = su[b * G + g];
-      if (u <= 0) continue;
-      int e = g < d.Eloc ? (r0 + b) * d.Eloc + g : se[b * d.N + (g - d.Eloc)];
-      if (e < 0) continue;
-      i64 half = (lb - sl[a]) / 2;  // lb >= sl[a]: floor division
-      if (half <= 0) continue;
-      int rt = r0 + a;
-      bool existing = main_rank_of(e, d) == rt;
-      bool has_free = false;
-      for (int j = 0; j < d.N; ++j) {
-        int x = se[a * d.N + j];
-        existing |= (x == e);
-        has_free |= (x < 0);
+    t1 = clock64(); c_rb += t1 - t0; t0 = t1;
+    const i64* cost_row = st.cost + (i64)b * st.cs;
+    // existing-instance candidates; `need`: this lane's targets that still want a new-replica candidate
+    Key best = no_key();
+    unsigned need = 0;
+    for (int a = lane, k = 0; a < d.rpd; a += 32, ++k) {
+      const i64 lt = st.sl[a], c = cost_row[a];
+      const i64 half = (bl - lt) / 2;
+      if (a == b || half <= 0) continue;
+      i64 ex = 0;  // best existing delta for this target
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int x = st.se[a * N + j];  // an expert in a's slots that rb also hosts
+        const int g = x < 0 ? -1 : find_on<NT>(st, b, x, r0, d);
+        const i64 u = g < 0 ? 0 : st.su[b * d.G + g];
+        if (u > 0) { consider(best, u, half, lt, c, a, x, g, d.Eloc + j); ex = max(ex, u < half ? u : half); }
       }
-      if (!existing && !has_free) continue;
-      Cand k;
-      k.neg_delta = -(u < half ? u : half);
-      k.lt = sl[a];
-      k.cost = cost_fs[(i64)(r0 + b) * d.R + rt];
-      k.is_new = existing ? 0 : 1;
-      k.neg_u = -u;
-      k.rt = rt;
-      k.e = e;
-      k.slot = g;
-      if (better(k, mine)) mine = k;
-    }
-    mine = warp_best(mine);
-    if (lane == 0) warp_res[warp] = mine;
-    __syncthreads();
-    if (warp == 0) {
-      Cand c = lane < nwarps ? warp_res[lane] : no_cand();
-      c = warp_best(c);
-      if (lane == 0) best = c;
-    }
-    __syncthreads();
-    if (best.slot < 0) break;  // no move helps
-    if (threadIdx.x == 0) {
-      const Cand k = best;
-      const i64 delta = -k.neg_delta;
-      const int a = k.rt - r0;
-      int gt = -1;  // target instance on rt
-      if (main_rank_of(k.e, d) == k.rt) gt = k.e - k.rt * d.Eloc;
-      for (int j = 0; j < d.N && gt < 0; ++j) if (se[a * d.N + j] == k.e) gt = d.Eloc + j;
-      if (gt < 0) {  // new replica in rt's lowest free slot
-        for (int j = 0; j < d.N; ++j) if (se[a * d.N + j] < 0) { se[a * d.N + j] = k.e; gt = d.Eloc + j; break; }
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int y = st.se[b * N + j];  // an expert in rb's slots whose main is a
+        const i64 u = (y >= 0 && main_rank_of(y, d) == r0 + a) ? st.su[b * d.G + d.Eloc + j] : 0;
+        if (u > 0) { consider(best, u, half, lt, c, a, y, d.Eloc + j, y - (r0 + a) * d.Eloc); ex = max(ex, u < half ? u : half); }
       }
-      su[b * G + k.slot] -= delta;
-      su[a * G + gt] += delta;
-      sl[b] -= delta;
-      sl[a] += delta;
+      // a new replica can only win with a larger delta (an existing instance wins ties)
+      if (ex < half && first_free<NT>(st, a, d) >= 0) need |= 1u << k;
     }
+    t1 = clock64(); c_ex += t1 - t0; t0 = t1;
+    // new-replica candidates: rb's instances in (load desc, expert asc) order, one warp argmax per round;
+    // a target takes the first one it does not host
+    i64 pu = LLONG_MAX;
+    int pe = -1;
+    while (__any_sync(kFull, need != 0)) {
+      i64 u = -1;
+      int e = INT_MAX, g = -1;
+      for (int gg = lane; gg < d.G; gg += 32) {
+        const i64 uu = st.su[b * d.G + gg];
+        const int ee = expert_at(st, b, gg, r0, d);
+        if (uu <= 0 || ee < 0 || !(uu < pu || (uu == pu && ee > pe))) continue;
+        if (uu > u || (uu == u && ee < e)) { u = uu; e = ee; g = gg; }
+      }
+      ++n_rounds;
+      unsigned top = keep_max(kFull, (unsigned long long)(u + 1));
+      const int emin = (int)__reduce_min_sync(kFull, (top >> lane & 1) ? (unsigned)e : 0xffffffffu);
+      const int src = __ffs(__ballot_sync(kFull, (top >> lane & 1) && e == emin)) - 1;
+      u = __shfl_sync(kFull, u, src);
+      g = __shfl_sync(kFull, g, src);
+      e = emin;
+      if (u < 0) break;  // rb has no further instance with load
+      pu = u;
+      pe = e;
+      for (int a = lane, k = 0; a < d.rpd; a += 32, ++k) {
+        if (!(need >> k & 1)) continue;
+        if (find_on<NT>(st, a, e, r0, d) >= 0) continue;
+        consider(best, u, (bl - st.sl[a]) / 2, st.sl[a], cost_row[a], a, e, g, -1 - first_free<NT>(st, a, d));
+        need &= ~(1u << k);
+      }
+    }
+    t1 = clock64(); c_rounds += t1 - t0; t0 = t1;
+    // the best lane, field by field
+    unsigned tied = __ballot_sync(kFull, best.gs >= 0);
+    if (tied == 0) break;  // no move helps
+    tied = keep_max(tied, (unsigned long long)best.delta);
+    if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)best.lt);
+    if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)best.cost);
+    if (__popc(tied) > 1) tied = keep_max(tied, best.gt >= 0 ? 1ull : 0ull);
+    if (__popc(tied) > 1) tied = keep_max(tied, (unsigned long long)best.u);
+    if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)(unsigned)best.a);
+    // a lane's candidates have distinct targets from other lanes', so one lane is left here
+    const int win = __ffs(tied) - 1;
+    t1 = clock64(); c_red += t1 - t0; t0 = t1;
+    if (lane == win) {
+      const int a = best.a;
+      int gt = best.gt;
+      if (gt < 0) {  // new replica in a's free slot
+        const int j = -1 - gt;
+        st.se[a * N + j] = best.e;
+        gt = d.Eloc + j;
+      }
+      st.su[b * d.G + best.gs] -= best.delta;
+      st.su[a * d.G + gt] += best.delta;
+      st.sl[b] -= best.delta;
+      st.sl[a] += best.delta;
+    }
+    __syncwarp();
     ++iters;
-    __syncthreads();
+    t1 = clock64(); c_move += t1 - t0; t0 = t1;
   }
+  if (count && prof != nullptr) {
+    prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
+    prof[6] = c_move; prof[7] = clock64() - t_begin;
+  }
+}
+
+template <int NT>
+__device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w, i64* smem) {
+  const int rpd = d.rpd, G = d.G, r0 = dom * rpd;
+  DomState st;
+  st.su = smem;
+  st.sl = st.su + (i64)rpd * G;
+  i64* cost = st.sl + rpd;
+  if (rpd <= 32) {
+    for (int i = threadIdx.x; i < rpd * rpd; i += blockDim.x) cost[i] = cost_fs[(i64)(r0 + i / rpd) * d.R + r0 + i % rpd];
+    st.cost = cost;
+    st.cs = rpd;
+    cost += rpd * rpd;
+  } else {
+    st.cost = cost_fs + (i64)r0 * d.R + r0;
+    st.cs = d.R;
+  }
+  st.se = (int*)cost;
   for (int i = threadIdx.x; i < rpd * G; i += blockDim.x) {
-    int a = i / G, g = i % G, r = r0 + a;
-    if (g < d.Eloc) U[r * d.Eloc + g] = su[i];
-    else U[d.E + (i64)r * d.N + (g - d.Eloc)] = su[i];
+    const int a = i / G, g = i % G, r = r0 + a;
+    st.su[i] = g < d.Eloc ? w.U[r * d.Eloc + g] : w.U[d.E + (i64)r * d.N + (g - d.Eloc)];
   }
-  for (int i = threadIdx.x; i < rpd * d.N; i += blockDim.x) slot_expert[(i64)r0 * d.N + i] = se[i];
-  for (int a = threadIdx.x; a < rpd; a += blockDim.x) L[r0 + a] = sl[a];
-  if (threadIdx.x == 0) iters_out[dom] = iters;
+  for (int i = threadIdx.x; i < rpd * d.N; i += blockDim.x) st.se[i] = (int)w.slot0[(i64)r0 * d.N + i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int a = warp; a < rpd; a += kWarps) {
+    i64 acc = 0;
+    for (int g = lane; g < G; g += 32) acc += st.su[a * G + g];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off);
+    if (lane == 0) st.sl[a] = acc;
+  }
+  __syncthreads();
+  if (warp == 0) refine_warp<NT>(dom, st, d, blockIdx.x == 0 ? w.stamps + 7 : nullptr);
+  __syncthreads();
+  for (int i = threadIdx.x; i < rpd * G; i += blockDim.x) {
+    const int a = i / G, g = i % G, r = r0 + a;
+    if (g < d.Eloc) w.U[r * d.Eloc + g] = st.su[i];
+    else w.U[d.E + (i64)r * d.N + (g - d.Eloc)] = st.su[i];
+  }
+  for (int i = threadIdx.x; i < rpd * d.N; i += blockDim.x) w.slot1[(i64)r0 * d.N + i] = st.se[i];
+  for (int a = threadIdx.x; a < rpd; a += blockDim.x) w.L[r0 + a] = st.sl[a];
+  __syncthreads();
 }
 
 // ---------------------------------------------------------------------------------------------------
-// finalize: one block. flag = (max refined load > max static load); drop replicas with no load.
-__global__ void finalize_kernel(const i64* __restrict__ T, const i64* __restrict__ L, const i64* __restrict__ U,
-                                Dims d, i64* __restrict__ slot_expert, int* __restrict__ flag) {
-  __shared__ i64 red_l[32], red_s[32];
+// phase 6: the guard (max refined load > max static load -> the static plan), then the final slots and
+// the route. Instance p's group is (expert e, domain of p's rank); the group's sources send A[s] (what
+// stage 2 sent to the group's initial instances), filled in source order into the group's instances in
+// p order (cu = load of the group's instances before p). se0 / se1: slot tables before / after refinement.
+__device__ bool guard_fires(const Dims& d, const Work& w) {
+  __shared__ i64 red_l[kWarps], red_s[kWarps];
+  __shared__ int fb;
   i64 ml = 0, ms = 0;
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) {
-    ml = max(ml, L[r]);
-    ms = max(ms, static_load(T, r, d));
-  }
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) { ml = max(ml, w.L[r]); ms = max(ms, w.L0[r]); }
   for (int off = 16; off > 0; off >>= 1) {
-    ml = max(ml, __shfl_xor_sync(0xffffffff, ml, off));
-    ms = max(ms, __shfl_xor_sync(0xffffffff, ms, off));
+    ml = max(ml, __shfl_xor_sync(kFull, ml, off));
+    ms = max(ms, __shfl_xor_sync(kFull, ms, off));
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) { red_l[warp] = ml; red_s[warp] = ms; }
   __syncthreads();
-  __shared__ int fb;
   if (threadIdx.x == 0) {
-    for (int w = 1; w < nwarps; ++w) { ml = max(ml, red_l[w]); ms = max(ms, red_s[w]); }
+    for (int i = 1; i < kWarps; ++i) { ml = max(ml, red_l[i]); ms = max(ms, red_s[i]); }
     fb = ml > ms;
-    *flag = fb;
   }
   __syncthreads();
-  for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x)
-    if (fb || U[d.E + q] <= 0) slot_expert[q] = -1;
+  return fb;
+}
+
+__device__ void route_phase(const Dims& d, const Work& w, const int* se0, const int* se1,
+                            bool fb, i64* __restrict__ slot_expert, i64* __restrict__ route) {
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < d.R * d.N; q += gridDim.x * blockDim.x)
+    slot_expert[q] = (fb || w.U[d.E + q] <= 0) ? -1 : se1[q];
+  const LaneGroup lg = lane_group(d);
+  const int sub = (threadIdx.x & 31) / d.gw;
+  for (int base = lg.first - sub; base < d.P; base += lg.stride) {  // uniform per warp
+    const int p = base + sub;
+    int e = -1, r = 0;
+    if (p < d.P) instance_of(p, se1, d, &e, &r);
+    if (fb) {  // the static plan
+      if (p < d.P)
+        for (int s = lg.lig; s < d.R; s += d.gw) route[(i64)s * d.P + p] = p < d.E ? w.om[(i64)s * d.E + p] : 0;
+      continue;
+    }
+    const int gd = e >= 0 ? dom_of_rank(r, d) : 0;
+    const bool main_in_group = e >= 0 && dom_of_rank(main_rank_of(e, d), d) == gd;
+    const i64 up = e >= 0 ? w.U[p] : 0;
+    i64 cu = 0;  // the group's load before p: the main (if in the group and p is a slot), then slots
+    if (e >= 0 && p >= d.E) {
+      if (main_in_group) cu += w.U[e];
+      for (int q = gd * d.rpd * d.N; q < p - d.E; ++q) if (se1[q] == e) cu += w.U[d.E + q];
+    }
+    const int n_all = e >= 0 ? w.cnt_all0[e] : 1;
+    i64 carry = 0;
+    for (int s0 = 0; s0 < d.R; s0 += d.gw) {
+      const int s = s0 + lg.lig;
+      i64 amount = 0;
+      if (e >= 0 && s < d.R) {
+        const int sd = dom_of_rank(s, d);
+        const i64 x = w.om[(i64)s * d.E + e];
+        if (sd == gd) {
+          amount = x;
+        } else if (w.cnt_dom0[(i64)sd * d.E + e] == 0 && x > 0) {  // orphan: its share of the group's initial instances
+          i64 xq, xr;
+          divmod(x, n_all, &xq, &xr);
+          if (main_in_group) amount += xq + (floor_mod(0 - s, n_all) < xr ? 1 : 0);
+          for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
+            if (se0[q] == e) amount += xq + (floor_mod(w.pos_all0[d.E + q] - s, n_all) < xr ? 1 : 0);
+        }
+      }
+      i64 incl = amount;  // inclusive scan over the group's lanes
+      for (int off = 1; off < d.gw; off <<= 1) {
+        const i64 v = __shfl_up_sync(kFull, incl, off, d.gw);
+        if (lg.lig >= off) incl += v;
+      }
+      const i64 lo = carry + incl - amount, hi = lo + amount;
+      if (p < d.P && s < d.R) {
+        const i64 ov = e >= 0 ? min(hi, cu + up) - max(lo, cu) : 0;
+        route[(i64)s * d.P + p] = ov > 0 ? ov : 0;
+      }
+      carry += __shfl_sync(kFull, incl, d.gw - 1, d.gw);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// route: one block per instance p of the final placement. Its group is (expert e, domain of p's rank);
-// the group's sources send A[s] (what stage 2 sent to the group's initial instances), filled in source
-// order into the group's instances in p order (cumU[p] = load of the group's instances before p).
-__global__ void route_kernel(const i64* __restrict__ omega, const i64* __restrict__ slot_final,
-                             const i64* __restrict__ slot0, const i64* __restrict__ U, Dims d,
-                             const int* __restrict__ pos_all0, const int* __restrict__ cnt_all0,
-                             const int* __restrict__ cnt_dom0, const int* __restrict__ flag, i64* __restrict__ route) {
-  const int p = blockIdx.x;
-  __shared__ i64 scan[kRouteThreads];
-  __shared__ i64 carry;
-  if (*flag) {  // fallback: the static plan
-    for (int s = threadIdx.x; s < d.R; s += blockDim.x)
-      route[(i64)s * d.P + p] = p < d.E ? omega[(i64)s * d.E + p] : 0;
-    return;
+template <int NT>
+__global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restrict__ omega, const i64* __restrict__ cost_fs,
+                                                            Dims d, Work w, i64* __restrict__ slot_expert,
+                                                            i64* __restrict__ route) {
+  extern __shared__ i64 smem[];
+  stamp(w, 0);
+  i64* scratch = smem;  // per-phase shared memory (smem_bytes)
+  if (d.local) {        // omega and the state move into shared memory, after the scratch area
+    i64* om = smem + scratch_elems(d);
+    for (int i = threadIdx.x; i < d.R * d.E; i += blockDim.x) om[i] = omega[i];
+    w.om = om;
+    carve(w, om + (size_t)d.R * d.E, d);
+    __syncthreads();
   }
-  int e, r;
-  instance_of(p, slot_final, d, &e, &r);
-  if (e < 0) {
-    for (int s = threadIdx.x; s < d.R; s += blockDim.x) route[(i64)s * d.P + p] = 0;
-    return;
+  // 1 demand
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d.M * d.E; i += gridDim.x * blockDim.x) {
+    const int m = i / d.E, e = i % d.E;
+    i64 acc = 0;
+    for (int s = m * d.rpd; s < (m + 1) * d.rpd; ++s) acc += w.om[(i64)s * d.E + e];
+    w.D[i] = acc;
+    // instance counts of the mains alone (phase 3 adds the replicas): e's main is first of its instances
+    w.cnt_dom0[i] = dom_of_rank(main_rank_of(e, d), d) == m;
+    if (m == 0) { w.cnt_all0[e] = 1; w.pos_all0[e] = 0; w.pos_dom0[e] = 0; }
   }
-  const int gd = dom_of_rank(r, d);
-  const i64 up = U[p];
-  // cumU: the group's instances before p: the main (if it is in the group and p is a slot), then slots
-  i64 cu = 0;
-  if (p >= d.E && dom_of_rank(main_rank_of(e, d), d) == gd) cu += U[e];
-  if (p >= d.E) {
-    for (int q = gd * d.rpd * d.N; q < p - d.E; ++q)
-      if (slot_final[q] == e) cu += U[d.E + q];
-  }
-  if (threadIdx.x == 0) carry = 0;
+  grid_sync();
+  stamp(w, 1);
+  // 2 placement (static loads; stage 1)
+  for (int dom = blockIdx.x; dom < d.M; dom += gridDim.x) placement(dom, d, w, scratch);
+  grid_sync();
+  stamp(w, 2);
+  // 3 instances of the stage-1 placement; the slot table stays staged in shared memory for phase 4
+  int* se0 = (int*)scratch;
+  for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) se0[q] = (int)w.slot0[q];
   __syncthreads();
-  const int n_all = cnt_all0[e];
-  for (int base = 0; base < d.R; base += blockDim.x) {
-    const int s = base + threadIdx.x;
-    i64 a = 0;
-    if (s < d.R) {
-      const int sd = dom_of_rank(s, d);
-      const i64 w = omega[(i64)s * d.E + e];
-      if (sd == gd) {
-        a = w;
-      } else if (cnt_dom0[(i64)sd * d.E + e] == 0 && w > 0) {  // orphan: its share of the group's initial instances
-        const i64 wq = w / n_all, wr = w % n_all;
-        if (dom_of_rank(main_rank_of(e, d), d) == gd) a += wq + (floor_mod(0 - s, n_all) < wr ? 1 : 0);
-        for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
-          if (slot0[q] == e) a += wq + (floor_mod((i64)pos_all0[d.E + q] - s, n_all) < wr ? 1 : 0);
-      }
-    }
-    // block inclusive scan of a (Hillis-Steele)
-    scan[threadIdx.x] = a;
-    __syncthreads();
-    for (int off = 1; off < blockDim.x; off <<= 1) {
-      i64 v = threadIdx.x >= off ? scan[threadIdx.x - off] : 0;
-      __syncthreads();
-      scan[threadIdx.x] += v;
-      __syncthreads();
-    }
-    const i64 lo = carry + scan[threadIdx.x] - a, hi = lo + a;
-    if (s < d.R) {
-      const i64 ov = min(hi, cu + up) - max(lo, cu);
-      route[(i64)s * d.P + p] = ov > 0 ? ov : 0;
-    }
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry += scan[threadIdx.x];
-    __syncthreads();
-  }
+  instances(d, w, se0);
+  grid_sync();
+  stamp(w, 3);
+  // 4 stage-2 split
+  split(d, w, se0);
+  grid_sync();
+  stamp(w, 4);
+  // 5 refinement, a block per domain
+  for (int dom = blockIdx.x; dom < d.M; dom += gridDim.x) refine<NT>(dom, cost_fs, d, w, scratch);
+  grid_sync();
+  stamp(w, 5);
+  // 6 guard, final slots, route
+  int* se1 = (int*)scratch;
+  se0 = se1 + d.R * d.N;
+  for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
+  const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
+  route_phase(d, w, se0, se1, fb, slot_expert, route);
+  stamp(w, 6);
 }
 
 __global__ void static_kernel(const i64* __restrict__ omega, Dims d, i64* __restrict__ slot_expert,
@@ -451,74 +623,91 @@ __global__ void static_kernel(const i64* __restrict__ omega, Dims d, i64* __rest
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
-size_t workspace_elems(int R, int E, int M, int N) {
-  const size_t P = (size_t)E + (size_t)R * N;
-  // i64: D[M*E], T[E], U[P], L[R], slot0[R*N];  i32 (two per i64): pos_all0[P], pos_dom0[P], cnt_all0[E],
-  // cnt_dom0[M*E], flag, iters[M]
-  size_t i64s = (size_t)M * E + E + P + R + (size_t)R * N;
-  size_t i32s = 2 * P + E + (size_t)M * E + 1 + M;
-  return i64s + (i32s + 1) / 2 + 1;
-}
-
 static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t); }
 
-void plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W, int64_t S,
-                 int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream) {
+// ---------------------------------------------------------------------------------------------------
+// Workspace: stamps[kNumStamps], then the state (state_elems).
+static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
-  d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.W = W; d.S = S;
-  const int threads = 256;
+  d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
+  d.W = 0; d.S = 0; d.local = 0;
+  d.inv_eloc = ((1ull << 32) + d.Eloc - 1) / d.Eloc;
+  d.inv_rpd = ((1ull << 32) + d.rpd - 1) / d.rpd;
+  d.gw = 1;
+  while (d.gw < R && d.gw < 32) d.gw <<= 1;
+  return d;
+}
+
+size_t workspace_elems(int R, int E, int M, int N) { return kNumStamps + state_elems(make_dims(R, E, M, N)); }
+
+size_t phase_ns_offset(int, int, int, int) { return 0; }
+
+size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
+
+// One block (everything in shared memory) when the plan is small: about 4k (source, instance) pairs of
+// phases 4 and 6 per block; at least one block per domain; at most one per SM.
+static int grid_blocks(const Dims& d, int sms, size_t* smem) {
+  const long long pairs = (long long)d.R * d.P;
+  const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
+  *smem = sizeof(i64) * scratch_elems(d);
+  if (d.M == 1 && pairs <= 16384 && *smem + local <= kLocalSmemBytes) {
+    *smem += local;
+    return 0;  // local
+  }
+  const int blocks = pairs <= 16384 ? 1 : (int)min((long long)sms, (pairs + 4095) / 4096);
+  return min(max(blocks, d.M), sms);  // domains beyond the grid are looped over
+}
+
+cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream) {
+  Dims d = make_dims(R, E, M, N);
+  d.W = W; d.S = S;
   if (N == 0) {
-    static_kernel<<<blocks_for((long long)R * d.P, threads), threads, 0, stream>>>(omega, d, slot_expert, route);
-    return;
+    static_kernel<<<blocks_for((long long)R * d.P, 256), 256, 0, stream>>>(omega, d, slot_expert, route);
+    return cudaGetLastError();
   }
-  i64* D = ws;
-  i64* T = D + (size_t)M * E;
-  i64* U = T + E;
-  i64* L = U + d.P;
-  i64* slot0 = L + R;
-  int* pos_all0 = (int*)(slot0 + (size_t)R * N);
-  int* pos_dom0 = pos_all0 + d.P;
-  int* cnt_all0 = pos_dom0 + d.P;
-  int* cnt_dom0 = cnt_all0 + E;
-  int* flag = cnt_dom0 + (size_t)M * E;
-  int* iters = flag + 1;
+  Work w;
+  w.om = omega;
+  w.stamps = ws;
+  carve(w, ws + kNumStamps, d);
 
-  const size_t G = (size_t)d.Eloc + N;
-  const size_t refine_smem = sizeof(i64) * ((size_t)d.rpd * G + d.rpd) + sizeof(int) * (size_t)d.rpd * N;
-  static bool attrs_set = false;  // allow more than 48 KiB of dynamic shared memory (large E or domains)
-  if (!attrs_set) {
-    cudaFuncSetAttribute(placement_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
-    cudaFuncSetAttribute(refine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
-    cudaFuncSetAttribute(instances_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
-    attrs_set = true;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static int sms_of[64] = {0};  // SM count per device ordinal, queried once
+  if (dev >= 64) return cudaErrorInvalidDevice;
+  if (sms_of[dev] == 0) cudaDeviceGetAttribute(&sms_of[dev], cudaDevAttrMultiProcessorCount, dev);
+  size_t smem = 0;
+  int blocks = grid_blocks(d, sms_of[dev], &smem);
+  if (blocks == 0) { d.local = 1; blocks = 1; }
+  // the refinement's slot loops are unrolled for 1-4 slots
+  void (*kernel)(const i64*, const i64*, Dims, Work, i64*, i64*) =
+      N == 1 ? topoep_kernel<1> : N == 2 ? topoep_kernel<2> : N == 3 ? topoep_kernel<3> : N == 4 ? topoep_kernel<4>
+                                                                                           : topoep_kernel<0>;
+  static int max_smem_set[5] = {0, 0, 0, 0, 0};  // allow more than 48 KiB of dynamic shared memory
+  const int ki = N <= 4 ? N : 0;
+  if ((int)smem > 48 * 1024 && (int)smem > max_smem_set[ki]) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+    max_smem_set[ki] = (int)smem;
   }
-  cudaMemsetAsync(slot_expert, 0xff, sizeof(int64_t) * (size_t)R * N, stream);  // -1
-  demand_kernel<<<blocks_for(E, threads), threads, 0, stream>>>(omega, d, D, T);
-  if (M > 1) {
-    placement_kernel<<<M, threads, sizeof(i64) * E, stream>>>(D, T, d, slot_expert);
-  }
-  cudaMemcpyAsync(slot0, slot_expert, sizeof(int64_t) * (size_t)R * N, cudaMemcpyDeviceToDevice, stream);
-  instances_kernel<<<blocks_for(E + R * N, threads), threads, sizeof(i64) * (size_t)R * N, stream>>>(
-      slot0, d, pos_all0, pos_dom0, cnt_all0, cnt_dom0);
-  split_kernel<<<d.P, 128, 0, stream>>>(omega, slot0, d, pos_all0, pos_dom0, cnt_all0, cnt_dom0, U);
-  refine_kernel<<<M, threads, refine_smem, stream>>>(slot_expert, cost_fs, d, U, L, iters);
-  finalize_kernel<<<1, 1024, 0, stream>>>(T, L, U, d, slot_expert, flag);
-  route_kernel<<<d.P, kRouteThreads, 0, stream>>>(omega, slot_expert, slot0, U, d, pos_all0, cnt_all0, cnt_dom0,
-                                                 flag, route);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, slot_expert, route);
 }
 
-void plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
-                 cudaStream_t stream) {
-  Dims d;
-  d.R = R; d.E = E; d.M = 1; d.rpd = R; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.W = 0; d.S = 0;
+cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
+                        cudaStream_t stream) {
+  const Dims d = make_dims(R, E, 1, N);
   static_kernel<<<blocks_for((long long)R * d.P, 256), 256, 0, stream>>>(omega, d, slot_expert, route);
-}
-
-size_t refine_smem_bytes(int R, int E, int M, int N) {
-  const int rpd = R / M;
-  const size_t G = (size_t)E / R + N;
-  return sizeof(i64) * ((size_t)rpd * G + rpd) + sizeof(int) * (size_t)rpd * N;
+  return cudaGetLastError();
 }
 
 }  // namespace topoep

@@ -6,21 +6,27 @@
 
 namespace topoep {
 
-constexpr int kMaxRanksPerDomain = 1024;  // placement_kernel's shared rank order
-constexpr int kRouteThreads = 128;        // route_kernel block size (its scan width)
+constexpr int kMaxRanksPerDomain = 1024;  // placement's shared rank order; refinement's 32 targets per lane
+// workspace head: %globaltimer stamps (kernel start, end of phases 1-6), then refinement counters of domain 0
+// (iterations, SM cycles in: busiest rank, existing candidates, new-candidate rounds, rounds, reduction,
+// move, whole loop)
+constexpr int kNumStamps = 15;
+constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and their state in shared memory
 
 // int64 elements of the workspace plan_topoep needs for (R, E, M domains, N slots); mirrored by
 // topoep/planners/cuda.py:workspace_elems.
 size_t workspace_elems(int R, int E, int M, int N);
-// Dynamic shared memory of the refinement kernel (one block per domain).
-size_t refine_smem_bytes(int R, int E, int M, int N);
+// Offset (int64 elements) of the kNumStamps phase timestamps (ns) in the workspace.
+size_t phase_ns_offset(int R, int E, int M, int N);
+// Dynamic shared memory of the planner kernel.
+size_t smem_bytes(int R, int E, int M, int N);
 
 // The `topoep` policy. omega int64[R, E]; cost_fs int64[R, R]; outputs slot_expert int64[R, N] and
 // route int64[R, E + R*N]; ws: workspace_elems() int64. All device pointers, enqueued on `stream`.
-void plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W, int64_t S,
-                 int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream);
+cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream);
 // The `static` policy (main instances only).
-void plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
-                 cudaStream_t stream);
+cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
+                        cudaStream_t stream);
 
 }  // namespace topoep

@@ -2,7 +2,10 @@
 bit for bit on thousands of random instances, never synchronises the host, and replays in a CUDA graph
 with the same result as eager."""
 
+import multiprocessing
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -29,20 +32,42 @@ def random_case(rng: random.Random):
     return omega, Topology(num_domains=M, ranks_per_domain=R // M), N, rng.choice(W_CHOICES)
 
 
+def _reference_plans(cases):
+    """Reference plans of a batch of cases (runs in a worker process)."""
+    torch.set_num_threads(1)
+    out = []
+    for omega, topo, N, W in cases:
+        for policy in ("topoep", "static"):
+            ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096, backend="reference")
+            out.append((ref.slot_expert, ref.route))
+    return out
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_cuda_plan_equals_reference(chunk):
     rng = random.Random(1000 + chunk)
+    cases = [random_case(rng) for _ in range(600)]  # 2400 cases over the 4 chunks
+    # the CPU reference is the slow side: compute it in worker processes
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    batches = [cases[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_reference_plans, batches))
+    refs = [None] * (2 * len(cases))
+    for w, res in enumerate(results):
+        for j, plan in enumerate(res):
+            refs[2 * (w + workers * (j // 2)) + j % 2] = plan
     mismatches = []
-    for i in range(600):  # 2400 cases over the 4 chunks
-        omega, topo, N, W = random_case(rng)
-        for policy in ("topoep", "static"):
-            ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096, backend="reference")
+    for i, (omega, topo, N, W) in enumerate(cases):
+        for k, policy in enumerate(("topoep", "static")):
+            ref_se, ref_route = refs[2 * i + k]
             got = solve(omega.cuda(), topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096,
                         backend="cuda")
-            same = torch.equal(got.slot_expert.cpu(), ref.slot_expert) and torch.equal(got.route.cpu(), ref.route)
+            same = torch.equal(got.slot_expert.cpu(), ref_se) and torch.equal(got.route.cpu(), ref_route)
             if not same:
                 mismatches.append((i, policy, tuple(omega.shape), topo.num_domains, N, W))
-            else:
+            elif i % 10 == 0:  # the dense view of a sample (to_dense is slow)
+                ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096,
+                            backend="reference")
                 x1, q1 = got.to_dense()
                 x0, q0 = ref.to_dense()
                 assert torch.equal(x1.cpu(), x0) and torch.equal(q1.cpu(), q0)
@@ -94,3 +119,15 @@ def test_auto_backend_uses_cuda_for_gpu_omega():
     plan = solve(omega, Topology(num_domains=2, ranks_per_domain=4), num_slots=1)
     assert plan.info.get("backend") == "cuda" and plan.route.is_cuda
     plan.check()
+
+
+def test_phase_stamps_cover_the_plan():
+    omega = biased_routing(16, 320, 256, 8, -2.0, seed=5).cuda()
+    topo = Topology(num_domains=2, ranks_per_domain=8)
+    planner = CudaPlanner(16, 320, 2, 2, "cuda")
+    se = torch.empty(16, 2, dtype=torch.int64, device="cuda")
+    rt = torch.empty(16, 320 + 32, dtype=torch.int64, device="cuda")
+    planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
+    phases = planner.phase_ns()
+    assert list(phases) == ["demand", "placement", "instances", "split", "refine", "route"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) > 0

@@ -211,9 +211,19 @@ class Plan:
                 f"num_slots={self.num_slots}, replicas={self.num_replicas}, imbalance={imb:.3f})")
 
 
+_MAIN_RANK_CACHE: dict = {}
+
+
 def default_main_rank(num_experts: int, num_ranks: int, device=None) -> torch.Tensor:
-    """main_rank[e] = e // (E // R): megatron's placement of local experts."""
-    return torch.arange(num_experts, dtype=torch.int64, device=device) // (num_experts // num_ranks)
+    """main_rank[e] = e // (E // R): megatron's placement of local experts. One cached tensor per
+    (E, R, device), shared by every plan (no kernel launch per planner call): never modify it in place."""
+    key = (num_experts, num_ranks, str(torch.device(device) if device is not None else "cpu"))
+    t = _MAIN_RANK_CACHE.get(key)
+    if t is None:
+        t = torch.arange(num_experts, dtype=torch.int64, device=device) // (num_experts // num_ranks)
+        if len(_MAIN_RANK_CACHE) < 64:
+            _MAIN_RANK_CACHE[key] = t
+    return t
 
 
 def domain_demand(omega: torch.Tensor, topology: Topology) -> torch.Tensor:

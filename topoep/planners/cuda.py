@@ -88,12 +88,9 @@ def _register_fakes() -> None:
         return None
 
 
-def workspace_elems(R: int, E: int, M: int, N: int) -> int:
-    """Mirror of csrc/planner.cu:workspace_elems."""
-    P = E + R * N
-    i64s = M * E + E + P + R + R * N
-    i32s = 2 * P + E + M * E + 1 + M
-    return i64s + (i32s + 1) // 2 + 1
+PHASES = ("demand", "placement", "instances", "split", "refine", "route")
+REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
+                   "move_cycles", "loop_cycles")
 
 
 class CudaPlanner:
@@ -103,8 +100,8 @@ class CudaPlanner:
         load_extension()
         self.R, self.E, self.M, self.N = num_ranks, num_experts, num_domains, num_slots
         self.device = torch.device(device)
-        self.workspace = torch.empty(workspace_elems(self.R, self.E, self.M, self.N), dtype=torch.int64,
-                                     device=self.device)
+        elems, self._stamps_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
+        self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
@@ -114,6 +111,21 @@ class CudaPlanner:
         else:
             torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes, token_bytes,
                                          slot_expert, route, self.workspace)
+
+
+    def phase_ns(self) -> dict[str, int]:
+        """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
+        host: for benchmarks, never on the training path)."""
+        t = self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist()
+        return {name: t[i + 1] - t[i] for i, name in enumerate(PHASES)}
+
+    def refine_profile(self) -> dict[str, int]:
+        """Domain 0's refinement in the last `topoep` plan: iterations, and SM cycles spent finding the
+        busiest rank, the existing-instance candidates, the new-replica rounds (and their number), the
+        candidate reduction, the move, and the whole loop (synchronises the host; for benchmarks)."""
+        at = self._stamps_at + len(PHASES) + 1
+        v = self.workspace[at:at + len(REFINE_COUNTERS)].tolist()
+        return dict(zip(REFINE_COUNTERS, v))
 
 
 _planners: dict = {}
