@@ -88,7 +88,12 @@ class EplbConfig:
     num_chunks: int = 2
     """Token chunks of the pipeline (paper 3.3)."""
     t_ffn: float | None = None
-    """Seconds of expert time per assignment for cost-aware policies; None: from the model's shape."""
+    """Seconds of expert time per assignment for cost-aware policies and the guard; None: from the
+    model's shape."""
+    guard: bool = True
+    """Net-benefit guard (paper eq. 2): execute the static plan when balancing is predicted not to pay
+    (saving of straggler expert time <= planning + replica transfer time). Its constants model GPUs
+    (topoep.runtime.NetBenefitGuard), so trainer=cpu turns it off."""
 
     def __post_init__(self):
         if self.name != "none":
@@ -98,6 +103,8 @@ class EplbConfig:
                                  "(or eplb=none for megatron's baseline)")
         if not isinstance(self.num_slots, int) or self.num_slots < 0:
             raise ValueError(f"eplb.num_slots must be an integer >= 0, got {self.num_slots!r}")
+        if not isinstance(self.guard, bool):
+            raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")
 
     @property

@@ -98,7 +98,8 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
         (run_dir / "config.yaml").write_text(resolved_config["_yaml"])
         print(f"world {d.world_size} on {tr.device}: tp {par.tp} pp {par.pp} ep {par.ep} dp "
               f"{ps.get_data_parallel_world_size()}; {topology}; eplb {ec.name}"
-              + (f" (policy {ec.policy}, {ec.num_slots} slots, backend {ec.backend})" if ec.enabled else ""), flush=True)
+              + (f" (policy {ec.policy}, {ec.num_slots} slots, backend {ec.backend}, "
+                 f"guard {'on' if ec.guard else 'off'})" if ec.enabled else ""), flush=True)
 
     loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
@@ -106,7 +107,7 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
     vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
     tc = setup.transformer_config(mc, par, tr, job.router)
     topoep_cfg = (TopoEPLayerConfig(topology=topology, policy=ec.policy, num_slots=ec.num_slots, backend=ec.backend,
-                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec))
+                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec), guard=ec.guard)
                   if ec.enabled else None)
     model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
                             rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,
@@ -188,7 +189,8 @@ def _line(step, steps, m, balanced) -> str:
         s += f" | imbalance {m['moe/imbalance_before']:.2f}"
         if balanced:
             s += (f" -> {m['moe/imbalance_after']:.2f} | inter-node {100 * m['moe/internode_after']:.1f} % | "
-                  f"replica {100 * m['moe/replica_fraction']:.1f} % | planner {m['moe/planner_ms']:.1f} ms")
+                  f"replica {100 * m['moe/replica_fraction']:.1f} % | planner {m['moe/planner_ms']:.1f} ms | "
+                  f"guard {100 * m['moe/guard_fired']:.0f} %")
         else:
             s += f" | inter-node {100 * m['moe/internode_before']:.1f} %"
     return s

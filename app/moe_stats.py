@@ -3,7 +3,8 @@
 Each MoE layer's router is hooked to count its local assignments per expert (on the device, summed
 over micro-batches). Once per step the counts are all-gathered over the EP group into omega[R, E] per
 layer, from which the no-balancing ("before") imbalance and inter-node share follow; TopoEP layers add
-their plans' statistics ("after"). One small all-reduce brings every pipeline stage's layers to rank 0.
+their plans' statistics ("after") and the share of their calls in which the net-benefit guard fired
+(executed the static plan). One small all-reduce brings every pipeline stage's layers to rank 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.topology import Topology
 
 COLUMNS = ("imbalance_before", "imbalance_after", "internode_before", "internode_after", "replica_fraction",
-           "planner_ms", "num_replicas")
+           "planner_ms", "num_replicas", "guard_fired")
 _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
 
@@ -63,13 +64,14 @@ class MoEStats:
             before = rank_load.max() / rank_load.mean().clamp(min=1e-30)
             inter = (om * cross).sum() / total
             row = dict(imbalance_before=before, imbalance_after=before, internode_before=inter,
-                       internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0)
+                       internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0,
+                       guard_fired=0.0)
             balancer = getattr(layer, "balancer", None)
             s, calls = balancer.pop_stats() if balancer is not None else (None, 0)
             if s is not None:  # TopoEP layer: its plans' statistics, averaged over the micro-batches
                 row.update(imbalance_after=s[_IDX["imbalance"]], internode_after=s[_IDX["internode_fraction"]],
                            replica_fraction=s[_IDX["replica_fraction"]], planner_ms=s[_IDX["planner_ms"]] * calls,
-                           num_replicas=s[_IDX["num_replicas"]])
+                           num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]])
             stats[self.index[i]] = torch.stack([torch.as_tensor(row[c], dtype=torch.float64, device=self.device)
                                                 for c in COLUMNS])
             loads[self.index[i]] = load

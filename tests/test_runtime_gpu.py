@@ -1,6 +1,7 @@
 """GPU tests (skipped without CUDA; run on the GPU machine): the grouped-GEMM expert path against the
 per-group loop, and ExpertParallelMoE on 2 GPUs with NCCL against the dense reference for every policy
-(one domain of 2, and 2 GPUs as 2 virtual domains)."""
+(one domain of 2, and 2 GPUs as 2 virtual domains), and that the net-benefit guard never synchronises
+the host."""
 
 import pytest
 import torch
@@ -51,3 +52,23 @@ def test_layer_on_two_gpus_matches_dense_reference(rpd):
         assert reps[0] == reps[1]
         if policy in ("topoep", "flexmoe") or (policy == "deepseek" and rpd > 1):  # deepseek: within a node
             assert reps[0] > 0
+
+
+def test_guard_does_not_synchronise_the_host():
+    from test_runtime_guard import hand_plan
+    from topoep import Plan
+    from topoep.runtime.guard import NetBenefitGuard
+
+    p = hand_plan()
+    dev = torch.device("cuda")
+    p.topology.on(dev)  # the topology's one-time device copy
+    plan = Plan(omega=p.omega.to(dev), topology=p.topology, num_slots=1, main_rank=p.main_rank.to(dev),
+                slot_expert=p.slot_expert.to(dev), route=p.route.to(dev), policy="topoep", expert_bytes=1000,
+                token_bytes=10)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        executed, fired, _, _ = NetBenefitGuard().select(plan, 1e-6, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert fired.item() and executed.slot_expert.cpu().tolist() == [[-1], [-1]]

@@ -1,7 +1,7 @@
 """Multi-rank tests (CPU, gloo, several processes): ExpertParallelMoE against a single-process dense
-reference for every policy, payload routing, replica use under skew, the two-chunk pipeline, and that
-the replica pool is allocated once and memory does not grow. Virtual topologies: 4 ranks = 2 domains
-x 2, 8 ranks = 2 domains x 4.
+reference for every policy, payload routing, replica use under skew, the two-chunk pipeline, that the
+replica pool is allocated once and memory does not grow, and that the benchmarks' phase timer changes no
+value. Virtual topologies: 4 ranks = 2 domains x 2, 8 ranks = 2 domains x 4.
 """
 
 import gc
@@ -43,7 +43,9 @@ def dense_reference(x, idx, w, fc1, fc2, gy):
     return y.detach(), x.grad, w.grad, fc1.grad, fc2.grad
 
 
-def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="cpu", N=2):
+def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="cpu", N=2, guard=False):
+    """guard=False: at these tiny sizes the net-benefit guard would rightly skip replication, and these
+    tests are about the balanced path (the guard has its own tests)."""
     E_loc, T, k, H, Fd = 4, 24, 2, 8, 6
     R, E = world, world * E_loc
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
@@ -56,7 +58,7 @@ def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="c
     for policy in policies:
         for chunks in chunks_list:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=N,
-                                      policy=policy, num_chunks=chunks, device=dev)
+                                      policy=policy, num_chunks=chunks, device=dev, guard=guard)
             with torch.no_grad():
                 layer.fc1.copy_(fc1[lo:hi])
                 layer.fc2.copy_(fc2[lo:hi])
@@ -155,7 +157,7 @@ def _bf16_many_instances(rank, world):
     ys = {}
     for policy in ("static", "topoep"):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=3,
-                                  policy=policy, dtype=torch.bfloat16)
+                                  policy=policy, dtype=torch.bfloat16, guard=False)  # the balanced path
         with torch.no_grad():
             layer.fc1.copy_(fc1[rank * 512:(rank + 1) * 512])
             layer.fc2.copy_(fc2[rank * 512:(rank + 1) * 512])
@@ -222,3 +224,31 @@ def test_single_process_layer_and_bad_input():
         ExpertParallelMoE(num_experts=3, hidden_size=8, ffn_hidden_size=4, topology=Topology(num_domains=1, ranks_per_domain=2))
     with pytest.raises(ValueError, match="EP group has 1 ranks"):
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=Topology(num_domains=2, ranks_per_domain=1))
+
+
+def _timed(rank, world):
+    from topoep.runtime import PHASES, PhaseTimer
+
+    topo = Topology(num_domains=2, ranks_per_domain=2)
+    E, T, k, H, Fd = 16, 32, 2, 8, 4
+    x, idx, w, fc1, fc2, gy = make_inputs(world, E, T, k, H, Fd, 3.0, seed=4)
+    layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
+                              policy="topoep", guard=False)
+    with torch.no_grad():
+        layer.fc1.copy_(fc1[rank * 4:rank * 4 + 4])
+        layer.fc2.copy_(fc2[rank * 4:rank * 4 + 4])
+    out = []
+    for timer in (None, PhaseTimer("cpu")):
+        layer.timer = timer
+        layer.zero_grad(set_to_none=True)
+        xr = x[rank].clone().requires_grad_()
+        y = layer(xr, idx[rank], w[rank])
+        y.backward(gy[rank])
+        out.append([y.detach(), xr.grad, layer.fc1.grad.clone(), layer.fc2.grad.clone()])
+    return all(torch.equal(a, b) for a, b in zip(*out)), timer.pop(), layer.stats_dict()["num_replicas"], PHASES
+
+
+def test_phase_timer_times_every_phase_and_changes_nothing():
+    for same, ms, replicas, phases in run_ranks(_timed, 4):
+        assert same, "timing serialises the pipeline but must not change a single value"
+        assert replicas > 0 and set(ms) == set(phases) and all(v > 0 for v in ms.values())

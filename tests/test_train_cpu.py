@@ -1,6 +1,7 @@
 """End-to-end tests (CPU, torchrun with 4 gloo processes as 2 virtual domains): the quickstart trains and
 logs, eplb=topoep follows megatron's baseline loss curve, checkpoints resume the same curve and move
-between eplb=none and eplb=topoep, and bad configs fail fast with the field name."""
+between eplb=none and eplb=topoep, the net-benefit guard's statistic is logged, and bad configs fail fast
+with the field name."""
 
 import json
 import os
@@ -53,6 +54,7 @@ def test_quickstart_trains_and_logs(runs):
     assert all(r["moe/replica_fraction"] > 0 for r in m)  # replicas are used
     assert all(r["moe/imbalance_after"] <= r["moe/imbalance_before"] + 1e-9 for r in m)
     assert "moe/layer2/imbalance_after" in m[0] and m[0]["moe/planner_ms"] > 0
+    assert all(r["moe/guard_fired"] == 0.0 for r in m) and "guard 0 %" in stdout  # trainer=cpu: guard off
     assert (root / "config.yaml").read_text().count("eplb:") == 1
     assert list((root / "heatmaps").glob("expert_load_step*.png"))
     assert list((root / "wandb").glob("offline-run-*"))  # W&B offline run directory
@@ -66,6 +68,17 @@ def test_topoep_follows_megatron_baseline(runs):
     # the baseline logs the same routing statistics, without balancing
     assert all(r["moe/imbalance_after"] == r["moe/imbalance_before"] for r in a)
     assert a[0]["moe/imbalance_before"] == pytest.approx(b[0]["moe/imbalance_before"])
+
+
+def test_guard_on_cpu_executes_the_static_plan(runs, tmp_path):
+    """eplb.guard=true on a CPU with the guard's GPU constants: at the tiny model's size no saving pays for
+    the planning estimate, so every call executes the static plan: no replicas, the baseline's losses."""
+    train(tmp_path / "guard", "eplb.guard=true", "trainer.steps=3", "logger=none")
+    m = metrics(tmp_path / "guard")
+    assert [r["moe/guard_fired"] for r in m] == [1.0, 1.0, 1.0]
+    assert all(r["moe/layer1/guard_fired"] == 1.0 and r["moe/replica_fraction"] == 0.0 for r in m)
+    assert all(r["moe/imbalance_after"] == pytest.approx(r["moe/imbalance_before"]) for r in m)
+    assert [r["loss"] for r in m] == pytest.approx([r["loss"] for r in runs["none"][:3]], rel=1e-4)
 
 
 def _resume_from(runs, name, *overrides):

@@ -37,6 +37,53 @@ def test_skew_zero_is_uniform_in_expectation_and_skew_concentrates():
     assert one.sum() == 4 and one.max() == 1
 
 
+def test_concentrated_layout_puts_the_hot_experts_on_rank_0():
+    # EP 2, Qwen3-like 128 experts top-8: megatron's random bias spreads hot experts over both ranks
+    for seed in range(3):
+        rand = wl.static_imbalance(wl.biased_routing(2, 128, 1024, 8, -4.0, seed=seed))
+        conc = wl.static_imbalance(wl.biased_routing(2, 128, 1024, 8, -4.0, seed=seed, layout="concentrated"))
+        assert conc > rand + 0.5 and conc > 1.9, (seed, rand, conc)
+    a = wl.biased_routing(2, 128, 256, 8, -4.0, seed=3, layout="concentrated")
+    assert torch.equal(a, wl.biased_routing(2, 128, 256, 8, -4.0, seed=3, layout="concentrated"))
+    # skew 0: no bias, near uniform rank and expert loads
+    uni = wl.biased_routing(2, 128, 4096, 8, 0.0, seed=0, layout="concentrated")
+    assert wl.static_imbalance(uni) < 1.05
+    assert torch.equal(uni, wl.biased_routing(2, 128, 4096, 8, 0.0, seed=0))
+    # same bias values; rank 0 gets the E/R largest, the other ranks keep the drawn order
+    rnd = wl.expert_bias(32, -4.0, num_ranks=4, seed=1)
+    conc = wl.expert_bias(32, -4.0, num_ranks=4, seed=1, layout="concentrated")
+    assert torch.equal(conc.sort().values, rnd.sort().values)
+    top8 = torch.topk(rnd, 8).indices
+    assert torch.equal(conc[:8], rnd[top8])
+    keep = torch.ones(32, dtype=torch.bool)
+    keep[top8] = False
+    assert torch.equal(conc[8:], rnd[keep])
+
+
+@pytest.mark.parametrize("R,E,T,k", [(2, 128, 4096, 8), (4, 8, 3, 1), (4, 12, 5, 3), (8, 64, 7, 8), (2, 4, 2, 4)])
+def test_balanced_routing_gives_every_rank_exactly_the_mean_load(R, E, T, k):
+    idx = wl.balanced_topk(R, E, T, k)
+    assert idx.shape == (R, T, k)
+    assert (idx.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts per token
+    om = wl.balanced_routing(R, E, T, k)
+    assert torch.equal(om, wl.routing_counts(idx, E))
+    assert torch.equal(om.sum(0).view(R, E // R).sum(1), torch.full((R,), T * k))  # rank load = mean, exactly
+    load = om.sum(0)
+    assert load.max() - load.min() <= 1
+    assert wl.static_imbalance(om) == 1.0
+    with pytest.raises(ValueError, match="multiple"):
+        wl.balanced_topk(3, 8, 4, 2)
+
+
+def test_token_level_routing_counts_to_omega():
+    for layout in wl.LAYOUTS:
+        idx = wl.biased_topk(3, 24, 50, 4, -2.0, seed=2, layout=layout)
+        assert idx.shape == (3, 50, 4)
+        assert torch.equal(wl.routing_counts(idx, 24), wl.biased_routing(3, 24, 50, 4, -2.0, seed=2, layout=layout))
+    z = wl.zipf_routing(4, 64, 512, 2, alpha=1.2, seed=0, layout="concentrated").sum(0)
+    assert z.view(4, 16).sum(1).argmax() == 0
+
+
 def test_deterministic_for_a_seed():
     a = wl.biased_routing(4, 32, 100, 2, -1.0, seed=5)
     b = wl.biased_routing(4, 32, 100, 2, -1.0, seed=5)

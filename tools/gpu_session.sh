@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests memory train pp
+#   bash tools/gpu_session.sh setup tests memory moe_layer train pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -34,6 +34,14 @@ step_planner() {  # CUDA planner: bit-equality with the reference, no host sync,
 step_memory() {  # one MoE layer, Qwen3 expert shape: peak memory and time, static vs topoep
   python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/layer_memory.py --out "$OUT/layer_memory.md" \
     2>&1 | grep -v -i warn | tail -12
+}
+
+step_moe_layer() {  # one MoE layer, Qwen3 expert shape, EP = all GPUs: backend torch static/topoep (guard on) and
+  # megatron's alltoall layer on the same routing: router_skew 0/-2/-4 x (random, concentrated) + the balanced bound,
+  # 4096/8192/16384 tokens per rank; Fig. 15 breakdown. About 3 min on 2 H200 (TOKENS=4096: about a third).
+  # Uses the CUDA planner (carry build/ext, as for `planner`). Writes $OUT/moe_layer.{md,json}.
+  timeout 540 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py --out "$OUT" \
+    ${TOKENS:+--tokens $TOKENS} 2>&1 | grep -v -i warn | tail -80
 }
 
 step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, eplb none vs topoep

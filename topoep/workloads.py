@@ -8,11 +8,24 @@ every forward pass; a single omega has one bias either way, so only |skew| matte
 `drifting_trace` for hot sets that move between microbatches.)
 
 `layout` decides which expert ids get the large biases:
-  "random"     as drawn (megatron's behaviour): hot experts land on random ranks;
-  "clustered"  biases sorted in decreasing order over expert ids: the hottest experts are the first
-               ranks' experts (worst case for rank imbalance and for one domain's slot budget);
-  "scattered"  the i-th hottest expert is placed on rank i mod R: hot experts spread over all ranks.
-The three layouts use the same bias values, only their assignment to ids differs.
+  "random"        as drawn (megatron's behaviour): hot experts land on random ranks;
+  "clustered"     biases sorted in decreasing order over expert ids: the hottest experts are the first
+                  ranks' experts (worst case for rank imbalance and for one domain's slot budget);
+  "scattered"     the i-th hottest expert is placed on rank i mod R: hot experts spread over all ranks;
+  "concentrated"  the E/R largest biases go to rank 0's experts (in decreasing order), every other
+                  bias keeps its drawn order on ranks 1..R-1: one hot rank whatever R, so the rank
+                  imbalance is large even at EP 2, where "random" averages the hot experts over both
+                  ranks (at EP 2 it gives the same rank loads as "clustered").
+The layouts use the same bias values, only their assignment to ids differs; at router_skew 0 every
+bias is 0 and all layouts give the same routing.
+
+`balanced_topk` / `balanced_routing` are the perfectly balanced upper bound: assignments dealt round
+robin, so every rank executes exactly the mean load (megatron's `moe_router_force_load_balancing` is
+only uniform in expectation: random logits).
+
+Token-level routing (`biased_topk`, `balanced_topk`: int64[R, T, k], the top-k expert ids of every
+token of every source rank) feeds MoE layers; `routing_counts` turns it into omega, and the omega
+generators are exactly the counts of their token-level versions.
 
 Traces: int64[steps, layers, R, E] saved with `save_trace` (torch.save of a versioned dict) and read
 back, validated, by `load_trace`.
@@ -24,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = ("random", "clustered", "scattered")
+LAYOUTS = ("random", "clustered", "scattered", "concentrated")
 
 # The paper's Fig. 10 workload: 32 ranks = 4 domains x 8, 640 experts, top-8, 4096 tokens per rank.
 # Calibrated to the paper's no-balancing max/mean rank load of 8.39, and to nothing else. With
@@ -42,50 +55,90 @@ FIG10_TARGET_IMBALANCE = 8.39
 def expert_bias(num_experts: int, router_skew: float, *, num_ranks: int = 1, seed: int = 0,
                 layout: str = "random") -> torch.Tensor:
     """float32[E]: the fixed per-expert logit bias, N(0, |router_skew|), placed by `layout`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    _check_layout(layout)
     if num_experts < 1 or num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
     g = torch.Generator().manual_seed(seed)
     bias = torch.randn(num_experts, generator=g) * abs(float(router_skew))
+    return arrange(bias, num_ranks, layout)
+
+
+def arrange(values: torch.Tensor, num_ranks: int, layout: str) -> torch.Tensor:
+    """float[E]: per-expert values (in drawn order, i.e. the "random" layout) placed on expert ids by
+    `layout` (module docstring). Expert e belongs to rank e // (E // R)."""
+    _check_layout(layout)
     if layout == "random":
-        return bias
-    hot_first = torch.sort(bias, descending=True, stable=True).values
+        return values
+    E = values.numel()
+    hot = torch.sort(values, descending=True, stable=True)
     if layout == "clustered":
-        return hot_first
-    per_rank = num_experts // num_ranks
-    i = torch.arange(num_experts)
+        return hot.values
+    per_rank = E // num_ranks
+    if layout == "concentrated":
+        rest = torch.ones(E, dtype=torch.bool)
+        rest[hot.indices[:per_rank]] = False
+        return torch.cat([hot.values[:per_rank], values[rest]])
+    i = torch.arange(E)
     ids = (i % num_ranks) * per_rank + i // num_ranks  # i-th hottest -> rank i mod R
-    out = torch.empty_like(bias)
-    out[ids] = hot_first
+    out = torch.empty_like(values)
+    out[ids] = hot.values
     return out
 
 
-def routing_from_logits_bias(num_ranks: int, tokens_per_rank: int, top_k: int, log_weights: torch.Tensor,
-                             noise: str, seed: int) -> torch.Tensor:
-    """omega int64[R, E]: every token selects the top-k of log_weights + per-token noise
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def topk_from_logits_bias(num_ranks: int, tokens_per_rank: int, top_k: int, log_weights: torch.Tensor,
+                          noise: str, seed: int) -> torch.Tensor:
+    """int64[R, T, k]: every token selects the top-k of log_weights + per-token noise
     ("normal": N(0, 1), megatron's random logits; "gumbel": Gumbel(0, 1), which makes top-k a draw
-    without replacement from softmax(log_weights))."""
+    without replacement from softmax(log_weights)). Choices of a token are distinct, in decreasing
+    order of their noisy logit."""
     E = log_weights.numel()
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={E}]")
     if num_ranks < 1 or tokens_per_rank < 0:
         raise ValueError(f"num_ranks={num_ranks} must be >= 1 and tokens_per_rank={tokens_per_rank} >= 0")
     g = torch.Generator().manual_seed(seed + 7919)
-    omega = torch.zeros(num_ranks, E, dtype=torch.int64)
+    out = torch.empty(num_ranks, tokens_per_rank, top_k, dtype=torch.int64)
     chunk = max(1, (1 << 22) // E)  # ~16 MiB of logits at a time
     for s in range(num_ranks):
-        left = tokens_per_rank
-        while left > 0:
-            n = min(chunk, left)
-            left -= n
+        t0 = 0
+        while t0 < tokens_per_rank:
+            n = min(chunk, tokens_per_rank - t0)
             if noise == "normal":
                 z = torch.randn(n, E, generator=g)
             else:
                 z = -torch.log(-torch.log(torch.rand(n, E, generator=g).clamp_(1e-20, 1 - 1e-7)))
-            idx = torch.topk(z + log_weights, top_k, dim=1).indices
-            omega[s] += torch.bincount(idx.reshape(-1), minlength=E)
-    return omega
+            out[s, t0:t0 + n] = torch.topk(z + log_weights, top_k, dim=1).indices
+            t0 += n
+    return out
+
+
+def routing_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """omega int64[R, E] from token-level routing topk_idx int64[R, T, k]."""
+    R = topk_idx.shape[0]
+    flat = topk_idx.reshape(R, -1)
+    offset = torch.arange(R, dtype=torch.int64, device=topk_idx.device)[:, None] * num_experts
+    return torch.bincount((flat + offset).reshape(-1), minlength=R * num_experts).view(R, num_experts)
+
+
+def routing_from_logits_bias(num_ranks: int, tokens_per_rank: int, top_k: int, log_weights: torch.Tensor,
+                             noise: str, seed: int) -> torch.Tensor:
+    """omega int64[R, E]: the counts of `topk_from_logits_bias`."""
+    idx = topk_from_logits_bias(num_ranks, tokens_per_rank, top_k, log_weights, noise, seed)
+    return routing_counts(idx, log_weights.numel())
+
+
+def biased_topk(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, router_skew: float,
+                *, seed: int = 0, layout: str = "random", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int64[R, T, k]: the token-level routing of `biased_routing` (same arguments): the top-k expert
+    ids of every token of every source rank; routing_counts() of it is biased_routing()'s omega."""
+    if bias is None:
+        bias = expert_bias(num_experts, router_skew, num_ranks=num_ranks, seed=seed, layout=layout)
+    return topk_from_logits_bias(num_ranks, tokens_per_rank, top_k, bias.float(), "normal", seed)
 
 
 def biased_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, router_skew: float,
@@ -93,9 +146,34 @@ def biased_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k
     """omega int64[R, E] under megatron's biased random router (module docstring).
 
     `bias` (float[E]) overrides the drawn bias (used by `drifting_trace`)."""
-    if bias is None:
-        bias = expert_bias(num_experts, router_skew, num_ranks=num_ranks, seed=seed, layout=layout)
-    return routing_from_logits_bias(num_ranks, tokens_per_rank, top_k, bias.float(), "normal", seed)
+    idx = biased_topk(num_ranks, num_experts, tokens_per_rank, top_k, router_skew, seed=seed, layout=layout,
+                      bias=bias)
+    return routing_counts(idx, num_experts)
+
+
+def balanced_topk(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int) -> torch.Tensor:
+    """int64[R, T, k]: perfectly balanced routing, the upper bound of every balancer.
+
+    The R * T * k assignments (source-major, then token, then choice) are dealt round robin over the
+    experts in the order rank 0's first expert, rank 1's first expert, ..., rank 0's second expert,
+    ...: every expert gets floor or ceil of the mean, and every rank exactly the mean load
+    T * k (the leftover assignments of one round fall on every rank alike, since E and R * T * k are
+    multiples of R). The k choices of a token are k consecutive positions of the deal: distinct."""
+    if num_ranks < 1 or num_experts < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if tokens_per_rank < 0:
+        raise ValueError(f"tokens_per_rank={tokens_per_rank} must be >= 0")
+    per_rank = num_experts // num_ranks
+    pos = torch.arange(num_ranks * tokens_per_rank * top_k, dtype=torch.int64) % num_experts
+    expert = (pos % num_ranks) * per_rank + pos // num_ranks  # position i -> rank i mod R
+    return expert.view(num_ranks, tokens_per_rank, top_k)
+
+
+def balanced_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int) -> torch.Tensor:
+    """omega int64[R, E] of `balanced_topk`: every rank's main experts execute exactly T * k assignments."""
+    return routing_counts(balanced_topk(num_ranks, num_experts, tokens_per_rank, top_k), num_experts)
 
 
 def zipf_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, alpha: float = 1.0,
@@ -104,19 +182,13 @@ def zipf_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: 
     draws k distinct experts with probability proportional to popularity. `layout` as for the bias."""
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
+    _check_layout(layout)
+    if num_experts < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
     pop = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-alpha)  # hottest first
-    logw = pop.log().float()
-    if layout == "random":
-        g = torch.Generator().manual_seed(seed)
-        logw = logw[torch.argsort(torch.randperm(num_experts, generator=g))]
-    elif layout == "scattered":
-        per_rank = num_experts // num_ranks
-        i = torch.arange(num_experts)
-        out = torch.empty_like(logw)
-        out[(i % num_ranks) * per_rank + i // num_ranks] = logw
-        logw = out
-    elif layout != "clustered":
-        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    g = torch.Generator().manual_seed(seed)
+    drawn = pop.log().float()[torch.argsort(torch.randperm(num_experts, generator=g))]  # random placement
+    logw = arrange(drawn, num_ranks, layout)
     return routing_from_logits_bias(num_ranks, tokens_per_rank, top_k, logw, "gumbel", seed)
 
 
@@ -214,6 +286,6 @@ def _check_trace(omega) -> None:
     if (omega < 0).any():
         raise ValueError("a routing trace must not contain negative counts")
 
-__all__ = ["FIG10", "FIG10_ROUTER_SKEW", "FIG10_SEED", "LAYOUTS", "biased_routing", "calibrate_skew", "drifting_trace",
-           "expert_bias", "fig10_workload", "load_trace", "save_trace", "static_imbalance",
-           "topk_change_fraction", "zipf_routing"]
+__all__ = ["FIG10", "FIG10_ROUTER_SKEW", "FIG10_SEED", "LAYOUTS", "arrange", "balanced_routing", "balanced_topk",
+           "biased_routing", "biased_topk", "calibrate_skew", "drifting_trace", "expert_bias", "fig10_workload",
+           "load_trace", "routing_counts", "save_trace", "static_imbalance", "topk_change_fraction", "zipf_routing"]

@@ -17,7 +17,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from topoep.metrics import DEFAULT_T_FFN
-from topoep.runtime import ExpertParallelMoE
+from topoep.runtime import ExpertParallelMoE, NetBenefitGuard
 from topoep.topology import Topology
 
 
@@ -31,6 +31,8 @@ class TopoEPLayerConfig:
     backend: str = "torch"
     num_chunks: int = 2
     t_ffn: float = DEFAULT_T_FFN
+    guard: bool | NetBenefitGuard = True
+    """The net-benefit guard of `ExpertParallelMoE` (True: default constants; False: off)."""
 
 
 def expert_weight_lists(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -78,7 +80,7 @@ class TopoEPMoELayer(MoELayer):
             policy=topoep.policy, group=self.ep_group, backend=topoep.backend, dtype=config.params_dtype,
             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
             num_chunks=topoep.num_chunks, expert_weights=lambda: expert_weight_lists(self.experts),
-            t_ffn=topoep.t_ffn)
+            t_ffn=topoep.t_ffn, guard=topoep.guard)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:

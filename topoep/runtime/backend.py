@@ -43,6 +43,9 @@ class TorchBackend:
     """torch.distributed collectives over `group` (None: the default group; no process group: 1 rank)."""
 
     name = "torch"
+    # replica transfers per layer call that the critical path waits for (the net-benefit guard's n):
+    # the forward fetch, the backward reload and the gradient return are all blocking collectives here
+    exposed_replica_transfers = 3
 
     def __init__(self, group=None):
         self.group = group
@@ -87,10 +90,14 @@ class TorchBackend:
     # -- replica weights -----------------------------------------------------------------------
     def _slot_routes(self, plan: Plan):
         """For this rank: [(dest r, slot j, expert e)] it must send (as main), and
-        [(src m, slot j, expert e)] it receives, both in (peer, slot) order."""
+        [(src m, slot j, expert e)] it receives, both in (peer, slot) order; None when no rank holds a
+        replica (every rank has the same plan, so all of them skip the exchange: the static plan, or
+        the net-benefit guard's fallback to it, costs no replica collective)."""
         R, N = plan.num_ranks, plan.num_slots
         E_loc = plan.num_experts // R
         se = plan.slot_expert.tolist()
+        if all(e < 0 for row in se for e in row):
+            return None
         send = [(r, j, se[r][j]) for r in range(R) for j in range(N)
                 if se[r][j] >= 0 and e_main(se[r][j], E_loc) == self.rank]
         recv = sorted(((e_main(e, E_loc), j, e) for j, e in enumerate(se[self.rank]) if e >= 0))
@@ -111,9 +118,10 @@ class TorchBackend:
 
     def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool) -> None:
         """Copy every replicated expert's weights from its main rank into the slot the plan gives it."""
-        if self.world_size == 1 or pool.num_slots == 0:  # no replica anywhere (same on every rank)
+        routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
+        if routes is None:  # no replica anywhere (the same on every rank)
             return
-        send, recv, E_loc = self._slot_routes(plan)
+        send, recv, E_loc = routes
         dtype = pool.fc1.dtype
         rows = [torch.cat([main_fc1[e - self.rank * E_loc].detach().reshape(-1).to(dtype),
                            main_fc2[e - self.rank * E_loc].detach().reshape(-1).to(dtype)]) for _, _, e in send]
@@ -125,9 +133,10 @@ class TorchBackend:
     def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list) -> None:
         """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
         grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order."""
-        if self.world_size == 1 or pool.num_slots == 0:
+        routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
+        if routes is None:
             return
-        send, recv, E_loc = self._slot_routes(plan)
+        send, recv, E_loc = routes
         # what this rank holds (the fetch's recv list) goes back to its main rank, in (main, slot) order
         rows = [torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv]
         n1 = pool.fc1[0].numel()

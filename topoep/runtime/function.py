@@ -12,6 +12,9 @@ gradients, which then travel to their main ranks.
 
 Routing weights are applied outside (plain PyTorch in `ExpertParallelMoE.forward`), so autograd owns
 their gradient; this function maps x[T, H] to per-assignment expert outputs [T * k, H].
+
+With a `PhaseTimer` in the call (benchmarks only), every phase is timed on its own (`timing.py`): each
+token all-to-all is waited for inside its phase, which serialises the pipeline; results are unchanged.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from topoep.plan import Plan
+from topoep.runtime.backend import _Done
 from topoep.runtime.experts import swiglu_dgrad, swiglu_forward, swiglu_wgrad
 from topoep.runtime.layout import ChunkLayout
 from topoep.runtime.pool import ReplicaPool
+from topoep.runtime.timing import PhaseTimer, phase
 
 
 @dataclass
@@ -36,6 +41,16 @@ class LayerCall:
     pool: ReplicaPool
     num_tokens: int
     top_k: int
+    timer: PhaseTimer | None = None
+
+
+def _comm(timer: PhaseTimer | None, start, *args):
+    """start(*args): a token all-to-all; with a timer it is waited for inside its timed phase."""
+    if timer is None:
+        return start(*args)
+    with timer.phase("dispatch_combine", collective=True):
+        out = start(*args).wait()
+    return _Done(out)
 
 
 def _scatter_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -50,18 +65,20 @@ class ExpertParallelFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, call: LayerCall, *weights: torch.Tensor) -> torch.Tensor:
         n = len(weights) // 2
         fc1, fc2 = list(weights[:n]), list(weights[n:])
-        be, pool = call.backend, call.pool
-        be.fetch_replicas(call.plan, fc1, fc2, pool)
+        be, pool, tm = call.backend, call.pool, call.timer
+        with phase(tm, "fetch", collective=True):
+            be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
         W1, W2 = fc1 + s1, fc2 + s2
         k = call.top_k
         out = x.new_empty(call.num_tokens * k, x.shape[1])
-        sent = [be.dispatch(x[ch.send_idx // k], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        sent = [_comm(tm, be.dispatch, x[ch.send_idx // k], ch.send_counts, ch.recv_counts) for ch in call.chunks]
         back, saved = [], []
         for ch, handle in zip(call.chunks, sent):
             xin = handle.wait()[ch.group_order]
-            y, h = swiglu_forward(xin, ch.group_sizes.tolist(), W1, W2)
-            back.append(be.combine(_scatter_rows(y, ch.group_order), ch.recv_counts, ch.send_counts))
+            with phase(tm, "experts"):
+                y, h = swiglu_forward(xin, ch.group_sizes.tolist(), W1, W2)
+            back.append(_comm(tm, be.combine, _scatter_rows(y, ch.group_order), ch.recv_counts, ch.send_counts))
             saved += [xin, h]
         for ch, handle in zip(call.chunks, back):
             out[ch.send_idx] = handle.wait()
@@ -77,30 +94,34 @@ class ExpertParallelFunction(torch.autograd.Function):
         tensors = ctx.saved_tensors
         fc1, fc2 = list(tensors[:n]), list(tensors[n:2 * n])
         saved = tensors[2 * n:]
-        be, pool = call.backend, call.pool
+        be, pool, tm = call.backend, call.pool, call.timer
         k = call.top_k
         # slots were reused by later layers: reload this layer's replicas
-        be.fetch_replicas(call.plan, fc1, fc2, pool)
+        with phase(tm, "fetch", collective=True):
+            be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
         W1, W2 = fc1 + s1, fc2 + s2
         grad_out = grad_out.contiguous()
-        sent = [be.dispatch(grad_out[ch.send_idx], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        sent = [_comm(tm, be.dispatch, grad_out[ch.send_idx], ch.send_counts, ch.recv_counts) for ch in call.chunks]
         back, wgrad_inputs = [], []
         for c, (ch, handle) in enumerate(zip(call.chunks, sent)):
             xin, h = saved[2 * c], saved[2 * c + 1]
             gy = handle.wait()[ch.group_order]
             sizes = ch.group_sizes.tolist()
-            gx, gh = swiglu_dgrad(gy, h, sizes, W1, W2)  # dgrad first: token gradients leave early
-            back.append(be.combine(_scatter_rows(gx, ch.group_order), ch.recv_counts, ch.send_counts))
+            with phase(tm, "experts"):
+                gx, gh = swiglu_dgrad(gy, h, sizes, W1, W2)  # dgrad first: token gradients leave early
+            back.append(_comm(tm, be.combine, _scatter_rows(gx, ch.group_order), ch.recv_counts, ch.send_counts))
             wgrad_inputs.append((xin, h, gy, gh, sizes))
         # every data gradient is done: the pool's weights are free and receive the replica wgrads
-        g1 = list(fc1[0].new_zeros(n, *fc1[0].shape).unbind(0))  # stacked: one grouped wgrad per run
-        g2 = list(fc2[0].new_zeros(n, *fc2[0].shape).unbind(0))
-        pool.fc1.zero_()
-        pool.fc2.zero_()
-        for xin, h, gy, gh, sizes in wgrad_inputs:
-            swiglu_wgrad(xin, h, gy, gh, sizes, g1 + s1, g2 + s2)
-        be.return_grads(call.plan, pool, g1, g2)
+        with phase(tm, "experts"):
+            g1 = list(fc1[0].new_zeros(n, *fc1[0].shape).unbind(0))  # stacked: one grouped wgrad per run
+            g2 = list(fc2[0].new_zeros(n, *fc2[0].shape).unbind(0))
+            pool.fc1.zero_()
+            pool.fc2.zero_()
+            for xin, h, gy, gh, sizes in wgrad_inputs:
+                swiglu_wgrad(xin, h, gy, gh, sizes, g1 + s1, g2 + s2)
+        with phase(tm, "grad_return", collective=True):
+            be.return_grads(call.plan, pool, g1, g2)
         grad_assign = grad_out.new_empty(call.num_tokens * k, grad_out.shape[1])
         for ch, handle in zip(call.chunks, back):
             grad_assign[ch.send_idx] = handle.wait()

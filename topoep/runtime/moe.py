@@ -1,9 +1,10 @@
 """`ExpertParallelMoE`: the framework-agnostic balanced expert-parallel MoE layer (no megatron import).
 
-Per call: all-gather the local routing counts into omega, plan with `topoep.solve`, fetch replica
-weights into the shared slot pool, dispatch every assignment to the instance the plan gives, run the
-experts (main and replica, grouped), combine, and weight by topk_weights. Backward returns replica
-weight gradients to the main ranks (see `function.py`).
+Per call: all-gather the local routing counts into omega, plan with `topoep.solve`, let the
+net-benefit guard (`guard.py`, paper eq. 2) fall back to the static plan when balancing would not pay,
+fetch replica weights into the shared slot pool, dispatch every assignment to the instance the plan
+gives, run the experts (main and replica, grouped), combine, and weight by topk_weights. Backward
+returns replica weight gradients to the main ranks (see `function.py`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from topoep.planners import POLICIES, solve
 from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
+from topoep.runtime.guard import NetBenefitGuard
 from topoep.runtime.layout import assignment_instances, chunk_layouts, local_group
 from topoep.runtime.pool import ReplicaPool
+from topoep.runtime.timing import PhaseTimer, phase
 
-LAYER_STAT_NAMES = STAT_NAMES + ("planner_ms",)
+LAYER_STAT_NAMES = STAT_NAMES + (
+    "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
+    "guard_fired",  # 1 if the net-benefit guard executed the static plan instead of the balanced one
+    "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs)
+    "guard_cost_ms",  # its predicted T_plan + T_transfer
+)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -42,13 +50,23 @@ class ExpertParallelMoE(nn.Module):
         expert_weights: optional callable returning (fc1 list, fc2 list) of this rank's E/R main experts
             (e.g. megatron's own parameters); when given, the layer owns no expert parameters.
         pool: an explicit `ReplicaPool`; default: the process-wide pool of this shape, dtype and device.
-        t_ffn: seconds per assignment used by cost-aware policies and the modelled-time statistics.
+        t_ffn: seconds of expert compute per assignment (forward + backward), used by cost-aware policies,
+            the net-benefit guard and the modelled-time statistics.
+        guard: the net-benefit guard (paper eq. 2): True (default constants), False (always execute the
+            balanced plan) or a `NetBenefitGuard` with its own constants. Fires (executes the static plan)
+            when the predicted saving of balancing is not above the predicted planning + replica transfer
+            time; never runs for policy "static" or without slots. `pop_stats` counts how often it fired.
+
+    Attributes:
+        timer: a `PhaseTimer` to time the phases of every call (benchmarks; serialises the pipeline),
+            or None (default).
     """
 
     def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, topology: Topology,
                  num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
                  device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
-                 pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN):
+                 pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN,
+                 guard: bool | NetBenefitGuard = True):
         super().__init__()
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
@@ -63,6 +81,9 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
+            raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
+        self.guard = NetBenefitGuard.build(guard)
         self.backend = make_backend(backend, group)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
@@ -81,6 +102,7 @@ class ExpertParallelMoE(nn.Module):
             self.reset_parameters()
         self.pool = pool or ReplicaPool.shared(num_slots, hidden_size, ffn_hidden_size, dtype, device)
         self.last_plan = None
+        self.timer: PhaseTimer | None = None
         self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
         self._stats_sum, self._stats_calls = None, 0
 
@@ -123,18 +145,26 @@ class ExpertParallelMoE(nn.Module):
         self._validate(x, topk_idx, topk_weights)
         T, k = topk_idx.shape
         R, E, N = self.topology.num_ranks, self.num_experts, self.num_slots
-        be = self.backend
-        local = torch.bincount(topk_idx.reshape(-1), minlength=E)
-        omega = be.all_gather_counts(local)
-        t0 = time.perf_counter()
-        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                     token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
-        planner_ms = 1e3 * (time.perf_counter() - t0)
-        inst = assignment_instances(topk_idx, plan, self.rank)
-        G = self.experts_per_rank + N
-        chunks = chunk_layouts(plan.instance_rank[inst], local_group(inst, plan), T, k, R, G, self.num_chunks)
-        for ch in chunks:
-            ch.set_received(be.exchange_counts(ch.send_group_counts))
+        be, tm = self.backend, self.timer
+        with phase(tm, "plan", collective=True):
+            local = torch.bincount(topk_idx.reshape(-1), minlength=E)
+            omega = be.all_gather_counts(local)
+            t0 = time.perf_counter()
+            plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
+                         token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
+            guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
+            if self.guard is not None and self.policy != "static" and N > 0:
+                n = self.guard.exposed_transfers
+                n = be.exposed_replica_transfers if n is None else n
+                plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
+                guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
+            planner_ms = 1e3 * (time.perf_counter() - t0)
+        with phase(tm, "dispatch_combine", collective=True):
+            inst = assignment_instances(topk_idx, plan, self.rank)
+            G = self.experts_per_rank + N
+            chunks = chunk_layouts(plan.instance_rank[inst], local_group(inst, plan), T, k, R, G, self.num_chunks)
+            for ch in chunks:
+                ch.set_received(be.exchange_counts(ch.send_group_counts))
         fc1, fc2 = self.main_weights()
         if fc1[0].dtype != x.dtype:
             raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
@@ -142,19 +172,20 @@ class ExpertParallelMoE(nn.Module):
         if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
             # the model was cast or moved after construction (e.g. megatron's Float16Module)
             self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
-        call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k)
+        call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm)
         out = ExpertParallelFunction.apply(x, call, *fc1, *fc2)
         y = (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
         self.last_plan = plan
         self.stats = torch.cat([plan_stats(plan, self.t_ffn),
-                                torch.tensor([planner_ms], dtype=torch.float64, device=omega.device)])
+                                torch.tensor([planner_ms], dtype=torch.float64, device=omega.device), guard_stats])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
         return y
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then
-        reset. A trainer calls it once per step to log every micro-batch's plans without a sync per layer."""
+        reset. A trainer calls it once per step to log every micro-batch's plans without a sync per layer.
+        The mean of "guard_fired" is the fraction of calls in which the guard fired (times calls: how often)."""
         out = (self._stats_sum / self._stats_calls if self._stats_calls else None, self._stats_calls)
         self._stats_sum, self._stats_calls = None, 0
         return out
