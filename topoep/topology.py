@@ -91,6 +91,8 @@ class Topology:
         """This topology with cost, cost_fs and domain_of on `device`, copied once per device (the
         planners and statistics run every layer and microbatch: no host-to-device copy each time)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" share one copy
+            device = torch.device("cuda", torch.cuda.current_device())
         if device == self.cost.device:
             return self
         if device not in self._on_device:
