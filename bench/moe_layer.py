@@ -257,7 +257,29 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
         for i, p in enumerate(PHASES):
             row[f"{p}_ms"] = every[:, i].max().item()
         row["experts_ms_per_rank"] = every[:, PHASES.index("experts")].tolist()
+    if args.torch_profile:
+        row["torch_profile"] = torch_profile(case, cuda)
     return row, ys
+
+
+def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
+    """torch.profiler over `iters` calls of a case (every rank runs them; rank 0's table is returned): where
+    the host and the device spend the layer's time, by operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            case.run()
+        if cuda:
+            torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return ""
+    by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+    by_dev = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                       row_limit=15, max_name_column_width=70)
+    return f"## {case.name}: {iters} calls, by host time\n{by_cpu}\n## by self device time\n{by_dev}\n"
 
 
 def parse_args(argv):
@@ -277,6 +299,8 @@ def parse_args(argv):
     ap.add_argument("--profile-iters", type=int, default=None,
                     help="extra iterations with the phase timer (default 3; tiny 1; 0: no breakdown)")
     ap.add_argument("--seed", type=int, default=0, help="routing seed (the router bias draw)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="also run torch.profiler over 5 calls of every case; writes <out>/moe_layer_profile.txt")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for moe_layer.md and .json")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -415,6 +439,12 @@ def main(argv=None) -> int:
                 row["max_diff"] = diff.item() if reference is not None else None
             rows += case_rows
     relate(rows)
+    if rank == 0 and args.torch_profile:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "moe_layer_profile.txt").write_text("\n".join(
+            f"# {r['tokens']} tokens/rank, {r['workload']}\n{r.pop('torch_profile')}" for r in rows))
+    for r in rows:
+        r.pop("torch_profile", None)
     if rank == 0:
         report(args, rows, world, topo, dtype, megatron[2] if megatron else None)
     if megatron is not None:
