@@ -41,6 +41,15 @@ def test_grouped_mm_matches_per_group_loop():
     torch.testing.assert_close(o1, torch.stack(l1), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(o2, torch.stack(l2), rtol=3e-2, atol=3e-2)
     assert o1[1].abs().max() == 0 and o1[4].abs().max() == 0  # empty groups get no gradient
+    # offsets from device-side sizes (the layer's path: no host-to-device copy) give the same results
+    sd = torch.tensor(sizes, device=dev)
+    y_d, h_d = swiglu_forward(x, sizes, grouped1, grouped2, sizes_dev=sd)
+    assert torch.equal(y_d, y_g) and torch.equal(h_d, h_g)
+    gx_d, gh_d = swiglu_dgrad(gy, h_g, sizes, grouped1, grouped2, sizes_dev=sd)
+    assert torch.equal(gx_d, gx_g) and torch.equal(gh_d, gh_g)
+    d1, d2 = torch.zeros_like(W1), torch.zeros_like(W2)
+    swiglu_wgrad(x, h_g, gy, gh_g, sizes, list(d1.unbind(0)), list(d2.unbind(0)), sizes_dev=sd)
+    assert torch.equal(d1, o1) and torch.equal(d2, o2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -46,6 +46,8 @@ class TorchBackend:
     # replica transfers per layer call that the critical path waits for (the net-benefit guard's n):
     # the forward fetch, the backward reload and the gradient return are all blocking collectives here
     exposed_replica_transfers = 3
+    # all_to_all_single takes split sizes on the host: the layer copies them there once per call
+    host_splits = True
 
     def __init__(self, group=None):
         self.group = group
@@ -70,11 +72,12 @@ class TorchBackend:
         return out.view_as(send)
 
     # -- token rows ----------------------------------------------------------------------------
-    def _all_to_all(self, rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor):
+    def _all_to_all(self, rows: torch.Tensor, send_counts, recv_counts):
+        """send_counts / recv_counts: int64[R] tensors or host lists (then no device-to-host copy here)."""
         if self.world_size == 1:
             return _Done(rows)
-        in_splits = send_counts.tolist()
-        out_splits = recv_counts.tolist()
+        in_splits = send_counts if isinstance(send_counts, list) else send_counts.tolist()
+        out_splits = recv_counts if isinstance(recv_counts, list) else recv_counts.tolist()
         out = rows.new_empty(sum(out_splits), *rows.shape[1:])
         work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
         return _Pending(work, out)

@@ -21,32 +21,38 @@ def _silu_grad(g: torch.Tensor) -> torch.Tensor:
     return s * (1 + g * (1 - s))
 
 
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b is the equal-size slice right after a in the same buffer."""
+    return (b.shape == a.shape and b.dtype == a.dtype and a.is_contiguous() and b.is_contiguous()
+            and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()  # adjacent allocations differ
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+
+
+def _stack(ws: list[torch.Tensor]) -> torch.Tensor:
+    """[n, *shape] view over a run of consecutive slices (checked by the caller)."""
+    w0 = ws[0]
+    return torch.as_strided(w0, (len(ws), *w0.shape), (w0.numel(), *w0.stride()))
+
+
 def stacked_view(ws: list[torch.Tensor]) -> torch.Tensor | None:
     """[n, *shape] view over tensors that are consecutive equal-size slices of one buffer (e.g. the
     unbind() of a stacked parameter, or the slots of the replica pool); None if they are not."""
-    if not ws:
+    if not ws or not ws[0].is_contiguous() or not all(_follows(a, b) for a, b in zip(ws, ws[1:])):
         return None
-    w0 = ws[0]
-    step = w0.numel()
-    storage = w0.untyped_storage().data_ptr()
-    for i, w in enumerate(ws):
-        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
-                or w.untyped_storage().data_ptr() != storage  # adjacent allocations are not one buffer
-                or w.data_ptr() != w0.data_ptr() + i * step * w0.element_size()):
-            return None
-    return torch.as_strided(w0, (len(ws), *w0.shape), (step, *w0.stride()))
+    return _stack(ws)
 
 
 def _runs(ws1: list[torch.Tensor], ws2: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Maximal runs of groups whose two weight lists are both stacked views: [(g0, g1, W1, W2)]."""
-    runs, g0 = [], 0
-    while g0 < len(ws1):
-        g1 = len(ws1)
-        while g1 > g0 + 1 and (stacked_view(ws1[g0:g1]) is None or stacked_view(ws2[g0:g1]) is None):
-            g1 -= 1
-        w1 = stacked_view(ws1[g0:g1])
-        w2 = stacked_view(ws2[g0:g1])
-        runs.append((g0, g1, w1 if w1 is not None else ws1[g0][None], w2 if w2 is not None else ws2[g0][None]))
+    """Maximal runs of groups whose two weight lists are both stacked views: [(g0, g1, W1, W2)], found in
+    one pass (each neighbour pair is checked once: this runs on the host at every grouped call)."""
+    runs, g0, G = [], 0, len(ws1)
+    while g0 < G:
+        g1 = g0 + 1
+        if ws1[g0].is_contiguous() and ws2[g0].is_contiguous():
+            while g1 < G and _follows(ws1[g1 - 1], ws1[g1]) and _follows(ws2[g1 - 1], ws2[g1]):
+                g1 += 1
+        runs.append((g0, g1, _stack(ws1[g0:g1]) if g1 > g0 + 1 else ws1[g0][None],
+                     _stack(ws2[g0:g1]) if g1 > g0 + 1 else ws2[g0][None]))
         g0 = g1
     return runs
 
@@ -60,29 +66,42 @@ def _grouped_ok(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
 class _Segments:
     """Row ranges of the groups, and of the runs of groups, of one grouped computation."""
 
-    def __init__(self, sizes: list[int], ws1: list[torch.Tensor], ws2: list[torch.Tensor]):
+    def __init__(self, sizes: list[int], ws1: list[torch.Tensor], ws2: list[torch.Tensor], runs=None,
+                 sizes_dev: torch.Tensor | None = None):
         self.sizes = sizes
+        self.sizes_dev = sizes_dev
         self.starts = [0]
         for s in sizes:
             self.starts.append(self.starts[-1] + s)
-        self.runs = _runs(ws1, ws2)
+        self.runs = _runs(ws1, ws2) if runs is None else runs
 
     def rows(self, g0: int, g1: int) -> tuple[int, int]:
         return self.starts[g0], self.starts[g1]
 
     def offsets(self, g0: int, g1: int, device) -> torch.Tensor:
+        """int32 end row of each group of [g0, g1), relative to the run's first row (grouped_mm's offs)."""
+        if self.sizes_dev is not None and self.sizes_dev.device == torch.device(device):  # no host-to-device copy
+            return torch.cumsum(self.sizes_dev[g0:g1], 0, dtype=torch.int32)
         base = self.starts[g0]
         return torch.tensor([self.starts[g + 1] - base for g in range(g0, g1)], dtype=torch.int32).to(device)
 
 
-def swiglu_forward(x: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor], fc2: list[torch.Tensor]):
-    """x: [A, H] rows sorted by group; sizes: rows per group (len G); fc1[g]: [2F, H]; fc2[g]: [H, F].
-    Returns (y [A, H], h [A, 2F])."""
+def weight_runs(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> list:
+    """The runs of a weight list pair (module docstring), to pass as `runs=` when several grouped calls
+    share the same weights (each computation of them walks every weight on the host)."""
+    return _runs(fc1, fc2)
+
+
+def swiglu_forward(x: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor], fc2: list[torch.Tensor], runs=None,
+                   sizes_dev: torch.Tensor | None = None):
+    """x: [A, H] rows sorted by group; sizes: rows per group (len G); fc1[g]: [2F, H]; fc2[g]: [H, F];
+    runs: `weight_runs(fc1, fc2)` if already known; sizes_dev: the same sizes on x's device (the grouped
+    GEMM offsets are then computed there). Returns (y [A, H], h [A, 2F])."""
     A, H = x.shape
     Fd = fc2[0].shape[1]
     h = x.new_empty(A, 2 * Fd)
     y = x.new_empty(A, H)
-    seg = _Segments(sizes, fc1, fc2)
+    seg = _Segments(sizes, fc1, fc2, runs, sizes_dev)
     for g0, g1, w1, w2 in seg.runs:
         a0, a1 = seg.rows(g0, g1)
         if a1 == a0:
@@ -108,12 +127,12 @@ def _act_grads(grad_act: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_dgrad(grad_y: torch.Tensor, h: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor],
-                 fc2: list[torch.Tensor]):
+                 fc2: list[torch.Tensor], runs=None, sizes_dev: torch.Tensor | None = None):
     """Data gradient. Returns (grad_x [A, H], grad_h [A, 2F]) - grad_h feeds the weight gradient."""
     A, H = grad_y.shape
     grad_x = grad_y.new_empty(A, H)
     grad_h = h.new_empty(h.shape)
-    seg = _Segments(sizes, fc1, fc2)
+    seg = _Segments(sizes, fc1, fc2, runs, sizes_dev)
     for g0, g1, w1, w2 in seg.runs:
         a0, a1 = seg.rows(g0, g1)
         if a1 == a0:
@@ -132,11 +151,12 @@ def swiglu_dgrad(grad_y: torch.Tensor, h: torch.Tensor, sizes: list[int], fc1: l
 
 
 def swiglu_wgrad(x: torch.Tensor, h: torch.Tensor, grad_y: torch.Tensor, grad_h: torch.Tensor, sizes: list[int],
-                 out_fc1: list[torch.Tensor], out_fc2: list[torch.Tensor]) -> None:
+                 out_fc1: list[torch.Tensor], out_fc2: list[torch.Tensor], runs=None,
+                 sizes_dev: torch.Tensor | None = None) -> None:
     """Weight gradients, *accumulated* into out_fc1[g] [2F, H] and out_fc2[g] [H, F]."""
     Fd = h.shape[1] // 2
     act = F.silu(h[:, :Fd]) * h[:, Fd:]
-    seg = _Segments(sizes, out_fc1, out_fc2)
+    seg = _Segments(sizes, out_fc1, out_fc2, runs, sizes_dev)
     for g0, g1, o1, o2 in seg.runs:
         a0, a1 = seg.rows(g0, g1)
         if a1 == a0:

@@ -25,7 +25,7 @@ import torch
 
 from topoep.plan import Plan
 from topoep.runtime.backend import _Done
-from topoep.runtime.experts import swiglu_dgrad, swiglu_forward, swiglu_wgrad
+from topoep.runtime.experts import swiglu_dgrad, swiglu_forward, swiglu_wgrad, weight_runs
 from topoep.runtime.layout import ChunkLayout
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
@@ -60,6 +60,17 @@ def _scatter_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _splits(ch: ChunkLayout) -> tuple:
+    """(send, recv) split sizes of a chunk for the backend: host lists when copied, else the tensors."""
+    if ch.send_split is not None:
+        return ch.send_split, ch.recv_split
+    return ch.send_counts, ch.recv_counts
+
+
+def _group_split(ch: ChunkLayout) -> list[int]:
+    return ch.group_split if ch.group_split is not None else ch.group_sizes.tolist()
+
+
 class ExpertParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: LayerCall, *weights: torch.Tensor) -> torch.Tensor:
@@ -70,15 +81,16 @@ class ExpertParallelFunction(torch.autograd.Function):
             be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
         W1, W2 = fc1 + s1, fc2 + s2
+        runs = weight_runs(W1, W2)  # once for both chunks (a host walk over every weight)
         k = call.top_k
         out = x.new_empty(call.num_tokens * k, x.shape[1])
-        sent = [_comm(tm, be.dispatch, x[ch.send_idx // k], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        sent = [_comm(tm, be.dispatch, x[ch.send_idx // k], *_splits(ch)) for ch in call.chunks]
         back, saved = [], []
         for ch, handle in zip(call.chunks, sent):
             xin = handle.wait()[ch.group_order]
             with phase(tm, "experts"):
-                y, h = swiglu_forward(xin, ch.group_sizes.tolist(), W1, W2)
-            back.append(_comm(tm, be.combine, _scatter_rows(y, ch.group_order), ch.recv_counts, ch.send_counts))
+                y, h = swiglu_forward(xin, _group_split(ch), W1, W2, runs, ch.group_sizes)
+            back.append(_comm(tm, be.combine, _scatter_rows(y, ch.group_order), *_splits(ch)[::-1]))
             saved += [xin, h]
         for ch, handle in zip(call.chunks, back):
             out[ch.send_idx] = handle.wait()
@@ -101,25 +113,28 @@ class ExpertParallelFunction(torch.autograd.Function):
             be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
         W1, W2 = fc1 + s1, fc2 + s2
+        runs = weight_runs(W1, W2)
         grad_out = grad_out.contiguous()
-        sent = [_comm(tm, be.dispatch, grad_out[ch.send_idx], ch.send_counts, ch.recv_counts) for ch in call.chunks]
+        sent = [_comm(tm, be.dispatch, grad_out[ch.send_idx], *_splits(ch)) for ch in call.chunks]
         back, wgrad_inputs = [], []
         for c, (ch, handle) in enumerate(zip(call.chunks, sent)):
             xin, h = saved[2 * c], saved[2 * c + 1]
             gy = handle.wait()[ch.group_order]
-            sizes = ch.group_sizes.tolist()
+            sizes = _group_split(ch)
             with phase(tm, "experts"):
-                gx, gh = swiglu_dgrad(gy, h, sizes, W1, W2)  # dgrad first: token gradients leave early
-            back.append(_comm(tm, be.combine, _scatter_rows(gx, ch.group_order), ch.recv_counts, ch.send_counts))
-            wgrad_inputs.append((xin, h, gy, gh, sizes))
+                gx, gh = swiglu_dgrad(gy, h, sizes, W1, W2, runs, ch.group_sizes)  # dgrad first: token gradients leave early
+            back.append(_comm(tm, be.combine, _scatter_rows(gx, ch.group_order), *_splits(ch)[::-1]))
+            wgrad_inputs.append((xin, h, gy, gh, sizes, ch.group_sizes))
         # every data gradient is done: the pool's weights are free and receive the replica wgrads
         with phase(tm, "experts"):
             g1 = list(fc1[0].new_zeros(n, *fc1[0].shape).unbind(0))  # stacked: one grouped wgrad per run
             g2 = list(fc2[0].new_zeros(n, *fc2[0].shape).unbind(0))
             pool.fc1.zero_()
             pool.fc2.zero_()
-            for xin, h, gy, gh, sizes in wgrad_inputs:
-                swiglu_wgrad(xin, h, gy, gh, sizes, g1 + s1, g2 + s2)
+            o1, o2 = g1 + s1, g2 + s2
+            out_runs = weight_runs(o1, o2)
+            for xin, h, gy, gh, sizes, sizes_dev in wgrad_inputs:
+                swiglu_wgrad(xin, h, gy, gh, sizes, o1, o2, out_runs, sizes_dev)
         with phase(tm, "grad_return", collective=True):
             be.return_grads(call.plan, pool, g1, g2)
         grad_assign = grad_out.new_empty(call.num_tokens * k, grad_out.shape[1])

@@ -57,6 +57,9 @@ class ChunkLayout:
     recv_group_counts: int64[R, G] rows from each source per local group (after the counts exchange);
     recv_counts: int64[R]; group_order: int64[A_recv], received row -> group-major order (groups
     concatenated, sources in rank order inside a group); group_sizes: int64[G].
+    send_split, recv_split, group_split: host lists of send_counts, recv_counts and group_sizes, for a
+    backend that needs split sizes on the host (`copy_splits_to_host`: one device-to-host copy for all
+    chunks instead of one per collective and grouped call).
     """
 
     send_idx: torch.Tensor
@@ -66,6 +69,9 @@ class ChunkLayout:
     recv_counts: torch.Tensor | None = None
     group_order: torch.Tensor | None = None
     group_sizes: torch.Tensor | None = None
+    send_split: list[int] | None = None
+    recv_split: list[int] | None = None
+    group_split: list[int] | None = None
 
     def set_received(self, recv_group_counts: torch.Tensor) -> None:
         R, G = recv_group_counts.shape
@@ -75,6 +81,16 @@ class ChunkLayout:
         row_group = torch.repeat_interleave(torch.arange(G, device=dev).repeat(R), recv_group_counts.reshape(-1))
         self.group_order = torch.argsort(row_group, stable=True)
         self.group_sizes = recv_group_counts.sum(0)
+
+
+def copy_splits_to_host(chunks: list[ChunkLayout]) -> None:
+    """Fill send_split, recv_split and group_split of every (received) chunk with one host copy."""
+    flat = torch.cat([torch.cat([c.send_counts, c.recv_counts, c.group_sizes]) for c in chunks]).tolist()
+    i = 0
+    for c in chunks:
+        R, G = c.send_counts.numel(), c.group_sizes.numel()
+        c.send_split, c.recv_split, c.group_split = flat[i:i + R], flat[i + R:i + 2 * R], flat[i + 2 * R:i + 2 * R + G]
+        i += 2 * R + G
 
 
 def chunk_layouts(dest_rank: torch.Tensor, dest_group: torch.Tensor, num_tokens: int, top_k: int,

@@ -22,7 +22,7 @@ from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard
-from topoep.runtime.layout import assignment_instances, chunk_layouts, local_group
+from topoep.runtime.layout import assignment_instances, chunk_layouts, copy_splits_to_host, local_group
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
 
@@ -165,6 +165,8 @@ class ExpertParallelMoE(nn.Module):
             chunks = chunk_layouts(plan.instance_rank[inst], local_group(inst, plan), T, k, R, G, self.num_chunks)
             for ch in chunks:
                 ch.set_received(be.exchange_counts(ch.send_group_counts))
+            if be.host_splits:
+                copy_splits_to_host(chunks)  # one device-to-host copy for every collective and GEMM below
         fc1, fc2 = self.main_weights()
         if fc1[0].dtype != x.dtype:
             raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
