@@ -115,17 +115,36 @@ class EplbConfig:
 @dataclass(kw_only=True)
 class RouterConfig:
     """`natural`: the model's router as trained. `synthetic`: megatron's moe_router_force_biased
-    (random logits plus a fixed expert bias of std |router_skew|, paper 6.4): for performance runs only,
-    the loss is meaningless."""
+    (random logits plus a fixed expert bias of std |router_skew|, paper 6.4). `balanced`: megatron's
+    moe_router_force_load_balancing (random logits: every expert, so every rank, gets the mean load in
+    expectation), the balanced upper bound. `synthetic` and `balanced` are for performance runs only:
+    the loss is meaningless.
+
+    layout (synthetic only): `megatron` keeps megatron's own shared random bias; `random`, `clustered`,
+    `scattered` or `concentrated` (`topoep.workloads.expert_bias`, seed `seed` + the layer number) place a
+    bias drawn by us, e.g. `concentrated` gives rank 0's experts the largest biases (large rank imbalance
+    even at EP 2). Those need router_skew < 0 (megatron's fixed-bias mode) or 0 (no bias)."""
 
     name: str = "natural"
     router_skew: float | None = None
+    layout: str = "megatron"
+    seed: int = 0
 
     def __post_init__(self):
-        if self.name not in ("natural", "synthetic"):
-            raise ValueError(f"router.name must be natural or synthetic, got {self.name!r}")
+        from topoep.workloads import LAYOUTS
+
+        if self.name not in ("natural", "synthetic", "balanced"):
+            raise ValueError(f"router.name must be natural, synthetic or balanced, got {self.name!r}")
         if self.name == "synthetic" and self.router_skew is None:
             raise ValueError("router=synthetic needs router.router_skew (e.g. -4: stationary bias of std 4)")
+        if self.layout != "megatron" and self.layout not in LAYOUTS:
+            raise ValueError(f"router.layout must be megatron or one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout != "megatron":
+            if self.name != "synthetic":
+                raise ValueError(f"router.layout={self.layout} needs router=synthetic (it places the synthetic bias)")
+            if self.router_skew > 0:
+                raise ValueError(f"router.layout={self.layout} needs router.router_skew <= 0 (a fixed bias per layer), "
+                                 f"got {self.router_skew}")
 
 
 @dataclass(kw_only=True)

@@ -114,6 +114,9 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if tr.device == "cuda":
         model.cuda(d.device)
+    # our synthetic bias layouts, in the dtype of the router's logits (megatron adds the bias to them)
+    setup.install_router_bias(model, job.router, mc.num_moe_experts, par.ep,
+                              torch.float32 if mc.moe_router_dtype == "fp32" or not tr.bf16 else torch.bfloat16)
     if tr.bf16:
         model = Float16Module(tc, model)
     ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)

@@ -115,10 +115,33 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, trainer: Trainer
         # paper 6.4: random logits + fixed expert bias; measuring balancers: no aux loss
         kw.update(moe_router_force_biased=router.router_skew, moe_aux_loss_coeff=0.0,
                   moe_router_load_balancing_type="none")
+    if router.name == "balanced":  # the balanced upper bound: random logits only
+        kw.update(moe_router_force_load_balancing=True, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     if model.multi_latent_attention:
         kw.update(multi_latent_attention=True, **model.mla)
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def install_router_bias(model, router: RouterConfig, num_experts: int, ep: int, dtype=torch.float32) -> int:
+    """router.layout other than megatron: put our fixed bias (`topoep.workloads.expert_bias`, the same on
+    every rank) into megatron's per-layer bias cache, which moe_router_force_biased with a negative std
+    reads instead of drawing its own. Returns the number of routers given a bias."""
+    if router.name != "synthetic" or router.layout == "megatron" or not router.router_skew:
+        return 0
+    from megatron.core.transformer.moe.moe_utils import RandomSTEShared
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from topoep.workloads import expert_bias
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            bias = expert_bias(num_experts, router.router_skew, num_ranks=ep, seed=router.seed + m.layer_number,
+                               layout=router.layout)
+            RandomSTEShared._cache[m.layer_number] = bias.to(m.weight.device, dtype)
+            n += 1
+    return n
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests memory moe_layer train pp
+#   bash tools/gpu_session.sh setup tests planner memory moe_layer eval train pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -42,6 +42,15 @@ step_moe_layer() {  # one MoE layer, Qwen3 expert shape, EP = all GPUs: backend 
   # Uses the CUDA planner (carry build/ext, as for `planner`). Writes $OUT/moe_layer.{md,json}.
   timeout 540 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py --out "$OUT" \
     ${TOKENS:+--tokens $TOKENS} 2>&1 | grep -v -i warn | tail -80
+}
+
+step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on all GPUs, resumable across sessions
+  # (runs kept in $RUNS/eval; copy them back with the results); EVAL_ARGS passes more flags (e.g. --skews natural -4)
+  for fig in ${FIGS:-fig12}; do
+    timeout ${EVAL_TIMEOUT:-560} python3 bench/paper_eval.py $fig --resume --runs $RUNS/eval --out "$OUT" ${EVAL_ARGS:-} \
+      2>&1 | grep -v -i warn | tail -40
+  done
+  tar -C $RUNS -czf "$OUT/eval-runs.tgz" eval 2>/dev/null
 }
 
 step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, eplb none vs topoep

@@ -1,0 +1,349 @@
+"""The paper's section-6 experiments, end to end with `train.py` (one torchrun job per configuration):
+
+    python bench/paper_eval.py fig12                 # tokens/s vs router_skew: none, static, topoep + balanced bound
+    python bench/paper_eval.py fig13                 # every policy at router_skew -4 (throughput, imbalance)
+    python bench/paper_eval.py fig16                 # inter-node and replica-served shares per policy (fig13's runs)
+    python bench/paper_eval.py fig14                 # loss curves of none vs topoep, natural routing, same seed/data
+    python bench/paper_eval.py fig12 --tiny          # CPU smoke: model=tiny, trainer=cpu, a few steps
+
+Every configuration is a `train.py` run in `--runs/<figure>/<name>/` (its metrics.jsonl, config.yaml);
+with `--resume` a run whose metrics already cover the requested steps is not repeated, so a long figure
+can be produced over several sessions. GPU defaults: model=qwen3 trainer=default (bf16, sequence 4096),
+all local GPUs (`--nproc`), EP = all ranks; `--set k=v` passes any further override to every run (e.g.
+`--set model.num_layers=3` to reduce depth).
+
+Per run: mean tokens/s over the steps after `--warmup`, and the mean MoE statistics the trainer logs
+(imbalance before -> after balancing, inter-node and replica-served shares). Rows:
+    eplb=none      megatron's own alltoall dispatcher and experts (the baseline)
+    eplb=static    our layer and kernels without balancing (separates the gain of balancing from kernels)
+    eplb=<policy>  our layer with that planner policy (topoep, deepseek, fastermoe, flexmoe, ...)
+    bound          the same eplb on router=balanced (megatron's moe_router_force_load_balancing: every rank
+                   the mean load in expectation): the balanced upper bound
+Routing: `natural` (the router as trained) or router=synthetic with router_skew s and a bias layout:
+`megatron` (megatron's shared random bias) or `concentrated` (the hot experts on rank 0's experts: large
+rank imbalance even at EP 2).
+
+Writes results/<figure>.md and .json (config, commit, hardware, every run's numbers, the targets of the
+evaluation issue checked as ratios within this run) and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+
+FIGURES = ("fig12", "fig13", "fig14", "fig16")
+ALL_POLICIES = ("none", "static", "topoep", "deepseek", "fastermoe", "flexmoe")
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def routing_overrides(skew, layout: str) -> list[str]:
+    if skew == "natural":
+        return ["router=natural"]
+    if skew == "balanced":
+        return ["router=balanced"]
+    return ["router=synthetic", f"router.router_skew={float(skew)}", f"router.layout={layout}"]
+
+
+def routing_name(skew, layout: str) -> str:
+    if skew in ("natural", "balanced"):
+        return skew
+    return f"skew {float(skew):g}" + ("" if layout == "megatron" else f" {layout}")
+
+
+def run_dir(args, fig: str, eplb: str, skew, layout: str) -> Path:
+    tag = skew if skew in ("natural", "balanced") else f"skew{float(skew):g}-{layout}"
+    return args.runs / fig / f"{eplb}-{tag}"
+
+
+def launch(args, out: Path, eplb: str, overrides: list[str], steps: int) -> None:
+    """One train.py job (torchrun), unless --resume and its metrics already cover `steps`."""
+    metrics = out / "metrics.jsonl"
+    if args.resume and metrics.exists() and len(read_metrics(metrics)) >= steps:
+        print(f"  {out.name}: done before (--resume)", flush=True)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(REPO / "train.py"), *base_overrides(args), f"eplb={eplb}", f"trainer.steps={steps}",
+           f"trainer.run_dir={out}", "logger=none", *overrides, *args.set]
+    print(f"  {out.name}: " + " ".join(cmd[4:]), flush=True)
+    log = out.parent / f"{out.name}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
+    if proc.returncode != 0:
+        tail = "".join(open(log).readlines()[-20:])
+        raise RuntimeError(f"run {out.name} failed (exit {proc.returncode}); log {log}:\n{tail}")
+
+
+def base_overrides(args) -> list[str]:
+    if args.tiny:
+        return ["model=tiny", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}"]
+    out = [f"model={args.model}", "trainer=default"]
+    if args.ranks_per_domain:
+        out += ["topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain}"]
+    return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(path: Path, warmup: int) -> dict:
+    """Mean tokens/s and MoE statistics over the steps after warm-up."""
+    rows = [m for m in read_metrics(path) if m["step"] > warmup and not m.get("skipped")]
+    if not rows:
+        raise RuntimeError(f"{path}: no step after the {warmup} warm-up steps; raise --steps")
+
+    def mean(key):
+        vals = [m[key] for m in rows if key in m]
+        return statistics.fmean(vals) if vals else None
+
+    tps = [m["tokens_per_s"] for m in rows]
+    return {"steps": len(rows), "tokens_per_s": statistics.fmean(tps),
+            "tokens_per_s_std": statistics.pstdev(tps), "step_time_s": mean("step_time_s"),
+            "imbalance_before": mean("moe/imbalance_before"), "imbalance_after": mean("moe/imbalance_after"),
+            "internode_before": mean("moe/internode_before"), "internode_after": mean("moe/internode_after"),
+            "replica_fraction": mean("moe/replica_fraction"), "guard_fired": mean("moe/guard_fired"),
+            "loss": [m["loss"] for m in read_metrics(path)]}
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def throughput_figure(args, fig: str, policies: list[str], skews: list, layouts: list[str]) -> list[dict]:
+    rows = []
+    cases = [(s, lay) for s in skews for lay in (["megatron"] if s == "natural" else layouts)]
+    bound_policies = [p for p in policies if p in ("none", "static", "topoep")]
+    for eplb in policies:
+        for skew, layout in cases + ([("balanced", "megatron")] if eplb in bound_policies else []):
+            out = run_dir(args, fig, eplb, skew, layout)
+            launch(args, out, eplb, routing_overrides(skew, layout), args.steps)
+            r = summarize(out / "metrics.jsonl", args.warmup)
+            r.update(eplb=eplb, routing=routing_name(skew, layout), skew=skew, layout=layout)
+            rows.append(r)
+    relate(rows)
+    return rows
+
+
+def relate(rows: list[dict]) -> None:
+    """vs_static / vs_none (same routing) and vs_bound (same eplb on balanced routing)."""
+    by = {(r["eplb"], r["routing"]): r for r in rows}
+    for r in rows:
+        for ref in ("static", "none"):
+            o = by.get((ref, r["routing"]))
+            r[f"vs_{ref}"] = r["tokens_per_s"] / o["tokens_per_s"] if o else None
+        b = by.get((r["eplb"], "balanced"))
+        r["vs_bound"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    """The evaluation issue's targets, as measured ratios of this run."""
+    out = []
+    topo = [r for r in rows if r["eplb"] == "topoep" and r["routing"] not in ("balanced",)]
+    for r in topo:
+        if r["vs_static"] is not None:
+            ok = r["vs_static"] >= 0.98
+            out.append(f"{'met' if ok else 'MISSED'}: topoep >= 0.98 x static at {r['routing']}: {r['vs_static']:.3f}")
+    for r in topo:
+        if r["skew"] not in ("natural",) and float(r["skew"]) == -4.0 and r["vs_bound"] is not None:
+            ok = r["vs_bound"] >= 0.90
+            out.append(f"{'met' if ok else 'MISSED'}: topoep >= 0.90 x balanced bound at {r['routing']}: "
+                       f"{r['vs_bound']:.3f}")
+    for layout in sorted({r["layout"] for r in topo if r["skew"] != "natural"}):
+        tps = [r["tokens_per_s"] for r in topo if r["skew"] != "natural" and r["layout"] == layout]
+        if len(tps) > 1:
+            spread = (max(tps) - min(tps)) / max(tps)
+            out.append(f"{'met' if spread < 0.03 else 'MISSED'}: topoep tokens/s varies < 3 % across skews "
+                       f"({layout} layout): {100 * spread:.1f} %")
+    return out
+
+
+def loss_figure(args) -> tuple[list[dict], list[str]]:
+    rows = []
+    for eplb in ("none", "topoep"):
+        out = run_dir(args, "fig14", eplb, "natural", "megatron")
+        launch(args, out, eplb, ["router=natural"], args.loss_steps)
+        loss = [m["loss"] for m in read_metrics(out / "metrics.jsonl")]
+        rows.append({"eplb": eplb, "loss": loss})
+    a, b = rows[0]["loss"], rows[1]["loss"]
+    n = min(len(a), len(b))
+    rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
+    stats = {"steps": n, "step1_none": a[0], "step1_topoep": b[0], "mean_rel_diff": statistics.fmean(rel),
+             "max_rel_diff": max(rel)}
+    rows.append({"eplb": "difference", **stats})
+    # step 1 sees the same weights, data and routing: only float reduction order differs (other kernels)
+    step1 = abs(b[0] - a[0]) / abs(a[0])
+    targets = [f"{'met' if step1 < 1e-4 else 'MISSED'}: same step-1 loss up to reduction order (relative "
+               f"difference < 1e-4): {a[0]:.8f} vs {b[0]:.8f} ({step1:.1e})",
+               f"{'met' if stats['mean_rel_diff'] < 0.005 else 'MISSED'}: mean relative loss difference < 0.5 %: "
+               f"{100 * stats['mean_rel_diff']:.3f} % (max {100 * stats['max_rel_diff']:.3f} %) over {n} steps"]
+    return rows, targets
+
+
+# -- reports ---------------------------------------------------------------------------------------
+def fmt(v, f="{:.2f}"):
+    return "-" if v is None else f.format(v)
+
+
+def throughput_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["eplb", "routing", "tokens/s", "vs static", "vs none", "vs bound", "imbalance before -> after",
+         "inter-node after", "replica-served", "guard fired", "steps"],
+        [[r["eplb"], r["routing"], f"{r['tokens_per_s']:,.0f} ± {r['tokens_per_s_std']:,.0f}", fmt(r["vs_static"], "{:.3f}"),
+          fmt(r["vs_none"], "{:.3f}"), fmt(r["vs_bound"], "{:.3f}"),
+          f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])}", fmt(r["internode_after"], "{:.3f}"),
+          fmt(r["replica_fraction"], "{:.3f}"), fmt(r["guard_fired"], "{:.2f}"), r["steps"]] for r in rows])
+
+
+def locality_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["eplb", "routing", "inter-node before", "inter-node after", "replica-served", "imbalance after"],
+        [[r["eplb"], r["routing"], fmt(r["internode_before"], "{:.3f}"), fmt(r["internode_after"], "{:.3f}"),
+          fmt(r["replica_fraction"], "{:.3f}"), fmt(r["imbalance_after"])] for r in rows if r["routing"] != "balanced"])
+
+
+def plot_throughput(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (eplb, layout) in sorted({(r["eplb"], r["layout"]) for r in rows if r["skew"] not in ("natural", "balanced")}):
+        pts = sorted((float(r["skew"]), r["tokens_per_s"]) for r in rows
+                     if r["eplb"] == eplb and r["layout"] == layout and r["skew"] not in ("natural", "balanced"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{eplb} ({layout})")
+    for r in rows:
+        if r["routing"] == "balanced":
+            ax.axhline(r["tokens_per_s"], ls=":", lw=1, color="gray")
+            ax.annotate(f"bound ({r['eplb']})", (0, r["tokens_per_s"]), fontsize=7, color="gray")
+    ax.set_xlabel("router_skew")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows[:2]:
+        ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=f"eplb={r['eplb']}", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+TITLES = {"fig12": "Fig. 12: tokens/s vs router skew", "fig13": "Fig. 13: every policy at router_skew -4",
+          "fig16": "Fig. 16: inter-node and replica-served shares per policy", "fig14": "Fig. 14: loss curves"}
+
+
+def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> None:
+    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "runs"})
+    cmd = "python bench/paper_eval.py " + " ".join(args.argv)
+    md = (f"# {TITLES[fig]}\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
+          f"- runs: {'model=tiny trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
+          f"{args.nproc} processes; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
+          f"{args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
+          + "\n".join(f"- {t}" for t in targets) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{fig}.md").write_text(md)
+    write_json(args.out / f"{fig}.json", info, rows)
+    print(md)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("figure", choices=FIGURES)
+    ap.add_argument("--model", default="qwen3", help="model config (GPU runs)")
+    ap.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs; --tiny: 2)")
+    ap.add_argument("--ranks-per-domain", type=int, default=None,
+                    help="virtual NVLink domains of this many ranks (default: a node; --tiny: 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --tiny 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the means (default 10; --tiny 1)")
+    ap.add_argument("--loss-steps", type=int, default=None, help="fig14 steps (default 300; --tiny 4)")
+    ap.add_argument("--skews", nargs="+", default=None,
+                    help="natural and/or router_skew values (default: natural 0 -1 -2 -3 -4; fig13/16: -4)")
+    ap.add_argument("--layouts", nargs="+", default=["megatron", "concentrated"],
+                    help="synthetic bias layouts (megatron, concentrated, ...)")
+    ap.add_argument("--policies", nargs="+", default=None,
+                    help=f"eplb values (fig12 default: none static topoep; fig13/16: {' '.join(ALL_POLICIES)})")
+    ap.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke: model=tiny trainer=cpu, few steps")
+    ap.add_argument("--resume", action="store_true", help="skip runs whose metrics already cover the steps")
+    ap.add_argument("--runs", type=Path, default=REPO / "runs" / "eval", help="where the runs go")
+    ap.add_argument("--out", type=Path, default=REPO / "results", help="where the reports go")
+    args = ap.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    if args.nproc is None:
+        if args.tiny:
+            args.nproc = 2
+        else:
+            import torch
+
+            args.nproc = max(1, torch.cuda.device_count())
+            if not torch.cuda.is_available():
+                raise SystemExit("GPU runs need CUDA; use --tiny for the CPU smoke")
+    args.steps = args.steps or (3 if args.tiny else 30)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
+    args.loss_steps = args.loss_steps or (4 if args.tiny else 300)
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.skews is None:
+        args.skews = ["natural", "0", "-1", "-2", "-3", "-4"] if args.figure == "fig12" else ["-4"]
+    args.skews = [s if s == "natural" else str(float(s)) for s in args.skews]
+    for s in args.skews:
+        if s != "natural" and float(s) > 0:
+            raise SystemExit(f"--skews: router_skew must be <= 0 (a fixed bias per layer), got {s}")
+    if args.policies is None:
+        args.policies = ["none", "static", "topoep"] if args.figure == "fig12" else list(ALL_POLICIES)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    fig = args.figure
+    print(f"{TITLES[fig]}: runs in {args.runs / fig}", flush=True)
+    if fig == "fig14":
+        rows, targets = loss_figure(args)
+        d = rows[-1]
+        body = markdown_table(["steps", "step-1 loss none", "step-1 loss topoep", "mean rel. diff", "max rel. diff"],
+                              [[d["steps"], f"{d['step1_none']:.6f}", f"{d['step1_topoep']:.6f}",
+                                f"{100 * d['mean_rel_diff']:.3f} %", f"{100 * d['max_rel_diff']:.3f} %"]])
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot_loss(rows, args.out / "fig14.png")
+        body += "\n\n![loss curves](fig14.png)"
+    else:
+        rows = throughput_figure(args, "fig13" if fig == "fig16" else fig, args.policies, args.skews, args.layouts)
+        targets = check_targets(rows)
+        body = locality_table(rows) if fig == "fig16" else throughput_table(rows)
+        if fig == "fig12":
+            args.out.mkdir(parents=True, exist_ok=True)
+            plot_throughput(rows, args.out / "fig12.png", TITLES[fig])
+            body += "\n\n![tokens/s vs skew](fig12.png)"
+        for r in rows:
+            r.pop("loss", None)
+    report(args, fig, rows, targets, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
