@@ -1,0 +1,347 @@
+"""Unit tests (CPU): topoep.sim, the cluster-scale cost simulator, on hand-made plans with known answers
+(traffic accounting, busiest links, DeepEP-style deduplication), the two-stream schedule, presets,
+config validation, workload sampling and the calibration's recovery of known constants."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from topoep import Topology, solve, workloads
+from topoep import sim
+from topoep.plan import Plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A toy fabric with round numbers: NVLink 1000 B/s, RDMA 100 B/s, t_ffn = 18 * 5 * 50 / 4500 = 1 s.
+TOY = sim.Cluster(name="toy", gpus_per_domain=2, nvlink_bytes_per_s=1000.0, nvlink_latency_s=0.0,
+                  rdma_bytes_per_s=100.0, rdma_latency_s=0.0, gemm_flops_per_s=4500.0)
+TOY_MODEL = sim.ModelShape(name="toy", hidden_size=5, ffn_hidden_size=50, num_experts=4, top_k=2, tokens_per_rank=4)
+SERIAL = sim.Execution(name="serial", pipelined=False, num_chunks=1, reload_hidden=False, grad_return_hidden=False,
+                       plan_s=0.5, dedup=False)
+S, W = TOY_MODEL.token_bytes, TOY_MODEL.expert_bytes  # 10 and 1500 bytes
+
+
+def toy_plans():
+    """2 domains x 2 ranks, expert e on rank e. Source 0 sends 2 assignments to expert 0 (its own) and 6 to
+    expert 2 (rank 2, the other domain). static: 6 rows cross the NIC 0 -> 2. replica: expert 2 is
+    replicated on rank 1 (0's domain) and serves all 6, so tokens stay on NVLink and W crosses 2 -> 1."""
+    topo = TOY.topology(4)
+    om = torch.tensor([[2, 0, 6, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    static = solve(om, topo, num_slots=1, policy="static", expert_bytes=W, token_bytes=S)
+    x = torch.zeros(4, 4, dtype=torch.bool)
+    x[torch.arange(4), torch.arange(4)] = True
+    x[2, 1] = True
+    q = torch.zeros(4, 4, 4, dtype=torch.int64)
+    q[0, 0, 0], q[0, 2, 1] = 2, 6
+    rep = Plan.from_dense(x, q, om, topo, num_slots=1, expert_bytes=W, token_bytes=S).check()  # policy "dense"
+    return static, rep
+
+
+# -- traffic accounting ------------------------------------------------------------------------------
+def test_token_and_replica_matrices_of_hand_made_plans():
+    static, rep = toy_plans()
+    assert sim.token_matrix(static).tolist() == [[2, 0, 6, 0], [0] * 4, [0] * 4, [0] * 4]
+    assert sim.token_matrix(rep).tolist() == [[2, 6, 0, 0], [0] * 4, [0] * 4, [0] * 4]
+    assert not sim.replica_matrix(static).any()
+    B = sim.replica_matrix(rep)
+    assert B[2, 1] == 1 and B.sum() == 1  # one W transfer main rank 2 -> slot rank 1
+
+
+def test_link_loads_split_nvlink_and_nic_and_transfer_time_takes_the_busiest():
+    static, rep = toy_plans()
+    dom = static.topology.domain_of
+    ls = sim.token_link_loads(static, S, 2, dedup=False)
+    assert ls["nic_out"].tolist() == [60, 0, 0, 0] and ls["nic_in"].tolist() == [0, 0, 60, 0]
+    assert ls["nvl_out"].sum() == 0  # own-rank rows (source 0 -> expert 0) cost nothing
+    t, busy = sim.transfer_time(ls, TOY)
+    assert t == pytest.approx(60 / 100) and busy["nic_rank"] in (0, 2) and busy["nic_bytes"] == 60
+    lr = sim.token_link_loads(rep, S, 2, dedup=False)
+    assert lr["nvl_out"].tolist() == [60, 0, 0, 0] and lr["nic_out"].sum() == 0
+    assert sim.transfer_time(lr, TOY)[0] == pytest.approx(60 / 1000)
+    lw = sim.link_loads(sim.replica_matrix(rep).double() * W, dom)
+    assert lw["nic_out"].tolist() == [0, 0, 1500, 0] and lw["nic_in"].tolist() == [0, 1500, 0, 0]
+    # latency: RDMA's when any byte crosses domains, NVLink's otherwise, none for an empty transfer
+    lat = replace(TOY, nvlink_latency_s=1.0, rdma_latency_s=2.0)
+    assert sim.transfer_time(ls, lat)[0] == pytest.approx(2.6)
+    assert sim.transfer_time(lr, lat)[0] == pytest.approx(1.06)
+    assert sim.transfer_time({k: v * 0 for k, v in ls.items()}, lat)[0] == 0.0
+
+
+def test_replica_hotspot_on_the_main_rank():
+    """One expert replicated on three ranks: its main rank sends 3 W (the busiest link), each slot gets W."""
+    topo = Topology(num_domains=1, ranks_per_domain=4)
+    om = torch.tensor([[8, 0, 0, 0]] * 4)
+    x = torch.zeros(4, 4, dtype=torch.bool)
+    x[torch.arange(4), torch.arange(4)] = True
+    x[0, 1:] = True
+    q = torch.zeros(4, 4, 4, dtype=torch.int64)
+    for s in range(4):
+        q[s, 0, s] = 8
+    plan = Plan.from_dense(x, q, om, topo, num_slots=1, policy="flexmoe", expert_bytes=W, token_bytes=S).check()
+    loads = sim.link_loads(sim.replica_matrix(plan).double() * W, topo.domain_of)
+    assert loads["nvl_out"].tolist() == [3 * W, 0, 0, 0] and loads["nvl_in"].tolist() == [0, W, W, W]
+    assert sim.token_link_loads(plan, S, 2, dedup=False)["nvl_out"].sum() == 0  # every source runs locally
+
+
+@pytest.mark.parametrize("omega, nvl_out, nvl_in, nic_out, nic_in", [
+    # 4 tokens of rank 0, each selecting experts 0 and 1 (top-2): 4 rows to rank 1 (its own expert 0 is free)
+    ([[4, 4, 0, 0]], [4, 0, 0, 0], [0, 4, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]),
+    # each token selects experts 2 and 3 (ranks 2, 3 of the other domain): it crosses the NIC once, into
+    # rank 2 (rank 0's local index in domain 1), which forwards it to rank 3 over NVLink
+    ([[0, 0, 4, 4]], [0, 0, 4, 0], [0, 0, 0, 4], [4, 0, 0, 0], [0, 0, 4, 0]),
+    # 2 tokens select {1, 3}, 2 select {2, 3}: rank 1 gets 2 over NVLink; every token needs domain 1 (expert
+    # 3), so 4 cross the NIC into rank 2, which forwards all 4 to rank 3 (and keeps the 2 for expert 2)
+    ([[0, 2, 2, 4]], [2, 0, 4, 0], [0, 2, 0, 4], [4, 0, 0, 0], [0, 0, 4, 0]),
+])
+def test_dedup_counts_each_token_once_per_destination(omega, nvl_out, nvl_in, nic_out, nic_in):
+    topo = TOY.topology(4)
+    om = torch.tensor(omega + [[0, 0, 0, 0]] * 3)
+    plan = solve(om, topo, num_slots=0, policy="static", expert_bytes=W, token_bytes=S)
+    got = sim.token_link_loads(plan, 1.0, 2, dedup=True)
+    for key, want in (("nvl_out", nvl_out), ("nvl_in", nvl_in), ("nic_out", nic_out), ("nic_in", nic_in)):
+        assert got[key].tolist() == pytest.approx(want, abs=1e-6), key
+
+
+def test_dedup_never_exceeds_per_assignment_rows():
+    topo = Topology(num_domains=4, ranks_per_domain=4)
+    om = workloads.biased_routing(16, 64, 256, 8, -2.0, seed=3)
+    for policy in ("static", "topoep"):
+        plan = solve(om, topo, num_slots=2, policy=policy)
+        d, a = sim.token_link_loads(plan, 1.0, 8, True), sim.token_link_loads(plan, 1.0, 8, False)
+        assert d["nic_out"].sum() <= a["nic_out"].sum() + 1e-6
+        assert (d["nic_out"] <= a["nic_out"] + 1e-6).all()
+
+
+# -- schedule ------------------------------------------------------------------------------------------
+def test_two_stream_pipeline_hand_computed():
+    # compute-bound: dispatch 2 hides under compute 1, combine 1 under compute 2; fill d1, drain c2
+    assert sim.pipeline([1, 1], [3, 3], [1, 1]) == pytest.approx((8, 7))
+    # communication-bound: compute hides entirely, the comm stream sets the time
+    assert sim.pipeline([3, 3], [1, 1], [3, 3]) == pytest.approx((12, 7))
+    # backward: compute waits for a reload (compute_ready), weight gradients after the chunks
+    assert sim.pipeline([1, 1], [1, 1], [1, 1], compute_ready=5, tail_compute=4) == pytest.approx((8, 11))
+    # one chunk: no overlap at all
+    assert sim.pipeline([2], [3], [4]) == pytest.approx((9, 5))
+
+
+def test_simulate_serial_matches_hand_computation():
+    static, rep = toy_plans()
+    r = sim.simulate(static, TOY, model=TOY_MODEL, execution=SERIAL)
+    # 4 token transfers of 6 rows x 10 B over a 100 B/s NIC; straggler 6 assignments x 1 s; no planning
+    assert r.layer_s == pytest.approx(4 * 0.6 + 6.0)
+    assert r.exposed == pytest.approx({"plan": 0.0, "replica": 0.0, "compute": 6.0, "token": 2.4, "overhead": 0.0})
+    r = sim.simulate(rep, TOY, model=TOY_MODEL, execution=SERIAL)
+    # plan 0.5; fetch, reload, return: 1500 B over the NIC each (15 s); tokens 60 B over NVLink (0.06 s)
+    assert r.layer_s == pytest.approx(0.5 + 3 * 15 + 4 * 0.06 + 6.0)
+    assert r.forward_s == pytest.approx(0.5 + 15 + 2 * 0.06 + 2.0)
+    assert r.exposed["replica"] == pytest.approx(45) and r.exposed["token"] == pytest.approx(0.24)
+    assert r.traffic["replica_nic_bytes"] == W and r.traffic["replica_total_per_layer"] == 3 * W
+    assert r.traffic["token_nvlink_bytes"] == 60 and r.traffic["token_total_per_layer"] == 240
+    assert r.stats["num_replicas"] == 1 and r.stats["internode_fraction"] == 0
+
+
+def test_simulate_pipelined_hides_what_the_paper_says():
+    static, rep = toy_plans()
+    pipe = replace(SERIAL, pipelined=True, num_chunks=2, reload_hidden=True, grad_return_hidden=True)
+    r = sim.simulate(static, TOY, model=TOY_MODEL, execution=pipe)
+    # chunks: transfers 0.3 s, forward compute 1 s: forward 2.6 s (fill 0.3, drain 0.3); backward: dgrads
+    # 1 s each, weight gradients 2 s after them: compute stream ends at 4.3 s, after the last combine
+    assert r.forward_s == pytest.approx(2.6) and r.backward_s == pytest.approx(4.3)
+    assert r.layer_s == pytest.approx(6.9) and r.exposed["token"] == pytest.approx(0.9)
+    assert r.layer_s < sim.simulate(static, TOY, model=TOY_MODEL, execution=SERIAL).layer_s
+    # with reload and gradient return hidden only the forward fetch is exposed
+    r = sim.simulate(rep, TOY, model=TOY_MODEL, execution=pipe)
+    assert r.exposed["replica"] == pytest.approx(15)
+    exposed_all = replace(pipe, reload_hidden=False, grad_return_hidden=False)
+    r2 = sim.simulate(rep, TOY, model=TOY_MODEL, execution=exposed_all)
+    assert r2.exposed["replica"] > 15 and r2.layer_s > r.layer_s
+
+
+def test_exposed_terms_add_up_for_every_policy_and_execution():
+    cl = sim.CLUSTERS["paper_h800"]
+    model = sim.MODELS["qwen3"]
+    om = sim.sample_routing(16, 128, 512, 8, router_skew=-2.0, seed=1)
+    for ex in sim.EXECUTIONS.values():
+        for policy in ("static", "topoep", "deepseek"):
+            r = sim.simulate(om, cl, model=replace(model, tokens_per_rank=512), policy=policy, execution=ex)
+            assert sum(r.exposed.values()) == pytest.approx(r.layer_s)
+            assert r.layer_s == pytest.approx(r.forward_s + r.backward_s + r.exposed["overhead"])
+            assert min(r.exposed.values()) >= -1e-12
+            assert r.tokens_per_s == pytest.approx(16 * 512 / r.layer_s)
+            row = r.row()
+            assert row["exposed.compute"] == r.exposed["compute"] and "traffic.token_nic_bytes" in row
+
+
+def test_simulate_applies_the_net_benefit_guard():
+    from topoep.runtime.guard import NetBenefitGuard
+
+    cl, model = sim.CLUSTERS["h200"], sim.MODELS["qwen3"]
+    om = workloads.balanced_routing(8, 128, 256, 8)  # nothing to win: the guard executes the static plan
+    model = replace(model, tokens_per_rank=256)
+    r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
+    assert r.stats["num_replicas"] == 0 and r.policy == "topoep"  # topoep's planning time is still paid
+
+
+def test_simulate_rejects_mismatched_plans():
+    plan = solve(torch.ones(8, 16, dtype=torch.int64), Topology(num_domains=2, ranks_per_domain=4), num_slots=1,
+                 policy="static", expert_bytes=W, token_bytes=S)
+    with pytest.raises(ValueError, match="domains of 4 ranks"):
+        sim.simulate(plan, TOY, model=TOY_MODEL)
+    plan = solve(torch.ones(4, 4, dtype=torch.int64), TOY.topology(4), num_slots=1, policy="static")
+    with pytest.raises(ValueError, match="expert_bytes"):
+        sim.simulate(plan, TOY, model=TOY_MODEL)
+    with pytest.raises(ValueError, match="Plan or an int64"):
+        sim.simulate([[1, 2]], TOY, model=TOY_MODEL)
+
+
+# -- configs and presets ---------------------------------------------------------------------------------
+def test_presets():
+    assert {"paper_h800", "gb200_nvl72", "h200"} <= set(sim.CLUSTERS)
+    paper = sim.CLUSTERS["paper_h800"]
+    assert paper.gpus_per_domain == 8 and paper.rdma_bytes_per_s < 50e9 < paper.nvlink_bytes_per_s
+    t = paper.topology(32)
+    assert (t.num_domains, t.ranks_per_domain) == (4, 8)
+    assert t.cost[0, 1].item() == pytest.approx(1 / paper.nvlink_bytes_per_s)
+    assert t.cost[0, 8].item() == pytest.approx(1 / paper.rdma_bytes_per_s)
+    nvl = sim.CLUSTERS["gb200_nvl72"]
+    assert [nvl.domain_size(R) for R in (8, 64, 72, 128, 1024)] == [8, 64, 72, 64, 64]
+    assert sim.CLUSTERS["h200"].domain_size(2) == 2  # the GPU machine's EP 2: one domain
+    assert {"topoep", "megatron", "torch"} <= set(sim.EXECUTIONS)
+    assert sim.EXECUTIONS["topoep"].exposed_replica_transfers == 1 and sim.EXECUTIONS["torch"].exposed_replica_transfers == 3
+    assert not sim.EXECUTIONS["megatron"].dedup and sim.EXECUTIONS["topoep"].dedup
+    q = sim.MODELS["qwen3"]
+    assert (q.expert_bytes, q.token_bytes) == (3 * 2048 * 768 * 2, 4096)
+    assert paper.t_ffn(q) == pytest.approx(18 * 2048 * 768 / paper.gemm_flops_per_s)
+    for m in sim.MODELS.values():
+        assert 1e8 < m.dense_flops_per_token < 5e9  # attention etc.: same order as the routed experts
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: replace(TOY, gpus_per_domain=0), "Cluster.gpus_per_domain"),
+    (lambda: replace(TOY, nvlink_bytes_per_s=0.0), "Cluster.nvlink_bytes_per_s"),
+    (lambda: replace(TOY, rdma_bytes_per_s=float("nan")), "Cluster.rdma_bytes_per_s"),
+    (lambda: replace(TOY, rdma_latency_s=-1e-6), "Cluster.rdma_latency_s"),
+    (lambda: replace(TOY, gpus_per_domain=8.0), "Cluster.gpus_per_domain"),
+    (lambda: replace(TOY_MODEL, top_k=5), "top_k=5 must be <= num_experts=4"),
+    (lambda: replace(TOY_MODEL, hidden_size=0), "ModelShape.hidden_size"),
+    (lambda: replace(SERIAL, num_chunks=0), "Execution.num_chunks"),
+    (lambda: replace(SERIAL, plan_s=-1.0), "Execution.plan_s"),
+    (lambda: replace(SERIAL, row_overhead_s=float("inf")), "Execution.row_overhead_s"),
+])
+def test_config_validation_names_the_field(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_domain_size_rejects_bad_rank_counts():
+    with pytest.raises(ValueError, match="num_ranks"):
+        TOY.domain_size(0)
+
+
+def test_gpu_planner_latency_model():
+    for R, us in sim.GPU_PLANNER_US:
+        assert sim.gpu_planner_s(R) == pytest.approx(us * 1e-6)
+    assert sim.gpu_planner_s(2) == pytest.approx(sim.GPU_PLANNER_US[0][1] * 1e-6)
+    assert sim.gpu_planner_s(128) < sim.gpu_planner_s(256) < sim.gpu_planner_s(1024)
+    assert 79.2e-6 < sim.gpu_planner_s(24) < 80.3e-6  # between EP 16 (80.3 us) and 32 (79.2 us)
+
+
+# -- workloads -------------------------------------------------------------------------------------------
+def test_sample_routing_exact_and_sampled_agree():
+    R, E, T, k = 8, 64, 2048, 8
+    exact = sim.sample_routing(R, E, T, k, router_skew=-1.5, seed=2, method="exact")
+    assert torch.equal(exact, workloads.biased_routing(R, E, T, k, -1.5, seed=2))
+    sampled = sim.sample_routing(R, E, T, k, router_skew=-1.5, seed=2, method="sampled")
+    assert sampled.shape == (R, E) and (sampled.sum(1) == T * k).all()
+    a, b = exact.sum(0).double(), sampled.sum(0).double()
+    assert (a - b).abs().sum() / a.sum() < 0.05  # same expert popularity
+
+
+def test_natural_like_routing_matches_the_papers_expert_skew():
+    om = sim.sample_routing(8, 128, 4096, 8, natural=True, seed=0)
+    load = om.sum(0).double()
+    assert abs((load.max() / load.mean()).item() - sim.NATURAL_MAX_OVER_MEAN) < 0.4
+    with pytest.raises(ValueError, match="exactly one"):
+        sim.sample_routing(8, 128, 64, 8)
+    with pytest.raises(ValueError, match="exactly one"):
+        sim.sample_routing(8, 128, 64, 8, router_skew=-1.0, natural=True)
+    with pytest.raises(ValueError, match="method"):
+        sim.sample_routing(8, 128, 64, 8, router_skew=-1.0, method="fast")
+
+
+# -- calibration -----------------------------------------------------------------------------------------
+def synthetic_cases(true_cluster, true_ex):
+    """Measured cases made by the model itself (phases and totals) with known constants."""
+    cases = []
+    H, F, E, k = 64, 32, 8, 2
+    topo = Topology(num_domains=1, ranks_per_domain=2)
+    for T in (128, 512):
+        model = sim.ModelShape(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=k, tokens_per_rank=T)
+        for i, (skew, layout) in enumerate([(0.0, "random"), (-2.0, "concentrated"), (-3.0, "clustered")]):
+            om = workloads.biased_routing(2, E, T, k, skew, seed=i, layout=layout)
+            for policy in ("static", "topoep"):
+                plan = solve(om, topo, num_slots=2, policy=policy, expert_bytes=3 * H * F * 2, token_bytes=H * 2)
+                r = sim.simulate(plan, true_cluster, model=model, execution=true_ex)
+                t = r.terms
+                phases = {"plan": 1e3 * t["plan"], "fetch": 2e3 * t["fetch"], "grad_return": 1e3 * t["grad_return"],
+                          "dispatch_combine": 1e3 * (t["dispatch_combine_fwd"] + t["dispatch_combine_bwd"]),
+                          "experts": 1e3 * (t["expert_fwd_straggler"] + t["expert_bwd_straggler"])}
+                per_rank = [1e3 * (true_ex.expert_overhead_s + true_cluster.t_ffn(model) * L)
+                            for L in plan.rank_load.tolist()]
+                cases.append(sim.MeasuredCase(tokens=T, workload=f"{skew} {layout}", policy=policy, plan=plan,
+                                              measured_ms=1e3 * r.layer_s, phases_ms=phases,
+                                              experts_ms_per_rank=per_rank))
+    return cases
+
+
+def test_calibrate_recovers_known_constants():
+    true_cluster = replace(sim.CLUSTERS["h200"], gemm_flops_per_s=3e14, nvlink_bytes_per_s=2.5e11)
+    true_ex = replace(sim.EXECUTIONS["torch"], expert_overhead_s=1e-3, comm_overhead_s=2e-3, replica_latency_s=3e-4,
+                      static_plan_s=4e-4, plan_s=1.2e-3, layer_overhead_s=5e-4, row_overhead_s=2e-8)
+    cases = synthetic_cases(true_cluster, true_ex)
+    assert any(c.plan.num_replicas for c in cases)
+    cal = sim.calibrate(cases)
+    f = cal.fitted
+    assert f["gemm_flops_per_s"] == pytest.approx(3e14, rel=1e-6)
+    assert f["nvlink_bytes_per_s"] == pytest.approx(2.5e11, rel=1e-6)
+    for name, want in (("expert_overhead_s", 1e-3), ("comm_overhead_s", 2e-3), ("replica_latency_s", 3e-4),
+                       ("static_plan_s", 4e-4), ("plan_s", 1.2e-3), ("layer_overhead_s", 5e-4), ("row_overhead_s", 2e-8)):
+        assert f[name] == pytest.approx(want, rel=1e-5, abs=1e-12), name
+    for c in cases:
+        assert sim.predict(c, cal).layer_s * 1e3 == pytest.approx(c.measured_ms, rel=1e-6)
+    # one token count only: the per-assignment overhead cannot be separated from the fixed part
+    one_t = sim.calibrate([c for c in cases if c.tokens == 128])
+    assert one_t.fitted["row_overhead_s"] == 0.0
+
+
+def test_calibrate_rejects_cases_it_cannot_fit():
+    true_cluster = replace(sim.CLUSTERS["h200"], gemm_flops_per_s=3e14)
+    cases = synthetic_cases(true_cluster, sim.EXECUTIONS["torch"])
+    falling = [replace(c, experts_ms_per_rank=[10.0 - 1e-4 * L for L in c.plan.rank_load.tolist()]) for c in cases]
+    with pytest.raises(ValueError, match="experts phase"):
+        sim.calibrate(falling)
+    two_domains = [replace(c, plan=solve(c.plan.omega, Topology(num_domains=2, ranks_per_domain=1), num_slots=0,
+                                         policy="static", expert_bytes=c.plan.expert_bytes,
+                                         token_bytes=c.plan.token_bytes)) for c in cases]
+    with pytest.raises(ValueError, match="one NVLink domain"):
+        sim.calibrate(two_domains)
+
+
+@pytest.mark.skipif(not (REPO / "results" / "moe_layer.json").exists(), reason="no GPU bench results")
+def test_measured_cases_rebuild_the_executed_plans():
+    from topoep.metrics import ffn_time_per_assignment
+    from topoep.runtime.guard import NetBenefitGuard
+
+    cases = sim.measured_cases(REPO / "results" / "moe_layer.json")
+    assert {c.policy for c in cases} == {"static", "topoep"} and len({c.tokens for c in cases}) >= 1
+    for c in cases:
+        assert c.plan.omega.sum() == c.tokens * 8 * 2  # top-8 on 2 ranks
+        if c.guard_fired is not None:  # the recorded decision is the guard's on the rebuilt plan
+            balanced = solve(c.plan.omega, c.plan.topology, num_slots=2, policy="topoep",
+                             expert_bytes=c.plan.expert_bytes, token_bytes=c.plan.token_bytes)
+            fired = NetBenefitGuard().select(balanced, ffn_time_per_assignment(2048, 768), 3)[1]
+            assert bool(fired) == c.guard_fired
+    with pytest.raises(ValueError, match="no 'cuda/static'"):
+        sim.measured_cases(REPO / "results" / "moe_layer.json", backend="cuda")

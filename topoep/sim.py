@@ -1,0 +1,788 @@
+"""Cluster-scale cost simulator: what one MoE layer costs (forward + backward) under a plan on 8-1024 GPUs.
+
+A plan (`topoep.solve`) fixes every rank's expert load and every (source rank, destination rank) token
+flow; this module turns it into times on a described cluster, term by term, so that policies and slot
+counts can be compared at scales we cannot run. Three typed configs describe what is simulated:
+
+    Cluster     hardware: GPUs per NVLink domain, per-GPU NVLink and RDMA (NIC) bandwidth and latency
+                (effective, per direction), expert GEMM throughput. Presets in CLUSTERS.
+    ModelShape  the MoE layer: hidden and expert FFN size, experts, top-k, tokens per rank, and the
+                non-expert FLOPs of one transformer layer (for end-to-end estimates). Presets in MODELS.
+    Execution   the software that runs the plan: two-chunk pipeline or serial, which replica transfers
+                are hidden, fixed overheads, how long planning takes. Presets in EXECUTIONS:
+                "topoep" (paper 3.3 / 5: DeepEP-style dispatch, TMA/GIN replica transfers, GPU planner),
+                "megatron" (no-EPLB baseline: NCCL all-to-all, no overlap, no planner) and "torch" (our
+                backend torch as measured on the GPU machine; its constants come from `calibrate`).
+
+Usage (no build step; CPU only):
+
+    from topoep import sim
+    cluster, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"]
+    omega = sim.sample_routing(32, model.num_experts, model.tokens_per_rank, model.top_k, router_skew=-4.0)
+    res = sim.simulate(omega, cluster, model=model, policy="topoep", num_slots=2)
+    res.layer_s, res.exposed, res.terms, res.traffic      # seconds / per-term dicts / bytes
+    base = sim.simulate(omega, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"])
+    base.layer_s / res.layer_s                             # throughput ratio of the MoE layer
+    # a recorded trace (workloads.load_trace): [sim.simulate(om, cluster, model=model) for om in trace.flatten(0, 1)]
+
+    cases = sim.measured_cases("results/moe_layer.json")   # the GPU machine's bench, plans rebuilt
+    cal = sim.calibrate(cases)                              # fitted constants: cal.fitted, cal.cluster
+    sim.predict(cases[0], cal).layer_s                      # vs cases[0].measured_ms / 1e3
+
+`python bench/simulate.py` runs the calibration report and the EP 8-1024 sweep (results/simulation.md).
+
+The model (all per layer call, forward + backward, one microbatch):
+    compute    rank r executes L_r assignments: t_ffn * L_r (forward 1/3, data + weight gradient 2/3),
+               t_ffn = 18 H F / gemm_flops_per_s (`metrics.ffn_time_per_assignment`); the straggler sets it.
+    tokens     four transfers (dispatch, combine; forward, backward) of the rows s -> r the plan gives
+               (one per assignment; with Execution.dedup, DeepEP-style: one per token and destination
+               rank, one per token and destination domain across the NIC, forwarded over NVLink; see
+               `token_link_loads`). One transfer takes latency + the busiest link's bytes / its
+               bandwidth, over every GPU's NVLink out, NVLink in, NIC out and NIC in (own rank: free).
+    replicas   forward fetch and backward reload of W bytes main(e) -> slot rank, gradient return
+               back; same busiest-link rule (a main rank sending one hot expert to many slots is a
+               hotspot); plus `replica_latency_s` per transfer.
+    plan       count all-gather (R * E int64 over the same links) + planner latency: the measured GPU
+               planner (results/planner_latency.md, H200) for policies with a CUDA kernel; for the others
+               a host round trip + omega over PCIe + a solve as fast as the GPU planner (or, with
+               Execution.measured_host_plan, the CPU reference's measured wall time: an upper bound).
+    schedule   paper 3.3: plan and fetch precede dispatch; tokens in `num_chunks` chunks on a comm
+               stream (all dispatches, then each combine after its chunk's compute) beside a compute
+               stream; backward: data gradients per chunk, combines after them, weight gradients last;
+               reload and gradient return hidden (overlap with other layers) or on the critical path.
+               Communication ops are collective: they wait for the straggler. Serial executions add
+               every phase.
+The exposed breakdown (`SimResult.exposed`) splits the layer time into plan + replica (exposed part) +
+compute (straggler) + token (what the pipeline does not hide) + overhead; `terms` holds the raw times.
+Not modelled: GEMM efficiency varying with rows per expert, link contention between concurrent token
+and replica transfers, the correlation of a token's k choices beyond "distinct experts" (dedup), NIC
+rail imbalance beyond the same-local-index rule, tree or multicast replica broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from topoep import workloads
+from topoep.metrics import FLOPS_PER_ASSIGNMENT_FACTOR, metrics
+from topoep.plan import Plan
+from topoep.planners import POLICIES, solve
+from topoep.topology import Topology
+
+# -- configs ---------------------------------------------------------------------------------------
+
+
+def _check(obj, name: str, kind: str, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+    v = getattr(obj, name)
+    what = f"{type(obj).__name__}.{name}"
+    if kind == "int":
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > hi:
+            raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+        return
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi
+    ok = ok and (v > lo if lo_open else v >= lo)
+    if not ok:
+        raise ValueError(f"{what} must be a finite number {'>' if lo_open else '>='} {lo:g}, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Hardware of an expert-parallel group. Bandwidths are *effective* (what an all-to-all achieves),
+    per GPU and per direction; an EP group of R GPUs spans R / domain_size(R) NVLink domains."""
+
+    name: str = "custom"
+    gpus_per_domain: int
+    """GPUs that share one NVLink/NVSwitch domain (a node; 72 for an NVL72 rack)."""
+    nvlink_bytes_per_s: float
+    """Effective NVLink bandwidth of one GPU, per direction (bytes/s)."""
+    nvlink_latency_s: float = 20e-6
+    """Fixed time of one intra-domain collective step (launch + synchronisation)."""
+    rdma_bytes_per_s: float
+    """Effective inter-domain (NIC) bandwidth of one GPU, per direction (bytes/s)."""
+    rdma_latency_s: float = 30e-6
+    """Fixed time of one transfer that crosses domains."""
+    gemm_flops_per_s: float
+    """Effective grouped-GEMM throughput of the expert FFNs (BF16 FLOP/s)."""
+    host_bytes_per_s: float = 25e9
+    """Device <-> host copy bandwidth (PCIe) for host-side planners."""
+    note: str = ""
+
+    def __post_init__(self):
+        _check(self, "gpus_per_domain", "int", 1)
+        for name in ("nvlink_bytes_per_s", "rdma_bytes_per_s", "gemm_flops_per_s", "host_bytes_per_s"):
+            _check(self, name, "float", 0.0, lo_open=True)
+        for name in ("nvlink_latency_s", "rdma_latency_s"):
+            _check(self, name, "float", 0.0)
+
+    def domain_size(self, num_ranks: int) -> int:
+        """Ranks per domain for an EP group of num_ranks: all of them if they fit in one domain, else
+        the largest divisor of num_ranks <= gpus_per_domain (domains must be equal; 128 ranks on NVL72
+        racks use 64 GPUs of each of 2 racks)."""
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+        if num_ranks <= self.gpus_per_domain:
+            return num_ranks
+        return max(d for d in range(1, self.gpus_per_domain + 1) if num_ranks % d == 0)
+
+    def topology(self, num_ranks: int) -> Topology:
+        """The planners' view: domains of domain_size(num_ranks), costs 1 / effective bandwidth."""
+        d = self.domain_size(num_ranks)
+        return Topology(num_domains=num_ranks // d, ranks_per_domain=d, intra_cost=1.0 / self.nvlink_bytes_per_s,
+                        inter_cost=1.0 / self.rdma_bytes_per_s)
+
+    def t_ffn(self, model: "ModelShape") -> float:
+        """Seconds of expert compute per assignment, forward + backward."""
+        return FLOPS_PER_ASSIGNMENT_FACTOR * model.hidden_size * model.ffn_hidden_size / self.gemm_flops_per_s
+
+
+def dense_flops_per_token(*, hidden: int, attn_params: float, num_heads: int, qk_dim: int, v_dim: int, seq_len: int,
+                          num_experts: int, shared_ffn: int = 0, vocab: int = 0, num_layers: int = 1) -> float:
+    """Forward + backward FLOPs per token of one transformer layer's non-routed part: attention
+    projections (attn_params weights, 6 FLOPs each), causal attention (half the keys; backward 2.5x the
+    forward, flash-style recompute), router, shared experts (SwiGLU of width shared_ffn) and the
+    embedding + output layer amortised over num_layers. Rough: for end-to-end estimates only."""
+    proj = 6.0 * attn_params
+    core = 3.5 * 2 * (seq_len / 2) * num_heads * (qk_dim + v_dim)
+    router = 6.0 * hidden * num_experts
+    shared = FLOPS_PER_ASSIGNMENT_FACTOR * hidden * shared_ffn
+    head = 6.0 * hidden * vocab / num_layers
+    return proj + core + router + shared + head
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """One MoE layer's shape and per-rank batch."""
+
+    name: str = "custom"
+    hidden_size: int
+    ffn_hidden_size: int
+    """Expert FFN width F (SwiGLU: 3 matrices H x F)."""
+    num_experts: int
+    top_k: int
+    tokens_per_rank: int = 4096
+    dtype_bytes: int = 2
+    dense_flops_per_token: float = 0.0
+    """Non-expert FLOPs of one transformer layer per token (fwd + bwd; `dense_flops_per_token()`);
+    0: simulate the MoE layer alone."""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "tokens_per_rank", "dtype_bytes"):
+            _check(self, name, "int", 1)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelShape.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        _check(self, "dense_flops_per_token", "float", 0.0)
+
+    @property
+    def expert_bytes(self) -> int:
+        return 3 * self.hidden_size * self.ffn_hidden_size * self.dtype_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        return self.hidden_size * self.dtype_bytes
+
+    def with_experts(self, num_experts: int) -> "ModelShape":
+        return replace(self, num_experts=num_experts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """How a plan is executed: overlap and fixed costs of the runtime (module docstring)."""
+
+    name: str = "custom"
+    pipelined: bool = True
+    """Two-stream chunk pipeline of paper 3.3 (False: every phase waits for the previous one)."""
+    num_chunks: int = 2
+    reload_hidden: bool = True
+    """Backward replica reload overlaps earlier backward work (paper 3.3.2); else it delays the first
+    data gradient (pipelined: overlapping the first gradient dispatch)."""
+    grad_return_hidden: bool = True
+    """Replica gradient return overlaps later backward work; else it ends the layer's backward."""
+    layer_overhead_s: float = 0.0
+    """Fixed time per layer call (host work, launches, synchronisations outside the phases)."""
+    row_overhead_s: float = 0.0
+    """Time per routed assignment of the busiest source rank (memory-bound permutes, weighting)."""
+    expert_overhead_s: float = 0.0
+    """Fixed expert-compute time per layer call on every rank (kernel launches, small GEMM tails)."""
+    comm_overhead_s: float = 0.0
+    """Fixed time of all token phases of one call together (layouts, count exchange, host syncs)."""
+    replica_latency_s: float = 0.0
+    """Added to each replica transfer (fetch, reload, return) when the plan has a replica."""
+    static_plan_s: float = 0.0
+    """Planning time when the policy is static (no planner runs: 0; backend torch still gathers counts)."""
+    plan_s: float | None = None
+    """Planning time of the balancing policies, all included; None: count all-gather + planner
+    latency: the GPU planner's (policies with a CUDA kernel) or a host planner's (round trip + copy of
+    omega over PCIe + solve time, see measured_host_plan)."""
+    host_round_trip_s: float = 50e-6
+    """Device -> host -> device round trip of a host-side planner (launch, synchronisation)."""
+    measured_host_plan: bool = False
+    """Host planners' solve time: the CPU reference's measured wall time in this process (pure Python:
+    an upper bound, seconds at EP 1024) if True, else the GPU planner's latency (as if the policy had a
+    compiled solver as fast as ours: its plan quality, not its implementation, is compared)."""
+    dedup: bool = True
+    """Token transfers as DeepEP's: a token goes once to each destination rank and, across domains,
+    once to each destination domain (to the GPU of the same local index, which forwards it over
+    NVLink); False: one row per assignment, rank to rank (NCCL all-to-all of permuted tokens)."""
+
+    def __post_init__(self):
+        _check(self, "num_chunks", "int", 1)
+        for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
+                     "replica_latency_s", "static_plan_s", "host_round_trip_s"):
+            _check(self, name, "float", 0.0)
+        if self.plan_s is not None:
+            _check(self, "plan_s", "float", 0.0)
+
+    @property
+    def exposed_replica_transfers(self) -> int:
+        """Replica transfers the critical path waits for (the net-benefit guard's n)."""
+        return 1 + (not self.reload_hidden) + (not self.grad_return_hidden)
+
+
+# GPU planner latency (us, `topoep.solve(backend="cuda")` eager, 640 experts, 2 slots) on one H200,
+# results/planner_latency.md. Interpolated in log2(EP); beyond EP 128 extrapolated linearly in EP with
+# the last segment's slope (conservative: not measured).
+GPU_PLANNER_US = ((8, 101.2), (16, 80.3), (32, 79.2), (64, 90.3), (128, 109.6))
+
+# Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
+# at commit 86bc821 (2 x H200, EP 2, backend torch, Qwen3 expert shape): t_ffn = 71.2 ns per assignment,
+# NCCL all-to-all 304 GB/s per direction. `python bench/simulate.py` refits and reports them.
+H200_GEMM_FLOPS = 3.97e14
+H200_NVLINK_BYTES_PER_S = 3.04e11
+H100_PEAK_BF16 = 989e12  # dense BF16 tensor-core peak of H100/H800/H200
+GEMM_EFFICIENCY = H200_GEMM_FLOPS / H100_PEAK_BF16  # ~0.39, applied to other GPUs' peaks
+
+CLUSTERS = {
+    "paper_h800": Cluster(
+        name="paper_h800", gpus_per_domain=8, nvlink_bytes_per_s=155e9, rdma_bytes_per_s=45e9,
+        gemm_flops_per_s=GEMM_EFFICIENCY * H100_PEAK_BF16,
+        note="paper 6.1: nodes of 8 H800 on NVSwitch (400 GB/s bidirectional), 2 x 200 Gb/s IB per GPU; effective "
+             "bandwidths from DeepEP's H800 + CX7 normal-kernel numbers (NVLink 153-158 GB/s, RDMA 43-58 GB/s); "
+             "GEMM: the H200 fit (same BF16 peak)"),
+    "gb200_nvl72": Cluster(
+        name="gb200_nvl72", gpus_per_domain=72, nvlink_bytes_per_s=0.775 * 900e9, rdma_bytes_per_s=0.9 * 100e9,
+        gemm_flops_per_s=GEMM_EFFICIENCY * 2.5e15,
+        note="NVL72 racks: NVLink 5 (900 GB/s per direction) x the H800 NVLink efficiency 0.775, one 800 Gb/s NIC "
+             "per GPU x 0.9, 2.5 PFLOP/s dense BF16 x the H200 fit's efficiency; assumed, not measured"),
+    "h200": Cluster(
+        name="h200", gpus_per_domain=8, nvlink_bytes_per_s=H200_NVLINK_BYTES_PER_S, rdma_bytes_per_s=45e9,
+        gemm_flops_per_s=H200_GEMM_FLOPS,
+        note="our GPU machine (H200, NVLink 4): GEMM and NVLink fitted on its 2-GPU bench (calibrate); nodes of 8; "
+             "RDMA assumed as the paper's 400 Gb/s per GPU (never measured)"),
+}
+
+_QWEN3_DENSE = dense_flops_per_token(hidden=2048, attn_params=2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048,
+                                     num_heads=32, qk_dim=128, v_dim=128, seq_len=4096, num_experts=128,
+                                     vocab=151936, num_layers=5)
+_GLM_DENSE = dense_flops_per_token(hidden=4096, attn_params=4096 * (96 + 2 * 8) * 128 + 96 * 128 * 4096,
+                                   num_heads=96, qk_dim=128, v_dim=128, seq_len=4096, num_experts=128, shared_ffn=1408,
+                                   vocab=151552, num_layers=5)
+_DSV2_DENSE = dense_flops_per_token(hidden=5120, attn_params=5120 * 1536 + 1536 * 128 * 192 + 5120 * 576
+                                    + 512 * 128 * 256 + 128 * 128 * 5120, num_heads=128, qk_dim=192, v_dim=128,
+                                    seq_len=4096, num_experts=160, shared_ffn=2 * 1536, vocab=102400, num_layers=4)
+# Table 1 of the paper (reduced depth: embedding and output layer amortised over its 5/5/4 MoE layers).
+MODELS = {
+    "qwen3": ModelShape(name="qwen3", hidden_size=2048, ffn_hidden_size=768, num_experts=128, top_k=8,
+                        dense_flops_per_token=_QWEN3_DENSE),
+    "glm45air": ModelShape(name="glm45air", hidden_size=4096, ffn_hidden_size=1408, num_experts=128, top_k=8,
+                           dense_flops_per_token=_GLM_DENSE),
+    "deepseek_v2": ModelShape(name="deepseek_v2", hidden_size=5120, ffn_hidden_size=1536, num_experts=160, top_k=6,
+                              dense_flops_per_token=_DSV2_DENSE),
+}
+
+EXECUTIONS = {
+    # paper 3.3 and 5: two chunks, GPU planner, forward fetch exposed, reload and gradient return hidden;
+    # 0.2 ms per layer of launches and routing glue (assumed, the same as megatron's)
+    "topoep": Execution(name="topoep", layer_overhead_s=2e-4),
+    # megatron-core alltoall dispatcher: no planner, no replicas, dispatch -> experts -> combine in order
+    "megatron": Execution(name="megatron", pipelined=False, layer_overhead_s=2e-4, dedup=False),
+    # backend torch on the GPU machine: every phase blocking; constants from calibrate() (see bench/simulate.py)
+    "torch": Execution(name="torch", pipelined=False, reload_hidden=False, grad_return_hidden=False, dedup=False,
+                       layer_overhead_s=4.4e-4, row_overhead_s=7.0e-8, expert_overhead_s=2.95e-3,
+                       comm_overhead_s=4.76e-3, replica_latency_s=3.7e-4, static_plan_s=4.6e-4, plan_s=1.55e-3),
+}
+
+
+# -- routing at scale --------------------------------------------------------------------------------
+NATURAL_MAX_OVER_MEAN = 7.34  # paper 2.2 / Fig. 2c: mean per-layer max/mean expert load, Qwen3 on DAPO-Math
+EXACT_LIMIT = 1 << 27  # R * T * E random draws above which sample_routing(method="auto") samples counts
+
+
+def _zipf_log_weights(num_experts: int, num_ranks: int, alpha: float, seed: int, layout: str) -> torch.Tensor:
+    pop = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-alpha)
+    g = torch.Generator().manual_seed(seed)
+    drawn = pop.log().float()[torch.argsort(torch.randperm(num_experts, generator=g))]
+    return workloads.arrange(drawn, num_ranks, layout)
+
+
+def _selection_prob(log_weights: torch.Tensor, top_k: int, noise: str, seed: int, probe_tokens: int) -> torch.Tensor:
+    """float64[E]: probability that one token selects each expert (sums to top_k), from probe tokens."""
+    idx = workloads.topk_from_logits_bias(1, probe_tokens, top_k, log_weights, noise, seed + 31337)
+    return torch.bincount(idx.reshape(-1), minlength=log_weights.numel()).double() / probe_tokens
+
+
+_ALPHA_CACHE: dict = {}
+
+
+def natural_alpha(num_experts: int, top_k: int, target: float = NATURAL_MAX_OVER_MEAN, probe_tokens: int = 1 << 14) -> float:
+    """Zipf exponent at which the hottest expert gets `target` times the mean load (bisection)."""
+    key = (num_experts, top_k, target, probe_tokens)
+    if key not in _ALPHA_CACHE:
+        lo, hi = 0.0, 4.0
+        for _ in range(14):
+            mid = (lo + hi) / 2
+            p = _selection_prob(_zipf_log_weights(num_experts, 1, mid, 0, "random"), top_k, "gumbel", 0, probe_tokens)
+            lo, hi = (mid, hi) if (p.max() / p.mean()).item() < target else (lo, mid)
+        _ALPHA_CACHE[key] = (lo + hi) / 2
+    return _ALPHA_CACHE[key]
+
+
+def sample_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, *,
+                   router_skew: float | None = None, natural: bool = False, seed: int = 0, layout: str = "random",
+                   method: str = "auto", probe_tokens: int = 1 << 16) -> torch.Tensor:
+    """omega int64[R, E] for a synthetic workload: megatron's biased router (`router_skew`, as
+    `workloads.biased_routing`) or, with natural=True, a natural-like Zipf popularity whose hottest expert
+    gets NATURAL_MAX_OVER_MEAN x the mean load (as measured on real routing in the paper, 2.2).
+
+    method "exact": token-level top-k draws (R * T * E random numbers: slow at EP 1024); "sampled": the
+    per-expert selection probabilities p_e from probe_tokens token-level draws, then every rank's counts
+    ~ Multinomial(T * k, p / k) (same expectation and nearly the same variance; a token's k choices are
+    not forced to be distinct); "auto": exact when R * T * E <= EXACT_LIMIT."""
+    if natural == (router_skew is not None):
+        raise ValueError("give exactly one of router_skew=<float> or natural=True")
+    if method not in ("auto", "exact", "sampled"):
+        raise ValueError(f"method must be 'auto', 'exact' or 'sampled', got {method!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of num_ranks={num_ranks}")
+    if natural:
+        logw, noise = _zipf_log_weights(num_experts, num_ranks, natural_alpha(num_experts, top_k), seed, layout), "gumbel"
+    else:
+        logw, noise = workloads.expert_bias(num_experts, router_skew, num_ranks=num_ranks, seed=seed, layout=layout), "normal"
+    if method == "exact" or (method == "auto" and num_ranks * tokens_per_rank * num_experts <= EXACT_LIMIT):
+        return workloads.routing_from_logits_bias(num_ranks, tokens_per_rank, top_k, logw.float(), noise, seed)
+    p = _selection_prob(logw.float(), top_k, noise, seed, probe_tokens)
+    g = torch.Generator().manual_seed(seed + 4242)
+    draws = torch.multinomial((p / top_k).float().expand(num_ranks, -1), tokens_per_rank * top_k, replacement=True,
+                              generator=g)
+    return workloads.routing_counts(draws.view(num_ranks, tokens_per_rank, top_k), num_experts)
+
+
+# -- traffic accounting ------------------------------------------------------------------------------
+def token_matrix(plan: Plan) -> torch.Tensor:
+    """int64[R, R]: A[s, r] = assignments of source s executed on rank r (one dispatch's rows s -> r)."""
+    R = plan.num_ranks
+    return torch.zeros(R, R, dtype=torch.int64, device=plan.route.device).index_add_(1, plan.instance_rank, plan.route)
+
+
+def replica_matrix(plan: Plan) -> torch.Tensor:
+    """int64[R, R]: B[m, r] = replicas on rank r whose main instance is on rank m (one fetch's W-sized
+    transfers m -> r; the gradient return is its transpose)."""
+    R, N = plan.num_ranks, plan.num_slots
+    se = plan.slot_expert.reshape(-1)
+    occ = se >= 0
+    dst = torch.arange(R, device=se.device).repeat_interleave(N)[occ]
+    src = plan.main_rank[se[occ]]
+    return torch.zeros(R * R, dtype=torch.int64, device=se.device).index_add_(
+        0, src * R + dst, torch.ones_like(src)).view(R, R)
+
+
+def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-GPU bytes of one transfer with flows float64[R, R] (bytes s -> r): NVLink out/in (same domain,
+    s != r) and NIC out/in (different domains), each float64[R]."""
+    same = domain_of[:, None] == domain_of[None, :]
+    f = flows.double() * (1 - torch.eye(flows.shape[0], dtype=torch.float64, device=flows.device))
+    intra, inter = f * same, f * ~same
+    return {"nvl_out": intra.sum(1), "nvl_in": intra.sum(0), "nic_out": inter.sum(1), "nic_in": inter.sum(0)}
+
+
+def token_link_loads(plan: Plan, token_bytes: float, top_k: int, dedup: bool) -> dict[str, torch.Tensor]:
+    """Per-GPU bytes of one token transfer (a dispatch; the combine is its mirror image, same busiest
+    link). Without dedup: A[s, r] rows s -> r. With dedup (DeepEP): a token crosses to rank r once
+    whatever number of its assignments r executes. A token of s selects expert instance p with
+    probability route[s, p] / T_s (T_s = its tokens; a token selects an expert at most once, and each
+    assignment runs on one instance); taking instances as independent, T_s (1 - prod_p (1 - route[s, p]
+    / T_s)) tokens go to rank r (product over r's instances). Across domains a token crosses the NIC
+    once per destination domain (same product over the domain's instances), into the GPU of s's local
+    index there, which forwards it over NVLink to every other destination rank of that domain."""
+    dom = plan.topology.domain_of.to(plan.route.device)
+    if not dedup:
+        return link_loads(token_matrix(plan).double() * token_bytes, dom)
+    R, M, d = plan.num_ranks, plan.topology.num_domains, plan.topology.ranks_per_domain
+    T = (plan.omega.sum(1).double() / top_k).clamp(min=1e-9)
+    miss = torch.log1p(-(plan.route.double() / T[:, None]).clamp(max=1 - 1e-12))  # [R, P] log P(token skips p)
+    miss_rank = torch.zeros(R, R, dtype=torch.float64, device=miss.device).index_add_(1, plan.instance_rank, miss)
+    rows = T[:, None] * -torch.expm1(miss_rank)  # distinct tokens s -> r
+    rows.fill_diagonal_(0.0)
+    rows_dom = T[:, None] * -torch.expm1(miss_rank.view(R, M, d).sum(2))  # [R, M]
+    rows_dom[torch.arange(R), dom] = 0.0
+    same = dom[:, None] == dom[None, :]
+    local = torch.arange(R, device=miss.device) % d
+    intra = rows * same
+    peer = torch.arange(M, device=miss.device)[None, :] * d + local[:, None]  # [R, M] GPU receiving s's tokens in d
+    nic_in = torch.zeros(R, dtype=torch.float64, device=miss.device).index_add_(0, peer.reshape(-1), rows_dom.reshape(-1))
+    fwd = rows * ~same * (local[:, None] != local[None, :])  # tokens s -> r that the peer forwards over NVLink
+    fwd_src = (dom[None, :] * d + local[:, None]).expand(R, R)  # the peer of (s, dom(r))
+    nvl_out = intra.sum(1).index_add_(0, fwd_src.reshape(-1), fwd.reshape(-1))
+    nvl_in = intra.sum(0) + fwd.sum(0)
+    return {"nvl_out": nvl_out * token_bytes, "nvl_in": nvl_in * token_bytes, "nic_out": rows_dom.sum(1) * token_bytes,
+            "nic_in": nic_in * token_bytes}
+
+
+def transfer_time(loads: dict[str, torch.Tensor], cluster: Cluster) -> tuple[float, dict]:
+    """(seconds, busiest links) of one transfer: latency + the busiest GPU link's bytes / bandwidth.
+    NVLink and NIC run concurrently; the latency is RDMA's if any byte crosses domains."""
+    nvl = torch.maximum(loads["nvl_out"], loads["nvl_in"])
+    nic = torch.maximum(loads["nic_out"], loads["nic_in"])
+    nvl_max, nic_max = nvl.max().item(), nic.max().item()
+    busy = {"nvlink_bytes": nvl_max, "nvlink_rank": int(nvl.argmax()), "nic_bytes": nic_max, "nic_rank": int(nic.argmax()),
+            "intra_bytes": loads["nvl_out"].sum().item(), "inter_bytes": loads["nic_out"].sum().item()}
+    if nvl_max == 0 and nic_max == 0:
+        return 0.0, busy
+    lat = cluster.rdma_latency_s if nic_max > 0 else cluster.nvlink_latency_s
+    return lat + max(nvl_max / cluster.nvlink_bytes_per_s, nic_max / cluster.rdma_bytes_per_s), busy
+
+
+# -- schedule ----------------------------------------------------------------------------------------
+def pipeline(dispatch: list[float], compute: list[float], combine: list[float], *, compute_ready: float = 0.0,
+             tail_compute: float = 0.0) -> tuple[float, float]:
+    """(comm stream end, compute stream end) of the two-stream chunk schedule of paper 3.3: the comm
+    stream runs every dispatch, then combine i once compute i is done; compute i starts when dispatch i
+    and compute i-1 are done (and not before compute_ready); tail_compute runs after the last chunk
+    (the weight gradients in backward)."""
+    t, d_end = 0.0, []
+    for d in dispatch:
+        t += d
+        d_end.append(t)
+    comp, x_end = compute_ready, []
+    for de, x in zip(d_end, compute):
+        comp = max(comp, de) + x
+        x_end.append(comp)
+    for xe, c in zip(x_end, combine):
+        t = max(t, xe) + c
+    return t, comp + tail_compute
+
+
+@dataclass
+class SimResult:
+    """One simulated layer call. Times in seconds, traffic in bytes (module docstring)."""
+
+    policy: str
+    num_ranks: int
+    num_domains: int
+    num_slots: int
+    layer_s: float
+    forward_s: float
+    backward_s: float
+    exposed: dict
+    """plan, replica, compute, token, overhead: sums to layer_s."""
+    terms: dict
+    """Raw phase times: plan, gather, fetch, reload, grad_return, dispatch/combine per pass, expert
+    compute of the straggler and of the mean rank, forward and backward."""
+    traffic: dict
+    """Bytes: busiest NVLink / NIC of one token transfer and of one replica transfer, totals."""
+    stats: dict
+    """imbalance, internode_fraction, replica_fraction, num_replicas, static_imbalance."""
+    tokens_per_s: float
+    """Cluster-wide MoE-layer throughput: tokens of omega (all ranks) / layer_s."""
+    dense_s: float = 0.0
+    """Non-expert time of the layer (model.dense_flops_per_token at the GEMM throughput)."""
+
+    def row(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
+        for group in ("exposed", "terms", "traffic", "stats"):
+            out.update({f"{group}.{k}": v for k, v in getattr(self, group).items()})
+        return out
+
+
+def gpu_planner_s(num_ranks: int) -> float:
+    """GPU planner latency (GPU_PLANNER_US)."""
+    pts = GPU_PLANNER_US
+    if num_ranks <= pts[0][0]:
+        return pts[0][1] * 1e-6
+    for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
+        if num_ranks <= r1:
+            w = (math.log2(num_ranks) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
+            return (u0 + w * (u1 - u0)) * 1e-6
+    (r0, u0), (r1, u1) = pts[-2], pts[-1]
+    return (u1 + (num_ranks - r1) * (u1 - u0) / (r1 - r0)) * 1e-6
+
+
+def gather_s(num_ranks: int, num_experts: int, cluster: Cluster) -> float:
+    """All-gather of the int64 routing counts: every rank receives (R - 1) * E * 8 bytes, the remote
+    domains' part over its NIC; latency * ceil(log2 R) steps."""
+    if num_ranks == 1:
+        return 0.0
+    d = cluster.domain_size(num_ranks)
+    intra, inter = (d - 1) * num_experts * 8, (num_ranks - d) * num_experts * 8
+    lat = cluster.rdma_latency_s if inter else cluster.nvlink_latency_s
+    return lat * math.ceil(math.log2(num_ranks)) + max(intra / cluster.nvlink_bytes_per_s, inter / cluster.rdma_bytes_per_s)
+
+
+def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: Execution | None = None,
+             policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None) -> SimResult:
+    """Predicted time of one MoE layer call (forward + backward) on `cluster`.
+
+    plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
+        which is planned here with `policy` and `num_slots` (the solve is timed: host planners' plan time).
+    execution: default EXECUTIONS["topoep"]. plan_s: planner seconds to use instead of the model.
+    guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None.
+    """
+    execution = execution or EXECUTIONS["topoep"]
+    measured = None
+    if isinstance(plan_or_omega, Plan):
+        plan = plan_or_omega
+        topo = cluster.topology(plan.num_ranks)
+        if plan.topology.ranks_per_domain != topo.ranks_per_domain:
+            raise ValueError(f"the plan was made for domains of {plan.topology.ranks_per_domain} ranks but cluster "
+                             f"{cluster.name!r} has domains of {topo.ranks_per_domain} at EP {plan.num_ranks}: plan "
+                             "with cluster.topology(R)")
+        if (plan.expert_bytes, plan.token_bytes) != (model.expert_bytes, model.token_bytes):
+            raise ValueError(f"the plan was made for expert_bytes={plan.expert_bytes}, token_bytes={plan.token_bytes} "
+                             f"but model {model.name!r} has {model.expert_bytes}, {model.token_bytes}")
+    else:
+        omega = plan_or_omega
+        if not isinstance(omega, torch.Tensor) or omega.dim() != 2:
+            raise ValueError("plan_or_omega must be a topoep.Plan or an int64[R, E] routing matrix")
+        t0 = time.perf_counter()
+        plan = solve(omega, cluster.topology(omega.shape[0]), num_slots=num_slots, policy=policy,
+                     expert_bytes=model.expert_bytes, token_bytes=model.token_bytes, t_ffn=cluster.t_ffn(model),
+                     backend="reference")
+        measured = time.perf_counter() - t0
+    t_ffn = cluster.t_ffn(model)
+    if guard is not None and plan.policy != "static" and plan.num_slots > 0:
+        plan = guard.select(plan, t_ffn, execution.exposed_replica_transfers)[0]
+    R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
+    dom = plan.topology.domain_of
+    S, W = float(model.token_bytes), float(model.expert_bytes)
+
+    # plan
+    if plan.policy == "static":
+        t_plan, t_gather = execution.static_plan_s, 0.0
+    elif execution.plan_s is not None:
+        t_plan, t_gather = execution.plan_s, 0.0
+    else:
+        from topoep.planners.cuda import CUDA_POLICIES
+
+        t_gather = gather_s(R, E, cluster)
+        if plan_s is not None:
+            solve_s = plan_s
+        elif plan.policy in CUDA_POLICIES:
+            solve_s = gpu_planner_s(R)
+        else:
+            host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
+            solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host
+        t_plan = t_gather + solve_s
+
+    # tokens: one transfer of each chunk carries 1/n of every flow
+    tok_loads = token_link_loads(plan, S, model.top_k, execution.dedup)
+    t_tok_full, tok_busy = transfer_time(tok_loads, cluster)
+    t_chunk, _ = transfer_time({k: v / n for k, v in tok_loads.items()}, cluster)
+    t_chunk += execution.comm_overhead_s / (4 * n)
+
+    # replicas
+    B = replica_matrix(plan)
+    has_rep = bool(B.any())
+    t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
+    t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
+
+    # compute: the straggler's chunks (collectives wait for it)
+    L = plan.rank_load.double()
+    x_max = execution.expert_overhead_s + t_ffn * L.max().item()
+    x_mean = execution.expert_overhead_s + t_ffn * L.mean().item()
+    xf = [x_max / 3 / n] * n
+    d, c = [t_chunk] * n, [t_chunk] * n
+    rows_max = float(plan.omega.sum(1).max())  # the busiest source's assignments (T * k; omega decides, not model)
+    overhead = execution.layer_overhead_s + execution.row_overhead_s * rows_max
+
+    if execution.pipelined:
+        fwd_pipe = max(pipeline(d, xf, c))
+
+        def bwd(reload: float, ret: float) -> float:
+            comm, comp = pipeline(d, xf, c, compute_ready=reload, tail_compute=x_max / 3)
+            return max(comm, comp + ret)
+
+        reload = 0.0 if execution.reload_hidden else t_rep
+        ret = 0.0 if execution.grad_return_hidden else t_rep
+        bwd_pipe = bwd(reload, ret)
+        bwd_bare = bwd(0.0, 0.0)
+        rep_bwd_exposed = bwd_pipe - bwd_bare
+    else:
+        fwd_pipe = 2 * n * t_chunk + x_max / 3
+        bwd_bare = 2 * n * t_chunk + 2 * x_max / 3
+        rep_bwd_exposed = t_rep * ((not execution.reload_hidden) + (not execution.grad_return_hidden))
+        bwd_pipe = bwd_bare + rep_bwd_exposed
+    forward = t_plan + t_rep + fwd_pipe
+    layer = forward + bwd_pipe + overhead
+    token_exposed = fwd_pipe + bwd_bare - x_max
+    exposed = {"plan": t_plan, "replica": t_rep + rep_bwd_exposed, "compute": x_max, "token": token_exposed,
+               "overhead": overhead}
+    terms = {"plan": t_plan, "gather": t_gather, "reference_solve_measured": measured, "fetch": t_rep,
+             "reload": t_rep, "grad_return": t_rep,
+             "dispatch_combine_fwd": 2 * n * t_chunk, "dispatch_combine_bwd": 2 * n * t_chunk,
+             "token_transfer_unchunked": t_tok_full, "expert_fwd_straggler": x_max / 3,
+             "expert_bwd_straggler": 2 * x_max / 3, "expert_fwd_mean": x_mean / 3, "expert_bwd_mean": 2 * x_mean / 3}
+    traffic = {f"token_{k}": v for k, v in tok_busy.items()} | {f"replica_{k}": v for k, v in rep_busy.items()}
+    traffic["token_total_per_layer"] = 4 * (traffic["token_intra_bytes"] + traffic["token_inter_bytes"])
+    traffic["replica_total_per_layer"] = 3 * (traffic["replica_intra_bytes"] + traffic["replica_inter_bytes"])
+    m = metrics(plan)
+    stats = {k: m[k] for k in ("imbalance", "static_imbalance", "internode_fraction", "replica_fraction", "num_replicas")}
+    dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
+    return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
+                     layer_s=layer, forward_s=forward, backward_s=bwd_pipe,
+                     exposed=exposed, terms=terms, traffic=traffic, stats=stats,
+                     tokens_per_s=float(plan.omega.sum()) / model.top_k / layer, dense_s=dense)
+
+
+# -- calibration on the GPU machine ------------------------------------------------------------------
+@dataclass
+class MeasuredCase:
+    """One measured layer of bench/moe_layer.py with the plan it executed (reconstructed on the CPU)."""
+
+    tokens: int
+    workload: str
+    policy: str
+    plan: Plan
+    measured_ms: float
+    phases_ms: dict
+    """plan, fetch, dispatch_combine, experts (straggler), grad_return (serialised phase times)."""
+    experts_ms_per_rank: list
+    guard_fired: bool | None = None
+
+
+def measured_cases(path, backend: str = "torch") -> list[MeasuredCase]:
+    """The `<backend>/static` and `<backend>/topoep` rows of a bench/moe_layer.py JSON, each with the plan
+    it executed: the routing is regenerated exactly as the bench does, planned by the reference
+    planner, and where the net-benefit guard fired (the row's `guard` share is 1) replaced by the static
+    plan. Megatron's rows are not cases (its per-expert loop is another program)."""
+    data = json.loads(Path(path).read_text())
+    cfg = data["config"]
+    R, E, H, F, k = cfg["world"], cfg["experts"], cfg["hidden"], cfg["ffn"], cfg["topk"]
+    rpd = cfg.get("ranks_per_domain") or R
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+    W, S = 3 * H * F * 2, H * 2  # bf16
+    cases = []
+    for r in data["rows"]:
+        be, _, pol = r["layer"].partition("/")
+        if be != backend or pol not in POLICIES or "guard" in pol:
+            continue
+        T = r["tokens"]
+        if r["layout"] == "balanced":
+            idx = workloads.balanced_topk(R, E, T, k)
+        else:
+            layout = "random" if r["layout"] == "uniform" else r["layout"]
+            idx = workloads.biased_topk(R, E, T, k, r["router_skew"], seed=cfg["seed"], layout=layout)
+        omega = workloads.routing_counts(idx, E)
+        plan = solve(omega, topo, num_slots=cfg["slots"], policy=pol, expert_bytes=W, token_bytes=S, backend="reference")
+        fired = None
+        if pol != "static" and cfg["slots"] > 0 and r.get("guard_fired") is not None:
+            fired = r["guard_fired"] >= 0.5  # what ran; NetBenefitGuard() with the bench's t_ffn decides the same
+            if fired:
+                plan = solve(omega, topo, num_slots=cfg["slots"], policy="static", expert_bytes=W, token_bytes=S)
+        phases = {p: r[f"{p}_ms"] for p in ("plan", "fetch", "dispatch_combine", "experts", "grad_return")}
+        cases.append(MeasuredCase(tokens=T, workload=r["workload"], policy=pol, plan=plan, measured_ms=r["ms"],
+                                  phases_ms=phases, experts_ms_per_rank=list(r["experts_ms_per_rank"]),
+                                  guard_fired=fired))
+    if not cases:
+        raise ValueError(f"{path} has no '{backend}/static' or '{backend}/topoep' rows to calibrate on")
+    return cases
+
+
+@dataclass
+class Calibration:
+    """What `calibrate` fitted: the cluster (GEMM throughput, NVLink), the execution's overheads."""
+
+    cluster: Cluster
+    execution: Execution
+    model: ModelShape
+    fitted: dict = field(default_factory=dict)
+    """Every fitted constant by name (seconds, bytes/s, FLOP/s) and the number of cases used."""
+
+
+def _lstsq(X: list[list[float]], y: list[float]) -> list[float]:
+    sol = torch.linalg.lstsq(torch.tensor(X, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)[:, None])
+    return sol.solution.flatten().tolist()
+
+
+def calibrate(cases: list[MeasuredCase], *, base: Cluster | None = None, pipelined: bool = False) -> Calibration:
+    """Fit the model's constants on measured cases, each from the measurement it explains (never per case):
+
+      experts phase per rank   = expert_overhead + t_ffn * L_r            -> t_ffn (GEMM FLOP/s), expert_overhead
+      dispatch_combine phase   = comm_overhead + 4 chunks' transfers       -> NVLink bandwidth, comm_overhead
+      fetch + grad_return      = 3 * (replica_latency + bytes / NVLink)    -> replica_latency (cases with replicas)
+      plan phase               = static_plan_s (static) / plan_s (others)  -> means
+      total - modelled layer   = layer_overhead + row_overhead * T * k     -> the residual the phases miss
+    `pipelined` picks the schedule the totals are explained with (backend torch: serial, see the report).
+    The layer overhead's token term is fitted only when the cases have more than one token count."""
+    base = base or CLUSTERS["h200"]
+    p0 = cases[0].plan
+    H = int(p0.token_bytes // 2)
+    F = int(p0.expert_bytes // (3 * 2 * H))
+    k = int(p0.omega.sum().item() // (p0.num_ranks * cases[0].tokens))
+    model = ModelShape(name="bench", hidden_size=H, ffn_hidden_size=F, num_experts=p0.num_experts, top_k=k,
+                       tokens_per_rank=cases[0].tokens)
+    X, y = [], []
+    for c in cases:
+        for L, t in zip(c.plan.rank_load.tolist(), c.experts_ms_per_rank):
+            X.append([1.0, float(L)])
+            y.append(t * 1e-3)
+    x0, t_ffn = _lstsq(X, y)
+    if t_ffn <= 0:
+        raise ValueError("calibrate: the experts phase does not grow with the rank load in these cases")
+    gemm = FLOPS_PER_ASSIGNMENT_FACTOR * H * F / t_ffn
+    n = 2
+    X, y = [], []
+    for c in cases:
+        if c.plan.topology.num_domains > 1:
+            raise ValueError("calibrate: cases must run in one NVLink domain (no RDMA term is fitted)")
+        loads = link_loads(token_matrix(c.plan).double() * c.plan.token_bytes, c.plan.topology.domain_of)
+        X.append([1.0, 4.0 * torch.maximum(loads["nvl_out"], loads["nvl_in"]).max().item()])
+        y.append(c.phases_ms["dispatch_combine"] * 1e-3 - 4 * n * base.nvlink_latency_s)
+    comm0, inv_bw = _lstsq(X, y)
+    if inv_bw <= 0:
+        raise ValueError("calibrate: the dispatch/combine phase does not grow with the busiest link's bytes")
+    cluster = replace(base, gemm_flops_per_s=gemm, nvlink_bytes_per_s=1.0 / inv_bw)
+    rep = []
+    for c in cases:
+        B = replica_matrix(c.plan)
+        if B.any():
+            t, _ = transfer_time(link_loads(B.double() * c.plan.expert_bytes, c.plan.topology.domain_of), cluster)
+            rep.append(((c.phases_ms["fetch"] + c.phases_ms["grad_return"]) * 1e-3 - 3 * t) / 3)
+    rep_lat = max(0.0, sum(rep) / len(rep)) if rep else 0.0
+    mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
+    static_plan = mean([c.phases_ms["plan"] * 1e-3 for c in cases if c.policy == "static"])
+    plan_s = mean([c.phases_ms["plan"] * 1e-3 for c in cases if c.policy != "static"])
+    ex = replace(EXECUTIONS["torch"], pipelined=pipelined, layer_overhead_s=0.0, row_overhead_s=0.0,
+                 expert_overhead_s=max(0.0, x0), comm_overhead_s=max(0.0, comm0), replica_latency_s=rep_lat,
+                 static_plan_s=static_plan, plan_s=plan_s)
+    X, y = [], []
+    for c in cases:
+        m = replace(model, tokens_per_rank=c.tokens)
+        X.append([1.0, float(c.tokens * k)])
+        y.append(c.measured_ms * 1e-3 - simulate(c.plan, cluster, model=m, execution=_as_policy(ex, c)).layer_s)
+    if len({row[1] for row in X}) > 1:
+        c0, c_row = _lstsq(X, y)
+    else:
+        c0, c_row = mean(y), 0.0
+    ex = replace(ex, layer_overhead_s=max(0.0, c0), row_overhead_s=max(0.0, c_row))
+    fitted = {"t_ffn_s": t_ffn, "gemm_flops_per_s": gemm, "expert_overhead_s": x0, "nvlink_bytes_per_s": 1.0 / inv_bw,
+              "comm_overhead_s": comm0, "replica_latency_s": rep_lat, "static_plan_s": static_plan, "plan_s": plan_s,
+              "layer_overhead_s": c0, "row_overhead_s": c_row, "num_cases": len(cases), "pipelined": pipelined}
+    return Calibration(cluster=cluster, execution=ex, model=model, fitted=fitted)
+
+
+def _as_policy(execution: Execution, case: MeasuredCase) -> Execution:
+    """A topoep case whose guard fired executed the static plan but paid the planner: keep plan_s."""
+    if case.policy != "static" and case.plan.policy == "static":
+        return replace(execution, static_plan_s=execution.plan_s)
+    return execution
+
+
+def predict(case: MeasuredCase, cal: Calibration) -> SimResult:
+    """The calibrated model's prediction of one measured case."""
+    model = replace(cal.model, tokens_per_rank=case.tokens)
+    return simulate(case.plan, cal.cluster, model=model, execution=_as_policy(cal.execution, case))
