@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from topoep.plan import Plan
+from topoep.planners.common import static_rank_load
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,9 +98,7 @@ class NetBenefitGuard:
 
         `plan` is the balanced plan; `fired` is True when the static plan is executed instead."""
         E = plan.num_experts
-        dev = plan.omega.device
-        static_load = torch.zeros(plan.num_ranks, dtype=torch.int64, device=dev).index_add_(
-            0, plan.main_rank, plan.omega.sum(0))
+        static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
         saved = t_ffn * (static_load.max() - plan.rank_load.max()).to(torch.float64)
         cost = self.plan_s + self.transfer_time(plan, exposed_transfers)
         use = saved > cost
