@@ -10,9 +10,9 @@ Shape: hidden 2048, expert FFN 768 (SwiGLU), top-8, 128 experts (64 per GPU at E
 CPU); --tokens tokens per rank (default 4096 8192 16384).
 
 Layers, all fed the same routing, expert weights, input and output gradient in one run:
-    <backend>/<policy>  `topoep.ExpertParallelMoE` for each --backends entry (LAYER_BACKENDS; `cuda` joins
-                        with one line once it exists) and --policies entry (default static, topoep; the
-                        net-benefit guard on; --unguarded adds every balancing policy with the guard off)
+    <backend>/<policy>  `topoep.ExpertParallelMoE` for each --backends entry (default torch and cuda on GPUs,
+                        torch on the CPU) and --policies entry (default static, topoep; the net-benefit
+                        guard on; --unguarded adds every balancing policy with the guard off)
     megatron/alltoall   megatron-core's MoELayer with its alltoall token dispatcher and its experts
                         (SequentialMLP on the local spec; TEGroupedMLP when Transformer Engine imports)
 
@@ -28,7 +28,7 @@ identical assignments (checked: each layer's output against <first backend>/stat
 Measured per case:
     ms         median over --iters iterations (after --warmup) of the slowest rank's forward + backward
                (barrier before each iteration; CUDA events on GPU, perf_counter on CPU)
-    vs static  ms / ms of <backend>/static on the same routing
+    vs static  ms / ms of <backend>/static (the same backend's static layer) on the same routing
     vs bound   ms / ms of the same layer on balanced routing in this run (the issue's >= 90 % target is
                vs bound <= 1.11)
     imbalance  max / mean rank load before balancing (main instances: what static and megatron execute)
@@ -71,7 +71,7 @@ from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
-LAYER_BACKENDS = ("torch",)  # ExpertParallelMoE backends measured here; add "cuda" when it exists
+LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=[4096, 8192, 16384], iters=20, warmup=3,
              profile_iters=3)
 TINY = dict(hidden=32, ffn=16, experts_per_rank=4, topk=2, tokens=[64], iters=3, warmup=1, profile_iters=1)
@@ -288,7 +288,8 @@ def parse_args(argv):
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens per rank (default 4096 8192 16384)")
     ap.add_argument("--skews", type=float, nargs="+", default=[0.0, -2.0, -4.0], help="router_skew values")
     ap.add_argument("--layouts", nargs="+", default=["random", "concentrated"], choices=["random", "concentrated"])
-    ap.add_argument("--backends", nargs="+", default=list(LAYER_BACKENDS), choices=list(LAYER_BACKENDS))
+    ap.add_argument("--backends", nargs="+", default=None, choices=list(LAYER_BACKENDS),
+                    help="ExpertParallelMoE backends (default: torch and cuda on GPUs, torch on the CPU)")
     ap.add_argument("--policies", nargs="+", default=["static", "topoep"], choices=list(POLICIES))
     ap.add_argument("--unguarded", action="store_true", help="also run every balancing policy with the guard off")
     ap.add_argument("--no-megatron", action="store_true", help="skip megatron-core's alltoall layer")
@@ -319,6 +320,8 @@ def parse_args(argv):
         raise ValueError(f"--slots must be >= 0, got {args.slots}")
     args.hidden, args.ffn, args.topk = shape["hidden"], shape["ffn"], shape["topk"]
     args.tokens = args.tokens or shape["tokens"]
+    if args.backends is None:
+        args.backends = ["torch", "cuda"] if torch.cuda.is_available() and not args.tiny else ["torch"]
     return args
 
 
@@ -340,9 +343,10 @@ def init_distributed(args) -> tuple[torch.device, torch.dtype, bool]:
     return torch.device("cpu"), torch.float32, False
 
 
-def build_layers(args, topo, dev, dtype, cuda) -> tuple[dict, object]:
+def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: bool = True) -> tuple[dict, object]:
     """({name: ExpertParallelMoE}, (megatron layer, its MegatronTiming, experts module name) or None), all
-    with the same expert weights."""
+    with the same expert weights; max_tokens sizes backend cuda's buffers (built per token count, as a
+    training run would size them for its micro-batch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     E, H, Fd = args.experts, args.hidden, args.ffn
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
@@ -355,12 +359,12 @@ def build_layers(args, topo, dev, dtype, cuda) -> tuple[dict, object]:
     for be, policy, guard in variants:
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
-                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard)
+                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens)
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
         layers[f"{be}/{policy}" + ("" if guard or policy == "static" else " (no guard)")] = layer
-    if args.no_megatron:
+    if args.no_megatron or not with_megatron:
         return layers, None
     mlayer, experts_module = megatron_layer(args, world, dtype, cuda, fc1, fc2)
     return layers, (mlayer, MegatronTiming(mlayer), experts_module)
@@ -409,11 +413,13 @@ def main(argv=None) -> int:
     if world % rpd:
         raise ValueError(f"--ranks-per-domain {rpd} must divide the world size {world}")
     topo = Topology(num_domains=world // rpd, ranks_per_domain=rpd)
-    layers, megatron = build_layers(args, topo, dev, dtype, cuda)
+    layers, megatron = build_layers(args, topo, dev, dtype, cuda, args.tokens[0])
     reference = f"{args.backends[0]}/static" if "static" in args.policies else None
     E, H, k = args.experts, args.hidden, args.topk
     rows = []
     for T in args.tokens:
+        if T != args.tokens[0]:
+            layers = build_layers(args, topo, dev, dtype, cuda, T, with_megatron=False)[0]
         gi = torch.Generator().manual_seed(99 + rank)
         x = (torch.randn(T, H, generator=gi) * 0.1).to(dev, dtype).requires_grad_()
         w = torch.softmax(torch.randn(T, k, generator=gi), -1).to(dev, dtype).requires_grad_()
@@ -461,7 +467,8 @@ def relate(rows: list[dict]) -> None:
     by = {(r["tokens"], r["workload"], r["layer"]): r for r in rows}
     statics = [r["layer"] for r in rows if r["layer"].endswith("/static")]
     for r in rows:
-        s = by.get((r["tokens"], r["workload"], statics[0])) if statics else None
+        own = r["layer"].split("/")[0] + "/static"  # the same backend's static layer, else the first one
+        s = by.get((r["tokens"], r["workload"], own if own in statics else statics[0])) if statics else None
         b = by.get((r["tokens"], "balanced (bound)", r["layer"]))
         r["vs_static"] = r["ms"] / s["ms"] if s else None
         r["vs_bound"] = r["ms"] / b["ms"] if b else None
@@ -497,7 +504,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "after balancing; guard: share of calls where the net-benefit guard executed the static plan",
         f"- breakdown (ms): median of {args.profile_iters} extra iterations with phases serialised (CUDA events on "
         "GPU), maximum over ranks: experts is the straggler's; phases overlap in the timed runs and do not add up; "
-        "(plan+fetch) / ms: both phases are blocking in backend torch, so about what they expose (target <= 10 %)",
+        "(plan+fetch) / ms: both phases are blocking in both backends (no prefetch yet), so about what they "
+        "expose (target <= 10 %)",
         f"- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests planner memory moe_layer eval train pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval train pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -24,6 +24,11 @@ step_setup() {
 
 step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense reference)
   python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+}
+
+step_cuda() {  # backend cuda on 2 GPUs: payloads, vs backend torch for every policy, no host sync, graph replay
+  python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -25 | tee "$OUT/cuda_backend_tests.log"
+  python3 tools/sync_audit.py 2>&1 | grep -v -i "userwarning\|warnings.warn" | tail -40 | tee "$OUT/sync_audit.log"
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency

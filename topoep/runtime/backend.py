@@ -13,6 +13,8 @@ the portable reference and may synchronise the host (split sizes are host lists)
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -154,7 +156,66 @@ def e_main(e: int, experts_per_rank: int) -> int:
     return e // experts_per_rank
 
 
-def make_backend(name: str, group=None):
+BACKENDS = ("torch", "cuda")
+
+
+def make_backend(name: str, group=None, max_tokens: int | None = None):
     if name == "torch":
         return TorchBackend(group)
-    raise ValueError(f"unknown backend {name!r}; available: 'torch' (the GPU-native 'cuda' backend is not built yet)")
+    if name == "cuda":
+        return CudaBackend(group, max_tokens)
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+class CudaBackend:
+    """GPU-native backend (symm.py, cuda_function.py): CUDA symmetric memory and Triton kernels inside one
+    NVLink domain, no host synchronisation. Needs torch.distributed initialised (NCCL) with one GPU per
+    rank, every rank of the group on one NVLink domain (one host), and bf16 expert weights.
+
+    max_tokens: the most tokens any rank passes to one layer call; the worst-case buffers hold
+    EP size x max_tokens x top_k rows. Default: the first call's T (megatron's micro-batch shape is fixed)."""
+
+    name = "cuda"
+    # the forward fetch, the backward reload and the gradient return wait on the stream (no prefetch yet)
+    exposed_replica_transfers = 3
+    host_splits = False
+
+    def __init__(self, group=None, max_tokens: int | None = None):
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'cuda' needs a CUDA GPU; use backend='torch' on the CPU")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("backend 'cuda' needs torch.distributed initialised (init_process_group('nccl') with "
+                             "one GPU per rank, e.g. under torchrun)")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer (tokens per rank per call), got {max_tokens!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise ValueError(f"backend 'cuda' moves data through peer pointers inside one host, but this EP group spans "
+                             f"{len(set(hosts))} hosts; its inter-node path (NVSHMEM) is not built yet: use "
+                             "backend='torch' (eplb.backend=torch)")
+        self.max_tokens = max_tokens
+        self._max_rows = None
+
+    def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device):
+        """The process-wide symmetric buffers for calls of this shape (created on first use: collective)."""
+        from topoep.runtime.symm import SymmWorkspace
+
+        if self._max_rows is None:
+            self._max_rows = (self.max_tokens or num_tokens) * top_k
+        if num_tokens * top_k > self._max_rows:
+            raise ValueError(f"this call routes T={num_tokens} tokens x top_k={top_k}, but backend 'cuda' sized its "
+                             f"buffers for {self._max_rows // top_k} tokens per rank (max_tokens, default the first "
+                             "call's T): pass max_tokens=<the largest T> to ExpertParallelMoE")
+        E_loc = num_experts // self.world_size
+        G = E_loc + num_slots
+        return SymmWorkspace.shared(self.group, G, E_loc, max(num_experts, self.world_size * G), self._max_rows,
+                                    hidden, dtype, device)
+
+    def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device):
+        from topoep.runtime.symm import SymmReplicaPool
+
+        return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device) if num_slots else None

@@ -120,6 +120,12 @@ def swiglu_forward(x: torch.Tensor, sizes: list[int], fc1: list[torch.Tensor], f
     return y, h
 
 
+def swiglu_act_reference(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h [A, 2F] (the reference of the cuda backend's fused Triton activation)."""
+    Fd = h.shape[1] // 2
+    return F.silu(h[:, :Fd]) * h[:, Fd:]
+
+
 def _act_grads(grad_act: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     Fd = h.shape[1] // 2
     gate, up = h[:, :Fd], h[:, Fd:]

@@ -30,13 +30,20 @@ def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch
     inst_expert = plan.instance_expert
     start = group_exclusive_cumsum(counts, inst_expert)  # first ordinal served by each instance
     used = (counts > 0) & (inst_expert >= 0)
-    p_used = torch.nonzero(used).flatten()
     big = A + 1
-    inst_key = inst_expert[p_used] * big + start[p_used]
+    # unused instances sort after every query (e * big + ordinal < E * big): no nonzero(), no host sync
+    inst_key = torch.where(used, inst_expert * big + start, plan.num_experts * big)
     order = torch.argsort(inst_key)
     ordinal = rank_within_group(e)
     idx = torch.searchsorted(inst_key[order], e * big + ordinal, right=True) - 1
-    return p_used[order][idx]
+    return order[idx]
+
+
+def count_keys(key: torch.Tensor, n: int) -> torch.Tensor:
+    """int64[n]: occurrences of each value of key (values in [0, n)). Unlike torch.bincount on CUDA, this
+    never reads the maximum on the host."""
+    return torch.zeros(n, dtype=torch.int64, device=key.device).index_add_(0, key.reshape(-1),
+                                                                           torch.ones_like(key.reshape(-1)))
 
 
 def local_group(instance: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -102,6 +109,37 @@ def chunk_layouts(dest_rank: torch.Tensor, dest_group: torch.Tensor, num_tokens:
         a0, a1 = bounds[c] * top_k, bounds[c + 1] * top_k
         key = dest_rank[a0:a1] * num_groups + dest_group[a0:a1]
         order = torch.argsort(key, stable=True)
-        gc = torch.bincount(key, minlength=num_ranks * num_groups).view(num_ranks, num_groups)
+        gc = count_keys(key, num_ranks * num_groups).view(num_ranks, num_groups)
         out.append(ChunkLayout(send_idx=order + a0, send_counts=gc.sum(1), send_group_counts=gc))
     return out
+
+
+def receive_positions(C: torch.Tensor, send_key: torch.Tensor, rank: int, experts_per_rank: int):
+    """Where each row this rank sends lands in its destination's receive buffers (the `cuda` backend's
+    layout, computed on the device from the all-gathered counts; no host synchronisation).
+
+    C: int64[R, R, G], C[s, d, g] = rows source s sends to group g of rank d (every rank holds it);
+    send_key: int64[A], destination * G + group of this rank's rows in send order (ascending).
+    A destination keeps two buffers: its main experts' groups (g < experts_per_rank) and its replica
+    slots' groups; inside each, rows are group-major and, inside a group, ordered by source rank, then
+    by the source's send order: the layout a grouped GEMM reads directly.
+
+    Returns (dest int64[A], pos int64[A] row in the destination's buffer, is_slot bool[A])."""
+    R, _, G = C.shape
+    per_group = C.sum(0)  # [d, g]: rows d receives in group g
+    start = torch.cumsum(per_group, 1) - per_group  # group-major over all groups
+    main_total = per_group[:, :experts_per_rank].sum(1, keepdim=True)
+    is_slot_group = torch.arange(G, device=C.device) >= experts_per_rank
+    start = torch.where(is_slot_group, start - main_total, start)  # slot groups: own buffer from row 0
+    start = start + (torch.cumsum(C, 0)[rank] - C[rank])  # rows of lower sources come first
+    mine = C[rank].reshape(-1)
+    send_start = torch.cumsum(mine, 0) - mine
+    i = torch.arange(send_key.numel(), device=send_key.device)
+    pos = start.reshape(-1)[send_key] + i - send_start[send_key]
+    return send_key // G, pos, (send_key % G) >= experts_per_rank
+
+
+def received_sizes(C: torch.Tensor, rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64[E_loc] rows of each main group, int64[N] rows of each slot group) this rank receives."""
+    got = C[:, rank, :].sum(0)
+    return got[:experts_per_rank], got[experts_per_rank:]

@@ -22,7 +22,10 @@ from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard
-from topoep.runtime.layout import assignment_instances, chunk_layouts, copy_splits_to_host, local_group
+from topoep.plan import Plan
+from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall
+from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys, local_group,
+                                   receive_positions, received_sizes)
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
 
@@ -44,7 +47,9 @@ class ExpertParallelMoE(nn.Module):
         num_slots: replica slots per rank (shared by all layers through one `ReplicaPool`).
         policy: a `topoep.POLICIES` name ("static" = no balancing).
         group: the EP process group (None: the default group, or a single process).
-        backend: "torch" (torch.distributed collectives; gloo or NCCL).
+        backend: "torch" (torch.distributed collectives; gloo or NCCL) or "cuda" (GPU-native: symmetric
+            memory and our kernels inside one NVLink domain, no host synchronisation, bf16; see
+            `cuda_function.py`).
         dtype, device: of the expert weights and the pool.
         num_chunks: tokens are processed in this many chunks (2: the paper's pipeline).
         expert_weights: optional callable returning (fc1 list, fc2 list) of this rank's E/R main experts
@@ -56,6 +61,8 @@ class ExpertParallelMoE(nn.Module):
             balanced plan) or a `NetBenefitGuard` with its own constants. Fires (executes the static plan)
             when the predicted saving of balancing is not above the predicted planning + replica transfer
             time; never runs for policy "static" or without slots. `pop_stats` counts how often it fired.
+        max_tokens: backend "cuda" only: the most tokens per rank of one call (its worst-case buffers hold
+            EP size x max_tokens x k rows); default the first call's T.
 
     Attributes:
         timer: a `PhaseTimer` to time the phases of every call (benchmarks; serialises the pipeline),
@@ -66,7 +73,7 @@ class ExpertParallelMoE(nn.Module):
                  num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
                  device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
                  pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN,
-                 guard: bool | NetBenefitGuard = True):
+                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None):
         super().__init__()
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
@@ -84,7 +91,7 @@ class ExpertParallelMoE(nn.Module):
         if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
             raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
         self.guard = NetBenefitGuard.build(guard)
-        self.backend = make_backend(backend, group)
+        self.backend = make_backend(backend, group, max_tokens)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
                              "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")
@@ -136,29 +143,58 @@ class ExpertParallelMoE(nn.Module):
                              f"(one weight per choice, same k), got {list(topk_weights.shape)}")
         if not topk_weights.is_floating_point():
             raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
+        if self.backend.name == "cuda":  # reading the values would synchronise: check them on the device
+            torch._assert_async((topk_idx.min() >= 0) & (topk_idx.max() < self.num_experts) if topk_idx.numel()
+                                else torch.ones((), dtype=torch.bool, device=topk_idx.device),
+                                f"topk_idx out of range: values must be in [0, {self.num_experts})")
+        elif topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
             raise ValueError(f"topk_idx out of range: values must be in [0, {self.num_experts}), got "
                              f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
         self._validate(x, topk_idx, topk_weights)
+        fc1, fc2 = self.main_weights()
+        if fc1[0].dtype != x.dtype:
+            raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
+                             "the weights' dtype (e.g. under megatron's Float16Module for bf16)")
+        if self.backend.name == "cuda":
+            if self._expert_weights is None:  # the stacked parameters: no per-expert views through autograd
+                fc1, fc2 = [self.fc1], [self.fc2]
+            out = self._experts_cuda(x, topk_idx, fc1, fc2)
+        else:
+            out = self._experts_torch(x, topk_idx, fc1, fc2)
+        T, k = topk_idx.shape
+        return (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
+
+    def _plan(self, omega: torch.Tensor, x: torch.Tensor) -> Plan:
+        """The plan of this call (after the net-benefit guard); records the call's statistics."""
+        N = self.num_slots
+        t0 = time.perf_counter()
+        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
+                     token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
+        guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
+        if self.guard is not None and self.policy != "static" and N > 0:
+            n = self.guard.exposed_transfers
+            n = self.backend.exposed_replica_transfers if n is None else n
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
+            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
+        planner_ms = 1e3 * (time.perf_counter() - t0)
+        self.last_plan = plan
+        self.stats = torch.cat([plan_stats(plan, self.t_ffn),
+                                torch.full((1,), planner_ms, dtype=torch.float64, device=omega.device), guard_stats])
+        self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
+        self._stats_calls += 1
+        return plan
+
+    def _experts_torch(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
+        """Backend torch: [T * k, H] expert outputs per assignment (function.py)."""
         T, k = topk_idx.shape
         R, E, N = self.topology.num_ranks, self.num_experts, self.num_slots
         be, tm = self.backend, self.timer
         with phase(tm, "plan", collective=True):
-            local = torch.bincount(topk_idx.reshape(-1), minlength=E)
-            omega = be.all_gather_counts(local)
-            t0 = time.perf_counter()
-            plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                         token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
-            guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
-            if self.guard is not None and self.policy != "static" and N > 0:
-                n = self.guard.exposed_transfers
-                n = be.exposed_replica_transfers if n is None else n
-                plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
-                guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
-            planner_ms = 1e3 * (time.perf_counter() - t0)
+            omega = be.all_gather_counts(count_keys(topk_idx, E))
+            plan = self._plan(omega, x)
         with phase(tm, "dispatch_combine", collective=True):
             inst = assignment_instances(topk_idx, plan, self.rank)
             G = self.experts_per_rank + N
@@ -167,22 +203,37 @@ class ExpertParallelMoE(nn.Module):
                 ch.set_received(be.exchange_counts(ch.send_group_counts))
             if be.host_splits:
                 copy_splits_to_host(chunks)  # one device-to-host copy for every collective and GEMM below
-        fc1, fc2 = self.main_weights()
-        if fc1[0].dtype != x.dtype:
-            raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
-                             "the weights' dtype (e.g. under megatron's Float16Module for bf16)")
         if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
             # the model was cast or moved after construction (e.g. megatron's Float16Module)
             self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm)
-        out = ExpertParallelFunction.apply(x, call, *fc1, *fc2)
-        y = (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
-        self.last_plan = plan
-        self.stats = torch.cat([plan_stats(plan, self.t_ffn),
-                                torch.tensor([planner_ms], dtype=torch.float64, device=omega.device), guard_stats])
-        self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
-        self._stats_calls += 1
-        return y
+        return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
+
+    def _experts_cuda(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
+        """Backend cuda: the same, with no host synchronisation (cuda_function.py)."""
+        T, k = topk_idx.shape
+        R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
+        be, tm = self.backend, self.timer
+        if not x.is_cuda or x.dtype != torch.bfloat16:
+            raise ValueError(f"backend 'cuda' runs bf16 tensors on a GPU, got x {x.dtype} on {x.device}")
+        ws = be.workspace(T, k, E, N, self.hidden_size, x.dtype, x.device)
+        pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
+        if pool is not None:
+            self.pool = pool
+        with phase(tm, "plan", collective=True):
+            omega = ws.all_gather(count_keys(topk_idx, E))
+            plan = self._plan(omega, x)
+        with phase(tm, "dispatch_combine", collective=True):
+            inst = assignment_instances(topk_idx, plan, self.rank)
+            G = E_loc + N
+            key_sorted, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
+            C = ws.all_gather(count_keys(key_sorted, R * G)).view(R, R, G)
+            dest, pos, is_slot = receive_positions(C, key_sorted, self.rank, E_loc)
+            sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
+        call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
+                             sizes_main=sizes_main, sizes_slot=sizes_slot, num_tokens=T, top_k=k,
+                             experts_per_rank=E_loc, timer=tm)
+        return CudaExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then

@@ -1,0 +1,51 @@
+"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py) compiles for sm_90 (H100/H200)
+without a GPU, with the argument types the backend passes. Catches type and syntax errors before any GPU
+time; that the kernels compute the right thing is checked on the GPU (tests/test_cuda_backend_gpu.py)."""
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+
+import topoep.runtime.symm as S  # noqa: E402
+
+I64, I32 = "*i64", "i32"
+KERNELS = {
+    "_gather_row_kernel": (dict(src=I64, n=I32, bases=I64, me=I32), dict(BLOCK=1024)),
+    "_dispatch_kernel": (dict(src="*bf16", order=I64, row_div=I32, dest=I64, pos=I64, is_slot="*i8", meta_base=I32,
+                              main_bases=I64, slot_bases=I64, main_meta_bases=I64, slot_meta_bases=I64,
+                              overflow="*i32", n_rows=I32, cap=I32), dict(H=2048, BLOCK_H=2048)),
+    "_combine_kernel": (dict(y="*bf16", meta=I64, n_ptr=I64, back_bases=I64, a_cap=I32, cap=I32),
+                        dict(H=2048, BLOCK_H=2048)),
+    "_copy_rows_kernel": (dict(dst="*bf16", src="*bf16", n_ptr=I64, cap=I32), dict(H=1536, BLOCK_H=2048)),
+    "_push_slots_kernel": (dict(slot_expert=I64, main_ptrs=I64, pool_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
+                           dict(CHUNK=S.COPY_CHUNK)),
+    "_push_grads_kernel": (dict(slot_expert=I64, pool="*bf16", ret_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
+                           dict(CHUNK=S.COPY_CHUNK)),
+    "_swiglu_fwd_kernel": (dict(h="*bf16", act="*bf16", n_ptr=I64, cap=I32), dict(F=768, BLOCK_F=1024)),
+    "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", n_ptr=I64, cap=I32),
+                           dict(F=768, BLOCK_F=1024)),
+    "_reduce_grads_kernel": (dict(slot_expert=I64, ret="*bf16", grad="*bf16", me=I32, e_loc=I32, RN=I32, numel=I32),
+                             dict(CHUNK=S.COPY_CHUNK)),
+}
+
+
+def test_every_kernel_is_listed():
+    found = {n for n in dir(S) if n.endswith("_kernel") and hasattr(getattr(S, n), "fn")}
+    assert found == set(KERNELS)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_compiles_for_sm90(name):
+    fn = getattr(S, name)
+    sig, const = KERNELS[name]
+    params = list(inspect.signature(fn.fn).parameters)
+    assert set(sig) | set(const) == set(params), "signature out of date"
+    src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
+                    constexprs={(params.index(k),): v for k, v in const.items()})
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"]  # ptxas produced sm_90 machine code

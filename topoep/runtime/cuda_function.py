@@ -1,0 +1,159 @@
+"""Backend `cuda`: the balanced MoE layer with no host synchronisation (paper 3.2-3.3 on the GPU).
+
+Per call, every size the host needs is fixed by the shapes (tokens T, top-k, the workspace capacity),
+never by the routing:
+    counts      count_keys + a symmetric all-gather (omega), the GPU planner, the guard (torch.where)
+    layout      instance of every assignment, send order (a sort), counts C[s, d, g] all-gathered again,
+                receive positions (layout.receive_positions): all device tensors
+    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py)
+    dispatch    one kernel stores every row straight into its destination's receive buffer, already
+                grouped by expert; a barrier publishes the rows
+    experts     torch._grouped_mm over the worst-case-sized receive buffers with device offsets (rows past
+                the last offset are never read)
+    combine     one kernel stores every result row into its source's buffer at its assignment index
+Backward runs the same steps for the token gradients, computes every data gradient before the weight
+gradients, and returns the replica weight gradients to their main ranks (summed there in source, slot
+order). Memory: the received rows and the pre-activations kept for backward are worst-case sized
+(R * T * k rows per layer), the price of never reading a count on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from topoep.plan import Plan
+from topoep.runtime.symm import swiglu_act, swiglu_act_grad
+from topoep.runtime.timing import PhaseTimer, phase
+
+
+@dataclass
+class CudaLayerCall:
+    """One call's device-side layout (all tensors on the GPU) and the shared buffers."""
+
+    plan: Plan
+    workspace: object  # symm.SymmWorkspace
+    pool: object | None  # symm.SymmReplicaPool, None without slots
+    order: torch.Tensor  # int64[A]: assignment index of send row i
+    dest: torch.Tensor  # int64[A]: destination rank of send row i
+    pos: torch.Tensor  # int64[A]: its row in the destination's buffer
+    is_slot: torch.Tensor  # bool[A]: main buffer or slot buffer
+    sizes_main: torch.Tensor  # int64[E_loc]: rows received per main expert
+    sizes_slot: torch.Tensor  # int64[N]: rows received per slot
+    num_tokens: int
+    top_k: int
+    experts_per_rank: int
+    timer: PhaseTimer | None = None
+
+
+def stack_experts(ws: list[torch.Tensor]) -> torch.Tensor:
+    """[E_loc, ...] over the experts' weights: the stacked parameter itself when one 3-D tensor is given
+    (our own layer), a view when they are consecutive slices of one buffer, else a copy (megatron's
+    per-expert parameters)."""
+    from topoep.runtime.experts import stacked_view
+
+    if len(ws) == 1 and ws[0].dim() == 3:
+        return ws[0]
+    v = stacked_view(ws)
+    return v if v is not None else torch.stack([w.detach() for w in ws])
+
+
+def expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
+    """int64[E_loc] device addresses of each expert of a stacked weight, computed on the device."""
+    n = stacked.shape[0]
+    return torch.arange(n, dtype=torch.int64, device=stacked.device) * (stacked[0].numel() * stacked.element_size()) \
+        + stacked.data_ptr()
+
+
+def _offsets(sizes: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(sizes, 0, dtype=torch.int32)
+
+
+# Grouped SwiGLU over worst-case-sized row buffers: x [cap, H] holds the groups' rows first (n = offs[-1]
+# of them, a device value); rows past n are never computed on (the activations are Triton kernels that
+# read n on the device) and never read. w1 [G, 2F, H], w2 [G, H, F]. References: experts.swiglu_act_reference, experts._act_grads.
+
+def grouped_swiglu(x, w1, w2, offs, n):
+    h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(swiglu_act(h, n), w2.transpose(1, 2), offs=offs), h
+
+
+def grouped_swiglu_dgrad(gy, h, w1, w2, offs, n):
+    gh = swiglu_act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
+    return torch._grouped_mm(gh, w1, offs=offs), gh
+
+
+def grouped_swiglu_wgrad(x, h, gy, gh, offs, n, o1, o2):
+    """Accumulates the weight gradients of every group into o1 [G, 2F, H], o2 [G, H, F]."""
+    o2 += torch._grouped_mm(gy.t(), swiglu_act(h, n), offs=offs)
+    o1 += torch._grouped_mm(gh.t(), x, offs=offs)
+
+
+class CudaExpertParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, call: CudaLayerCall, *weights: torch.Tensor) -> torch.Tensor:
+        n = len(weights) // 2
+        ws, pool, tm = call.workspace, call.pool, call.timer
+        W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
+        se = call.plan.slot_expert
+        if pool is not None:
+            with phase(tm, "fetch", collective=True):
+                pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
+        with phase(tm, "dispatch_combine", collective=True):
+            rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot)
+            n_main, n_slot = call.sizes_main.sum().view(1), call.sizes_slot.sum().view(1)
+            xm = ws.copy_rows(rm, n_main)  # kept for backward: the receive buffers are reused
+            xs = ws.copy_rows(rs, n_slot) if pool is not None else None
+        with phase(tm, "experts"):
+            offs_m = _offsets(call.sizes_main)
+            ym, hm = grouped_swiglu(xm, W1, W2, offs_m, n_main)
+            ys = hs = None
+            if pool is not None:
+                ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, _offsets(call.sizes_slot), n_slot)
+        with phase(tm, "dispatch_combine", collective=True):
+            out = ws.combine(ym, ys, n_main, n_slot, x.shape[0] * call.top_k)
+        ctx.call, ctx.num_weights = call, n
+        ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
+        ctx.save_for_backward(*weights, xm, hm, *((xs, hs) if pool is not None else ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        call: CudaLayerCall = ctx.call
+        n = ctx.num_weights
+        t = ctx.saved_tensors
+        weights, (xm, hm), rest = t[:2 * n], t[2 * n:2 * n + 2], t[2 * n + 2:]
+        W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
+        ws, pool, tm = call.workspace, call.pool, call.timer
+        se = call.plan.slot_expert
+        if pool is not None:  # the slots were reused by later layers: reload this layer's replicas
+            with phase(tm, "fetch", collective=True):
+                pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
+        with phase(tm, "dispatch_combine", collective=True):
+            gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot)
+        n_main, n_slot = call.sizes_main.sum().view(1), call.sizes_slot.sum().view(1)
+        offs_m, offs_s = _offsets(call.sizes_main), _offsets(call.sizes_slot)
+        with phase(tm, "experts"):  # data gradients first: token gradients leave early
+            gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, offs_m, n_main)
+            gxs = ghs = None
+            if pool is not None:
+                xs, hs = rest
+                gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
+        with phase(tm, "dispatch_combine", collective=True):
+            grad_assign = ws.combine(gxm, gxs, n_main, n_slot, grad_out.shape[0])
+        with phase(tm, "experts"):
+            g1, g2 = torch.zeros_like(W1), torch.zeros_like(W2)
+            grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main, g1, g2)
+            if pool is not None:  # the replica weights are no longer needed: the slots take their gradients
+                pool.fc1.zero_()
+                pool.fc2.zero_()
+                grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot, pool.fc1, pool.fc2)
+        if pool is not None:
+            with phase(tm, "grad_return", collective=True):
+                pool.return_grads(se, g1, g2, call.experts_per_rank)
+        k = call.top_k
+        grad_x = grad_assign.view(-1, k, grad_assign.shape[1]).sum(1)
+        if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves
+            return grad_x, None, g1, g2
+        return (grad_x, None, *g1.unbind(0), *g2.unbind(0))

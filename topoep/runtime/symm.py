@@ -1,0 +1,384 @@
+"""CUDA symmetric memory (`torch.distributed._symmetric_memory`, peer pointers over NVLink) and the
+Triton kernels of the `cuda` backend: every transfer is a kernel that stores straight into a peer's
+buffer, every size it needs is read on the device, and a symmetric-memory barrier publishes the stores.
+Nothing here reads a tensor value on the host, so the layer needs no host synchronisation and its
+forward can be captured in a CUDA graph.
+
+Buffers of one EP group (one `SymmWorkspace`, shared by every layer of the process):
+    counts[2]       int64[R, n]      two all-gather buffers used alternately (one barrier per gather)
+    recv_main       [cap, H]         rows for this rank's main experts, group-major (layout.py)
+    recv_slot       [cap, H]         rows for its replica slots, group-major
+    meta_main/slot  int64[cap]       for each received row: source rank * A_cap + its assignment index
+    back            [A_cap, H]       combine target: rows come home to their assignment index
+    pool fc1/fc2    [N, 2F, H], [N, H, F]   the replica slots (a symmetric `ReplicaPool`)
+    ret fc1/fc2     [R * N, 2F * H], [R * N, H * F]   the gradient-return regions: slot j of source s
+                                      writes region s * N + j of the expert's main rank (paper 3.2)
+cap = R * A_cap: all R ranks may send all of their A_cap rows to one rank's main experts (or one rank's
+slots), so no row is ever dropped. A row that would not fit (a rank called with more than A_cap rows)
+is counted in `overflow` instead of being written out of bounds.
+
+Peer pointers work only inside one NVLink domain (one host here). Kernels loop over rows with a
+persistent grid, reading the row count from the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only environments: the module imports, the kernels are unavailable
+    triton = None
+
+ROW_PROGRAMS_PER_SM = 8
+COPY_CHUNK = 8192  # elements per program of the weight and gradient copies
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_row_kernel(src, n, bases, me, BLOCK: tl.constexpr):
+        """Row `me` of every peer's buffer (int64[R, n]) <- src[:n]: program r writes rank r's copy."""
+        r = tl.program_id(0)
+        base = tl.load(bases + r).to(tl.pointer_type(tl.int64))
+        for c in range(0, n, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(base + me * n + offs, tl.load(src + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _dispatch_kernel(src, order, row_div, dest, pos, is_slot, meta_base, main_bases, slot_bases,
+                         main_meta_bases, slot_meta_bases, overflow, n_rows, cap,
+                         H: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Send row i: src[order[i] // row_div] -> row pos[i] of rank dest[i]'s main or slot buffer, and
+        meta_base + order[i] (the row's way home) into the matching meta buffer."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs = tl.arange(0, BLOCK_H)
+        for i in range(pid, n_rows, nprog):
+            a = tl.load(order + i)
+            d = tl.load(dest + i)
+            p = tl.load(pos + i)
+            slot = tl.load(is_slot + i) != 0
+            if p < cap:
+                rows = tl.where(slot, tl.load(slot_bases + d), tl.load(main_bases + d)).to(
+                    tl.pointer_type(src.dtype.element_ty))
+                metas = tl.where(slot, tl.load(slot_meta_bases + d), tl.load(main_meta_bases + d)).to(
+                    tl.pointer_type(tl.int64))
+                s_row = a // row_div
+                for h0 in tl.static_range(0, H, BLOCK_H):
+                    m = h0 + offs < H
+                    tl.store(rows + p * H + h0 + offs, tl.load(src + s_row * H + h0 + offs, mask=m), mask=m)
+                tl.store(metas + p, meta_base + a)
+            else:
+                tl.atomic_add(overflow, 1)
+
+    @triton.jit
+    def _combine_kernel(y, meta, n_ptr, back_bases, a_cap, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Received row r (r < n = the device count of rows) goes home: y[r] -> row a of source s's
+        `back` buffer, where meta[r] = s * a_cap + a."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        n = tl.minimum(tl.load(n_ptr), cap)
+        offs = tl.arange(0, BLOCK_H)
+        for r in range(pid, n, nprog):
+            r = r.to(tl.int64)
+            mv = tl.load(meta + r)
+            s = mv // a_cap
+            a = mv - s * a_cap
+            out = tl.load(back_bases + s).to(tl.pointer_type(y.dtype.element_ty))
+            for h0 in tl.static_range(0, H, BLOCK_H):
+                m = h0 + offs < H
+                tl.store(out + a * H + h0 + offs, tl.load(y + r * H + h0 + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _copy_rows_kernel(dst, src, n_ptr, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        """dst[:n] = src[:n] for a row count n read on the device (rows beyond n are left as they are)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        n = tl.minimum(tl.load(n_ptr), cap)
+        offs = tl.arange(0, BLOCK_H)
+        for r in range(pid, n, nprog):
+            r = r.to(tl.int64)
+            for h0 in tl.static_range(0, H, BLOCK_H):
+                m = h0 + offs < H
+                tl.store(dst + r * H + h0 + offs, tl.load(src + r * H + h0 + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _push_slots_kernel(slot_expert, main_ptrs, pool_bases, me, e_loc, N, numel, CHUNK: tl.constexpr):
+        """Replica fetch, pushed by the main rank: for slot (r, j) whose expert e is mine, copy my main
+        weight of e (main_ptrs[e - me * e_loc]) into slot j of rank r's pool."""
+        rj = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(slot_expert + rj)
+        if (e >= 0) & (e // e_loc == me):
+            src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
+            dst = tl.load(pool_bases + rj // N).to(tl.pointer_type(tl.bfloat16)) + (rj % N).to(tl.int64) * numel
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            m = offs < numel
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _push_grads_kernel(slot_expert, pool, ret_bases, me, e_loc, N, numel, CHUNK: tl.constexpr):
+        """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank."""
+        j = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(slot_expert + me * N + j)
+        if e >= 0:
+            dst = tl.load(ret_bases + e // e_loc).to(tl.pointer_type(tl.bfloat16)) + (me * N + j).to(tl.int64) * numel
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            m = offs < numel
+            tl.store(dst + offs, tl.load(pool + j.to(tl.int64) * numel + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _reduce_grads_kernel(slot_expert, ret, grad, me, e_loc, RN, numel, CHUNK: tl.constexpr):
+        """grad[li] += sum of the returned regions of expert me * e_loc + li, in (source, slot) order,
+        accumulated in fp32 (a fixed order: the result does not depend on timing)."""
+        li = tl.program_id(0)
+        c = tl.program_id(1)
+        e = me * e_loc + li
+        hits = 0
+        for sj in range(RN):
+            hits += (tl.load(slot_expert + sj) == e).to(tl.int32)
+        if hits > 0:
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            m = offs < numel
+            g = grad + li.to(tl.int64) * numel + offs
+            acc = tl.load(g, mask=m).to(tl.float32)
+            for sj in range(RN):
+                if tl.load(slot_expert + sj) == e:
+                    acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m).to(tl.float32)
+            tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
+
+
+    @triton.jit
+    def _swiglu_fwd_kernel(h, act, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
+        """act[r] = silu(h[r, :F]) * h[r, F:] for rows r < n (device count), in fp32, one rounding."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        n = tl.minimum(tl.load(n_ptr), cap)
+        offs = tl.arange(0, BLOCK_F)
+        m = offs < F
+        for r in range(pid, n, nprog):
+            r = r.to(tl.int64)
+            g = tl.load(h + r * 2 * F + offs, mask=m).to(tl.float32)
+            u = tl.load(h + r * 2 * F + F + offs, mask=m).to(tl.float32)
+            tl.store(act + r * F + offs, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(grad_act, h, grad_h, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
+        """grad_h[r] = (d act / d gate, d act / d up) * grad_act[r] for rows r < n (device count)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        n = tl.minimum(tl.load(n_ptr), cap)
+        offs = tl.arange(0, BLOCK_F)
+        m = offs < F
+        for r in range(pid, n, nprog):
+            r = r.to(tl.int64)
+            ga = tl.load(grad_act + r * F + offs, mask=m).to(tl.float32)
+            g = tl.load(h + r * 2 * F + offs, mask=m).to(tl.float32)
+            u = tl.load(h + r * 2 * F + F + offs, mask=m).to(tl.float32)
+            sg = tl.sigmoid(g)
+            tl.store(grad_h + r * 2 * F + offs, (ga * u * sg * (1 + g * (1 - sg))).to(grad_h.dtype.element_ty), mask=m)
+            tl.store(grad_h + r * 2 * F + F + offs, (ga * g * sg).to(grad_h.dtype.element_ty), mask=m)
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+def _row_grid(device) -> int:
+    return ROW_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def swiglu_act(h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[cap, F] SwiGLU activation of h [cap, 2F] for its first n rows (n int64[1] on the device; the rest
+    of the result is uninitialised). Reference: `experts.swiglu_act_reference`."""
+    cap, F2 = h.shape
+    act = h.new_empty(cap, F2 // 2)
+    _swiglu_fwd_kernel[(_row_grid(h.device),)](h, act, n, cap, F=F2 // 2, BLOCK_F=_pow2(F2 // 2))
+    return act
+
+
+def swiglu_act_grad(grad_act: torch.Tensor, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[cap, 2F] gradient of h for the first n rows. Reference: `experts._act_grads`."""
+    cap, F2 = h.shape
+    grad_h = torch.empty_like(h)
+    _swiglu_bwd_kernel[(_row_grid(h.device),)](grad_act, h, grad_h, n, cap, F=F2 // 2, BLOCK_F=_pow2(F2 // 2))
+    return grad_h
+
+
+class SymmBuffer:
+    """One symmetric allocation of this group: the local tensor, its handle, and a device table of the
+    peers' addresses of the same tensor (for kernels)."""
+
+    def __init__(self, shape, dtype, device, group):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.tensor = symm_mem.empty(*shape, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.tensor, group)
+        R = self.handle.world_size
+        ptrs = [self.handle.get_remote_tensor(r, tuple(shape), dtype).data_ptr() for r in range(R)]
+        if ptrs[self.handle.rank] != self.tensor.data_ptr():
+            raise RuntimeError("symmetric memory: this rank's remote view does not start at its own tensor "
+                               f"({ptrs[self.handle.rank]:#x} != {self.tensor.data_ptr():#x})")
+        self.ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device)
+
+    def barrier(self, channel: int = 0) -> None:
+        self.handle.barrier(channel=channel)
+
+
+class SymmWorkspace:
+    """The symmetric buffers of one EP group (module docstring), created once per (group, sizes) and
+    shared by every layer. Creating one is collective: every rank of the group must do it at the same
+    point (the first forward)."""
+
+    _shared: dict = {}
+
+    def __init__(self, group, num_groups: int, experts_per_rank: int, count_width: int, a_cap: int, hidden: int,
+                 dtype, device):
+        if triton is None:
+            raise RuntimeError("backend 'cuda' needs triton (pip install triton)")
+        self.group = group or dist.group.WORLD
+        self.R, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.G, self.e_loc, self.a_cap, self.H = num_groups, experts_per_rank, a_cap, hidden
+        self.cap = self.R * a_cap
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.count_width = count_width
+        new = lambda *shape, dt=dtype: SymmBuffer(shape, dt, self.device, self.group)  # noqa: E731
+        self.counts = [new(self.R, count_width, dt=torch.int64) for _ in range(2)]
+        self._parity = 0
+        self.recv_main, self.meta_main = new(self.cap, hidden), new(self.cap, dt=torch.int64)
+        has_slots = num_groups > experts_per_rank
+        self.recv_slot = new(self.cap, hidden) if has_slots else None  # no slots: is_slot is never set
+        self.meta_slot = new(self.cap, dt=torch.int64) if has_slots else None
+        self.back = new(a_cap, hidden)
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.row_grid = _row_grid(self.device)
+        self.block_h = min(4096, _pow2(hidden))
+
+    @classmethod
+    def shared(cls, group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device):
+        name = (group or dist.group.WORLD).group_name
+        key = (name, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, torch.device(device))
+        ws = cls._shared.get(key)
+        if ws is None:
+            ws = cls._shared[key] = cls(group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device)
+        return ws
+
+    # -- small metadata ------------------------------------------------------------------------
+    def all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        """int64[n] (n <= count_width) on every rank -> int64[R, n], the same on every rank. Two buffers
+        used alternately: a rank writes buffer b again only after every rank passed the barrier of the
+        gather in between, which each reaches after it copied b out."""
+        n = row.numel()
+        buf = self.counts[self._parity]
+        self._parity ^= 1
+        _gather_row_kernel[(self.R,)](row.contiguous(), n, buf.ptrs, self.rank, BLOCK=min(1024, _pow2(max(n, 16))))
+        buf.barrier(channel=0)
+        return buf.tensor.view(-1)[: self.R * n].view(self.R, n).clone()
+
+    # -- token rows ----------------------------------------------------------------------------
+    def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
+                 is_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer.
+        Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale)."""
+        A = order.numel()
+        slot, slot_meta = self.recv_slot or self.recv_main, self.meta_slot or self.meta_main
+        self.recv_main.barrier(channel=0)  # every rank is done with the previous contents
+        if A:
+            _dispatch_kernel[(min(A, self.row_grid),)](
+                src.contiguous(), order, row_div, dest, pos, is_slot.to(torch.int8), self.rank * self.a_cap,
+                self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
+                A, self.cap, H=self.H, BLOCK_H=self.block_h)
+        self.recv_main.barrier(channel=1)
+        return self.recv_main.tensor, (self.recv_slot.tensor if self.recv_slot is not None else None)
+
+    def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
+                n_slot: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+        """The reverse of dispatch: every received row goes back to its source's assignment index.
+        n_main, n_slot: int64[1] rows received (device); y_slot None without slots. Returns a new
+        [num_rows, H] tensor."""
+        for y, meta, n in ((y_main, self.meta_main, n_main), (y_slot, self.meta_slot, n_slot)):
+            if y is None:
+                continue
+            _combine_kernel[(self.row_grid,)](y, meta.tensor, n, self.back.ptrs, self.a_cap, self.cap, H=self.H,
+                                              BLOCK_H=self.block_h)
+        self.back.barrier(channel=0)
+        return self.back.tensor[:num_rows].clone()
+
+    def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """A non-symmetric copy of src's first n rows (n on the device) in a tensor of src's shape."""
+        dst = torch.empty_like(src)
+        _copy_rows_kernel[(self.row_grid,)](dst, src, n, src.shape[0], H=src.shape[1], BLOCK_H=_pow2(src.shape[1]))
+        return dst
+
+
+class SymmReplicaPool:
+    """A `ReplicaPool` whose slots live in symmetric memory, with the gradient-return regions beside
+    it (module docstring). fc1 [N, 2F, H], fc2 [N, H, F]; ret1 [R * N, 2F * H], ret2 [R * N, H * F]."""
+
+    _shared: dict = {}
+
+    def __init__(self, group, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype, device):
+        if dtype != torch.bfloat16:
+            raise ValueError(f"backend 'cuda' moves bf16 expert weights; got {dtype} (run the model in bf16)")
+        self.group = group or dist.group.WORLD
+        R = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.num_slots = num_slots
+        H, F = hidden_size, ffn_hidden_size
+        self._fc1 = SymmBuffer((num_slots, 2 * F, H), dtype, device, self.group)
+        self._fc2 = SymmBuffer((num_slots, H, F), dtype, device, self.group)
+        self.ret1 = SymmBuffer((R * num_slots, 2 * F * H), dtype, device, self.group)
+        self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
+        self.fc1, self.fc2 = self._fc1.tensor, self._fc2.tensor
+
+    @classmethod
+    def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device):
+        name = (group or dist.group.WORLD).group_name
+        key = (name, num_slots, hidden_size, ffn_hidden_size, dtype, torch.device(device))
+        pool = cls._shared.get(key)
+        if pool is None:
+            pool = cls._shared[key] = cls(group, num_slots, hidden_size, ffn_hidden_size, dtype, device)
+        return pool
+
+    def slot_weights(self):
+        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+
+    def fetch(self, slot_expert: torch.Tensor, main1_ptrs: torch.Tensor, main2_ptrs: torch.Tensor, e_loc: int) -> None:
+        """Every main rank pushes its replicated experts into the slots the plan gives them; returns when
+        every rank's slots are filled (barrier)."""
+        se = slot_expert.reshape(-1).contiguous()
+        R_N = se.numel()
+        self._fc1.barrier(channel=0)  # no rank still computes with the previous contents of its slots
+        for ptrs, buf in ((main1_ptrs, self._fc1), (main2_ptrs, self._fc2)):
+            numel = buf.tensor[0].numel()
+            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
+                                                                      self.num_slots, numel, CHUNK=COPY_CHUNK)
+        self._fc1.barrier(channel=1)
+
+    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
+        """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
+        grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] in (source rank, slot) order."""
+        se = slot_expert.reshape(-1).contiguous()
+        N = self.num_slots
+        self.ret1.barrier(channel=0)  # the main ranks are done with the previous returns
+        for pool, ret in ((self.fc1, self.ret1), (self.fc2, self.ret2)):
+            numel = pool[0].numel()
+            _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, pool, ret.ptrs, self.rank, e_loc, N, numel,
+                                                                    CHUNK=COPY_CHUNK)
+        self.ret1.barrier(channel=1)
+        for grad, ret in ((grad1, self.ret1), (grad2, self.ret2)):
+            numel = grad[0].numel()
+            _reduce_grads_kernel[(e_loc, triton.cdiv(numel, COPY_CHUNK))](se, ret.tensor, grad, self.rank, e_loc,
+                                                                          se.numel(), numel, CHUNK=COPY_CHUNK)
