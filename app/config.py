@@ -84,7 +84,8 @@ class EplbConfig:
     num_slots: int = 2
     """Replica slots per rank."""
     backend: str = "torch"
-    """Execution backend of the TopoEP layer."""
+    """Execution backend of the TopoEP layer: torch (collectives; CPU and GPU) or cuda (GPU-native, one
+    NVLink domain, bf16, no host synchronisation)."""
     num_chunks: int = 2
     """Token chunks of the pipeline (paper 3.3)."""
     t_ffn: float | None = None
@@ -103,6 +104,10 @@ class EplbConfig:
                                  "(or eplb=none for megatron's baseline)")
         if not isinstance(self.num_slots, int) or self.num_slots < 0:
             raise ValueError(f"eplb.num_slots must be an integer >= 0, got {self.num_slots!r}")
+        from topoep.runtime.backend import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"eplb.backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
         if not isinstance(self.guard, bool):
             raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")

@@ -58,12 +58,12 @@ def _payload(rank, world, policy):
     for seed in range(3):
         _, idx, _, _ = _routing(world, seed, 3.0, dev)[rank]
         idx = idx.to(dev)
-        omega = ws.all_gather(count_keys(idx, E))
+        omega = ws.all_gather(count_keys(idx, E), 0)
         plan = solve(omega, Topology(num_domains=1, ranks_per_domain=world), num_slots=N, policy=policy,
                      expert_bytes=1000, token_bytes=10)
         inst = assignment_instances(idx, plan, rank)
         key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
-        C = ws.all_gather(count_keys(key, world * G)).view(world, world, G)
+        C = ws.all_gather(count_keys(key, world * G), 1).view(world, world, G)
         dest, pos, is_slot = receive_positions(C, key, rank, E_LOC)
         sm, ss = received_sizes(C, rank, E_LOC)
         a = torch.arange(T * K, device=dev)
@@ -201,14 +201,19 @@ def _sync_free_and_graph(rank, world):
         return y
 
     step(*batches[0])  # warm-up: buffers, Triton compilation, the planner's workspace
+    step(*batches[0])  # the metadata CUDA graph is captured (capturing synchronises once)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step(*batches[1])
+        y_graph = step(*batches[1]).detach()  # metadata replayed from the graph
         sync_free = True
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    replays = layer._meta_graphs.replays
+    layer._meta_graphs.enabled = False  # the same call with eager metadata: the same plan, bitwise the same y
+    same_as_eager = torch.equal(step(*batches[1]).detach(), y_graph)
+    layer._meta_graphs.enabled = True
     # graph capture of the forward (inference: no autograd graph), replayed with new routing
     layer.zero_grad(set_to_none=True)
     sx, sidx, sw = (batches[0][i].clone() for i in range(3))
@@ -231,13 +236,14 @@ def _sync_free_and_graph(rank, world):
             eager = step(*b[:3], None, backward=False)
             results.append(torch.equal(gy_static, eager))
     torch.cuda.synchronize()
-    return sync_free, results
+    return sync_free, results, replays, same_as_eager
 
 
 def test_no_host_sync_and_forward_graph_replay():
-    for sync_free, same in run_ranks(_sync_free_and_graph, 2, backend="nccl"):
+    for sync_free, same, replays, same_as_eager in run_ranks(_sync_free_and_graph, 2, backend="nccl"):
         assert sync_free
         assert all(same), same
+        assert replays == 2 and same_as_eager  # the layer's own metadata graph: used, and equal to eager
 
 
 def test_fused_swiglu_activation_matches_reference_on_the_counted_rows():

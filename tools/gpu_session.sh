@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval train pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -67,6 +67,16 @@ step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, e
     grep -E "^world|^step|W&B|Error" "$RUNS-qwen3-$eplb.log" > "$OUT/qwen3-$eplb.log"
   done
   tar -C "$RUNS/qwen3-topoep" -czf "$OUT/qwen3-topoep-wandb.tgz" wandb heatmaps config.yaml 2>/dev/null
+}
+
+step_train_backends() {  # model=qwen3, eplb=topoep, STEPS (default 20) steps with backend torch, then cuda: losses side by side
+  for be in torch cuda; do
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py model=qwen3 trainer=default \
+      eplb=topoep eplb.backend=$be trainer.steps=${STEPS:-20} logger=none trainer.run_dir=$RUNS/qwen3-be-$be \
+      > "$RUNS-qwen3-be-$be.log" 2>&1
+    echo "== qwen3 eplb=topoep backend=$be: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-qwen3-be-$be.log" | tail -6
+    grep -E "^world|^step|Error" "$RUNS-qwen3-be-$be.log" > "$OUT/qwen3-backend-$be.log"
+  done
 }
 
 step_pp() {  # pipeline parallelism 2 (the paper's GLM/DeepSeek-V2 setting), depth reduced to fit 2 GPUs

@@ -22,8 +22,9 @@ from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard
-from topoep.plan import Plan
+from topoep.plan import Plan, default_main_rank
 from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall
+from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys, local_group,
                                    receive_positions, received_sizes)
 from topoep.runtime.pool import ReplicaPool
@@ -112,6 +113,7 @@ class ExpertParallelMoE(nn.Module):
         self.timer: PhaseTimer | None = None
         self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
         self._stats_sum, self._stats_calls = None, 0
+        self._meta_graphs = None  # backend cuda: the metadata CUDA graphs (cuda_meta.py)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -167,25 +169,28 @@ class ExpertParallelMoE(nn.Module):
         T, k = topk_idx.shape
         return (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
-    def _plan(self, omega: torch.Tensor, x: torch.Tensor) -> Plan:
-        """The plan of this call (after the net-benefit guard); records the call's statistics."""
+    def _solve(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
+        """(the plan of this call after the net-benefit guard, its statistics without planner_ms). Tensor
+        work only (no host synchronisation on a GPU): backend cuda replays it in a CUDA graph."""
         N = self.num_slots
-        t0 = time.perf_counter()
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                     token_bytes=self.hidden_size * x.element_size(), t_ffn=self.t_ffn)
+                     token_bytes=token_bytes, t_ffn=self.t_ffn)
         guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
         if self.guard is not None and self.policy != "static" and N > 0:
             n = self.guard.exposed_transfers
             n = self.backend.exposed_replica_transfers if n is None else n
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
-        planner_ms = 1e3 * (time.perf_counter() - t0)
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats])
+
+    def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
+        """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
+        n = len(STAT_NAMES)
         self.last_plan = plan
-        self.stats = torch.cat([plan_stats(plan, self.t_ffn),
-                                torch.full((1,), planner_ms, dtype=torch.float64, device=omega.device), guard_stats])
+        self.stats = torch.cat([stats[:n], torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device),
+                                stats[n:]])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
-        return plan
 
     def _experts_torch(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
         """Backend torch: [T * k, H] expert outputs per assignment (function.py)."""
@@ -194,7 +199,9 @@ class ExpertParallelMoE(nn.Module):
         be, tm = self.backend, self.timer
         with phase(tm, "plan", collective=True):
             omega = be.all_gather_counts(count_keys(topk_idx, E))
-            plan = self._plan(omega, x)
+            t0 = time.perf_counter()
+            plan, stats = self._solve(omega, self.hidden_size * x.element_size())
+            self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
         with phase(tm, "dispatch_combine", collective=True):
             inst = assignment_instances(topk_idx, plan, self.rank)
             G = self.experts_per_rank + N
@@ -210,30 +217,47 @@ class ExpertParallelMoE(nn.Module):
         return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def _experts_cuda(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
-        """Backend cuda: the same, with no host synchronisation (cuda_function.py)."""
+        """Backend cuda: the same, with no host synchronisation (cuda_function.py); the metadata (counts,
+        plan, guard, statistics, receive layout) is one CUDA graph replay (cuda_meta.py)."""
         T, k = topk_idx.shape
-        R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
+        N, E_loc = self.num_slots, self.experts_per_rank
         be, tm = self.backend, self.timer
         if not x.is_cuda or x.dtype != torch.bfloat16:
             raise ValueError(f"backend 'cuda' runs bf16 tensors on a GPU, got x {x.dtype} on {x.device}")
-        ws = be.workspace(T, k, E, N, self.hidden_size, x.dtype, x.device)
-        pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
+        ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device)
+        pool = None
+        if self.policy != "static":  # static never uses a slot: no fetch, no gradient return
+            pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         if pool is not None:
             self.pool = pool
-        with phase(tm, "plan", collective=True):
-            omega = ws.all_gather(count_keys(topk_idx, E))
-            plan = self._plan(omega, x)
-        with phase(tm, "dispatch_combine", collective=True):
-            inst = assignment_instances(topk_idx, plan, self.rank)
-            G = E_loc + N
-            key_sorted, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
-            C = ws.all_gather(count_keys(key_sorted, R * G)).view(R, R, G)
-            dest, pos, is_slot = receive_positions(C, key_sorted, self.rank, E_loc)
-            sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
+        if self._meta_graphs is None:
+            self._meta_graphs = MetadataGraphs()
+        token_bytes = self.hidden_size * x.element_size()
+        with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
+            t0 = time.perf_counter()
+            omega, slot_expert, route, stats, order, dest, pos, is_slot, sizes_main, sizes_slot = self._meta_graphs(
+                lambda idx: self._cuda_metadata(ws, idx, token_bytes), topk_idx)
+            plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=default_main_rank(self.num_experts, self.topology.num_ranks, omega.device),
+                        slot_expert=slot_expert, route=route, policy=self.policy, expert_bytes=self.expert_bytes,
+                        token_bytes=token_bytes)
+            self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
                              sizes_main=sizes_main, sizes_slot=sizes_slot, num_tokens=T, top_k=k,
                              experts_per_rank=E_loc, timer=tm)
         return CudaExpertParallelFunction.apply(x, call, *fc1, *fc2)
+
+    def _cuda_metadata(self, ws, topk_idx: torch.Tensor, token_bytes: int) -> tuple:
+        """Counts -> omega -> plan (guarded) -> statistics -> receive layout, as tensors (graph-capturable)."""
+        R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
+        omega = ws.all_gather(count_keys(topk_idx, E), 0)
+        plan, stats = self._solve(omega, token_bytes)
+        inst = assignment_instances(topk_idx, plan, self.rank)
+        G = E_loc + N
+        key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
+        C = ws.all_gather(count_keys(key, R * G), 1).view(R, R, G)
+        dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
+        sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
+        return plan.omega, plan.slot_expert, plan.route, stats, order, dest, pos, is_slot, sizes_main, sizes_slot
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then

@@ -252,7 +252,6 @@ class SymmWorkspace:
         self.count_width = count_width
         new = lambda *shape, dt=dtype: SymmBuffer(shape, dt, self.device, self.group)  # noqa: E731
         self.counts = [new(self.R, count_width, dt=torch.int64) for _ in range(2)]
-        self._parity = 0
         self.recv_main, self.meta_main = new(self.cap, hidden), new(self.cap, dt=torch.int64)
         has_slots = num_groups > experts_per_rank
         self.recv_slot = new(self.cap, hidden) if has_slots else None  # no slots: is_slot is never set
@@ -272,13 +271,13 @@ class SymmWorkspace:
         return ws
 
     # -- small metadata ------------------------------------------------------------------------
-    def all_gather(self, row: torch.Tensor) -> torch.Tensor:
-        """int64[n] (n <= count_width) on every rank -> int64[R, n], the same on every rank. Two buffers
-        used alternately: a rank writes buffer b again only after every rank passed the barrier of the
-        gather in between, which each reaches after it copied b out."""
+    def all_gather(self, row: torch.Tensor, which: int) -> torch.Tensor:
+        """int64[n] (n <= count_width) on every rank -> int64[R, n], the same on every rank. `which` (0 or
+        1) picks the buffer; callers alternate (the layer gathers omega in 0, then the layout counts in 1),
+        so a rank writes buffer b again only after every rank passed the barrier of the gather in between,
+        which each reaches after it copied b out: one barrier per gather."""
         n = row.numel()
-        buf = self.counts[self._parity]
-        self._parity ^= 1
+        buf = self.counts[which]
         _gather_row_kernel[(self.R,)](row.contiguous(), n, buf.ptrs, self.rank, BLOCK=min(1024, _pow2(max(n, 16))))
         buf.barrier(channel=0)
         return buf.tensor.view(-1)[: self.R * n].view(self.R, n).clone()
@@ -356,23 +355,24 @@ class SymmReplicaPool:
         return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
 
     def fetch(self, slot_expert: torch.Tensor, main1_ptrs: torch.Tensor, main2_ptrs: torch.Tensor, e_loc: int) -> None:
-        """Every main rank pushes its replicated experts into the slots the plan gives them; returns when
-        every rank's slots are filled (barrier)."""
+        """Every main rank pushes its replicated experts into the slots the plan gives them. No barrier of
+        its own: the layer calls it right before a dispatch, whose first barrier publishes the slots before
+        anyone computes with them; and before it, every rank passed a barrier after its last use of its
+        slots (this call's count all-gathers in forward, the previous gradient return in backward)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
-        self._fc1.barrier(channel=0)  # no rank still computes with the previous contents of its slots
         for ptrs, buf in ((main1_ptrs, self._fc1), (main2_ptrs, self._fc2)):
             numel = buf.tensor[0].numel()
             _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
                                                                       self.num_slots, numel, CHUNK=COPY_CHUNK)
-        self._fc1.barrier(channel=1)
 
     def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
         """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
         grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] in (source rank, slot) order."""
         se = slot_expert.reshape(-1).contiguous()
         N = self.num_slots
-        self.ret1.barrier(channel=0)  # the main ranks are done with the previous returns
+        # no barrier first: the previous return's regions were summed before the dispatch barriers that
+        # every rank passed since
         for pool, ret in ((self.fc1, self.ret1), (self.fc2, self.ret2)):
             numel = pool[0].numel()
             _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, pool, ret.ptrs, self.rank, e_loc, N, numel,

@@ -1,0 +1,51 @@
+"""The per-call metadata of backend `cuda` (routing counts, their all-gather, the planner, the net-benefit
+guard, the statistics, the receive layout), replayed as one CUDA graph.
+
+This work is a chain of about 150 small kernels on tensors of a few thousand elements: run eagerly, the
+host spends about 1-2 ms launching them, longer than the GPU spends running them, and the layer becomes
+host-bound. None of it synchronises the host and every shape is fixed by (T, k), so each layer captures
+it once per input shape (on the second call: the first one compiles the kernels and creates the
+workspaces) and afterwards copies topk_idx into the graph's input, replays it, and clones its outputs
+(the next replay overwrites them while this call's backward still needs them).
+
+Set TOPOEP_CUDA_GRAPHS=0 to run it eagerly (debugging); when the caller is itself capturing a CUDA
+graph, it runs eagerly inside that capture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+
+class MetadataGraphs:
+    """Per-layer cache: input shape -> (graph, static input, static outputs)."""
+
+    def __init__(self):
+        self._graphs: dict = {}
+        self.enabled = os.environ.get("TOPOEP_CUDA_GRAPHS", "1") != "0"
+        self.replays = 0
+
+    def __call__(self, fn: Callable[[torch.Tensor], tuple], topk_idx: torch.Tensor) -> tuple:
+        """fn(topk_idx) -> tuple of tensors, through the graph when possible."""
+        if not self.enabled or torch.cuda.is_current_stream_capturing():
+            return fn(topk_idx)
+        key = (tuple(topk_idx.shape), topk_idx.device)
+        entry = self._graphs.get(key)
+        if entry is None:  # first call: eager (compiles kernels, creates workspaces)
+            self._graphs[key] = "warm"
+            return fn(topk_idx)
+        if entry == "warm":
+            static_idx = topk_idx.clone()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the NCCL watchdog thread may query events while we capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outs = fn(static_idx)
+            self._graphs[key] = entry = (graph, static_idx, outs)
+        graph, static_idx, outs = entry
+        static_idx.copy_(topk_idx)
+        graph.replay()
+        self.replays += 1
+        return tuple(t.clone() for t in outs)
