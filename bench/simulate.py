@@ -1,7 +1,7 @@
 """Cluster-scale simulation (topoep/sim.py): calibration on the GPU machine's measurements, the paper's
 testbed against its Fig. 12/13/15, and every policy at EP 8-1024 with 0-4 slots on the presets.
 
-    python bench/simulate.py                      # everything (a few minutes on 2 CPU cores)
+    python bench/simulate.py                      # everything (~6 min on one CPU core; ~2.5 min, plan cache warm)
     python bench/simulate.py --quick              # small sweep (EP 8, 16; slots 0, 2), for a smoke test
     python bench/simulate.py --presets paper_h800 --eps 32 256 --slots 2 --workloads natural -4
 
@@ -13,9 +13,14 @@ testbed against its Fig. 12/13/15, and every policy at EP 8-1024 with 0-4 slots 
    natural-like and router_skew 0..-4 routing (--seeds draws each), every policy on the TopoEP
    execution; Megatron-LM = static on the `megatron` execution. Throughput ratios next to the paper's.
 3. Sweep: Qwen3 expert shape with max(128, EP) experts (one expert per rank beyond EP 128), 4096 tokens
-   per rank, one routing draw per workload, every policy in topoep.POLICIES at --slots; EP 1024 only at
-   --large-slots (the CPU reference planners take seconds per plan there). A policy whose plan took
-   longer than --max-plan-s is not run at larger EP (reported).
+   per rank, one routing draw per workload (drawn once, shared by the presets), every policy in
+   topoep.POLICIES at --slots; EP >= 1024 at --large-slots (default the same 0-4: the CPU reference
+   topoep planner takes 5-10 s per plan there). A policy whose plan took longer than --max-plan-s is not
+   run at larger EP (reported).
+
+Plans are cached on disk (`sim.PlanCache`, --plan-cache, default build/plan_cache, gitignored; keyed by the
+plan's inputs and the planners' source): a rerun replans nothing that took >= 0.5 s, and its results are
+the same (a plan's recorded solve time is the one measured when it was made). --no-plan-cache: solve all.
 
 Writes results/simulation.md, results/simulation.json (run info, then "tables": calibration, paper,
 sweep, skipped, each {"columns": [...], "rows": [[...], ...]}) and results/simulation_*.png. Times are
@@ -202,17 +207,19 @@ def calibration_notes(rows) -> str:
 
 
 # -- 2. paper testbed -----------------------------------------------------------------------------------
-def paper_testbed(args, policies):
+def paper_testbed(args, policies, cache=None):
     cluster = sim.CLUSTERS["paper_h800"]
     rows = []
     jobs = [(m, R, w, s) for m, R in PAPER_MODELS for w in ("natural", "0") + WORKLOADS[1:] for s in range(args.seeds)]
     for mname, R, w, seed in tqdm(jobs, desc="paper testbed", disable=args.quiet):
         model = sim.MODELS[mname]
         om = omega_for(R, model, w, seed)
-        base = sim.simulate(om, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"])
-        out = [("megatron", base)] + [(p, sim.simulate(om, cluster, model=model, policy=p, num_slots=2)) for p in policies]
+        base = sim.simulate(om, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"],
+                            plan_cache=cache)
+        out = [("megatron", base)] + [(p, sim.simulate(om, cluster, model=model, policy=p, num_slots=2, plan_cache=cache))
+                                      for p in policies]
         out.append(("topoep+guard", sim.simulate(om, cluster, model=model, policy="topoep", num_slots=2,
-                                                 guard=_guard())))
+                                                 guard=_guard(), plan_cache=cache)))
         for name, res in out:
             rows.append(dict(model=mname, ep=R, workload=w, seed=seed, layer=name, dense_ms=1e3 * res.dense_s,
                              **{k: v for k, v in res.row().items() if k != "policy"}))
@@ -342,19 +349,20 @@ def breakdown_md(summary, policies) -> str:
 
 
 # -- 3. sweep ------------------------------------------------------------------------------------------
-def sweep(args, policies):
+def sweep(args, policies, cache=None):
+    """Rows in (preset, EP, workload) order; computed EP by EP so that each routing draw is sampled once
+    for all presets (a policy's --max-plan-s skip still sees every preset's EPs in increasing order)."""
     rows, skipped, plan_time = [], [], {}
-    omegas = {}
-    jobs = [(c, R, w) for c in args.presets for R in args.eps for w in args.workloads]
-    for cname, R, w in tqdm(jobs, desc="sweep", disable=args.quiet):
+    jobs = [(R, w, c) for R in args.eps for w in args.workloads for c in args.presets]
+    om_key, om = None, None
+    for R, w, cname in tqdm(jobs, desc="sweep", disable=args.quiet):
         cluster = sim.CLUSTERS[cname]
         model = sim.MODELS["qwen3"].with_experts(max(128, R))
-        if (R, w) not in omegas:
-            omegas = {k: v for k, v in omegas.items() if k[0] == R}  # keep memory flat
-            omegas[(R, w)] = omega_for(R, model, w, 0)
-        om = omegas[(R, w)]
-        base = sim.simulate(om, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"])
-        static = sim.simulate(om, cluster, model=model, policy="static", num_slots=0)
+        if om_key != (R, w):
+            om_key, om = (R, w), omega_for(R, model, w, 0)
+        base = sim.simulate(om, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"],
+                            plan_cache=cache)
+        static = sim.simulate(om, cluster, model=model, policy="static", num_slots=0, plan_cache=cache)
         slots = args.large_slots if R >= 1024 else args.slots
         cells = [("megatron", 0, base), ("static", 0, static)]
         for s in slots:
@@ -366,26 +374,30 @@ def sweep(args, policies):
                     skipped.append(dict(preset=cname, ep=R, workload=w, slots=s, policy=p,
                                         why=f"plan took {last[1]:.1f} s at EP {last[0]}"))
                     continue
-                t0 = time.perf_counter()
                 try:
-                    res = sim.simulate(om, cluster, model=model, policy=p, num_slots=s)
+                    res = sim.simulate(om, cluster, model=model, policy=p, num_slots=s, plan_cache=cache)
                 except Exception as e:  # a policy under development must not stop the sweep
                     skipped.append(dict(preset=cname, ep=R, workload=w, slots=s, policy=p, why=f"error: {e}"))
                     continue
-                plan_time[(cname, p)] = (R, time.perf_counter() - t0)
+                plan_time[(cname, p)] = (R, res.terms["reference_solve_measured"])  # the solve's wall time
                 cells.append((p, s, res))
         for name, s, res in cells:
             rows.append(dict(preset=cname, ep=R, experts=model.num_experts, workload=w, slots=s, layer=name,
                              vs_static=static.layer_s / res.layer_s, vs_megatron=base.layer_s / res.layer_s,
                              **{k: v for k, v in res.row().items() if k not in ("policy", "num_slots")}))
+    order = {(c, R, w): i for i, (c, R, w) in enumerate((c, R, w) for c in args.presets for R in args.eps
+                                                            for w in args.workloads)}
+    rows.sort(key=lambda r: order[(r["preset"], r["ep"], r["workload"])])  # stable: cell order kept
+    skipped.sort(key=lambda r: order[(r["preset"], r["ep"], r["workload"])])
     return rows, skipped
 
 
 def sweep_md(rows, skipped, policies, args) -> str:
     md = ["## 3. Sweep: every policy at EP 8-1024 on the presets (Qwen3 expert shape)\n",
           f"max(128, EP) experts (one per rank beyond EP 128), top-8, 4096 tokens per rank, one routing draw per "
-          f"workload (natural-like and router_skew -1..-4, megatron's random bias layout). Slots {args.slots} "
-          f"(EP 1024: {args.large_slots}). Throughput ratio = static's predicted layer time / the policy's, both on "
+          f"workload (natural-like and router_skew -1..-4, megatron's random bias layout). Slots {args.slots}"
+          + (f" (EP >= 1024: {args.large_slots})" if args.large_slots != args.slots else " at every EP")
+          + ". Throughput ratio = static's predicted layer time / the policy's, both on "
           "the TopoEP execution (so it is the planner's effect alone); the JSON also has the ratio to Megatron-LM "
           "and every term.\n"]
     for c in args.presets:
@@ -424,14 +436,38 @@ def sweep_md(rows, skipped, policies, args) -> str:
             best.append(row)
         md.append("topoep: the slot count with the best predicted throughput (its ratio to static; ties: fewer slots):\n\n"
                   + markdown_table(["EP"] + [w if w == "natural" else f"skew {w}" for w in args.workloads], best) + "\n")
+        md.append(slots_table(rows, policies, args, c))
     if skipped:
         md.append("Not simulated: " + "; ".join(sorted({f"{s['policy']} on {s['preset']} at EP {s['ep']} ({s['why']})"
                                                       for s in skipped})) + ".\n")
     return "\n".join(md)
 
 
+def slots_table(rows, policies, args, preset) -> str:
+    """Every policy at every slot count at the largest EP of the sweep: throughput vs static (imbalance)."""
+    R = max(args.eps)
+    slots = args.large_slots if R >= 1024 else args.slots
+    sel = {(r["workload"], r["layer"], r["slots"]): r for r in rows if (r["preset"], r["ep"]) == (preset, R)}
+    if not sel:
+        return ""
+    body = [["static", 0] + [f"{1e3 * sel[(w, 'static', 0)]['layer_s']:.2f} ms ({sel[(w, 'static', 0)]['stats.imbalance']:.2f})"
+                             if (w, "static", 0) in sel else "-" for w in args.workloads]]
+    for p in policies:
+        if p == "static":
+            continue
+        for s in slots:
+            if s == 0:
+                continue
+            body.append([p, s] + [f"{sel[(w, p, s)]['vs_static']:.2f} ({sel[(w, p, s)]['stats.imbalance']:.2f})"
+                                  if (w, p, s) in sel else "-" for w in args.workloads])
+    return (f"EP {R}, every slot count: throughput vs static (imbalance); static: its predicted layer time (imbalance). "
+            "0 slots is the static plan for every policy:\n\n"
+            + markdown_table(["policy", "slots"] + [w if w == "natural" else f"skew {w}" for w in args.workloads], body)
+            + "\n")
+
+
 # -- summary -------------------------------------------------------------------------------------------
-def findings(cal_rows, summary, sweep_rows, policies) -> str:
+def findings(cal_rows, summary, sweep_rows, policies, args) -> str:
     """The headline numbers of the three sections, all taken from this run."""
     lines = ["## Summary\n"]
     loo = [abs(err(r["loo_ms"], r["measured_ms"])) for r in cal_rows]
@@ -492,7 +528,9 @@ def findings(cal_rows, summary, sweep_rows, policies) -> str:
         for r in best.values():
             counts[r["slots"]] = counts.get(r["slots"], 0) + 1
         lines.append("- **Slots**: the best predicted slot count for topoep over all (preset, EP, routing) cells: "
-                     + ", ".join(f"{s} slot{'' if s == 1 else 's'} in {n} cells" for s, n in sorted(counts.items())) + " (EP 1024: only 0 and 2 run).")
+                     + ", ".join(f"{s} slot{'' if s == 1 else 's'} in {n} cells" for s, n in sorted(counts.items()))
+                     + (f" (EP >= 1024: only {args.large_slots} run)." if args.large_slots != args.slots
+                        else f" (slots {args.slots} at every EP)."))
     return "\n".join(lines) + "\n"
 
 
@@ -608,14 +646,16 @@ def write_tables(path: Path, info: dict, tables: dict[str, list[dict]]) -> None:
 def uncommitted() -> str:
     import subprocess
 
-    files = ["topoep/sim.py", "bench/simulate.py"]
+    files = ["topoep/sim.py", "bench/simulate.py", "bench/common.py", "topoep/planners", "topoep/plan.py",
+             "topoep/topology.py", "topoep/workloads.py", "topoep/metrics.py", "topoep/runtime/guard.py",
+             "results/moe_layer.json"]  # what the numbers depend on
     try:
         out = subprocess.run(["git", "status", "--porcelain", *files], cwd=REPO, capture_output=True, text=True).stdout
     except OSError:
         return ""
     changed = [line[3:] for line in out.splitlines() if line.strip()]
     return (f"- simulator source: the working-tree version of {', '.join(changed)} (not in that commit)"
-            if changed else "")
+            if changed else "- simulator source: as in that commit (the files it depends on are unchanged)")
 
 
 def main(argv=None) -> int:
@@ -623,7 +663,7 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", nargs="+", default=list(sim.CLUSTERS), choices=list(sim.CLUSTERS))
     ap.add_argument("--eps", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256, 1024])
     ap.add_argument("--slots", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    ap.add_argument("--large-slots", nargs="+", type=int, default=[0, 2], help="slots at EP >= 1024")
+    ap.add_argument("--large-slots", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="slots at EP >= 1024")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--seeds", type=int, default=3, help="routing draws per paper-testbed case")
@@ -631,6 +671,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-layer-json", type=Path, default=REPO / "results" / "moe_layer.json")
     ap.add_argument("--quick", action="store_true", help="EP 8 and 16, slots 0 and 2, one seed (smoke test)")
     ap.add_argument("--out", type=Path, default=REPO / "results")
+    ap.add_argument("--plan-cache", type=Path, default=REPO / "build" / "plan_cache",
+                    help="folder of cached reference plans (sim.PlanCache)")
+    ap.add_argument("--no-plan-cache", action="store_true", help="solve every plan, read and write no cache")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -639,23 +682,29 @@ def main(argv=None) -> int:
         raise ValueError("--policies must include static and topoep (the baselines of every ratio)")
     torch.set_num_threads(1)
     policies = [p for p in POLICIES if p in args.policies]
+    cache = None if args.no_plan_cache else sim.PlanCache(args.plan_cache)
     t0 = time.perf_counter()
     full, cal_rows = calibration(args)
-    paper_rows = paper_testbed(args, policies)
+    paper_rows = paper_testbed(args, policies, cache)
     summary = paper_summary(paper_rows)
-    sweep_rows, skipped = sweep(args, policies)
+    sweep_rows, skipped = sweep(args, policies, cache)
+    elapsed = time.perf_counter() - t0
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {
         "clusters": {k: vars(v) for k, v in sim.CLUSTERS.items()}, "executions": {k: vars(v) for k, v in sim.EXECUTIONS.items()},
         "models": {k: vars(v) for k, v in sim.MODELS.items()}, "calibration": full.fitted})
-    info["config"].pop("moe_layer_json", None)
+    for k in ("moe_layer_json", "plan_cache"):  # this machine's paths
+        info["config"].pop(k, None)
+    cached = (f"; {cache.hits} of {cache.hits + cache.misses} plans read from the plan cache" if cache
+              else "; plan cache off")
+    info["plan_cache"] = ({"hits": cache.hits, "misses": cache.misses, "written": cache.written} if cache else None)
     args.out.mkdir(parents=True, exist_ok=True)
     pngs = plots(cal_rows, summary, sweep_rows, policies, args, args.out)
     md = ["# Cluster-scale simulation of one MoE layer (topoep/sim.py)\n",
           f"- date: {info['date']}; commit: `{info['commit']}`; hardware (where the simulator ran): {info['hardware']}",
           "- every time below is a model prediction (`topoep.sim`), except the measured column of section 1",
           uncommitted(),
-          f"- reproduce: `python bench/simulate.py` ({time.perf_counter() - t0:.0f} s here)\n",
-          findings(cal_rows, summary, sweep_rows, policies),
+          f"- reproduce: `python bench/simulate.py` ({elapsed:.0f} s here{cached})\n",
+          findings(cal_rows, summary, sweep_rows, policies, args),
           calibration_md(full, cal_rows, args), "![calibration](simulation_calibration.png)\n",
           paper_md(summary, policies, args), "![paper testbed](simulation_paper.png)\n",
           breakdown_md(summary, policies), "![breakdown](simulation_breakdown.png)\n",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from topoep import Topology, solve, workloads
+from topoep import POLICIES, Topology, solve, workloads
 from topoep import sim
 from topoep.plan import Plan
 
@@ -196,6 +196,70 @@ def test_simulate_rejects_mismatched_plans():
         sim.simulate([[1, 2]], TOY, model=TOY_MODEL)
 
 
+# -- plan cache -----------------------------------------------------------------------------------------
+def _cache_case():
+    cl, model = sim.CLUSTERS["paper_h800"], replace(sim.MODELS["qwen3"], num_experts=64, tokens_per_rank=256)
+    om = sim.sample_routing(16, 64, 256, 8, router_skew=-2.0, seed=5)
+    kw = dict(expert_bytes=model.expert_bytes, token_bytes=model.token_bytes, t_ffn=cl.t_ffn(model))
+    return cl, model, om, cl.topology(16), kw
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_plan_cache_returns_the_reference_plan(tmp_path, policy):
+    cl, model, om, topo, kw = _cache_case()
+    ref = solve(om, topo, num_slots=2, policy=policy, backend="reference", **kw)
+    writer = sim.PlanCache(tmp_path, min_solve_s=0.0, memory=0)
+    made, t_made = writer.solve(om, topo, num_slots=2, policy=policy, **kw)
+    assert (writer.misses, writer.written, writer.hits) == (1, 1, 0)
+    reader = sim.PlanCache(tmp_path, min_solve_s=0.0, memory=0)  # a fresh process: from disk
+    read, t_read = reader.solve(om.clone(), topo, num_slots=2, policy=policy, **kw)
+    assert (reader.hits, reader.misses) == (1, 0) and t_read == t_made  # the solve's time as measured then
+    for plan in (made, read):
+        assert torch.equal(plan.route, ref.route) and torch.equal(plan.slot_expert, ref.slot_expert)
+        assert torch.equal(plan.main_rank, ref.main_rank) and torch.equal(plan.omega, ref.omega)
+        assert (plan.policy, plan.info, plan.num_slots) == (ref.policy, ref.info, ref.num_slots)
+        assert (plan.expert_bytes, plan.token_bytes) == (ref.expert_bytes, ref.token_bytes)
+    a = sim.simulate(om, cl, model=model, policy=policy, num_slots=2)
+    b = sim.simulate(om, cl, model=model, policy=policy, num_slots=2, plan_cache=reader)
+    assert b.layer_s == a.layer_s and b.stats == a.stats and b.traffic == a.traffic
+    assert b.terms["reference_solve_measured"] == t_made
+
+
+def test_plan_cache_keys_every_input_and_survives_bad_entries(tmp_path):
+    cl, model, om, topo, kw = _cache_case()
+    cache = sim.PlanCache(tmp_path, min_solve_s=0.0, memory=0)
+    key = cache.key(om, topo, num_slots=2, policy="topoep", **kw)
+    om2 = om.clone()
+    om2[0, 0] += 1
+    other = [cache.key(om2, topo, num_slots=2, policy="topoep", **kw),
+             cache.key(om, sim.CLUSTERS["h200"].topology(16), num_slots=2, policy="topoep", **kw),  # other costs
+             cache.key(om, Topology(num_domains=4, ranks_per_domain=4), num_slots=2, policy="topoep", **kw),
+             cache.key(om, topo, num_slots=3, policy="topoep", **kw),
+             cache.key(om, topo, num_slots=2, policy="flexmoe", **kw),
+             cache.key(om, topo, num_slots=2, policy="topoep", **(kw | {"t_ffn": 2 * kw["t_ffn"]})),
+             cache.key(om, topo, num_slots=2, policy="topoep", **(kw | {"expert_bytes": kw["expert_bytes"] + 2}))]
+    assert len({key, *other}) == len(other) + 1
+    planner_changed = sim.PlanCache(tmp_path)
+    planner_changed.fingerprint = "0" * 64
+    assert planner_changed.key(om, topo, num_slots=2, policy="topoep", **kw) != key
+    ref = solve(om, topo, num_slots=2, policy="topoep", backend="reference", **kw)
+    cache.solve(om, topo, num_slots=2, policy="topoep", **kw)
+    path = cache.path(key)
+    assert path.is_file()
+    path.write_bytes(b"not a plan")  # unreadable: solved again and rewritten
+    again = sim.PlanCache(tmp_path, min_solve_s=0.0, memory=0)
+    plan, _ = again.solve(om, topo, num_slots=2, policy="topoep", **kw)
+    assert (again.hits, again.misses, again.written) == (0, 1, 1) and torch.equal(plan.route, ref.route)
+    # fast solves are not written; the last plan is served from memory
+    lazy = sim.PlanCache(tmp_path / "lazy", min_solve_s=1e9, memory=1)
+    for _ in range(2):
+        plan, _ = lazy.solve(om, topo, num_slots=2, policy="deepseek", **kw)
+    assert (lazy.misses, lazy.hits, lazy.written) == (1, 1, 0) and not (tmp_path / "lazy").exists()
+    assert torch.equal(plan.route, solve(om, topo, num_slots=2, policy="deepseek", **kw).route)
+    with pytest.raises(ValueError, match="num_slots"):
+        cache.solve(om, topo, num_slots=-1, policy="topoep", **kw)
+
+
 # -- configs and presets ---------------------------------------------------------------------------------
 def test_presets():
     assert {"paper_h800", "gb200_nvl72", "h200"} <= set(sim.CLUSTERS)
@@ -343,5 +407,5 @@ def test_measured_cases_rebuild_the_executed_plans():
                              expert_bytes=c.plan.expert_bytes, token_bytes=c.plan.token_bytes)
             fired = NetBenefitGuard().select(balanced, ffn_time_per_assignment(2048, 768), 3)[1]
             assert bool(fired) == c.guard_fired
-    with pytest.raises(ValueError, match="no 'cuda/static'"):
-        sim.measured_cases(REPO / "results" / "moe_layer.json", backend="cuda")
+    with pytest.raises(ValueError, match="no 'absent/static'"):  # a backend the bench did not run
+        sim.measured_cases(REPO / "results" / "moe_layer.json", backend="absent")

@@ -24,6 +24,8 @@ Usage (no build step; CPU only):
     base = sim.simulate(omega, cluster, model=model, policy="static", execution=sim.EXECUTIONS["megatron"])
     base.layer_s / res.layer_s                             # throughput ratio of the MoE layer
     # a recorded trace (workloads.load_trace): [sim.simulate(om, cluster, model=model) for om in trace.flatten(0, 1)]
+    cache = sim.PlanCache("build/plan_cache")              # reference plans on disk (seconds each at EP 1024)
+    sim.simulate(omega, cluster, model=model, policy="topoep", num_slots=4, plan_cache=cache)  # solved once, then read
 
     cases = sim.measured_cases("results/moe_layer.json")   # the GPU machine's bench, plans rebuilt
     cal = sim.calibrate(cases)                              # fitted constants: cal.fitted, cal.cluster
@@ -61,18 +63,25 @@ rail imbalance beyond the same-local-index rule, tree or multicast replica broad
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
 import json
 import math
+import os
 import time
+import zlib
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from topoep import workloads
-from topoep.metrics import FLOPS_PER_ASSIGNMENT_FACTOR, metrics
+from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.plan import Plan
-from topoep.planners import POLICIES, solve
+from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -523,14 +532,159 @@ def gather_s(num_ranks: int, num_experts: int, cluster: Cluster) -> float:
     return lat * math.ceil(math.log2(num_ranks)) + max(intra / cluster.nvlink_bytes_per_s, inter / cluster.rdma_bytes_per_s)
 
 
+# -- plan cache ------------------------------------------------------------------------------------
+PLAN_CACHE_FORMAT = 1
+
+
+def planner_fingerprint() -> str:
+    """sha256 of the planners' source (topoep/plan.py, topology.py, planners/*.py): a cached plan is
+    reused only by the planner code that made it."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in [root / "plan.py", root / "topology.py", *sorted((root / "planners").glob("*.py"))]:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+class PlanCache:
+    """Reference plans (`topoep.solve(..., backend="reference")`) on disk, so that reruns of a sweep do
+    not replan: the pure-Python planners take seconds per plan at EP 1024 (topoep's token split).
+
+    Content-addressed: the key is a sha256 of everything a reference plan is a function of (omega's
+    values, the topology's domains and cost matrices, policy, num_slots, expert and token bytes, t_ffn;
+    default main_rank) and of the planners' source (`planner_fingerprint`), so a changed input or planner
+    is a miss, never a stale plan. An entry holds slot_expert, route, policy, info and the solve's wall
+    time when it was made (returned on a hit: it is a measurement of that solve, not of the read). Only
+    solves that took >= min_solve_s are written (compressing a large route costs about as much as a fast
+    planner's solve); the last `memory` plans are also kept in memory (a plan asked for twice in a row is
+    solved once). Files: root/<key[:2]>/<key>.plan (zlib: a JSON header and two .npy arrays), written
+    atomically; an unreadable entry is solved again and overwritten. hits / misses / written count calls."""
+
+    def __init__(self, root, *, min_solve_s: float = 0.5, memory: int = 2):
+        self.root = Path(root)
+        self.min_solve_s = float(min_solve_s)
+        self.memory = int(memory)
+        self.fingerprint = planner_fingerprint()
+        self.hits = self.misses = self.written = 0
+        self._recent: OrderedDict = OrderedDict()
+
+    def key(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
+            token_bytes: int, t_ffn: float | None = None) -> str:
+        om = omega.detach().to("cpu", torch.int64).contiguous()
+        head = {"format": PLAN_CACHE_FORMAT, "planner": self.fingerprint, "policy": policy, "num_slots": num_slots,
+                "expert_bytes": expert_bytes, "token_bytes": token_bytes, "shape": list(om.shape),
+                "t_ffn": float(DEFAULT_T_FFN if t_ffn is None else t_ffn).hex(),  # solve's default
+                "domains": [topology.num_domains, topology.ranks_per_domain]}
+        h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+        for t in (om, topology.cost_fs, topology.cost):
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.plan"
+
+    def solve(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
+              token_bytes: int, t_ffn: float | None = None) -> tuple[Plan, float]:
+        """(plan, solve seconds): `topoep.solve(omega, topology, ..., backend="reference")`, from the cache
+        when the same inputs were solved before. Raises what `topoep.solve` raises for bad input."""
+        omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, None)
+        key = self.key(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
+                       token_bytes=token_bytes, t_ffn=t_ffn)
+        if key in self._recent:
+            self.hits += 1
+            self._recent.move_to_end(key)
+            plan, solve_s = self._recent[key]
+            return self._rebuild(omega, topology, main_rank, plan.slot_expert, plan.route, plan.policy, plan.info,
+                                 expert_bytes, token_bytes), solve_s
+        got = self._read(key, omega, topology, main_rank, num_slots, expert_bytes, token_bytes)
+        if got is not None:
+            self.hits += 1
+            self._remember(key, *got)
+            return got
+        t0 = time.perf_counter()
+        plan = solve(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
+                     token_bytes=token_bytes, t_ffn=t_ffn, backend="reference")
+        solve_s = time.perf_counter() - t0
+        self.misses += 1
+        if solve_s >= self.min_solve_s and self._write(key, plan, solve_s):
+            self.written += 1
+        self._remember(key, plan, solve_s)
+        return plan, solve_s
+
+    def _remember(self, key, plan, solve_s):
+        if self.memory > 0:
+            self._recent[key] = (plan, solve_s)
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.memory:
+                self._recent.popitem(last=False)
+
+    @staticmethod
+    def _rebuild(omega, topology, main_rank, slot_expert, route, policy, info, expert_bytes, token_bytes) -> Plan:
+        """A fresh Plan (its cached views are per object) sharing the stored tensors (plans are immutable)."""
+        return Plan(omega=omega, topology=topology, num_slots=slot_expert.shape[1], main_rank=main_rank,
+                    slot_expert=slot_expert, route=route, policy=policy, info=copy.deepcopy(info),
+                    expert_bytes=expert_bytes, token_bytes=token_bytes)
+
+    def _write(self, key: str, plan: Plan, solve_s: float) -> bool:
+        try:
+            info = json.loads(json.dumps(plan.info))
+        except (TypeError, ValueError):
+            return False
+        if info != plan.info:  # tuples, non-string keys: would not come back identical
+            return False
+        route = plan.route.detach().cpu()
+        lo, hi = (int(route.min()), int(route.max())) if route.numel() else (0, 0)
+        dtype = np.uint16 if lo >= 0 and hi < 1 << 16 else np.int32 if lo >= -(1 << 31) and hi < 1 << 31 else np.int64
+        head = json.dumps({"format": PLAN_CACHE_FORMAT, "key": key, "policy": plan.policy, "info": plan.info,
+                           "solve_s": solve_s}).encode()
+        buf = io.BytesIO()
+        buf.write(len(head).to_bytes(8, "little") + head)
+        np.lib.format.write_array(buf, plan.slot_expert.detach().cpu().numpy(), allow_pickle=False)
+        np.lib.format.write_array(buf, route.numpy().astype(dtype), allow_pickle=False)
+        path = self.path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(zlib.compress(buf.getvalue(), 1))
+            os.replace(tmp, path)
+        except OSError:
+            return False
+        return True
+
+    def _read(self, key, omega, topology, main_rank, num_slots, expert_bytes, token_bytes):
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            raw = zlib.decompress(path.read_bytes())
+            n = int.from_bytes(raw[:8], "little")
+            head = json.loads(raw[8:8 + n])
+            f = io.BytesIO(raw[8 + n:])
+            slot_expert = torch.from_numpy(np.lib.format.read_array(f, allow_pickle=False).astype(np.int64))
+            route = torch.from_numpy(np.lib.format.read_array(f, allow_pickle=False).astype(np.int64))
+        except (OSError, ValueError, zlib.error, EOFError):
+            return None
+        R, E = omega.shape
+        if (head.get("format") != PLAN_CACHE_FORMAT or head.get("key") != key
+                or tuple(slot_expert.shape) != (R, num_slots) or tuple(route.shape) != (R, E + R * num_slots)):
+            return None
+        dev = omega.device
+        plan = self._rebuild(omega, topology, main_rank, slot_expert.to(dev), route.to(dev), head["policy"],
+                             head["info"], expert_bytes, token_bytes)
+        return plan, float(head["solve_s"])
+
+
 def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: Execution | None = None,
-             policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None) -> SimResult:
+             policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None,
+             plan_cache: PlanCache | None = None) -> SimResult:
     """Predicted time of one MoE layer call (forward + backward) on `cluster`.
 
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
         which is planned here with `policy` and `num_slots` (the solve is timed: host planners' plan time).
     execution: default EXECUTIONS["topoep"]. plan_s: planner seconds to use instead of the model.
     guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None.
+    plan_cache: a `PlanCache` to plan omega through (the same plan; its solve time is the one measured
+        when the plan was made), or None: solve here.
     """
     execution = execution or EXECUTIONS["topoep"]
     measured = None
@@ -548,11 +702,14 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         omega = plan_or_omega
         if not isinstance(omega, torch.Tensor) or omega.dim() != 2:
             raise ValueError("plan_or_omega must be a topoep.Plan or an int64[R, E] routing matrix")
-        t0 = time.perf_counter()
-        plan = solve(omega, cluster.topology(omega.shape[0]), num_slots=num_slots, policy=policy,
-                     expert_bytes=model.expert_bytes, token_bytes=model.token_bytes, t_ffn=cluster.t_ffn(model),
-                     backend="reference")
-        measured = time.perf_counter() - t0
+        kw = dict(num_slots=num_slots, policy=policy, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
+                  t_ffn=cluster.t_ffn(model))
+        if plan_cache is not None:
+            plan, measured = plan_cache.solve(omega, cluster.topology(omega.shape[0]), **kw)
+        else:
+            t0 = time.perf_counter()
+            plan = solve(omega, cluster.topology(omega.shape[0]), backend="reference", **kw)
+            measured = time.perf_counter() - t0
     t_ffn = cluster.t_ffn(model)
     if guard is not None and plan.policy != "static" and plan.num_slots > 0:
         plan = guard.select(plan, t_ffn, execution.exposed_replica_transfers)[0]
