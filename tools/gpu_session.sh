@@ -69,13 +69,14 @@ step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, e
   tar -C "$RUNS/qwen3-topoep" -czf "$OUT/qwen3-topoep-wandb.tgz" wandb heatmaps config.yaml 2>/dev/null
 }
 
-step_train_backends() {  # model=qwen3, eplb=topoep, STEPS (default 20) steps with backend torch, then cuda: losses side by side
-  for be in torch cuda; do
+step_train_backends() {  # model=qwen3, STEPS (default 20) steps: eplb=none (megatron), topoep on backend torch, on cuda
+  for run in none:torch topoep:torch topoep:cuda; do
+    eplb=${run%%:*}; be=${run##*:}
     timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py model=qwen3 trainer=default \
-      eplb=topoep eplb.backend=$be trainer.steps=${STEPS:-20} logger=none trainer.run_dir=$RUNS/qwen3-be-$be \
-      > "$RUNS-qwen3-be-$be.log" 2>&1
-    echo "== qwen3 eplb=topoep backend=$be: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-qwen3-be-$be.log" | tail -6
-    grep -E "^world|^step|Error" "$RUNS-qwen3-be-$be.log" > "$OUT/qwen3-backend-$be.log"
+      eplb=$eplb eplb.backend=$be trainer.steps=${STEPS:-20} logger=none trainer.run_dir=$RUNS/qwen3-$eplb-$be \
+      > "$RUNS-qwen3-$eplb-$be.log" 2>&1
+    echo "== qwen3 eplb=$eplb backend=$be: exit $?"; grep -E "^world|^step|Error|error" "$RUNS-qwen3-$eplb-$be.log" | tail -4
+    grep -E "^world|^step|Error" "$RUNS-qwen3-$eplb-$be.log" > "$OUT/qwen3-$eplb-backend-$be.log"
   done
 }
 
