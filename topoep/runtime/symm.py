@@ -38,6 +38,14 @@ COPY_CHUNK = 8192  # elements per program of the weight and gradient copies
 if triton is not None:
 
     @triton.jit
+    def _copy_row(dst, src, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        """dst[:H] = src[:H] (one row, BLOCK_H elements at a time)."""
+        offs = tl.arange(0, BLOCK_H)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            m = h0 + offs < H
+            tl.store(dst + h0 + offs, tl.load(src + h0 + offs, mask=m), mask=m)
+
+    @triton.jit
     def _gather_row_kernel(src, n, bases, me, BLOCK: tl.constexpr):
         """Row `me` of every peer's buffer (int64[R, n]) <- src[:n]: program r writes rank r's copy."""
         r = tl.program_id(0)
@@ -53,10 +61,7 @@ if triton is not None:
                          H: tl.constexpr, BLOCK_H: tl.constexpr):
         """Send row i: src[order[i] // row_div] -> row pos[i] of rank dest[i]'s main or slot buffer, and
         meta_base + order[i] (the row's way home) into the matching meta buffer."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK_H)
-        for i in range(pid, n_rows, nprog):
+        for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             a = tl.load(order + i)
             d = tl.load(dest + i)
             p = tl.load(pos + i)
@@ -66,10 +71,7 @@ if triton is not None:
                     tl.pointer_type(src.dtype.element_ty))
                 metas = tl.where(slot, tl.load(slot_meta_bases + d), tl.load(main_meta_bases + d)).to(
                     tl.pointer_type(tl.int64))
-                s_row = a // row_div
-                for h0 in tl.static_range(0, H, BLOCK_H):
-                    m = h0 + offs < H
-                    tl.store(rows + p * H + h0 + offs, tl.load(src + s_row * H + h0 + offs, mask=m), mask=m)
+                _copy_row(rows + p * H, src + (a // row_div) * H, H, BLOCK_H)
                 tl.store(metas + p, meta_base + a)
             else:
                 tl.atomic_add(overflow, 1)
@@ -78,32 +80,19 @@ if triton is not None:
     def _combine_kernel(y, meta, n_ptr, back_bases, a_cap, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
         """Received row r (r < n = the device count of rows) goes home: y[r] -> row a of source s's
         `back` buffer, where meta[r] = s * a_cap + a."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n = tl.minimum(tl.load(n_ptr), cap)
-        offs = tl.arange(0, BLOCK_H)
-        for r in range(pid, n, nprog):
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
             mv = tl.load(meta + r)
             s = mv // a_cap
-            a = mv - s * a_cap
             out = tl.load(back_bases + s).to(tl.pointer_type(y.dtype.element_ty))
-            for h0 in tl.static_range(0, H, BLOCK_H):
-                m = h0 + offs < H
-                tl.store(out + a * H + h0 + offs, tl.load(y + r * H + h0 + offs, mask=m), mask=m)
+            _copy_row(out + (mv - s * a_cap) * H, y + r * H, H, BLOCK_H)
 
     @triton.jit
     def _copy_rows_kernel(dst, src, n_ptr, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
         """dst[:n] = src[:n] for a row count n read on the device (rows beyond n are left as they are)."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n = tl.minimum(tl.load(n_ptr), cap)
-        offs = tl.arange(0, BLOCK_H)
-        for r in range(pid, n, nprog):
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
-            for h0 in tl.static_range(0, H, BLOCK_H):
-                m = h0 + offs < H
-                tl.store(dst + r * H + h0 + offs, tl.load(src + r * H + h0 + offs, mask=m), mask=m)
+            _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
 
     @triton.jit
     def _push_slots_kernel(slot_expert, main_ptrs, pool_bases, me, e_loc, N, numel, CHUNK: tl.constexpr):
@@ -151,16 +140,12 @@ if triton is not None:
                     acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m).to(tl.float32)
             tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
 
-
     @triton.jit
     def _swiglu_fwd_kernel(h, act, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
         """act[r] = silu(h[r, :F]) * h[r, F:] for rows r < n (device count), in fp32, one rounding."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n = tl.minimum(tl.load(n_ptr), cap)
         offs = tl.arange(0, BLOCK_F)
         m = offs < F
-        for r in range(pid, n, nprog):
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
             g = tl.load(h + r * 2 * F + offs, mask=m).to(tl.float32)
             u = tl.load(h + r * 2 * F + F + offs, mask=m).to(tl.float32)
@@ -169,12 +154,9 @@ if triton is not None:
     @triton.jit
     def _swiglu_bwd_kernel(grad_act, h, grad_h, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
         """grad_h[r] = (d act / d gate, d act / d up) * grad_act[r] for rows r < n (device count)."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n = tl.minimum(tl.load(n_ptr), cap)
         offs = tl.arange(0, BLOCK_F)
         m = offs < F
-        for r in range(pid, n, nprog):
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
             ga = tl.load(grad_act + r * F + offs, mask=m).to(tl.float32)
             g = tl.load(h + r * 2 * F + offs, mask=m).to(tl.float32)
