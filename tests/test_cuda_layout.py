@@ -50,3 +50,13 @@ def test_count_keys_matches_bincount():
     k = torch.tensor([3, 0, 3, 5, 5, 5])
     assert torch.equal(count_keys(k, 7), torch.bincount(k, minlength=7))
     assert torch.equal(count_keys(torch.empty(0, dtype=torch.int64), 4), torch.zeros(4, dtype=torch.int64))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_backend_cuda_without_a_gpu_says_to_use_torch():
+    from topoep.runtime.backend import make_backend
+
+    with pytest.raises(ValueError, match="backend 'cuda' needs a CUDA GPU; use backend='torch'"):
+        make_backend("cuda")
+    with pytest.raises(ValueError, match="unknown backend 'nvshmem'; choose one of torch, cuda"):
+        make_backend("nvshmem")
