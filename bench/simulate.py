@@ -5,10 +5,14 @@ testbed against its Fig. 12/13/15, and every policy at EP 8-1024 with 0-4 slots 
     python bench/simulate.py --quick              # small sweep (EP 8, 16; slots 0, 2), for a smoke test
     python bench/simulate.py --presets paper_h800 --eps 32 256 --slots 2 --workloads natural -4
 
-1. Calibration: `sim.calibrate` fits GEMM throughput, effective NVLink bandwidth and the backend-torch
-   overheads on results/moe_layer.json (EP 2, 2 x H200); every case is then predicted by a fit that did
-   not see it (leave-one-out), by a fit on the other token count, and by a fit without the
-   concentrated-layout cases.
+1. Calibration: `sim.calibrate` fits GEMM throughput, effective NVLink bandwidth and the overheads of
+   each runtime backend (--calibrate-backends, default torch and cuda) on results/moe_layer.json (EP 2,
+   2 x H200): torch serial with its phases' fixed costs, cuda serial in one chunk with its fixed costs
+   fitted on the layer totals (its phase intercepts include host launch time the stream hides). Every case
+   is then predicted by a fit that did not see it (leave-one-out), by a fit on the other token count, by a
+   fit without the concentrated-layout cases, with the other fixed-cost method and with the pipelined
+   schedule; the rows of --holdout-json (default the 8-slot run) are predicted by the fits. The presets of sections 2-3 take GEMM and NVLink from one backend's fit (`sim.presets`;
+   --cluster-backend, default auto: cuda when its leave-one-out fit is at least as good as torch's).
 2. Paper testbed (4 nodes x 8 H800): Qwen3 at EP 32, GLM-4.5-Air and DeepSeek-V2 at EP 16, 2 slots,
    natural-like and router_skew 0..-4 routing (--seeds draws each), every policy on the TopoEP
    execution; Megatron-LM = static on the `megatron` execution. Throughput ratios next to the paper's.
@@ -22,8 +26,8 @@ Plans are cached on disk (`sim.PlanCache`, --plan-cache, default build/plan_cach
 plan's inputs and the planners' source): a rerun replans nothing that took >= 0.5 s, and its results are
 the same (a plan's recorded solve time is the one measured when it was made). --no-plan-cache: solve all.
 
-Writes results/simulation.md, results/simulation.json (run info, then "tables": calibration, paper,
-sweep, skipped, each {"columns": [...], "rows": [[...], ...]}) and results/simulation_*.png. Times are
+Writes results/simulation.md, results/simulation.json (run info, then "tables": calibration, holdout,
+paper, sweep, skipped, each {"columns": [...], "rows": [[...], ...]}) and results/simulation_*.png. Times are
 model predictions, not measurements.
 """
 
@@ -64,6 +68,15 @@ def omega_for(R, model, workload, seed):
 
 
 # -- 1. calibration -----------------------------------------------------------------------------------
+ALT_FIXED = {"phases": "totals", "totals": "phases"}
+FIXED_NAME = {"phases": "fixed costs from the phases", "totals": "fixed costs from the totals"}
+BACKEND_GEMM = {"torch": "grouped GEMMs per chunk, SwiGLU in eager ops",
+                "cuda": "grouped GEMMs, SwiGLU fused in Triton"}  # what the expert slope includes
+BACKEND_WHAT = {"torch": "torch.distributed collectives (NCCL), blocking and host-synchronising",
+                "cuda": "CUDA symmetric memory and Triton kernels, no host sync, metadata one CUDA graph replay, "
+                        "one chunk"}
+
+
 def phase_pred(res):
     t = res.terms
     return {"experts": 1e3 * (t["expert_fwd_straggler"] + t["expert_bwd_straggler"]),
@@ -71,22 +84,28 @@ def phase_pred(res):
             "fetch+grad_return": 1e3 * (t["fetch"] + t["reload"] + t["grad_return"]), "plan": 1e3 * t["plan"]}
 
 
-def calibration(args):
-    cases = sim.measured_cases(args.moe_layer_json)
+def calibration(args, backend):
+    """(fit on all cases, one row per case) for one backend's rows of the bench JSON: in-sample, leave-one-out,
+    other token count, without the concentrated cases, the other fixed-cost method and the pipelined schedule
+    (both leave-one-out). Per-phase predictions come from the phase fits (fixed="phases")."""
+    cases = sim.measured_cases(args.moe_layer_json, backend=backend)
     full = sim.calibrate(cases)
+    alt = ALT_FIXED[full.fitted["fixed"]]
+    by_phase = sim.calibrate(cases, fixed="phases")
     rows = []
     for i, c in enumerate(cases):
         rest = cases[:i] + cases[i + 1:]
         other_t = [o for o in cases if o.tokens != c.tokens]
         no_conc = [o for o in cases if "concentrated" not in o.workload]
-        r = dict(tokens=c.tokens, workload=c.workload, policy=c.policy, guard_fired=c.guard_fired,
+        r = dict(backend=backend, tokens=c.tokens, workload=c.workload, policy=c.policy, guard_fired=c.guard_fired,
                  replicas=c.plan.num_replicas, imbalance=metrics(c.plan)["imbalance"], measured_ms=c.measured_ms,
                  fit_all_ms=1e3 * sim.predict(c, full).layer_s, loo_ms=1e3 * sim.predict(c, sim.calibrate(rest)).layer_s,
-                 other_tokens_ms=1e3 * sim.predict(c, sim.calibrate(other_t)).layer_s,
+                 other_tokens_ms=1e3 * sim.predict(c, sim.calibrate(other_t)).layer_s if other_t else None,
+                 loo_alt_ms=1e3 * sim.predict(c, sim.calibrate(rest, fixed=alt)).layer_s,
                  loo_pipelined_ms=1e3 * sim.predict(c, sim.calibrate(rest, pipelined=True)).layer_s)
         r["held_out_conc_ms"] = (1e3 * sim.predict(c, sim.calibrate(no_conc)).layer_s
                                  if "concentrated" in c.workload else None)
-        pred = phase_pred(sim.predict(c, full))
+        pred = phase_pred(sim.predict(c, by_phase))
         meas = {"experts": c.phases_ms["experts"], "dispatch_combine": c.phases_ms["dispatch_combine"],
                 "fetch+grad_return": c.phases_ms["fetch"] + c.phases_ms["grad_return"], "plan": c.phases_ms["plan"]}
         r.update({f"phase_pred.{k}": v for k, v in pred.items()} | {f"phase_meas.{k}": v for k, v in meas.items()})
@@ -98,61 +117,331 @@ def err(p, m):
     return 100 * (p / m - 1)
 
 
-def calibration_md(full, rows, args) -> str:
-    f = full.fitted
-    md = ["## 1. Calibration on the GPU machine (EP 2, 2 x H200, backend torch)\n",
-          f"Cases: the {len(rows)} `torch/static` and `torch/topoep` rows of `{Path(args.moe_layer_json).name}` "
-          "(128 experts, hidden 2048, FFN 768, top-8, 2 slots, one NVLink domain). Each case's executed plan is "
+def loo_stats(rows, key="loo_ms"):
+    """(cases within 15 %, cases, mean abs error %, max abs error %) of one prediction column."""
+    e = [abs(err(r[key], r["measured_ms"])) for r in rows if r.get(key) is not None]
+    return sum(x <= 15 for x in e), len(e), statistics.mean(e), max(e)
+
+
+def choose_backend(cals, requested):
+    """(backend whose fit the presets follow, why). auto: cuda (the fast path) when its leave-one-out fit is
+    at least as good as torch's: at least the same share of cases within 15 % and no larger worst error."""
+    if requested != "auto":
+        if requested not in cals:
+            raise ValueError(f"--cluster-backend {requested}: not calibrated (--calibrate-backends {list(cals)})")
+        return requested, "asked for (--cluster-backend)"
+    if "cuda" not in cals or "torch" not in cals:
+        be = next(iter(cals))
+        return be, "the only backend calibrated"
+    (ci, cn, cm, cx), (ti, tn, tm, tx) = loo_stats(cals["cuda"][1]), loo_stats(cals["torch"][1])
+    good = ci / cn >= ti / tn and cx <= tx
+    cmp = (f"leave-one-out: cuda {ci}/{cn} within 15 % (mean {cm:.1f} %, max {cx:.1f} %), torch {ti}/{tn} (mean "
+           f"{tm:.1f} %, max {tx:.1f} %)")
+    if good:
+        return "cuda", f"backend cuda is the fast path and its fit is at least as good ({cmp})"
+    return "torch", f"backend cuda's fit is worse than torch's ({cmp}), so the presets keep backend torch's"
+
+
+def _ms(v):
+    return f"{v * 1e3:.2f} ms"
+
+
+def constants_table(cals) -> str:
+    """The fitted constants of every backend side by side: used by the model, or the phase intercept that the
+    totals method leaves out (in parentheses)."""
+    bes = list(cals)
+
+    def cell(f, used, phase_key, fmt=_ms):
+        if f["fixed"] == "phases" or phase_key is None:
+            return fmt(f[used]) if used else "-"
+        return f"- (phase: {fmt(f[phase_key])})"
+
+    spec = [
+        ("t_ffn (expert fwd+bwd per assignment)",
+         lambda f: f"{f['t_ffn_s'] * 1e9:.1f} ns = {f['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s",
+         "experts phase of every rank vs its load L_r (slope)"),
+        ("effective NVLink per direction", lambda f: f"{f['nvlink_bytes_per_s'] / 1e9:.0f} GB/s",
+         "dispatch/combine phase vs the busiest link's bytes (slope)"),
+        ("expert overhead per call", lambda f: cell(f, "expert_overhead_s", "phase_expert_intercept_s"),
+         "experts fit, intercept"),
+        ("token-phase overhead per call", lambda f: cell(f, "comm_overhead_s", "phase_comm_intercept_s"),
+         "dispatch/combine fit, intercept"),
+        ("replica transfer latency (x3)", lambda f: cell(f, "replica_latency_s", "phase_replica_fixed_s"),
+         "fetch + grad-return phases of the cases with replicas"),
+        ("plan phase static / balancing", lambda f: (
+            f"{f['static_plan_s'] * 1e3:.2f} / {f['plan_s'] * 1e3:.2f} ms" if f["fixed"] == "phases" else
+            f"- (phase: {f['phase_static_plan_s'] * 1e3:.2f} / {f['phase_plan_s'] * 1e3:.2f} ms)"), "plan phase means"),
+        ("a balancing call over a static one", lambda f: (
+            "-" if f["fixed"] == "phases" else f"{f['balancing_overhead_s'] * 1e3:.2f} ms"),
+         "totals (planner, guard, slot-pool kernels)"),
+        ("layer overhead + per assignment", lambda f: (
+            f"{f['layer_overhead_s'] * 1e3:.2f} ms + {f['row_overhead_s'] * 1e9:.1f} ns x T x k"),
+         "totals minus the modelled phases"),
+    ]
+    body = [[name] + [fn(cals[b][0].fitted) for b in bes] + [on] for name, fn, on in spec]
+    return markdown_table(["constant"] + [f"backend {b}" for b in bes] + ["fitted on"], body)
+
+
+def calibration_md(cals, choice, args, holdout_rows=()) -> str:
+    data = json.loads(Path(args.moe_layer_json).read_text())
+    bes = list(cals)
+    md = ["## 1. Calibration on the GPU machine (EP 2, 2 x H200, backends " + " and ".join(bes) + ")\n",
+          f"Cases: the `<backend>/static` and `<backend>/topoep` rows of `{Path(args.moe_layer_json).name}` (measured at "
+          f"commit `{data.get('commit')}`, {data.get('date')}; 128 experts, hidden 2048, FFN 768, top-8, 2 slots, one "
+          "NVLink domain), for each backend: "
+          + "; ".join(f"**{b}**: {BACKEND_WHAT.get(b, b)}" for b in bes) + ". Each case's executed plan is "
           "rebuilt on the CPU (same routing generator and seed, reference planner, static plan where the row's "
-          "net-benefit guard fired). Fitted constants (all cases), each from the measurement it explains:\n",
-          markdown_table(["constant", "value", "fitted on"], [
-              ["t_ffn (expert fwd+bwd per assignment)", f"{f['t_ffn_s'] * 1e9:.1f} ns = {f['gemm_flops_per_s'] / 1e12:.0f} "
-               "TFLOP/s", "experts phase of every rank vs its load L_r"],
-              ["expert overhead per call", f"{f['expert_overhead_s'] * 1e3:.2f} ms", "same fit, intercept"],
-              ["effective NVLink (NCCL all-to-all)", f"{f['nvlink_bytes_per_s'] / 1e9:.0f} GB/s per direction",
-               "dispatch/combine phase vs busiest link bytes"],
-              ["token-phase overhead per call", f"{f['comm_overhead_s'] * 1e3:.2f} ms", "same fit, intercept"],
-              ["replica transfer latency", f"{f['replica_latency_s'] * 1e3:.2f} ms each (x3)",
-               "fetch + grad-return phases of cases with replicas"],
-              ["plan phase (static / balancing)", f"{f['static_plan_s'] * 1e3:.2f} / {f['plan_s'] * 1e3:.2f} ms",
-               "plan phase means"],
-              ["layer overhead + per assignment", f"{f['layer_overhead_s'] * 1e3:.2f} ms + {f['row_overhead_s'] * 1e9:.1f} "
-               "ns x T x k", "total ms minus the modelled phases"]]), "",
-          "The schedule is serial (every phase waits for the previous one): in this backend the measured total is "
-          "at least the sum of the serialised phases in every case, so the chunk overlap gains nothing measurable "
-          "(host-bound, see results/moe_layer.md). The pipelined schedule of paper 3.3, refitted the same way, is "
-          "reported in the last column for comparison.\n",
-          "Predicted vs measured layer time (fwd+bwd, ms). *fit all*: in-sample; *LOO*: fitted on the other "
-          f"{len(rows) - 1} cases; *other T*: fitted only on the cases of the other token count (the per-assignment "
-          "overhead is then not identifiable and set to 0, the fixed part absorbs it); *held-out conc*: fitted "
-          "without the concentrated-layout cases (the only ones with a large straggler and replicas at 4096 tokens).\n"]
+          "net-benefit guard fired). Slopes come from the serialised phases; fixed costs by backend "
+          "(`sim.calibrate(fixed=...)`):\n",
+          "- **torch: serial schedule (two chunks, no overlap), fixed costs from the phases.** Every phase is "
+          "blocking and host-synchronising, so each serialised phase, fixed part included, is paid in the timed "
+          "layer.",
+          "- **cuda: serial schedule (one chunk, every phase in order on one stream), fixed costs from the totals.** "
+          "The phase timer starts each phase on an idle GPU after a host sync and a barrier, so a phase's fixed part "
+          "includes its host launch time (Triton launches, the metadata graph replay), which the real call, with no "
+          "host sync, overlaps with earlier GPU work. Example: where the guard fired, topoep moves no replica, yet its "
+          "fetch + grad-return phases took "
+          + _guard_fired_phase_range(cals.get("cuda"))
+          + ". So only the phases' slopes (GEMM per assignment, bytes per second) are used; the fixed costs are "
+          "fitted on the totals: a per-call and a per-assignment part, and what a balancing call adds to a static one.\n",
+          "Fitted constants (all cases of each backend); a `-` with a phase value: the phase intercept, measured but "
+          "not in that backend's model:\n", constants_table(cals) + "\n"]
+    for b in bes:
+        md.append(backend_md(b, *cals[b], args))
+    md.append(holdout_md(holdout_rows))
+    md.append(choice_md(cals, choice))
+    md.append(megatron_note(args.moe_layer_json))
+    return "\n".join(md)
+
+
+def _guard_fired_phase_range(cal) -> str:
+    if cal is None:
+        return "(backend cuda not calibrated)"
+    rows = cal[1]
+    gf = [r for r in rows if r["guard_fired"]]
+    if not gf:
+        return "(no case where the guard fired)"
+    ph = [r["phase_meas.fetch+grad_return"] for r in gf]
+    d = []
+    for r in gf:
+        st = next((s for s in rows if (s["tokens"], s["workload"], s["policy"]) == (r["tokens"], r["workload"], "static")),
+                  None)
+        if st:
+            d.append(r["measured_ms"] - st["measured_ms"])
+    return (f"{min(ph):.2f}-{max(ph):.2f} ms serialised, and the whole layer took only {min(d):+.2f} to {max(d):+.2f} "
+            "ms more than the static layer on the same routing (which also includes the planner)" if d else
+            f"{min(ph):.2f}-{max(ph):.2f} ms serialised")
+
+
+def backend_md(backend, full, rows, args) -> str:
+    f = full.fitted
+    alt = ALT_FIXED[f["fixed"]]
+    md = [f"### Backend {backend}: predicted vs measured layer time\n",
+          f"Fwd+bwd ms. Model: serial, {f['num_chunks']} chunk{'s' if f['num_chunks'] > 1 else ''}, "
+          f"{FIXED_NAME[f['fixed']]}. *fit all*: in-sample; *LOO*: fitted on the other {len(rows) - 1} cases; "
+          "*other T*: fitted only on the cases of the other token count (the per-assignment overhead is then not "
+          "identifiable and set to 0, the fixed part absorbs it); *held-out conc*: fitted without the "
+          "concentrated-layout cases (the only ones with a large straggler and replicas at 4096 tokens); "
+          f"*LOO {alt}*: leave-one-out with the other method ({FIXED_NAME[alt]}); *LOO pipelined*: leave-one-out "
+          "with the two-chunk pipeline of paper 3.3 instead of the serial schedule.\n"]
     body = []
     for r in rows:
+        def c(key):
+            return "-" if r[key] is None else f"{r[key]:.2f} ({err(r[key], r['measured_ms']):+.0f} %)"
         body.append([r["tokens"], r["workload"], r["policy"] + (" (guard fired)" if r["guard_fired"] else ""),
-                     f"{r['imbalance']:.2f}", r["replicas"], f"{r['measured_ms']:.2f}",
-                     f"{r['fit_all_ms']:.2f} ({err(r['fit_all_ms'], r['measured_ms']):+.0f} %)",
-                     f"{r['loo_ms']:.2f} ({err(r['loo_ms'], r['measured_ms']):+.0f} %)",
-                     f"{r['other_tokens_ms']:.2f} ({err(r['other_tokens_ms'], r['measured_ms']):+.0f} %)",
-                     "-" if r["held_out_conc_ms"] is None else
-                     f"{r['held_out_conc_ms']:.2f} ({err(r['held_out_conc_ms'], r['measured_ms']):+.0f} %)",
+                     f"{r['imbalance']:.2f}", r["replicas"], f"{r['measured_ms']:.2f}", c("fit_all_ms"), c("loo_ms"),
+                     c("other_tokens_ms"), c("held_out_conc_ms"),
+                     f"{err(r['loo_alt_ms'], r['measured_ms']):+.0f} %",
                      f"{err(r['loo_pipelined_ms'], r['measured_ms']):+.0f} %"])
     md.append(markdown_table(["tokens", "routing", "policy", "imbalance", "replicas", "measured", "fit all", "LOO",
-                              "other T", "held-out conc", "LOO pipelined"], body) + "\n")
+                              "other T", "held-out conc", f"LOO {alt}", "LOO pipelined"], body) + "\n")
     summary = []
     for key, name in (("fit_all_ms", "fit all"), ("loo_ms", "LOO"), ("other_tokens_ms", "other T"),
-                      ("held_out_conc_ms", "held-out conc"), ("loo_pipelined_ms", "LOO, pipelined schedule")):
-        e = [abs(err(r[key], r["measured_ms"])) for r in rows if r[key] is not None]
-        summary.append([name, len(e), f"{statistics.mean(e):.1f} %", f"{max(e):.1f} %",
-                        f"{sum(x <= 15 for x in e)}/{len(e)}"])
+                      ("held_out_conc_ms", "held-out conc"), ("loo_alt_ms", f"LOO, {FIXED_NAME[alt]}"),
+                      ("loo_pipelined_ms", "LOO, pipelined schedule")):
+        if any(r[key] is not None for r in rows):
+            n_in, n, mean, mx = loo_stats(rows, key)
+            summary.append([name, n, f"{mean:.1f} %", f"{mx:.1f} %", f"{n_in}/{n}"])
     md.append(markdown_table(["prediction", "cases", "mean abs error", "max abs error", "within 15 %"], summary) + "\n")
     ph = []
     for k in ("experts", "dispatch_combine", "fetch+grad_return", "plan"):
         e = [r[f"phase_pred.{k}"] - r[f"phase_meas.{k}"] for r in rows]
         ph.append([k, f"{statistics.mean(abs(x) for x in e):.2f}", f"{max(e, key=abs):+.2f}"])
-    md.append("Per phase (fit all, ms; the phases were timed serialised, 3 iterations): mean abs and worst error\n")
+    md.append("Per phase (ms; the phase fits: each phase's intercept and slope, all cases; the phases were timed "
+              "serialised, 3 iterations): mean abs and worst error\n")
     md.append(markdown_table(["phase", "mean abs error", "worst"], ph) + "\n")
-    md.append(calibration_notes(rows) + megatron_note(args.moe_layer_json))
+    md.append(calibration_notes(backend, full, rows))
     return "\n".join(md)
+
+
+def holdout(cals, args):
+    """Rows of every --holdout-json (other bench runs, e.g. 8 slots) predicted by each backend's fit on all cases
+    of --moe-layer-json: a plan the fit never saw (its slot count, replicas and imbalance)."""
+    rows = []
+    for path in args.holdout_json:
+        data = json.loads(Path(path).read_text())
+        for b, (full, _) in cals.items():
+            if not any(r["layer"].startswith(f"{b}/") for r in data["rows"]):
+                continue
+            for c in sim.measured_cases(path, backend=b):
+                rows.append(dict(source=Path(path).name, source_commit=data.get("commit"), slots=c.plan.num_slots,
+                                 backend=b, tokens=c.tokens, workload=c.workload, policy=c.policy,
+                                 guard_fired=c.guard_fired, replicas=c.plan.num_replicas,
+                                 imbalance=metrics(c.plan)["imbalance"], measured_ms=c.measured_ms,
+                                 predicted_ms=1e3 * sim.predict(c, full).layer_s))
+    return rows
+
+
+def holdout_md(rows) -> str:
+    if not rows:
+        return ""
+    md = []
+    for (src, b) in dict.fromkeys((r["source"], r["backend"]) for r in rows):
+        sel = [r for r in rows if (r["source"], r["backend"]) == (src, b)]
+        n_in, n, mean, mx = loo_stats(sel, "predicted_ms")
+        md.append(f"### Held out: `{src}` (backend {b}, {sel[0]['slots']} slots, commit `{sel[0]['source_commit']}`)\n")
+        md.append(f"Another run of the bench with {sel[0]['slots']} replica slots: plans the fit never saw (more "
+                  f"replicas, other imbalance), predicted by backend {b}'s fit on all cases above. "
+                  f"**{n_in}/{n} within 15 %** (mean abs error {mean:.1f} %, max {mx:.1f} %).\n")
+        body = [[r["tokens"], r["workload"], r["policy"] + (" (guard fired)" if r["guard_fired"] else ""),
+                 f"{r['imbalance']:.2f}", r["replicas"], f"{r['measured_ms']:.2f}",
+                 f"{r['predicted_ms']:.2f} ({err(r['predicted_ms'], r['measured_ms']):+.0f} %)"] for r in sel]
+        md.append(markdown_table(["tokens", "routing", "policy", "imbalance", "replicas", "measured", "predicted"], body)
+                  + "\n")
+        fired = [r for r in sel if r["guard_fired"]]
+        if fired:
+            d = []
+            for r in fired:
+                st = next((s for s in sel if (s["tokens"], s["workload"], s["policy"]) == (r["tokens"], r["workload"],
+                                                                                          "static")), None)
+                if st:
+                    d.append((r["measured_ms"] - st["measured_ms"], r["predicted_ms"] - st["predicted_ms"]))
+            if d:
+                md.append(f"- Where the guard fired, topoep took {min(x for x, _ in d):+.2f} to {max(x for x, _ in d):+.2f} "
+                          f"ms over static in this run; the fit's balancing-call cost is {d[0][1]:+.2f} ms (fitted at the "
+                          "calibration run's slot count: the slot-pool kernels' cost grows with the slots).\n")
+    return "\n".join(md)
+
+
+def _outside_reason(r, rows) -> str:
+    name = f"{r['tokens']} {r['workload']} {r['policy']}"
+    e = err(r["loo_ms"], r["measured_ms"])
+    phases = ("experts", "dispatch_combine", "fetch+grad_return", "plan")
+    psum = lambda x: sum(x[f"phase_meas.{k}"] for k in phases)  # noqa: E731
+    st = next((s for s in rows if (s["tokens"], s["workload"], s["policy"]) == (r["tokens"], r["workload"], "static")),
+              None)
+    if r["guard_fired"] and st and r["measured_ms"] < st["measured_ms"]:
+        return (f"{name} ({e:+.0f} %): the guard fired, so it executed the static plan plus the planner, yet it was "
+                f"measured {st['measured_ms'] - r['measured_ms']:.2f} ms faster than the static layer on the same routing "
+                f"({r['measured_ms']:.2f} vs {st['measured_ms']:.2f} ms) while its serialised phases sum "
+                f"{psum(r) - psum(st):+.2f} ms more. A model of the executed plan predicts at least the static time plus "
+                "planning (the static case itself is predicted within "
+                f"{abs(err(st['loo_ms'], st['measured_ms'])):.0f} %): run-to-run variation of the measurement (one run, "
+                "median of 20 iterations), not a mispredicted term.")
+    pair = [o for o in rows if o is not r and (o["tokens"], o["policy"]) == (r["tokens"], r["policy"])
+            and "concentrated" in o["workload"] and "concentrated" in r["workload"]
+            and abs(o["imbalance"] - r["imbalance"]) < 0.02 and o["replicas"] == r["replicas"]]
+    if pair and max(pair[0]["measured_ms"], r["measured_ms"]) > 1.15 * min(pair[0]["measured_ms"], r["measured_ms"]):
+        o = pair[0]
+        hi, lo = max(o["measured_ms"], r["measured_ms"]), min(o["measured_ms"], r["measured_ms"])
+        return (f"{name} ({e:+.0f} %): it and {o['workload']} execute nearly the same plan (imbalance "
+                f"{r['imbalance']:.2f} and {o['imbalance']:.2f}, {r['replicas']} replicas each) but were measured at "
+                f"{r['measured_ms']:.2f} and {o['measured_ms']:.2f} ms; their serialised phases differ by "
+                f"{psum(r) - psum(o):+.2f} ms, the rest is outside every phase. No model of the plan puts both within "
+                f"15 % (it would need a prediction >= {hi / 1.15:.2f} and <= {lo * 1.15:.2f} ms): run-to-run variation of "
+                "the measurement, not a term of the model.")
+    worst = max(phases, key=lambda k: abs(r[f"phase_pred.{k}"] - r[f"phase_meas.{k}"]))
+    rest = [x["measured_ms"] - psum(x) for x in rows]
+    return (f"{name} ({e:+.0f} %): largest phase error {worst} ({r[f'phase_pred.{worst}']:.2f} predicted vs "
+            f"{r[f'phase_meas.{worst}']:.2f} ms measured); its total minus its serialised phases is "
+            f"{r['measured_ms'] - psum(r):+.2f} ms (this backend: {min(rest):+.2f} to {max(rest):+.2f} ms).")
+
+
+def calibration_notes(backend, full, rows) -> str:
+    f = full.fitted
+    n_in, n, mean, mx = loo_stats(rows)
+    bad = [r for r in rows if abs(err(r["loo_ms"], r["measured_ms"])) > 15]
+    lines = []
+    if not bad:
+        lines.append(f"- **Done-when check, backend {backend}: every case ({n}/{n}) is predicted within 15 % by a fit "
+                     f"that did not see it (LOO; mean {mean:.1f} %, max {mx:.1f} %).**")
+    else:
+        lines.append(f"- **Done-when check, backend {backend}: {n_in}/{n} cases within 15 % (LOO).** Outside:")
+        lines += [f"  - {_outside_reason(r, rows)}" for r in bad]
+    if any(r["other_tokens_ms"] is not None for r in rows):
+        o_in, o_n, o_mean, o_max = loo_stats(rows, "other_tokens_ms")
+        signs = {T: statistics.mean(err(r["other_tokens_ms"], r["measured_ms"]) for r in rows if r["tokens"] == T)
+                 for T in sorted({r["tokens"] for r in rows})}
+        lines.append(
+            f"- *other T* ({o_in}/{o_n} within 15 %, mean error {o_mean:.0f} %; mean signed error "
+            + ", ".join(f"{s:+.0f} % at {T} tokens" for T, s in signs.items()) + "): "
+            + ("from one token count the per-call and the per-assignment fixed costs cannot be told apart (the fit puts "
+               "both in the per-call part), so extrapolating in tokens per rank is not validated for backend "
+               f"{backend}; the GEMM and NVLink slopes alone extrapolate (per-phase errors above)."
+               if o_in < o_n else "extrapolating in tokens per rank holds for these two token counts."))
+    a_in, a_n, a_mean, a_max = loo_stats(rows, "loo_alt_ms")
+    a_sign = statistics.mean(err(r["loo_alt_ms"], r["measured_ms"]) for r in rows)
+    p_in, p_n, p_mean, p_max = loo_stats(rows, "loo_pipelined_ms")
+    covered = sum(r["measured_ms"] >= sum(r[f"phase_meas.{k}"] for k in ("experts", "dispatch_combine",
+                                                                          "fetch+grad_return", "plan")) for r in rows)
+    if f["fixed"] == "phases":
+        lines.append(
+            f"- Schedule: the measured total is at least the sum of the serialised phases in {covered}/{len(rows)} "
+            f"cases, so the chunk overlap gains nothing measurable (host-bound, results/moe_layer.md); the pipelined "
+            f"schedule fits {'no better' if p_mean >= mean else 'slightly better'} (LOO {p_in}/{p_n} within 15 %, mean "
+            f"{p_mean:.1f} %). Fixed costs from the totals instead: LOO {a_in}/{a_n}, mean {a_mean:.1f} %, max "
+            f"{a_max:.1f} %.")
+    else:
+        lines.append(
+            f"- Schedule and fixed costs: the measured total is at least the sum of the serialised phases in only "
+            f"{covered}/{len(rows)} cases. With the phase intercepts as fixed costs (LOO {a_in}/{a_n} within 15 %, mean "
+            f"{a_mean:.1f} %, max {a_max:.1f} %, mean signed error {a_sign:+.1f} %) the model over-predicts: the "
+            "intercepts count host launch time that the unsynchronised stream hides. The two-chunk pipelined schedule "
+            f"(LOO {p_in}/{p_n}, mean {p_mean:.1f} %, max {p_max:.1f} %) is not what backend {backend} runs (one chunk, "
+            "no overlap) and " + ("fits no better than the serial one." if (p_in, -p_mean) <= (n_in, -mean) else
+                                  "fits better only because its overlap stands in for the same hidden host time."))
+    return "\n".join(lines) + "\n"
+
+
+def _differs(a: float, b: float, rel: float = 0.01, abs_s: float = 1e-6) -> bool:
+    return abs(a - b) > max(rel * abs(b), abs_s)
+
+
+def choice_md(cals, choice) -> str:
+    be, why = choice
+    f = cals[be][0].fitted
+    gemm, nvl = f["gemm_flops_per_s"], f["nvlink_bytes_per_s"]
+    lines = [f"### The fit the cluster presets use (sections 2-3): backend {be}\n",
+             f"- Why: {why}."]
+    if len(cals) > 1:
+        other = [b for b in cals if b != be][0]
+        g = cals[other][0].fitted
+        lines.append(f"- The two fits differ in what the presets take from them: GEMM {gemm / 1e12:.0f} vs "
+                     f"{g['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s ({be} vs {other}: {BACKEND_GEMM.get(be, be)} vs "
+                     f"{BACKEND_GEMM.get(other, other)}), effective NVLink {nvl / 1e9:.0f} vs "
+                     f"{g['nvlink_bytes_per_s'] / 1e9:.0f} GB/s.")
+    lines.append(f"- The presets are built from it (`sim.presets`): h200: GEMM {gemm / 1e12:.0f} TFLOP/s and NVLink "
+                 f"{nvl / 1e9:.0f} GB/s; paper_h800 and gb200_nvl72: GEMM = their BF16 peak x {gemm / sim.H100_PEAK_BF16:.2f} "
+                 "(the fit / the H100-class peak), NVLink from DeepEP's H800 numbers (not fitted). Not calibrated here: "
+                 "RDMA (one domain), the two-chunk overlap and the deduplicated dispatch of the `topoep` execution. The "
+                 "backends' fixed overheads stay with their executions (`sim.EXECUTIONS['torch']`, `['cuda']`); sections "
+                 "2-3 run the `topoep` and `megatron` execution models.")
+    lib = sim.CLUSTERS["h200"]
+    same = not (_differs(lib.gemm_flops_per_s, gemm) or _differs(lib.nvlink_bytes_per_s, nvl))
+    lines.append(f"- Library defaults (`sim.CLUSTERS`, topoep/sim.py H200_GEMM_FLOPS / H200_NVLINK_BYTES_PER_S): "
+                 f"{lib.gemm_flops_per_s / 1e12:.0f} TFLOP/s, {lib.nvlink_bytes_per_s / 1e9:.0f} GB/s: "
+                 + ("this fit (within 1 %)." if same else "**differ from this fit by more than 1 %: update them.**"))
+    for b, (full, _) in cals.items():
+        lib_ex = sim.EXECUTIONS.get(b)
+        if lib_ex is None:
+            continue
+        off = [k for k in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
+                           "replica_latency_s", "static_plan_s", "plan_s")
+               if _differs(getattr(lib_ex, k), getattr(full.execution, k), rel=0.02)]
+        lines.append(f"- `sim.EXECUTIONS['{b}']` (library defaults) "
+                     + ("match this fit (within 2 % or 1 us)." if not off else
+                        "**differ from this fit in " + ", ".join(off) + ": update them.**"))
+    return "\n".join(lines) + "\n"
 
 
 def megatron_note(path) -> str:
@@ -170,45 +459,9 @@ def megatron_note(path) -> str:
             "GEMMs (the paper's baseline), at the calibrated GEMM throughput.\n")
 
 
-def calibration_notes(rows) -> str:
-    loo = [(abs(err(r["loo_ms"], r["measured_ms"])), r) for r in rows]
-    bad = [r for e, r in loo if e > 15]
-    lines = []
-    if not bad:
-        lines.append("- **Done-when check: every case is predicted within 15 % by a fit that did not see it (LOO).**")
-    else:
-        lines.append(f"- **Done-when check: {len(rows) - len(bad)}/{len(rows)} cases within 15 % (LOO).** Outside: "
-                     + "; ".join(f"{r['tokens']} {r['workload']} {r['policy']} ({err(r['loo_ms'], r['measured_ms']):+.0f} %)"
-                                 for r in bad) + ".")
-    conc = {(r["tokens"], r["workload"]): r for r in rows if r["policy"] == "topoep" and "concentrated" in r["workload"]}
-    a, b = conc.get((4096, "skew -2 concentrated")), conc.get((4096, "skew -4 concentrated"))
-    if a and b:
-        phases = ("experts", "dispatch_combine", "fetch+grad_return", "plan")
-        gap = sum(a[f"phase_meas.{k}"] for k in phases) - sum(b[f"phase_meas.{k}"] for k in phases)
-        hi, lo = max(a["measured_ms"], b["measured_ms"]), min(a["measured_ms"], b["measured_ms"])
-        lines.append(
-            f"- The two 4096-token concentrated topoep cases execute nearly the same plan (imbalance {a['imbalance']:.2f} "
-            f"and {b['imbalance']:.2f}, {a['replicas']} and {b['replicas']} replicas, same bytes) but were measured at "
-            f"{a['measured_ms']:.2f} and {b['measured_ms']:.2f} ms; their serialised phases differ by "
-            f"{gap:.2f} ms, "
-            "the rest is outside every phase (host time: the layer is host-bound, results/moe_layer.md). No model of "
-            "the plan can put both within 15 % (it would need a prediction >= "
-            f"{hi / 1.15:.2f} and <= {lo * 1.15:.2f} ms): "
-            "the misprediction is run-to-run noise of the measurement, not a term of the model.")
-    lines.append("- *other T* fails (33 % mean error): the fixed and the per-token overheads of this host-bound backend "
-                 "cannot be told apart from one token count, and the 4096-token fit puts all of it in the fixed part. "
-                 "Extrapolating in tokens per rank is therefore not validated for backend torch; the GEMM and NVLink "
-                 "terms alone extrapolate (per-phase errors above).")
-    lines.append("- What transfers to the cluster presets: t_ffn (expert GEMM throughput) and the effective NVLink "
-                 "bandwidth. The overheads are backend torch's host costs and stay with the `torch` execution. Not "
-                 "calibrated here: RDMA (one domain), the two-chunk overlap (no overlap measurable), the GPU-native "
-                 "backend (not built).")
-    return "\n".join(lines) + "\n"
-
-
 # -- 2. paper testbed -----------------------------------------------------------------------------------
 def paper_testbed(args, policies, cache=None):
-    cluster = sim.CLUSTERS["paper_h800"]
+    cluster = args.clusters["paper_h800"]
     rows = []
     jobs = [(m, R, w, s) for m, R in PAPER_MODELS for w in ("natural", "0") + WORKLOADS[1:] for s in range(args.seeds)]
     for mname, R, w, seed in tqdm(jobs, desc="paper testbed", disable=args.quiet):
@@ -356,7 +609,7 @@ def sweep(args, policies, cache=None):
     jobs = [(R, w, c) for R in args.eps for w in args.workloads for c in args.presets]
     om_key, om = None, None
     for R, w, cname in tqdm(jobs, desc="sweep", disable=args.quiet):
-        cluster = sim.CLUSTERS[cname]
+        cluster = args.clusters[cname]
         model = sim.MODELS["qwen3"].with_experts(max(128, R))
         if om_key != (R, w):
             om_key, om = (R, w), omega_for(R, model, w, 0)
@@ -401,7 +654,7 @@ def sweep_md(rows, skipped, policies, args) -> str:
           "the TopoEP execution (so it is the planner's effect alone); the JSON also has the ratio to Megatron-LM "
           "and every term.\n"]
     for c in args.presets:
-        cl = sim.CLUSTERS[c]
+        cl = args.clusters[c]
         md.append(f"### `{c}`: {cl.gpus_per_domain} GPUs per domain, NVLink {cl.nvlink_bytes_per_s / 1e9:.0f} GB/s, "
                   f"RDMA {cl.rdma_bytes_per_s / 1e9:.0f} GB/s per GPU, GEMM {cl.gemm_flops_per_s / 1e12:.0f} TFLOP/s\n")
         md.append(f"{cl.note}.\n")
@@ -467,13 +720,24 @@ def slots_table(rows, policies, args, preset) -> str:
 
 
 # -- summary -------------------------------------------------------------------------------------------
-def findings(cal_rows, summary, sweep_rows, policies, args) -> str:
+def findings(cals, choice, summary, sweep_rows, policies, args, holdout_rows=()) -> str:
     """The headline numbers of the three sections, all taken from this run."""
     lines = ["## Summary\n"]
-    loo = [abs(err(r["loo_ms"], r["measured_ms"])) for r in cal_rows]
-    lines.append(f"- **Calibration** (2 x H200, EP 2, backend torch): {sum(e <= 15 for e in loo)}/{len(loo)} measured "
-                 f"layer times predicted within 15 % by fits that did not see them (leave-one-out; mean error "
-                 f"{statistics.mean(loo):.1f} %, max {max(loo):.1f} %). The cases outside are explained in section 1.")
+    parts = []
+    for b, (_, rows) in cals.items():
+        n_in, n, mean, mx = loo_stats(rows)
+        parts.append(f"backend {b}: {n_in}/{n} measured layer times within 15 % (mean error {mean:.1f} %, max "
+                     f"{mx:.1f} %)")
+    f = cals[choice[0]][0].fitted
+    lines.append("- **Calibration** (2 x H200, EP 2), predicted by fits that did not see the case (leave-one-out): "
+                 + "; ".join(parts) + ". The cases outside are explained in section 1. "
+                 + "".join(f"Held out, {src} (backend {b}, never fitted on): {n_in}/{n} within 15 % (mean {mean:.1f} %, "
+                           f"max {mx:.1f} %). " for (src, b), (n_in, n, mean, mx) in
+                           {k: loo_stats([r for r in holdout_rows if (r["source"], r["backend"]) == k], "predicted_ms")
+                            for k in dict.fromkeys((r["source"], r["backend"]) for r in holdout_rows)}.items())
+                 + "The cluster presets (sections "
+                 f"2-3) take GEMM and NVLink from backend {choice[0]}'s fit ({f['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                 f"{f['nvlink_bytes_per_s'] / 1e9:.0f} GB/s).")
     base = [p for p in policies if p not in ("static", "topoep")]
     models = [m for m, _ in PAPER_MODELS]
     g = lambda m, w, layer, key="moe_ratio": summary[(m, w, layer)][key]  # noqa: E731
@@ -516,8 +780,7 @@ def findings(cal_rows, summary, sweep_rows, policies, args) -> str:
                 f"{w['traffic.replica_nic_bytes'] / 1e9:.2f} GB of replica weights per fetch "
                 f"({w['exposed.replica'] * 1e3:.1f} ms exposed). C4 admits a cross-domain replica per (domain, expert) "
                 "pair, but all remote replicas of a main rank's experts leave through its NIC; a per-main-rank budget "
-                "in the planner (or a tree/multicast fetch) would remove it. The others lose only the planning time "
-                "on routing with little to balance.")
+                "in the planner (or a tree/multicast fetch) would remove it." + _others_note(slow, nic, sweep_rows))
         best = {}
         for r in sweep_rows:
             if r["layer"] == "topoep":
@@ -534,26 +797,43 @@ def findings(cal_rows, summary, sweep_rows, policies, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _others_note(slow, nic, sweep_rows) -> str:
+    """What the slower-than-static cells without cross-domain replica traffic lose, from their exposed terms."""
+    others = [r for r in slow if r not in nic]
+    if not others:
+        return ""
+    stat = {(r["preset"], r["ep"], r["workload"]): r for r in sweep_rows if r["layer"] == "static"}
+    parts = []
+    for r in others:
+        st = stat[(r["preset"], r["ep"], r["workload"])]
+        parts.append(f"{r['preset']} EP {r['ep']} {r['workload']}: planning {r['exposed.plan'] * 1e3:.2f} ms and replica "
+                     f"fetch {r['exposed.replica'] * 1e3:.2f} ms exposed, against "
+                     f"{(st['exposed.compute'] - r['exposed.compute']) * 1e3:.2f} ms of straggler compute saved")
+    return (f" The other {len(others)} {'run' if len(others) > 1 else 'runs'} on routing with little to balance, "
+            "without cross-domain replicas: " + "; ".join(parts) + ".")
+
+
 # -- plots ---------------------------------------------------------------------------------------------
-def plots(cal_rows, summary, sweep_rows, policies, args, out: Path) -> list[str]:
+def plots(cals, summary, sweep_rows, policies, args, out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = []
-    fig, ax = plt.subplots(figsize=(5, 4.5))
-    for pol, mk in (("static", "o"), ("topoep", "s")):
-        for T, col in ((4096, "C0"), (16384, "C1")):
-            sel = [r for r in cal_rows if r["policy"] == pol and r["tokens"] == T]
-            ax.scatter([r["measured_ms"] for r in sel], [r["loo_ms"] for r in sel], marker=mk, color=col,
-                       label=f"{pol}, {T} tokens")
-    lim = [0, 1.1 * max(max(r["measured_ms"], r["loo_ms"]) for r in cal_rows)]
-    ax.plot(lim, lim, "k-", lw=1)
-    ax.fill_between(lim, [x * 0.85 for x in lim], [x * 1.15 for x in lim], color="gray", alpha=0.2, label="±15 %")
-    ax.set(xlim=lim, ylim=lim, xlabel="measured ms (2 x H200, EP 2)", ylabel="predicted ms (leave-one-out)",
-           title="calibration: backend torch")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(cals), figsize=(5 * len(cals), 4.5), squeeze=False)
+    for ax, (backend, (_, cal_rows)) in zip(axes[0], cals.items()):
+        for pol, mk in (("static", "o"), ("topoep", "s")):
+            for i, T in enumerate(sorted({r["tokens"] for r in cal_rows})):
+                sel = [r for r in cal_rows if r["policy"] == pol and r["tokens"] == T]
+                ax.scatter([r["measured_ms"] for r in sel], [r["loo_ms"] for r in sel], marker=mk, color=f"C{i}",
+                           label=f"{pol}, {T} tokens")
+        lim = [0, 1.1 * max(max(r["measured_ms"], r["loo_ms"]) for r in cal_rows)]
+        ax.plot(lim, lim, "k-", lw=1)
+        ax.fill_between(lim, [x * 0.85 for x in lim], [x * 1.15 for x in lim], color="gray", alpha=0.2, label="±15 %")
+        ax.set(xlim=lim, ylim=lim, xlabel="measured ms (2 x H200, EP 2)", ylabel="predicted ms (leave-one-out)",
+               title=f"calibration: backend {backend}")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "simulation_calibration.png", dpi=110)
     plt.close(fig)
@@ -648,7 +928,7 @@ def uncommitted() -> str:
 
     files = ["topoep/sim.py", "bench/simulate.py", "bench/common.py", "topoep/planners", "topoep/plan.py",
              "topoep/topology.py", "topoep/workloads.py", "topoep/metrics.py", "topoep/runtime/guard.py",
-             "results/moe_layer.json"]  # what the numbers depend on
+             "results/moe_layer.json", "results/moe_layer_slots8.json"]  # what the numbers depend on
     try:
         out = subprocess.run(["git", "status", "--porcelain", *files], cwd=REPO, capture_output=True, text=True).stdout
     except OSError:
@@ -669,6 +949,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="routing draws per paper-testbed case")
     ap.add_argument("--max-plan-s", type=float, default=20.0, help="skip a policy at larger EP after a slower plan")
     ap.add_argument("--moe-layer-json", type=Path, default=REPO / "results" / "moe_layer.json")
+    ap.add_argument("--holdout-json", nargs="*", type=Path,
+                    default=[p for p in [REPO / "results" / "moe_layer_slots8.json"] if p.exists()],
+                    help="other bench runs predicted by the fits, never fitted on (default: the 8-slot run)")
+    ap.add_argument("--calibrate-backends", nargs="+", default=list(sim.CALIBRATION_FIXED),
+                    choices=list(sim.CALIBRATION_FIXED), help="backends of moe_layer.json to calibrate and validate")
+    ap.add_argument("--cluster-backend", default="auto", choices=["auto", *sim.CALIBRATION_FIXED],
+                    help="whose GEMM and NVLink fit the presets use (auto: cuda if its fit is at least as good)")
     ap.add_argument("--quick", action="store_true", help="EP 8 and 16, slots 0 and 2, one seed (smoke test)")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--plan-cache", type=Path, default=REPO / "build" / "plan_cache",
@@ -684,28 +971,37 @@ def main(argv=None) -> int:
     policies = [p for p in POLICIES if p in args.policies]
     cache = None if args.no_plan_cache else sim.PlanCache(args.plan_cache)
     t0 = time.perf_counter()
-    full, cal_rows = calibration(args)
+    cals = {b: calibration(args, b) for b in dict.fromkeys(args.calibrate_backends)}
+    choice = choose_backend(cals, args.cluster_backend)
+    holdout_rows = holdout(cals, args)
+    fit = cals[choice[0]][0].fitted
+    args.clusters = sim.presets(fit["gemm_flops_per_s"], fit["nvlink_bytes_per_s"])
     paper_rows = paper_testbed(args, policies, cache)
     summary = paper_summary(paper_rows)
     sweep_rows, skipped = sweep(args, policies, cache)
     elapsed = time.perf_counter() - t0
-    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {
-        "clusters": {k: vars(v) for k, v in sim.CLUSTERS.items()}, "executions": {k: vars(v) for k, v in sim.EXECUTIONS.items()},
-        "models": {k: vars(v) for k, v in sim.MODELS.items()}, "calibration": full.fitted})
+    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "clusters"} | {
+        "clusters": {k: vars(v) for k, v in args.clusters.items()},
+        "executions": {k: vars(v) for k, v in sim.EXECUTIONS.items()},
+        "models": {k: vars(v) for k, v in sim.MODELS.items()},
+        "calibration": {b: full.fitted for b, (full, _) in cals.items()},
+        "cluster_backend": {"backend": choice[0], "why": choice[1]}})
+    info["moe_layer_json"] = {k: json.loads(Path(args.moe_layer_json).read_text()).get(k) for k in ("commit", "date")}
     for k in ("moe_layer_json", "plan_cache"):  # this machine's paths
         info["config"].pop(k, None)
+    info["config"]["holdout_json"] = [Path(p).name for p in args.holdout_json]
     cached = (f"; {cache.hits} of {cache.hits + cache.misses} plans read from the plan cache" if cache
               else "; plan cache off")
     info["plan_cache"] = ({"hits": cache.hits, "misses": cache.misses, "written": cache.written} if cache else None)
     args.out.mkdir(parents=True, exist_ok=True)
-    pngs = plots(cal_rows, summary, sweep_rows, policies, args, args.out)
+    pngs = plots(cals, summary, sweep_rows, policies, args, args.out)
     md = ["# Cluster-scale simulation of one MoE layer (topoep/sim.py)\n",
           f"- date: {info['date']}; commit: `{info['commit']}`; hardware (where the simulator ran): {info['hardware']}",
           "- every time below is a model prediction (`topoep.sim`), except the measured column of section 1",
           uncommitted(),
           f"- reproduce: `python bench/simulate.py` ({elapsed:.0f} s here{cached})\n",
-          findings(cal_rows, summary, sweep_rows, policies, args),
-          calibration_md(full, cal_rows, args), "![calibration](simulation_calibration.png)\n",
+          findings(cals, choice, summary, sweep_rows, policies, args, holdout_rows),
+          calibration_md(cals, choice, args, holdout_rows), "![calibration](simulation_calibration.png)\n",
           paper_md(summary, policies, args), "![paper testbed](simulation_paper.png)\n",
           breakdown_md(summary, policies), "![breakdown](simulation_breakdown.png)\n",
           sweep_md(sweep_rows, skipped, policies, args)]
@@ -713,7 +1009,9 @@ def main(argv=None) -> int:
         md.append("![scaling](simulation_scaling.png)\n")
     text = "\n".join(md)
     (args.out / "simulation.md").write_text(text)
-    write_tables(args.out / "simulation.json", info, {"calibration": cal_rows, "paper": paper_rows, "sweep": sweep_rows,
+    cal_rows = [r for _, rows in cals.values() for r in rows]
+    write_tables(args.out / "simulation.json", info, {"calibration": cal_rows, "holdout": holdout_rows,
+                                                      "paper": paper_rows, "sweep": sweep_rows,
                                                       "skipped": skipped})
     print(text)
     print(f"\nwrote {args.out / 'simulation.md'}, .json and {', '.join(pngs)}")

@@ -11,8 +11,9 @@ counts can be compared at scales we cannot run. Three typed configs describe wha
     Execution   the software that runs the plan: two-chunk pipeline or serial, which replica transfers
                 are hidden, fixed overheads, how long planning takes. Presets in EXECUTIONS:
                 "topoep" (paper 3.3 / 5: DeepEP-style dispatch, TMA/GIN replica transfers, GPU planner),
-                "megatron" (no-EPLB baseline: NCCL all-to-all, no overlap, no planner) and "torch" (our
-                backend torch as measured on the GPU machine; its constants come from `calibrate`).
+                "megatron" (no-EPLB baseline: NCCL all-to-all, no overlap, no planner), and "torch" and
+                "cuda" (our two runtime backends as measured on the GPU machine; their constants come
+                from `calibrate`).
 
 Usage (no build step; CPU only):
 
@@ -27,9 +28,10 @@ Usage (no build step; CPU only):
     cache = sim.PlanCache("build/plan_cache")              # reference plans on disk (seconds each at EP 1024)
     sim.simulate(omega, cluster, model=model, policy="topoep", num_slots=4, plan_cache=cache)  # solved once, then read
 
-    cases = sim.measured_cases("results/moe_layer.json")   # the GPU machine's bench, plans rebuilt
+    cases = sim.measured_cases("results/moe_layer.json", backend="cuda")  # the GPU machine's bench, plans rebuilt
     cal = sim.calibrate(cases)                              # fitted constants: cal.fitted, cal.cluster
     sim.predict(cases[0], cal).layer_s                      # vs cases[0].measured_ms / 1e3
+    sim.presets(cal.cluster.gemm_flops_per_s, cal.cluster.nvlink_bytes_per_s)  # CLUSTERS from that fit
 
 `python bench/simulate.py` runs the calibration report and the EP 8-1024 sweep (results/simulation.md).
 
@@ -259,31 +261,43 @@ class Execution:
 GPU_PLANNER_US = ((8, 101.2), (16, 80.3), (32, 79.2), (64, 90.3), (128, 109.6))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
-# at commit 86bc821 (2 x H200, EP 2, backend torch, Qwen3 expert shape): t_ffn = 71.2 ns per assignment,
-# NCCL all-to-all 304 GB/s per direction. `python bench/simulate.py` refits and reports them.
-H200_GEMM_FLOPS = 3.97e14
-H200_NVLINK_BYTES_PER_S = 3.04e11
+# of commit 75d7c67 (measured at c3e64ae; 2 x H200, EP 2, Qwen3 expert shape), backend cuda (the fast path:
+# torch._grouped_mm experts, symmetric-memory dispatch/combine): t_ffn = 45.3 ns per assignment, 287 GB/s
+# per direction. (Backend torch on the same run: 70.9 ns, NCCL all-to-all 332 GB/s.) `python
+# bench/simulate.py` refits both, picks the backend whose fit the presets follow and builds them with `presets`.
+H200_GEMM_FLOPS = 6.24e14
+H200_NVLINK_BYTES_PER_S = 2.87e11
 H100_PEAK_BF16 = 989e12  # dense BF16 tensor-core peak of H100/H800/H200
-GEMM_EFFICIENCY = H200_GEMM_FLOPS / H100_PEAK_BF16  # ~0.39, applied to other GPUs' peaks
 
-CLUSTERS = {
-    "paper_h800": Cluster(
-        name="paper_h800", gpus_per_domain=8, nvlink_bytes_per_s=155e9, rdma_bytes_per_s=45e9,
-        gemm_flops_per_s=GEMM_EFFICIENCY * H100_PEAK_BF16,
-        note="paper 6.1: nodes of 8 H800 on NVSwitch (400 GB/s bidirectional), 2 x 200 Gb/s IB per GPU; effective "
-             "bandwidths from DeepEP's H800 + CX7 normal-kernel numbers (NVLink 153-158 GB/s, RDMA 43-58 GB/s); "
-             "GEMM: the H200 fit (same BF16 peak)"),
-    "gb200_nvl72": Cluster(
-        name="gb200_nvl72", gpus_per_domain=72, nvlink_bytes_per_s=0.775 * 900e9, rdma_bytes_per_s=0.9 * 100e9,
-        gemm_flops_per_s=GEMM_EFFICIENCY * 2.5e15,
-        note="NVL72 racks: NVLink 5 (900 GB/s per direction) x the H800 NVLink efficiency 0.775, one 800 Gb/s NIC "
-             "per GPU x 0.9, 2.5 PFLOP/s dense BF16 x the H200 fit's efficiency; assumed, not measured"),
-    "h200": Cluster(
-        name="h200", gpus_per_domain=8, nvlink_bytes_per_s=H200_NVLINK_BYTES_PER_S, rdma_bytes_per_s=45e9,
-        gemm_flops_per_s=H200_GEMM_FLOPS,
-        note="our GPU machine (H200, NVLink 4): GEMM and NVLink fitted on its 2-GPU bench (calibrate); nodes of 8; "
-             "RDMA assumed as the paper's 400 Gb/s per GPU (never measured)"),
-}
+
+def presets(h200_gemm_flops_per_s: float = H200_GEMM_FLOPS,
+            h200_nvlink_bytes_per_s: float = H200_NVLINK_BYTES_PER_S) -> dict[str, Cluster]:
+    """The cluster presets, built from the H200 fit (GEMM FLOP/s and effective NVLink of our GPU machine):
+    h200 uses both; the other GPUs' GEMM throughput is their BF16 peak x the H200 fit's efficiency (fit /
+    H100_PEAK_BF16); paper_h800's and gb200_nvl72's NVLink come from DeepEP's H800 numbers, not the fit."""
+    eff = h200_gemm_flops_per_s / H100_PEAK_BF16
+    return {
+        "paper_h800": Cluster(
+            name="paper_h800", gpus_per_domain=8, nvlink_bytes_per_s=155e9, rdma_bytes_per_s=45e9,
+            gemm_flops_per_s=eff * H100_PEAK_BF16,
+            note="paper 6.1: nodes of 8 H800 on NVSwitch (400 GB/s bidirectional), 2 x 200 Gb/s IB per GPU; effective "
+                 "bandwidths from DeepEP's H800 + CX7 normal-kernel numbers (NVLink 153-158 GB/s, RDMA 43-58 GB/s); "
+                 "GEMM: the H200 fit (same BF16 peak)"),
+        "gb200_nvl72": Cluster(
+            name="gb200_nvl72", gpus_per_domain=72, nvlink_bytes_per_s=0.775 * 900e9, rdma_bytes_per_s=0.9 * 100e9,
+            gemm_flops_per_s=eff * 2.5e15,
+            note="NVL72 racks: NVLink 5 (900 GB/s per direction) x the H800 NVLink efficiency 0.775, one 800 Gb/s NIC "
+                 "per GPU x 0.9, 2.5 PFLOP/s dense BF16 x the H200 fit's efficiency; assumed, not measured"),
+        "h200": Cluster(
+            name="h200", gpus_per_domain=8, nvlink_bytes_per_s=h200_nvlink_bytes_per_s, rdma_bytes_per_s=45e9,
+            gemm_flops_per_s=h200_gemm_flops_per_s,
+            note="our GPU machine (H200, NVLink 4): GEMM and NVLink fitted on its 2-GPU bench (calibrate); nodes of 8; "
+                 "RDMA assumed as the paper's 400 Gb/s per GPU (never measured)"),
+    }
+
+
+CLUSTERS = presets()
+GEMM_EFFICIENCY = H200_GEMM_FLOPS / H100_PEAK_BF16  # ~0.63, applied to other GPUs' peaks
 
 _QWEN3_DENSE = dense_flops_per_token(hidden=2048, attn_params=2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048,
                                      num_heads=32, qk_dim=128, v_dim=128, seq_len=4096, num_experts=128,
@@ -310,10 +324,16 @@ EXECUTIONS = {
     "topoep": Execution(name="topoep", layer_overhead_s=2e-4),
     # megatron-core alltoall dispatcher: no planner, no replicas, dispatch -> experts -> combine in order
     "megatron": Execution(name="megatron", pipelined=False, layer_overhead_s=2e-4, dedup=False),
-    # backend torch on the GPU machine: every phase blocking; constants from calibrate() (see bench/simulate.py)
+    # backend torch on the GPU machine: every phase blocking (NCCL, host syncs), two chunks without overlap;
+    # constants from calibrate() on results/moe_layer.json of 75d7c67 (see bench/simulate.py)
     "torch": Execution(name="torch", pipelined=False, reload_hidden=False, grad_return_hidden=False, dedup=False,
-                       layer_overhead_s=4.4e-4, row_overhead_s=7.0e-8, expert_overhead_s=2.95e-3,
-                       comm_overhead_s=4.76e-3, replica_latency_s=3.7e-4, static_plan_s=4.6e-4, plan_s=1.55e-3),
+                       layer_overhead_s=2.6e-6, row_overhead_s=6.96e-8, expert_overhead_s=3.06e-3,
+                       comm_overhead_s=4.94e-3, replica_latency_s=4.3e-4, static_plan_s=2.26e-3, plan_s=3.19e-3),
+    # backend cuda: one chunk, every phase in order on one stream, no host sync; fixed costs fitted on the
+    # layer totals (calibrate(fixed="totals"), same json): 2.13 ms per call + 28.2 ns per assignment; a balancing
+    # call adds 0.29 ms (planner, guard, slot-pool kernels); the phase intercepts are not used
+    "cuda": Execution(name="cuda", pipelined=False, num_chunks=1, reload_hidden=False, grad_return_hidden=False,
+                      dedup=False, layer_overhead_s=2.13e-3, row_overhead_s=2.82e-8, plan_s=2.94e-4),
 }
 
 
@@ -809,13 +829,16 @@ class MeasuredCase:
     """plan, fetch, dispatch_combine, experts (straggler), grad_return (serialised phase times)."""
     experts_ms_per_rank: list
     guard_fired: bool | None = None
+    backend: str = "torch"
+    """The runtime backend that ran it (the row's `<backend>/<policy>`): picks the execution `calibrate` fits."""
 
 
 def measured_cases(path, backend: str = "torch") -> list[MeasuredCase]:
     """The `<backend>/static` and `<backend>/topoep` rows of a bench/moe_layer.py JSON, each with the plan
     it executed: the routing is regenerated exactly as the bench does, planned by the reference
     planner, and where the net-benefit guard fired (the row's `guard` share is 1) replaced by the static
-    plan. Megatron's rows are not cases (its per-expert loop is another program)."""
+    plan. Megatron's rows are not cases (its per-expert loop is another program). backend: "torch" or
+    "cuda" (bench/moe_layer.py's layer backends)."""
     data = json.loads(Path(path).read_text())
     cfg = data["config"]
     R, E, H, F, k = cfg["world"], cfg["experts"], cfg["hidden"], cfg["ffn"], cfg["topk"]
@@ -843,7 +866,7 @@ def measured_cases(path, backend: str = "torch") -> list[MeasuredCase]:
         phases = {p: r[f"{p}_ms"] for p in ("plan", "fetch", "dispatch_combine", "experts", "grad_return")}
         cases.append(MeasuredCase(tokens=T, workload=r["workload"], policy=pol, plan=plan, measured_ms=r["ms"],
                                   phases_ms=phases, experts_ms_per_rank=list(r["experts_ms_per_rank"]),
-                                  guard_fired=fired))
+                                  guard_fired=fired, backend=backend))
     if not cases:
         raise ValueError(f"{path} has no '{backend}/static' or '{backend}/topoep' rows to calibrate on")
     return cases
@@ -865,17 +888,45 @@ def _lstsq(X: list[list[float]], y: list[float]) -> list[float]:
     return sol.solution.flatten().tolist()
 
 
-def calibrate(cases: list[MeasuredCase], *, base: Cluster | None = None, pipelined: bool = False) -> Calibration:
-    """Fit the model's constants on measured cases, each from the measurement it explains (never per case):
+# How `calibrate` fits each backend's fixed costs by default (see calibrate).
+CALIBRATION_FIXED = {"torch": "phases", "cuda": "totals"}
 
-      experts phase per rank   = expert_overhead + t_ffn * L_r            -> t_ffn (GEMM FLOP/s), expert_overhead
-      dispatch_combine phase   = comm_overhead + 4 chunks' transfers       -> NVLink bandwidth, comm_overhead
-      fetch + grad_return      = 3 * (replica_latency + bytes / NVLink)    -> replica_latency (cases with replicas)
-      plan phase               = static_plan_s (static) / plan_s (others)  -> means
-      total - modelled layer   = layer_overhead + row_overhead * T * k     -> the residual the phases miss
-    `pipelined` picks the schedule the totals are explained with (backend torch: serial, see the report).
-    The layer overhead's token term is fitted only when the cases have more than one token count."""
+
+def calibrate(cases: list[MeasuredCase], *, base: Cluster | None = None, pipelined: bool = False,
+              fixed: str | None = None) -> Calibration:
+    """Fit the model's constants on measured cases of one backend, each from the measurement it explains
+    (never per case). The slopes always come from the serialised phases:
+
+      experts phase per rank   = x0 + t_ffn * L_r                          -> t_ffn (GEMM FLOP/s)
+      dispatch_combine phase   = c0 + 4 chunks' transfers                  -> NVLink bandwidth
+
+    The fixed costs, by `fixed` (default CALIBRATION_FIXED[backend]):
+      "phases"  each phase's own fixed part: x0 -> expert_overhead, c0 -> comm_overhead; fetch + grad_return
+                = 3 * (replica_latency + bytes / NVLink) over the cases with replicas; plan phase means ->
+                static_plan_s / plan_s; then total - modelled layer = layer_overhead + row_overhead * T * k.
+                Right when the phases' fixed parts are paid in the layer as timed (backend torch: every
+                phase is blocking and host-synchronised anyway).
+      "totals"  the phases' intercepts are not used (they include host launch time that a stream without
+                host syncs overlaps with earlier GPU work): total - (t_ffn * L_max + token and replica bytes
+                / NVLink + latencies) = layer_overhead + row_overhead * T * k + plan_s * [balancing policy]
+                (plan_s: what a balancing call adds to a static one: planner, guard, slot-pool kernels).
+                Backend cuda.
+    The execution is EXECUTIONS[backend] (its chunks, overlap and hidden transfers) with the fitted constants;
+    `pipelined` swaps in the two-chunk schedule of paper 3.3 (for comparison). The T * k term is fitted only
+    when the cases have more than one token count, the balancing term only when both kinds of policy are
+    there. Negative fits of fixed costs are clamped to 0 in the execution (`fitted` keeps the raw values)."""
     base = base or CLUSTERS["h200"]
+    backends = {c.backend for c in cases}
+    if len(backends) != 1:
+        raise ValueError(f"calibrate: the cases must come from one backend, got {sorted(backends)}")
+    backend = backends.pop()
+    if backend not in CALIBRATION_FIXED:
+        raise ValueError(f"calibrate: no execution for backend {backend!r}; known: {', '.join(CALIBRATION_FIXED)}")
+    fixed = fixed or CALIBRATION_FIXED[backend]
+    if fixed not in ("phases", "totals"):
+        raise ValueError(f"fixed must be 'phases' or 'totals', got {fixed!r}")
+    template = EXECUTIONS[backend]
+    n = 2 if pipelined else template.num_chunks
     p0 = cases[0].plan
     H = int(p0.token_bytes // 2)
     F = int(p0.expert_bytes // (3 * 2 * H))
@@ -891,7 +942,6 @@ def calibrate(cases: list[MeasuredCase], *, base: Cluster | None = None, pipelin
     if t_ffn <= 0:
         raise ValueError("calibrate: the experts phase does not grow with the rank load in these cases")
     gemm = FLOPS_PER_ASSIGNMENT_FACTOR * H * F / t_ffn
-    n = 2
     X, y = [], []
     for c in cases:
         if c.plan.topology.num_domains > 1:
@@ -912,28 +962,40 @@ def calibrate(cases: list[MeasuredCase], *, base: Cluster | None = None, pipelin
     rep_lat = max(0.0, sum(rep) / len(rep)) if rep else 0.0
     mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
     static_plan = mean([c.phases_ms["plan"] * 1e-3 for c in cases if c.policy == "static"])
-    plan_s = mean([c.phases_ms["plan"] * 1e-3 for c in cases if c.policy != "static"])
-    ex = replace(EXECUTIONS["torch"], pipelined=pipelined, layer_overhead_s=0.0, row_overhead_s=0.0,
-                 expert_overhead_s=max(0.0, x0), comm_overhead_s=max(0.0, comm0), replica_latency_s=rep_lat,
-                 static_plan_s=static_plan, plan_s=plan_s)
+    plan_phase = mean([c.phases_ms["plan"] * 1e-3 for c in cases if c.policy != "static"])
+    ex = replace(template, pipelined=pipelined, num_chunks=n, layer_overhead_s=0.0, row_overhead_s=0.0,
+                 expert_overhead_s=0.0, comm_overhead_s=0.0, replica_latency_s=0.0, static_plan_s=0.0, plan_s=0.0)
+    if fixed == "phases":
+        ex = replace(ex, expert_overhead_s=max(0.0, x0), comm_overhead_s=max(0.0, comm0), replica_latency_s=rep_lat,
+                     static_plan_s=static_plan, plan_s=plan_phase)
+    columns = {"layer": lambda c: 1.0}  # regressors of the totals' residual
+    if len({c.tokens for c in cases}) > 1:
+        columns["row"] = lambda c: float(c.tokens * k)
+    if fixed == "totals" and len({c.policy == "static" for c in cases}) > 1:
+        columns["balancing"] = lambda c: float(c.policy != "static")
     X, y = [], []
     for c in cases:
         m = replace(model, tokens_per_rank=c.tokens)
-        X.append([1.0, float(c.tokens * k)])
+        X.append([f(c) for f in columns.values()])
         y.append(c.measured_ms * 1e-3 - simulate(c.plan, cluster, model=m, execution=_as_policy(ex, c)).layer_s)
-    if len({row[1] for row in X}) > 1:
-        c0, c_row = _lstsq(X, y)
-    else:
-        c0, c_row = mean(y), 0.0
+    coef = dict(zip(columns, _lstsq(X, y)))
+    c0, c_row, c_bal = coef["layer"], coef.get("row", 0.0), coef.get("balancing", 0.0)
     ex = replace(ex, layer_overhead_s=max(0.0, c0), row_overhead_s=max(0.0, c_row))
-    fitted = {"t_ffn_s": t_ffn, "gemm_flops_per_s": gemm, "expert_overhead_s": x0, "nvlink_bytes_per_s": 1.0 / inv_bw,
-              "comm_overhead_s": comm0, "replica_latency_s": rep_lat, "static_plan_s": static_plan, "plan_s": plan_s,
-              "layer_overhead_s": c0, "row_overhead_s": c_row, "num_cases": len(cases), "pipelined": pipelined}
+    if fixed == "totals":
+        ex = replace(ex, plan_s=max(0.0, c_bal))
+    fitted = {"backend": backend, "fixed": fixed, "num_chunks": n, "pipelined": pipelined,
+              "t_ffn_s": t_ffn, "gemm_flops_per_s": gemm, "nvlink_bytes_per_s": 1.0 / inv_bw,
+              "expert_overhead_s": ex.expert_overhead_s, "comm_overhead_s": ex.comm_overhead_s,
+              "replica_latency_s": ex.replica_latency_s, "static_plan_s": ex.static_plan_s, "plan_s": ex.plan_s,
+              "layer_overhead_s": c0, "row_overhead_s": c_row, "balancing_overhead_s": c_bal,
+              "phase_expert_intercept_s": x0, "phase_comm_intercept_s": comm0, "phase_replica_fixed_s": rep_lat,
+              "phase_static_plan_s": static_plan, "phase_plan_s": plan_phase, "num_cases": len(cases)}
     return Calibration(cluster=cluster, execution=ex, model=model, fitted=fitted)
 
 
 def _as_policy(execution: Execution, case: MeasuredCase) -> Execution:
-    """A topoep case whose guard fired executed the static plan but paid the planner: keep plan_s."""
+    """A topoep case whose guard fired executed the static plan but paid the planner (backend cuda: and ran
+    its slot-pool kernels, part of the totals fit's plan_s): keep plan_s."""
     if case.policy != "static" and case.plan.policy == "static":
         return replace(execution, static_plan_s=execution.plan_s)
     return execution
