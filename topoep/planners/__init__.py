@@ -13,7 +13,7 @@ QWEN3_TOKEN_BYTES = 2048 * 2
 
 
 def _policies():
-    from topoep.planners import baselines, reference
+    from topoep.planners import baselines, joint, reference
 
     return {
         "static": reference.solve_static,
@@ -21,10 +21,13 @@ def _policies():
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
+        "joint": joint.solve_joint,
     }
 
 
-POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe")
+POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe", "joint")
+# Policies that weigh expert compute against transfers, and so take t_ffn.
+T_FFN_POLICIES = ("fastermoe", "joint")
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -40,12 +43,17 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             (the all-gathered routing counts; every rank passes the same tensor and gets the same plan).
         topology: the EP group's domains and per-byte costs; must have R ranks.
         num_slots: N, replica slots per rank besides its main experts (>= 0).
-        policy: one of POLICIES.
+        policy: one of POLICIES. "joint" (topoep.planners.joint) chooses placement and split together to
+            minimise the modelled time t_ffn L_max + T_token + T_replica of eq. 5-8.
         expert_bytes: W, bytes of one expert's parameters as transferred (default: Qwen3-30B-A3B, BF16).
         token_bytes: S_tok, bytes of one routed activation (default: hidden 2048 in BF16).
         main_rank: int64[E], rank owning each expert; default e // (E // R) (megatron's placement).
         t_ffn: seconds of expert FFN time per assignment (forward + backward) for the policies that
-            weigh compute against transfers (fastermoe); default `topoep.metrics.DEFAULT_T_FFN`.
+            weigh compute against transfers (fastermoe, joint); ignored by the others. Default
+            `topoep.metrics.DEFAULT_T_FFN` (Qwen3-30B-A3B expert at 400 TFLOP/s, ~70.8 ns). Calibrate it
+            from a measured MoE layer with `topoep.metrics.fit_t_ffn` (expert time of the straggler
+            rank against its assignments); for joint it sets the price of one assignment of L_max
+            against the bytes moved, so a larger t_ffn buys balance with more traffic.
         backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
             static and topoep, default placement, CUDA omega; no host synchronisation, so the values of
             omega are not checked), or "auto": cuda when omega is on a GPU and the policy has a kernel.
@@ -75,7 +83,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         return solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                           expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
     kw = {}
-    if policy == "fastermoe":
+    if policy in T_FFN_POLICIES:
         from topoep.metrics import DEFAULT_T_FFN
 
         t = DEFAULT_T_FFN if t_ffn is None else t_ffn
