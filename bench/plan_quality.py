@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
-from topoep import POLICIES, Topology, metrics, solve  # noqa: E402
+from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.planners import QWEN3_EXPERT_BYTES, QWEN3_TOKEN_BYTES  # noqa: E402
 from topoep.metrics import fit_t_ffn  # noqa: E402
@@ -41,6 +41,8 @@ from topoep.planners.milp import solve_milp  # noqa: E402
 from topoep.workloads import (FIG10, FIG10_ROUTER_SKEW, FIG10_SEED, LAYOUTS, biased_routing,  # noqa: E402
                               fig10_workload)
 
+# the runtime policies and the offline ones (joint): every policy this benchmark compares
+ALL_POLICIES = POLICIES + OFFLINE_POLICIES
 # t_ffn large enough that compute dominates every transfer: joint becomes a pure balancer (one-domain study)
 PURE_BALANCE_T_FFN = 1e-3
 
@@ -74,7 +76,7 @@ def evaluate(args) -> list[dict]:
     omegas = {w: fig10_workload(layout=WORKLOADS[w][0]) for w in args.workloads}
     for w, s, p in tqdm(jobs, desc="plan quality", disable=args.quiet):
         times = []
-        for _ in range(args.repeats if p != "joint" else 1):  # joint is a search: timed once
+        for _ in range(args.repeats if p not in OFFLINE_POLICIES else 1):  # offline: seconds, timed once
             t0 = time.perf_counter()
             plan = solve(omegas[w], topo, num_slots=s, policy=p, expert_bytes=args.expert_bytes,
                          token_bytes=args.token_bytes)
@@ -126,7 +128,7 @@ def milp_gaps(args) -> list[dict]:
             t = metrics(solve(om, topo, num_slots=s, policy=p, expert_bytes=W, token_bytes=S), t_ffn=args.t_ffn)["t_total"]
             gaps.setdefault((p, s), []).append(100 * (t / res.objective - 1) if res.optimal else float("nan"))
     rows = []
-    for (p, s), g in sorted(gaps.items(), key=lambda kv: (kv[0][1], POLICIES.index(kv[0][0]))):
+    for (p, s), g in sorted(gaps.items(), key=lambda kv: (kv[0][1], ALL_POLICIES.index(kv[0][0]))):
         g = sorted(x for x in g if x == x)
         rows.append(dict(policy=p, slots=s, instances=len(g), median_gap_pct=statistics.median(g),
                          p90_gap_pct=g[int(0.9 * (len(g) - 1))], max_gap_pct=g[-1],
@@ -496,7 +498,7 @@ def one_domain_report(od) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(ALL_POLICIES), choices=list(ALL_POLICIES))
     ap.add_argument("--slots", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--expert-bytes", type=int, default=QWEN3_EXPERT_BYTES)
     ap.add_argument("--token-bytes", type=int, default=QWEN3_TOKEN_BYTES)
@@ -553,7 +555,7 @@ def main(argv=None) -> int:
         md.append("Solve time on the CPU reference (ms, median of "
                   f"{args.repeats}; joint: one solve):\n\n" + pivot(rows, w, "solve_ms", "{:.1f}") + "\n")
     paper_rows = [[p, s, f"{v:.2f}", f"{next(r['imbalance'] for r in rows if (r['workload'], r['slots'], r['policy']) == ('fig10', s, p)):.2f}"]
-                  for (p, s), v in sorted(PAPER_FIG10.items(), key=lambda kv: (POLICIES.index(kv[0][0]), kv[0][1]))
+                  for (p, s), v in sorted(PAPER_FIG10.items(), key=lambda kv: (ALL_POLICIES.index(kv[0][0]), kv[0][1]))
                   if any((r["workload"], r["slots"], r["policy"]) == ("fig10", s, p) for r in rows)]
     md.append("## Against the paper\n")
     if paper_rows:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from topoep import POLICIES, Topology, metrics, solve
+from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve
 from topoep.planners.milp import solve_milp
 from topoep.workloads import biased_routing
 
@@ -26,7 +26,7 @@ def test_no_heuristic_beats_the_optimum(seed, slots):
     om = biased_routing(4, 8, 48, 2, -3.0, seed=seed, layout=["random", "clustered"][seed % 2])
     res = solve_milp(om, topo, num_slots=slots, expert_bytes=W, token_bytes=S)
     assert res.optimal
-    for policy in POLICIES:
+    for policy in POLICIES + OFFLINE_POLICIES:
         plan = solve(om, topo, num_slots=slots, policy=policy, expert_bytes=W, token_bytes=S)
         t = metrics(plan)["t_total"]
         assert t >= res.objective * (1 - 1e-9), (policy, t, res.objective)

@@ -19,7 +19,7 @@ transportation problem whose optimum, for given instance loads U[e, r], is
     T_token = 2 S_tok (a sum_{e,r} (omega[r, e] - U[e, r])^+ + (b - a) sum_{e,d} (D[d, e] - U_d[e])^+)
 
 (a, b: intra- and inter-domain cost; U_d[e] = sum of U[e, r] over the ranks of d): every instance
-first serves its own rank, then its own domain (`topoep.planners.joint.hierarchical_route` builds
+first serves its own rank, then its own domain (`topoep.planners.common.hierarchical_route` builds
 that routing). The model keeps the captured amounts z[e, r] <= min(omega[r, e] x[e, r], U[e, r]) and
 y[e, d] <= min(D[d, e], U_d[e]) and maximises them; it is several times smaller, which is what makes
 the 500-instance study of bench/plan_quality.py affordable. `compact_model` is also the LP that
@@ -196,7 +196,7 @@ def compact_model(omega, topology, num_slots, expert_bytes, token_bytes, main, t
     """Build the compact model; raises ValueError unless the topology's costs are two-level."""
     from scipy.sparse import coo_matrix
 
-    from topoep.planners.joint import two_level_costs
+    from topoep.planners.common import two_level_costs
     from topoep.topology import FEMTO
 
     R, E = omega.shape
@@ -281,7 +281,7 @@ def _solve_compact(omega, topology, num_slots, expert_bytes, token_bytes, main, 
                    time_limit) -> MilpResult:
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from topoep.planners.joint import hierarchical_route
+    from topoep.planners.common import hierarchical_route
 
     R, E = omega.shape
     m = compact_model(omega, topology, num_slots, expert_bytes, token_bytes, main, t_ffn, objective, enforce_c4)
