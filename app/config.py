@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from topoep.planners import POLICIES
+from topoep.planners import OFFLINE_POLICIES, POLICIES
 
 
 def _positive(obj, *names):
@@ -99,6 +99,10 @@ class EplbConfig:
     def __post_init__(self):
         if self.name != "none":
             self.policy = self.policy or self.name
+            if self.policy in OFFLINE_POLICIES:
+                raise ValueError(f"eplb.policy={self.policy!r} is an offline planner (seconds per plan), not for "
+                                 f"training; use it through topoep.solve or bench/plan_quality.py, and choose "
+                                 f"one of {', '.join(POLICIES)} here")
             if self.policy not in POLICIES:
                 raise ValueError(f"eplb.policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)} "
                                  "(or eplb=none for megatron's baseline)")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from topoep import POLICIES, Topology, metrics, solve
+from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve
 from topoep.planners.milp import solve_milp
 from topoep.workloads import biased_routing
 
@@ -26,7 +26,7 @@ def test_no_heuristic_beats_the_optimum(seed, slots):
     om = biased_routing(4, 8, 48, 2, -3.0, seed=seed, layout=["random", "clustered"][seed % 2])
     res = solve_milp(om, topo, num_slots=slots, expert_bytes=W, token_bytes=S)
     assert res.optimal
-    for policy in POLICIES:
+    for policy in POLICIES + OFFLINE_POLICIES:
         plan = solve(om, topo, num_slots=slots, policy=policy, expert_bytes=W, token_bytes=S)
         t = metrics(plan)["t_total"]
         assert t >= res.objective * (1 - 1e-9), (policy, t, res.objective)
@@ -57,3 +57,28 @@ def test_makespan_objective_and_limits():
     with pytest.raises(ValueError, match="small instances"):
         solve_milp(torch.zeros(16, 32, dtype=torch.int64), Topology(num_domains=2, ranks_per_domain=8),
                    num_slots=1, expert_bytes=W, token_bytes=S)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_formulation_matches_the_full_one(seed):
+    # the tree form of the routing cost (exact on two-level topologies) gives the same optimum with
+    # E * R instead of R * E * R integer variables, and a valid plan whose metric is that optimum
+    topo = Topology(num_domains=2, ranks_per_domain=2)
+    om = biased_routing(4, 8, 48, 2, -2.5, seed=seed, layout=["random", "clustered", "scattered"][seed])
+    full = solve_milp(om, topo, num_slots=1 + seed % 2, expert_bytes=W, token_bytes=S)
+    compact = solve_milp(om, topo, num_slots=1 + seed % 2, expert_bytes=W, token_bytes=S, formulation="compact")
+    assert full.optimal and compact.optimal
+    assert compact.objective == pytest.approx(full.objective, rel=1e-9)
+    compact.plan.check(c4=True)
+    assert metrics(compact.plan)["t_total"] == pytest.approx(compact.objective, rel=1e-9)
+    mk = solve_milp(om, topo, num_slots=1, expert_bytes=W, token_bytes=S, objective="makespan", formulation="compact")
+    assert mk.objective == pytest.approx(solve_milp(om, topo, num_slots=1, expert_bytes=W, token_bytes=S,
+                                                    objective="makespan").objective)
+
+
+def test_compact_formulation_needs_two_level_costs():
+    c = torch.tensor([[0, 1, 4, 5], [1, 0, 6, 4], [4, 6, 0, 2], [5, 4, 2, 0]], dtype=torch.float64) * 1e-12
+    topo = Topology(num_domains=2, ranks_per_domain=2, cost=c)
+    with pytest.raises(ValueError, match="two-level"):
+        solve_milp(torch.ones(4, 8, dtype=torch.int64), topo, num_slots=1, expert_bytes=W, token_bytes=S,
+                   formulation="compact")

@@ -1,6 +1,7 @@
 """Property tests (CPU, hypothesis): every policy's plan satisfies the contract on random instances.
 
-Shapes up to R=64 and E=1280, zero rows, skews from uniform to extreme, 0-3 slots, 1..R domains.
+Shapes up to R=64 and E=1280, zero rows, skews from uniform to extreme, 0-3 slots, 1..R domains. The
+offline policy `joint` (seconds per plan at EP 32) has its own test on shapes up to R=16 and E=256.
 """
 
 import pytest
@@ -70,6 +71,18 @@ def test_topoep_respects_c4_and_keeps_tokens_local(inst):
     static = solve(om, topo, num_slots=slots, policy="static", expert_bytes=W, token_bytes=4096)
     # topoep only ever moves assignments into the source's domain
     assert metrics(plan)["internode_fraction"] <= metrics(static)["internode_fraction"] + 1e-12
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(instances(max_ranks=16, max_experts=256))
+def test_joint_satisfies_the_contract_and_is_deterministic(inst):
+    om, topo, slots, W = inst
+    plan = solve(om, topo, num_slots=slots, policy="joint", expert_bytes=W, token_bytes=4096)
+    plan.check(c4=True)  # C1-C5, no duplicate
+    assert plan.route.dtype == torch.int64 and plan.slot_expert.dtype == torch.int64
+    assert int(plan.rank_load.sum()) == int(om.sum())
+    again = solve(om.clone(), topo, num_slots=slots, policy="joint", expert_bytes=W, token_bytes=4096)
+    assert torch.equal(plan.slot_expert, again.slot_expert) and torch.equal(plan.route, again.route)
 
 
 @pytest.mark.parametrize("R,E,rpd", [(64, 1280, 8), (64, 640, 16), (48, 960, 8)])

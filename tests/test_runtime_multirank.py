@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from topoep import POLICIES, ExpertParallelMoE, ReplicaPool, Topology, solve
+from topoep import OFFLINE_POLICIES, POLICIES, ExpertParallelMoE, ReplicaPool, Topology, solve
 from topoep.runtime.backend import TorchBackend
 from topoep.runtime.layout import assignment_instances, chunk_layouts, local_group
 
@@ -224,6 +224,10 @@ def test_single_process_layer_and_bad_input():
         ExpertParallelMoE(num_experts=3, hidden_size=8, ffn_hidden_size=4, topology=Topology(num_domains=1, ranks_per_domain=2))
     with pytest.raises(ValueError, match="EP group has 1 ranks"):
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=Topology(num_domains=2, ranks_per_domain=1))
+    for policy in OFFLINE_POLICIES:  # offline planners (seconds per plan) never run in the layer
+        assert policy not in POLICIES
+        with pytest.raises(ValueError, match=f"{policy!r} is an offline planner.*topoep.solve"):
+            ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, policy=policy)
 
 
 def _timed(rank, world):

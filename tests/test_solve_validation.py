@@ -27,6 +27,12 @@ OM = torch.ones(4, 8, dtype=torch.int64)
     (dict(expert_bytes=0), "expert_bytes"),
     (dict(token_bytes=-5), "token_bytes"),
     (dict(topology="2x2"), "topoep.Topology"),
+    (dict(policy="joint", t_ffn=-1.0), "t_ffn must be a finite positive"),
+    (dict(policy="joint", t_ffn=0), "t_ffn must be a finite positive"),
+    (dict(policy="joint", t_ffn=True), "t_ffn must be a finite positive"),
+    (dict(policy="joint", t_ffn=float("inf")), "t_ffn must be a finite positive"),
+    (dict(policy="joint", t_ffn=float("nan")), "t_ffn must be a finite positive"),
+    (dict(policy="fastermoe", t_ffn="70ns"), "t_ffn must be a finite positive"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(omega=OM, topology=TOPO, num_slots=2, policy="topoep")
@@ -41,3 +47,24 @@ def test_custom_main_rank_is_respected():
     plan = solve(OM, TOPO, num_slots=1, policy="topoep", main_rank=main).check()
     assert torch.equal(plan.main_rank, main)
     assert torch.equal(plan.instance_rank[:8], main)
+
+
+def test_joint_rejects_inputs_whose_int64_costs_could_overflow():
+    # 8 ranks x 16.8M assignments with t_ffn = 0.1 s: t_ffn L_max alone is ~2^70 fs
+    om = torch.zeros(8, 8, dtype=torch.int64)
+    om[:, 0] = 2 ** 21
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    with pytest.raises(ValueError, match=r"2\^62.*t_ffn=0.1 .*check its unit"):
+        solve(om, topo, num_slots=1, policy="joint", t_ffn=0.1)
+    from topoep.planners.joint import check_fs_range
+
+    check_fs_range(om, topo, 1, 9_437_184, 4096, 70e-9)  # the same input at a realistic t_ffn is fine
+    with pytest.raises(ValueError, match=r"2\^62"):  # huge tokens: the token term alone
+        check_fs_range(om, topo, 1, 9_437_184, 2 ** 30, 70e-9)
+
+
+def test_offline_policies_are_solved_but_not_runtime_policies():
+    from topoep import OFFLINE_POLICIES, POLICIES
+
+    assert "joint" in OFFLINE_POLICIES and not set(OFFLINE_POLICIES) & set(POLICIES)
+    assert solve(OM, TOPO, num_slots=1, policy="joint").check().policy == "joint"

@@ -3,9 +3,9 @@
 from topoep import workloads
 from topoep.metrics import DEFAULT_T_FFN, ffn_time_per_assignment, metrics, plan_stats
 from topoep.plan import Plan
-from topoep.planners import POLICIES, solve
+from topoep.planners import OFFLINE_POLICIES, POLICIES, solve
 from topoep.runtime import ExpertParallelMoE, ReplicaPool
 from topoep.topology import Topology
 
-__all__ = ["DEFAULT_T_FFN", "POLICIES", "ExpertParallelMoE", "Plan", "ReplicaPool", "Topology", "ffn_time_per_assignment", "metrics",
-           "plan_stats", "solve", "workloads"]
+__all__ = ["DEFAULT_T_FFN", "OFFLINE_POLICIES", "POLICIES", "ExpertParallelMoE", "Plan", "ReplicaPool", "Topology",
+           "ffn_time_per_assignment", "metrics", "plan_stats", "solve", "workloads"]

@@ -89,3 +89,36 @@ def metrics(plan: Plan, t_ffn: float = DEFAULT_T_FFN) -> dict[str, float]:
     """Imbalance, inter-node and replica-served fractions, bytes moved and the modelled cost terms of
     eq. 5-8 (seconds, for `t_ffn` seconds of expert time per assignment), as Python floats."""
     return dict(zip(STAT_NAMES, plan_stats(plan, t_ffn).tolist()))
+
+
+def fit_t_ffn(assignments, seconds, *, intercept: bool = True) -> tuple[float, float]:
+    """Calibrate t_FFN from a measured MoE layer: (t_ffn, overhead) in seconds.
+
+    assignments[i]: token-expert assignments executed by the straggler rank in measurement i (L_max);
+    seconds[i]: that rank's measured expert time (grouped GEMMs forward + backward, the `experts`
+    phase of bench/moe_layer.py). Least squares of seconds = overhead + t_ffn * assignments; with
+    intercept=False the line goes through the origin (overhead 0). Use measurements at several loads
+    (e.g. balanced and skewed routing, two token counts): the slope is what the planners need, since
+    they compare loads, and the overhead (kernel launches, small-GEMM inefficiency) is paid whatever
+    the plan. Pass the result as `solve(..., t_ffn=t_ffn)`.
+    """
+    x = torch.as_tensor(assignments, dtype=torch.float64).flatten()
+    y = torch.as_tensor(seconds, dtype=torch.float64).flatten()
+    if x.numel() != y.numel() or x.numel() < (2 if intercept else 1):
+        raise ValueError(f"fit_t_ffn needs as many times as loads, at least {2 if intercept else 1}; got "
+                         f"{x.numel()} loads and {y.numel()} times")
+    if (x < 0).any() or (y < 0).any() or not torch.isfinite(x).all() or not torch.isfinite(y).all():
+        raise ValueError("fit_t_ffn: loads and times must be finite and >= 0")
+    if intercept:
+        xm, ym = x.mean(), y.mean()
+        var = ((x - xm) ** 2).sum()
+        if var == 0:
+            raise ValueError("fit_t_ffn with intercept needs measurements at two different loads at least")
+        slope = float(((x - xm) * (y - ym)).sum() / var)
+        overhead = float(ym - slope * xm)
+    else:
+        slope, overhead = float((x * y).sum() / (x * x).sum().clamp(min=1e-300)), 0.0
+    if not slope > 0:
+        raise ValueError(f"fit_t_ffn: the measured time does not grow with the load (slope {slope:.3g} s per "
+                         "assignment); measure at more different loads")
+    return slope, overhead

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from topoep.plan import Plan, default_main_rank
@@ -13,7 +15,7 @@ QWEN3_TOKEN_BYTES = 2048 * 2
 
 
 def _policies():
-    from topoep.planners import baselines, reference
+    from topoep.planners import baselines, joint, reference
 
     return {
         "static": reference.solve_static,
@@ -21,10 +23,17 @@ def _policies():
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
+        "joint": joint.solve_joint,
     }
 
 
+# Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
 POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe")
+# Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. "joint" takes
+# seconds per plan on the CPU reference at EP 32 and its search needs K x R^3 tensors (topoep.planners.joint).
+OFFLINE_POLICIES = ("joint",)
+# Policies that weigh expert compute against transfers, and so take t_ffn.
+T_FFN_POLICIES = ("fastermoe", "joint")
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -40,18 +49,25 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             (the all-gathered routing counts; every rank passes the same tensor and gets the same plan).
         topology: the EP group's domains and per-byte costs; must have R ranks.
         num_slots: N, replica slots per rank besides its main experts (>= 0).
-        policy: one of POLICIES.
+        policy: one of POLICIES or OFFLINE_POLICIES. "joint" (topoep.planners.joint, offline: seconds
+            per plan) chooses placement and split together to minimise the modelled time
+            t_ffn L_max + T_token + T_replica of eq. 5-8.
         expert_bytes: W, bytes of one expert's parameters as transferred (default: Qwen3-30B-A3B, BF16).
         token_bytes: S_tok, bytes of one routed activation (default: hidden 2048 in BF16).
         main_rank: int64[E], rank owning each expert; default e // (E // R) (megatron's placement).
         t_ffn: seconds of expert FFN time per assignment (forward + backward) for the policies that
-            weigh compute against transfers (fastermoe); default `topoep.metrics.DEFAULT_T_FFN`.
+            weigh compute against transfers (fastermoe, joint); ignored by the others. Default
+            `topoep.metrics.DEFAULT_T_FFN` (Qwen3-30B-A3B expert at 400 TFLOP/s, ~70.8 ns). Calibrate it
+            from a measured MoE layer with `topoep.metrics.fit_t_ffn` (expert time of the straggler
+            rank against its assignments); for joint it sets the price of one assignment of L_max
+            against the bytes moved, so a larger t_ffn buys balance with more traffic.
         backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
             static and topoep, default placement, CUDA omega; no host synchronisation, so the values of
             omega are not checked), or "auto": cuda when omega is on a GPU and the policy has a kernel.
 
     Returns:
-        a `Plan` on omega's device. Raises ValueError for bad input.
+        a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
+        femtosecond arithmetic could overflow: `topoep.planners.joint.check_fs_range`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -75,12 +91,14 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         return solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                           expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
     kw = {}
-    if policy == "fastermoe":
+    if policy in T_FFN_POLICIES:
         from topoep.metrics import DEFAULT_T_FFN
 
         t = DEFAULT_T_FFN if t_ffn is None else t_ffn
-        if not (isinstance(t, (int, float)) and t > 0):
-            raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+            raise ValueError(f"t_ffn must be a finite positive number of seconds of expert time per assignment "
+                             f"(forward + backward), got {t!r}; omit it for DEFAULT_T_FFN ({DEFAULT_T_FFN:.3g} s) "
+                             "or calibrate it with topoep.metrics.fit_t_ffn")
         kw["t_ffn"] = float(t)
     return _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
                                expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
@@ -110,8 +128,8 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
         raise ValueError(f"omega has negative counts, e.g. omega[{s}, {e}] = {omega[s, e].item()}")
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
         raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy not in POLICIES + OFFLINE_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES + OFFLINE_POLICIES)}")
     for name, v in (("expert_bytes", expert_bytes), ("token_bytes", token_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")

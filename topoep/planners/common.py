@@ -1,5 +1,7 @@
-"""Building blocks shared by all policies: instance tables, the token split, and the group-wise
-interval routing. Pure PyTorch, integer arithmetic only, every tie broken by the lowest index.
+"""Building blocks shared by all policies: instance tables, the token split, the group-wise interval
+routing, a top-k with lowest-index ties, and the two-level cost model (`two_level_costs`,
+`hierarchical_route`) that the `joint` policy and the compact MILP share. Pure PyTorch, integer
+arithmetic only, every tie broken by the lowest index.
 
 Shapes: R ranks, E experts, N slots per rank, P = E + R * N physical instances (see `topoep.plan`).
 """
@@ -119,6 +121,66 @@ def interval_route(amount: torch.Tensor, inst_group: torch.Tensor, inst_load: to
     return torch.where(valid[None, :], overlap, 0)
 
 
+def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row of values [X, Y], largest first and,
+    among equal values, lowest index first (torch.topk does not promise that order)."""
+    idx = torch.sort(-values, dim=1, stable=True).indices[:, :k]
+    return values.gather(1, idx), idx
+
+
 def static_rank_load(omega: torch.Tensor, main_rank: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """int64[R]: rank loads with main instances only."""
     return torch.zeros(num_ranks, dtype=torch.int64, device=omega.device).index_add_(0, main_rank, omega.sum(0))
+
+
+def two_level_costs(topology: Topology) -> tuple[int, int, bool]:
+    """(a, b, exact): femtoseconds per byte between two ranks of one domain (a) and of two domains
+    (b >= a), and whether the cost matrix is exactly two-level. Otherwise a and b are the integer means
+    of the intra- and inter-domain entries (b raised to a if lower)."""
+    c = topology.cost_fs
+    R = topology.num_ranks
+    dom = topology.domain_of
+    same = dom[:, None] == dom[None, :]
+    off = ~torch.eye(R, dtype=torch.bool)
+    intra, inter = c[same & off], c[~same]
+    a = int(intra.sum()) // intra.numel() if intra.numel() else 0
+    b = int(inter.sum()) // inter.numel() if inter.numel() else a
+    exact = bool((intra == a).all()) and bool((inter == b).all()) and b >= a
+    return a, max(a, b), exact
+
+
+def hierarchical_route(omega: torch.Tensor, topology: Topology, main_rank: torch.Tensor,
+                       slot_expert: torch.Tensor, inst_load: torch.Tensor) -> torch.Tensor:
+    """route int64[R, P] realising per-instance loads inst_load[P] (P = E + R * N) at the lowest
+    routing cost on a two-level topology: each instance first serves its own rank's demand, then its
+    domain's (sources and instances in index order), then any source. On such a topology the cost of
+    the result is 2 S_tok (a sum_{e,r} (omega[r, e] - U[e, r])^+ + (b - a) sum_{e,d} (D[d, e] - U_d[e])^+)
+    (a, b from `two_level_costs`; U[e, r] the load of e's instance on r, U_d its sum over domain d)."""
+    R, E = omega.shape
+    M, dev = topology.num_domains, omega.device
+    ie, ir = instance_tables(main_rank, slot_expert)
+    valid = ie >= 0
+    e_p = ie.clamp(min=0)
+    P = ie.numel()
+    u = torch.where(valid, inst_load, 0)
+    dom = topology.domain_of.to(dev)
+    # 1. own rank
+    loc = torch.where(valid, torch.minimum(omega[ir, e_p], u), 0)
+    route = torch.zeros(R, P, dtype=torch.int64, device=dev)
+    route[ir, torch.arange(P, device=dev)] = loc
+    w = omega.clone()
+    w.index_put_((ir[valid], e_p[valid]), -loc[valid], accumulate=True)
+    u = u - loc
+    # 2. own domain: groups (e, d); sources and instances take the matched amount in index order
+    g = torch.where(valid, e_p * M + dom[ir], -1)
+    src_g = torch.arange(E, device=dev)[None, :] * M + dom[:, None]  # [R, E]
+    A = torch.zeros(R, E * M, dtype=torch.int64, device=dev).scatter_(1, src_g, w)
+    cap = torch.zeros(E * M, dtype=torch.int64, device=dev).index_add_(0, g.clamp(min=0), torch.where(valid, u, 0))
+    m = torch.minimum(cap, A.sum(0))
+    a = torch.minimum((m[None, :] - (torch.cumsum(A, 0) - A)).clamp(min=0), A)
+    c = torch.where(valid, torch.minimum((m[g.clamp(min=0)] - group_exclusive_cumsum(u, g)).clamp(min=0), u), 0)
+    route += interval_route(a, g, c)
+    w = w - a.gather(1, src_g)
+    u = u - c
+    # 3. any source: groups e
+    return route + interval_route(w, torch.where(valid, e_p, -1), u)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
-from topoep.planners import POLICIES, solve
+from topoep.planners import OFFLINE_POLICIES, POLICIES, solve
 from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
@@ -87,6 +87,10 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_experts={num_experts} must be a multiple of the EP size {R} (topology.num_ranks)")
         if not isinstance(num_slots, int) or num_slots < 0:
             raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
+        if policy in OFFLINE_POLICIES:
+            raise ValueError(f"policy {policy!r} is an offline planner (seconds per plan), not for the runtime; "
+                             f"use it through topoep.solve or bench/plan_quality.py, and choose one of "
+                             f"{', '.join(POLICIES)} for ExpertParallelMoE")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
