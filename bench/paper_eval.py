@@ -88,8 +88,9 @@ def launch(args, out: Path, eplb: str, overrides: list[str], steps: int) -> None
 
 def base_overrides(args) -> list[str]:
     if args.tiny:
-        return ["model=tiny", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}"]
-    out = [f"model={args.model}", "trainer=default"]
+        return ["model=tiny", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}",
+                f"eplb.backend={args.backend}"]
+    out = [f"model={args.model}", "trainer=default", f"eplb.backend={args.backend}"]
     if args.ranks_per_domain:
         out += ["topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain}"]
     return out
@@ -261,7 +262,7 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
     cmd = "python bench/paper_eval.py " + " ".join(args.argv)
     md = (f"# {TITLES[fig]}\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
           f"- runs: {'model=tiny trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
-          f"{args.nproc} processes; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
+          f"{args.nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
           f"{args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
           + "\n".join(f"- {t}" for t in targets) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -286,6 +287,9 @@ def parse_args(argv):
                     help="synthetic bias layouts (megatron, concentrated, ...)")
     ap.add_argument("--policies", nargs="+", default=None,
                     help=f"eplb values (fig12 default: none static topoep; fig13/16: {' '.join(ALL_POLICIES)})")
+    ap.add_argument("--backend", choices=["torch", "cuda"], default=None,
+                    help="execution backend of the TopoEP layer (eplb.backend; default: cuda on GPUs, torch with "
+                         "--tiny); eplb=none ignores it")
     ap.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: model=tiny trainer=cpu, few steps")
     ap.add_argument("--resume", action="store_true", help="skip runs whose metrics already cover the steps")
@@ -302,6 +306,8 @@ def parse_args(argv):
             args.nproc = max(1, torch.cuda.device_count())
             if not torch.cuda.is_available():
                 raise SystemExit("GPU runs need CUDA; use --tiny for the CPU smoke")
+    if args.backend is None:
+        args.backend = "torch" if args.tiny else "cuda"
     args.steps = args.steps or (3 if args.tiny else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.loss_steps = args.loss_steps or (4 if args.tiny else 300)

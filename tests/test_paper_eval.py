@@ -47,3 +47,11 @@ def test_bad_arguments_are_named():
         paper_eval.parse_args(["fig12", "--tiny", "--skews", "2"])
     with pytest.raises(SystemExit, match="--warmup 5 must be below --steps 3"):
         paper_eval.parse_args(["fig12", "--tiny", "--steps", "3", "--warmup", "5"])
+
+
+def test_backend_defaults_and_reaches_every_run():
+    tiny = paper_eval.parse_args(["fig12", "--tiny"])
+    assert tiny.backend == "torch" and "eplb.backend=torch" in paper_eval.base_overrides(tiny)
+    gpu = paper_eval.parse_args(["fig12", "--nproc", "2"])  # a GPU run: the GPU-native backend by default
+    assert gpu.backend == "cuda" and "eplb.backend=cuda" in paper_eval.base_overrides(gpu)
+    assert paper_eval.parse_args(["fig12", "--nproc", "2", "--backend", "torch"]).backend == "torch"
