@@ -60,3 +60,33 @@ def test_backend_cuda_without_a_gpu_says_to_use_torch():
         make_backend("cuda")
     with pytest.raises(ValueError, match="unknown backend 'nvshmem'; choose one of torch, cuda"):
         make_backend("nvshmem")
+
+
+class _OneRankWorkspace:
+    """The only part of symm.SymmWorkspace that the metadata uses, for a single rank on the CPU."""
+
+    def all_gather(self, row, which):
+        return row[None].clone()
+
+
+def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
+    """ExpertParallelMoE._cuda_metadata (what backend cuda captures as a CUDA graph) on the CPU: the
+    grouped-GEMM offsets and row counts it returns describe exactly the rows the layout sends."""
+    from topoep import ExpertParallelMoE, Topology
+
+    E, N, T, k = 8, 2, 40, 2
+    layer = ExpertParallelMoE(num_experts=E, hidden_size=8, ffn_hidden_size=4, topology=Topology(num_domains=1, ranks_per_domain=1),
+                              num_slots=N, policy="topoep", guard=False)
+    g = torch.Generator().manual_seed(0)
+    topk_idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    out = layer._cuda_metadata(_OneRankWorkspace(), topk_idx, token_bytes=16)
+    omega, slot_expert, route, stats, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out
+    assert torch.equal(omega[0], count_keys(topk_idx, E))
+    assert torch.equal(torch.sort(order).values, torch.arange(T * k))  # every assignment sent once
+    assert torch.equal(dest, torch.zeros(T * k, dtype=torch.int64))
+    assert offs_main.dtype == torch.int32 and offs_main.numel() == E and offs_slot.numel() == N
+    assert int(n_main) == int((~is_slot).sum()) == int(offs_main[-1])
+    assert int(n_slot) == int(is_slot.sum()) == (int(offs_slot[-1]) if N else 0)
+    for buffer in (~is_slot, is_slot):  # positions: a permutation of each buffer's rows
+        assert torch.equal(torch.sort(pos[buffer]).values, torch.arange(int(buffer.sum())))
+    assert stats.numel() > 0 and route.shape == (1, E + N)

@@ -39,8 +39,10 @@ class CudaLayerCall:
     dest: torch.Tensor  # int64[A]: destination rank of send row i
     pos: torch.Tensor  # int64[A]: its row in the destination's buffer
     is_slot: torch.Tensor  # bool[A]: main buffer or slot buffer
-    sizes_main: torch.Tensor  # int64[E_loc]: rows received per main expert
-    sizes_slot: torch.Tensor  # int64[N]: rows received per slot
+    offs_main: torch.Tensor  # int32[E_loc]: end row of each main expert's group (grouped GEMM offsets)
+    offs_slot: torch.Tensor  # int32[N]: end row of each slot's group
+    n_main: torch.Tensor  # int64[1]: rows received for the main experts
+    n_slot: torch.Tensor  # int64[1]: rows received for the slots
     num_tokens: int
     top_k: int
     experts_per_rank: int
@@ -66,13 +68,10 @@ def expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
         + stacked.data_ptr()
 
 
-def _offsets(sizes: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(sizes, 0, dtype=torch.int32)
-
-
 # Grouped SwiGLU over worst-case-sized row buffers: x [cap, H] holds the groups' rows first (n = offs[-1]
 # of them, a device value); rows past n are never computed on (the activations are Triton kernels that
-# read n on the device) and never read. w1 [G, 2F, H], w2 [G, H, F]. References: experts.swiglu_act_reference, experts._act_grads.
+# read n on the device) and never read. w1 [G, 2F, H], w2 [G, H, F].
+# References: experts.swiglu_act_reference, experts._act_grads.
 
 def grouped_swiglu(x, w1, w2, offs, n):
     h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
@@ -102,15 +101,14 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
         with phase(tm, "dispatch_combine", collective=True):
             rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot)
-            n_main, n_slot = call.sizes_main.sum().view(1), call.sizes_slot.sum().view(1)
+            n_main, n_slot = call.n_main, call.n_slot
             xm = ws.copy_rows(rm, n_main)  # kept for backward: the receive buffers are reused
             xs = ws.copy_rows(rs, n_slot) if pool is not None else None
         with phase(tm, "experts"):
-            offs_m = _offsets(call.sizes_main)
-            ym, hm = grouped_swiglu(xm, W1, W2, offs_m, n_main)
+            ym, hm = grouped_swiglu(xm, W1, W2, call.offs_main, n_main)
             ys = hs = None
             if pool is not None:
-                ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, _offsets(call.sizes_slot), n_slot)
+                ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, call.offs_slot, n_slot)
         with phase(tm, "dispatch_combine", collective=True):
             out = ws.combine(ym, ys, n_main, n_slot, x.shape[0] * call.top_k)
         ctx.call, ctx.num_weights = call, n
@@ -132,8 +130,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
         with phase(tm, "dispatch_combine", collective=True):
             gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot)
-        n_main, n_slot = call.sizes_main.sum().view(1), call.sizes_slot.sum().view(1)
-        offs_m, offs_s = _offsets(call.sizes_main), _offsets(call.sizes_slot)
+        n_main, n_slot, offs_m, offs_s = call.n_main, call.n_slot, call.offs_main, call.offs_slot
         with phase(tm, "experts"):  # data gradients first: token gradients leave early
             gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, offs_m, n_main)
             gxs = ghs = None

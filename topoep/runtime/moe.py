@@ -239,19 +239,22 @@ class ExpertParallelMoE(nn.Module):
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
-            omega, slot_expert, route, stats, order, dest, pos, is_slot, sizes_main, sizes_slot = self._meta_graphs(
+            omega, slot_expert, route, stats, *layout = self._meta_graphs(
                 lambda idx: self._cuda_metadata(ws, idx, token_bytes), topk_idx)
-            plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=default_main_rank(self.num_experts, self.topology.num_ranks, omega.device),
-                        slot_expert=slot_expert, route=route, policy=self.policy, expert_bytes=self.expert_bytes,
-                        token_bytes=token_bytes)
+            main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
+            plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
+                        route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
             self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
+        order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = layout
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
-                             sizes_main=sizes_main, sizes_slot=sizes_slot, num_tokens=T, top_k=k,
-                             experts_per_rank=E_loc, timer=tm)
+                             offs_main=offs_main, offs_slot=offs_slot, n_main=n_main, n_slot=n_slot, num_tokens=T,
+                             top_k=k, experts_per_rank=E_loc, timer=tm)
         return CudaExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, token_bytes: int) -> tuple:
-        """Counts -> omega -> plan (guarded) -> statistics -> receive layout, as tensors (graph-capturable)."""
+        """Counts -> omega -> plan (guarded) -> statistics -> receive layout, as tensors (graph-capturable):
+        (omega, slot_expert, route, stats, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot);
+        the grouped-GEMM offsets and row counts are made here once for forward and backward."""
         R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         plan, stats = self._solve(omega, token_bytes)
@@ -261,7 +264,9 @@ class ExpertParallelMoE(nn.Module):
         C = ws.all_gather(count_keys(key, R * G), 1).view(R, R, G)
         dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
-        return plan.omega, plan.slot_expert, plan.route, stats, order, dest, pos, is_slot, sizes_main, sizes_slot
+        offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
+        return (plan.omega, plan.slot_expert, plan.route, stats, order, dest, pos, is_slot, offs_main, offs_slot,
+                sizes_main.sum().view(1), sizes_slot.sum().view(1))
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then
