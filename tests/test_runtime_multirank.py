@@ -174,6 +174,9 @@ def test_bf16_layer_with_more_than_2048_instances_matches_static():
 
 
 def _steps(rank, world, steps):
+    # a forked rank inherits the parent's pools and counter (other tests build layers there): start fresh
+    ReplicaPool._shared.clear()
+    before = ReplicaPool.allocations
     topo = Topology(num_domains=2, ranks_per_domain=1)
     E, H, Fd, T, k = 8, 16, 8, 64, 2
     layers = [ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
@@ -192,7 +195,7 @@ def _steps(rank, world, steps):
         if step in (10, steps - 1):
             gc.collect()
             counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
-    return ReplicaPool.allocations, layers[0].pool.fc1.data_ptr() == ptr, counts
+    return ReplicaPool.allocations - before, layers[0].pool.fc1.data_ptr() == ptr, counts
 
 
 def test_pool_allocated_once_and_memory_does_not_grow():
