@@ -8,21 +8,17 @@ logger, data. This file only assembles: compose the config, validate it, hand it
 """
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from app.config import GROUPS, register_configs
-from app.loop import Job, run
-from data.store import to_data_config
+from app.config import register_configs
+from app.loop import job_from_config, run
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    parts = {g: OmegaConf.to_object(cfg[g]) for g in GROUPS}  # runs every __post_init__ check
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved["_yaml"] = OmegaConf.to_yaml(cfg, resolve=True)
-    run(Job(**parts, data=to_data_config(cfg.data)), resolved)
+    run(*job_from_config(cfg))
 
 
 if __name__ == "__main__":

@@ -66,8 +66,27 @@ def _quiet_megatron() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl\.logging).*")
 
 
-def run(job: Job, resolved_config: dict) -> list[dict]:
-    """Train; returns the per-step metrics (rank 0; other ranks get an empty list)."""
+def job_from_config(cfg) -> tuple[Job, dict]:
+    """A composed Hydra config (train.py's, or `hydra.compose`'s) -> (Job, resolved config). Converting the
+    groups to their dataclasses runs every __post_init__ check."""
+    from omegaconf import OmegaConf
+
+    from app.config import GROUPS
+    from data.store import to_data_config
+
+    parts = {g: OmegaConf.to_object(cfg[g]) for g in GROUPS}
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["_yaml"] = OmegaConf.to_yaml(cfg, resolve=True)
+    return Job(**parts, data=to_data_config(cfg.data)), resolved
+
+
+def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list[dict]:
+    """Train; returns the per-step metrics (rank 0; other ranks get an empty list).
+
+    keep_distributed: leave the process group and megatron's parallel state initialised at the end, for
+    the next job of the same process (bench/eval_worker.py runs many short jobs in one torchrun). A job
+    then reuses them when its parallel layout is the same, so the layers' symmetric-memory workspaces,
+    cached per process group, are reused too."""
     _quiet_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -85,8 +104,7 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
     d = setup.init_distributed(tr)
     par = setup.resolve_parallel(job.parallel, mc, d.world_size)
     topology = setup.build_topology(job.topology, par.ep, d.local_world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-                                 expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp)
+    setup.init_model_parallel(par)
     torch.manual_seed(tr.seed)
     model_parallel_cuda_manual_seed(tr.seed)  # on CPU the compatibility layer keeps its streams on the CPU
     is_logger = d.rank == 0
@@ -180,8 +198,9 @@ def run(job: Job, resolved_config: dict) -> list[dict]:
             if is_logger:
                 print(f"saved {path}", flush=True)
     logger.finish()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    if not keep_distributed:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
     return history if is_logger else []
 
 

@@ -31,6 +31,15 @@ def init_distributed(trainer: TrainerConfig) -> Dist:
         env.setdefault("RANK", env["SLURM_PROCID"])
         env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    if dist.is_initialized():  # an earlier job of this process (keep_distributed): reuse its group
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if trainer.device == "cuda" else torch.device("cpu")
+        if (dist.get_backend() == "nccl") != (trainer.device == "cuda"):
+            raise ValueError(f"trainer.device={trainer.device} differs from the process group this process already "
+                             f"has ({dist.get_backend()}): run CPU and GPU jobs in separate processes")
+        world = dist.get_world_size()
+        local_world = int(env.get("LOCAL_WORLD_SIZE") or world)
+        return Dist(dist.get_rank(), world, local_rank, local_world, device)
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE")) or world)
@@ -69,6 +78,27 @@ def resolve_parallel(par: ParallelConfig, model: ModelConfig, world: int) -> Par
     if model.num_layers % par.pp:
         raise ValueError(f"parallel.pp={par.pp} must divide model.num_layers={model.num_layers}")
     return ParallelConfig(tp=par.tp, pp=par.pp, ep=ep, expert_tp=par.expert_tp, num_microbatches=par.num_microbatches)
+
+
+def init_model_parallel(par: ParallelConfig) -> None:
+    """megatron's parallel state for this layout; kept when an earlier job of the process left the same one
+    (its groups, and the workspaces cached per group, are reused), rebuilt when the layout differs. Also
+    clears megatron's per-layer router-bias cache (moe_router_force_biased draws a bias once per process and
+    layer number and keeps it): each job draws its own, as a fresh process would."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import RandomSTEShared
+
+    RandomSTEShared._cache.clear()
+    if ps.model_parallel_is_initialized():
+        same = (ps.get_tensor_model_parallel_world_size() == par.tp
+                and ps.get_pipeline_model_parallel_world_size() == par.pp
+                and ps.get_expert_model_parallel_world_size() == par.ep
+                and ps.get_expert_tensor_parallel_world_size() == par.expert_tp)
+        if same:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                 expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp)
 
 
 def build_topology(topo: TopologyConfig, ep: int, local_world_size: int) -> Topology:

@@ -1,4 +1,4 @@
-"""The paper's section-6 experiments, end to end with `train.py` (one torchrun job per configuration):
+"""The paper's section-6 experiments, end to end with `train.py` jobs (all of one call in one torchrun):
 
     python bench/paper_eval.py fig12                 # tokens/s vs router_skew: none, static, topoep + balanced bound
     python bench/paper_eval.py fig13                 # every policy at router_skew -4 (throughput, imbalance)
@@ -6,11 +6,14 @@
     python bench/paper_eval.py fig14                 # loss curves of none vs topoep, natural routing, same seed/data
     python bench/paper_eval.py fig12 --tiny          # CPU smoke: model=tiny, trainer=cpu, a few steps
 
-Every configuration is a `train.py` run in `--runs/<figure>/<name>/` (its metrics.jsonl, config.yaml);
-with `--resume` a run whose metrics already cover the requested steps is not repeated, so a long figure
-can be produced over several sessions. GPU defaults: model=qwen3 trainer=default (bf16, sequence 4096),
-all local GPUs (`--nproc`), EP = all ranks; `--set k=v` passes any further override to every run (e.g.
-`--set model.num_layers=3` to reduce depth).
+Every configuration is a `train.py` job with its own directory,
+`--runs/<model>-<backend>[-rpd<n>]/<eplb>-<routing>/` (metrics.jsonl, config.yaml, overrides.json; fig14's
+longer runs under fig14/), shared by the figures that need the same run. The jobs of one call run in one
+torchrun of `bench/eval_worker.py` (the process group and CUDA context are set up once). With `--resume` a
+run whose metrics cover the requested steps and whose overrides are the same is not repeated, so a long
+figure can be produced over several sessions. GPU defaults: model=qwen3 trainer=default (bf16, sequence
+4096), all local GPUs (`--nproc`), EP = all ranks; `--set k=v` passes any further override to every run
+(e.g. `--set model.num_layers=3` to reduce depth).
 
 Per run: mean tokens/s over the steps after `--warmup`, and the mean MoE statistics the trainer logs
 (imbalance before -> after balancing, inter-node and replica-served shares). Rows:
@@ -35,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -61,29 +65,64 @@ def routing_name(skew, layout: str) -> str:
     return f"skew {float(skew):g}" + ("" if layout == "megatron" else f" {layout}")
 
 
-def run_dir(args, fig: str, eplb: str, skew, layout: str) -> Path:
+def run_dir(args, eplb: str, skew, layout: str, sub: str = "") -> Path:
+    """runs/<model>-<backend>[-rpd<n>]/[sub/]<eplb>-<routing>: the throughput figures (12, 13, 16) share their
+    runs (fig13's none/static/topoep at skew -4 are fig12's); fig14's longer runs go to sub fig14."""
     tag = skew if skew in ("natural", "balanced") else f"skew{float(skew):g}-{layout}"
-    return args.runs / fig / f"{eplb}-{tag}"
+    group = f"{'tiny' if args.tiny else args.model}-{args.backend}" + (
+        f"-rpd{args.ranks_per_domain}" if args.ranks_per_domain else "")
+    return args.runs / group / sub / f"{eplb}-{tag}"
 
 
-def launch(args, out: Path, eplb: str, overrides: list[str], steps: int) -> None:
-    """One train.py job (torchrun), unless --resume and its metrics already cover `steps`."""
-    metrics = out / "metrics.jsonl"
-    if args.resume and metrics.exists() and len(read_metrics(metrics)) >= steps:
-        print(f"  {out.name}: done before (--resume)", flush=True)
+def job_overrides(args, out: Path, eplb: str, overrides: list[str], steps: int) -> list[str]:
+    return [*base_overrides(args), f"eplb={eplb}", f"trainer.steps={steps}", f"trainer.run_dir={out}", "logger=none",
+            *overrides, *args.set]
+
+
+def is_done(out: Path, overrides: list[str], steps: int) -> bool:
+    """The run's metrics cover `steps` and it ran with exactly these overrides (overrides.json)."""
+    metrics, saved = out / "metrics.jsonl", out / "overrides.json"
+    if not (metrics.exists() and saved.exists()):
+        return False
+    return json.loads(saved.read_text()) == overrides and len(read_metrics(metrics)) >= steps
+
+
+def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
+    """Run every (out, eplb, routing overrides, steps) job not done before (with --resume) in one torchrun
+    of bench/eval_worker.py: the process group and CUDA context are set up once for all of them."""
+    plan, skipped = [], 0
+    for out, eplb, overrides, steps in jobs:
+        full = job_overrides(args, out, eplb, overrides, steps)
+        if args.resume and is_done(out, full, steps):
+            skipped += 1
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run: no steps of an earlier one mixed in
+        (out / "overrides.json").write_text(json.dumps(full))
+        plan.append({"name": out.name, "overrides": full})
+    print(f"  {len(plan)} runs to do" + (f", {skipped} done before (--resume)" if skipped else ""), flush=True)
+    if not plan:
         return
+    group = plan[0]["overrides"][[o.startswith("trainer.run_dir=") for o in plan[0]["overrides"]].index(True)]
+    root = Path(group.split("=", 1)[1]).parent
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    plan_file, log = root / f"plan-{stamp}.json", root / f"worker-{stamp}.log"
+    plan_file.write_text(json.dumps(plan, indent=1))
+    for p in plan:
+        print(f"    {p['name']}: {' '.join(p['overrides'])}", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(REPO / "train.py"), *base_overrides(args), f"eplb={eplb}", f"trainer.steps={steps}",
-           f"trainer.run_dir={out}", "logger=none", *overrides, *args.set]
-    print(f"  {out.name}: " + " ".join(cmd[4:]), flush=True)
-    log = out.parent / f"{out.name}.log"
-    out.parent.mkdir(parents=True, exist_ok=True)
+           str(REPO / "bench" / "eval_worker.py"), str(plan_file)]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
-    if proc.returncode != 0:
-        tail = "".join(open(log).readlines()[-20:])
-        raise RuntimeError(f"run {out.name} failed (exit {proc.returncode}); log {log}:\n{tail}")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
+        for line in proc.stdout:  # the whole log to the file; the worker's progress lines to the console
+            f.write(line)
+            if line.startswith("[") and "] " in line:
+                print("  " + line.rstrip(), flush=True)
+        rc = proc.wait()
+    if rc != 0:
+        tail = "".join(open(log).readlines()[-30:])
+        raise RuntimeError(f"the evaluation worker failed (exit {rc}); log {log}:\n{tail}")
 
 
 def base_overrides(args) -> list[str]:
@@ -124,13 +163,13 @@ def throughput_figure(args, fig: str, policies: list[str], skews: list, layouts:
     rows = []
     cases = [(s, lay) for s in skews for lay in (["megatron"] if s == "natural" else layouts)]
     bound_policies = [p for p in policies if p in ("none", "static", "topoep")]
-    for eplb in policies:
-        for skew, layout in cases + ([("balanced", "megatron")] if eplb in bound_policies else []):
-            out = run_dir(args, fig, eplb, skew, layout)
-            launch(args, out, eplb, routing_overrides(skew, layout), args.steps)
-            r = summarize(out / "metrics.jsonl", args.warmup)
-            r.update(eplb=eplb, routing=routing_name(skew, layout), skew=skew, layout=layout)
-            rows.append(r)
+    todo = [(eplb, skew, layout) for eplb in policies
+            for skew, layout in cases + ([("balanced", "megatron")] if eplb in bound_policies else [])]
+    launch_all(args, [(run_dir(args, e, s, lay), e, routing_overrides(s, lay), args.steps) for e, s, lay in todo])
+    for eplb, skew, layout in todo:
+        r = summarize(run_dir(args, eplb, skew, layout) / "metrics.jsonl", args.warmup)
+        r.update(eplb=eplb, routing=routing_name(skew, layout), skew=skew, layout=layout)
+        rows.append(r)
     relate(rows)
     return rows
 
@@ -169,12 +208,9 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 
 def loss_figure(args) -> tuple[list[dict], list[str]]:
-    rows = []
-    for eplb in ("none", "topoep"):
-        out = run_dir(args, "fig14", eplb, "natural", "megatron")
-        launch(args, out, eplb, ["router=natural"], args.loss_steps)
-        loss = [m["loss"] for m in read_metrics(out / "metrics.jsonl")]
-        rows.append({"eplb": eplb, "loss": loss})
+    outs = {eplb: run_dir(args, eplb, "natural", "megatron", sub="fig14") for eplb in ("none", "topoep")}
+    launch_all(args, [(out, eplb, ["router=natural"], args.loss_steps) for eplb, out in outs.items()])
+    rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")]} for eplb, out in outs.items()]
     a, b = rows[0]["loss"], rows[1]["loss"]
     n = min(len(a), len(b))
     rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
@@ -338,7 +374,7 @@ def main(argv=None) -> int:
         plot_loss(rows, args.out / "fig14.png")
         body += "\n\n![loss curves](fig14.png)"
     else:
-        rows = throughput_figure(args, "fig13" if fig == "fig16" else fig, args.policies, args.skews, args.layouts)
+        rows = throughput_figure(args, fig, args.policies, args.skews, args.layouts)
         targets = check_targets(rows)
         body = locality_table(rows) if fig == "fig16" else throughput_table(rows)
         if fig == "fig12":

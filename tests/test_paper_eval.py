@@ -3,6 +3,8 @@ a few steps per run. Checks that every configuration ran, the ratios relate the 
 are evaluated and the reports are written (the numbers themselves are CPU smoke, not results)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -37,9 +39,32 @@ def test_fig12_fig16_fig14_tiny(tmp_path):
     assert [r["eplb"] for r in rows] == ["none", "topoep", "difference"] and rows[2]["steps"] == 4
     assert "same step-1 loss" in (out / "fig14.md").read_text()
     # --resume repeats nothing: the runs' metrics are reused
-    before = (runs / "fig14" / "none-natural" / "metrics.jsonl").stat().st_mtime
+    metrics = runs / "tiny-torch" / "fig14" / "none-natural" / "metrics.jsonl"
+    before = metrics.stat().st_mtime
     assert paper_eval.main(["fig14", "--resume", *common]) == 0
-    assert (runs / "fig14" / "none-natural" / "metrics.jsonl").stat().st_mtime == before
+    assert metrics.stat().st_mtime == before
+
+
+def test_jobs_in_one_worker_train_as_alone(tmp_path):
+    """bench/eval_worker.py runs several jobs in one process: the last one must train exactly as the same
+    job alone in train.py (same losses, bit for bit on the CPU), so nothing leaks between jobs (seeds,
+    megatron's router-bias cache for router_skew, parallel state)."""
+    args = paper_eval.parse_args(["fig12", "--tiny", "--runs", str(tmp_path / "runs")])
+    jobs = [(paper_eval.run_dir(args, e, s, "megatron"), e, paper_eval.routing_overrides(s, "megatron"), 3)
+            for e, s in (("topoep", "-4.0"), ("none", "-2.0"), ("topoep", "-2.0"))]
+    paper_eval.launch_all(args, jobs)
+    last = jobs[-1][0]
+    alone = tmp_path / "alone"
+    overrides = [o if not o.startswith("trainer.run_dir=") else f"trainer.run_dir={alone}"
+                 for o in paper_eval.job_overrides(args, last, "topoep", jobs[-1][2], 3)]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(paper_eval.REPO / "train.py"), *overrides], check=True, cwd=paper_eval.REPO,
+                   capture_output=True)
+    swept = [m["loss"] for m in paper_eval.read_metrics(last / "metrics.jsonl")]
+    solo = [m["loss"] for m in paper_eval.read_metrics(alone / "metrics.jsonl")]
+    assert len(swept) == 3 and swept == solo
+    # the first job (skew -4) drew other router biases than the last (skew -2): its losses differ
+    assert [m["loss"] for m in paper_eval.read_metrics(jobs[0][0] / "metrics.jsonl")] != swept
 
 
 def test_bad_arguments_are_named():
