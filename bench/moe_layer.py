@@ -46,7 +46,8 @@ Measured per case:
                between autograd marks on the hidden states; it has no plan, fetch or grad return. The
                phases overlap in the timed (pipelined) runs, so they do not add up to ms.
 
-Prints the table and writes <out>/moe_layer.md and <out>/moe_layer.json (config, commit, hardware).
+Prints the table and writes <out>/<name>.md and .json (config, commit, hardware; --name, default moe_layer),
+with the breakdown split into forward and backward and plotted in <out>/<name>_breakdown.png.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
         if case.topoep.guard is not None and case.topoep.policy != "static":
             row.update(guard_fired=s["guard_fired"], guard_saved_ms=s["guard_saved_ms"],
                        guard_cost_ms=s["guard_cost_ms"])
-    per_phase = {p: [] for p in PHASES}
+    per_phase = {(p, d): [] for p in PHASES for d in (0, 1)}  # d: 0 forward, 1 backward
     if args.profile_iters:
         timer = PhaseTimer(dev)
         case.timer_owner.timer = timer
@@ -245,18 +246,21 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
             for _ in range(args.profile_iters):
                 dist.barrier()
                 case.run()
-                got = timer.pop()
+                got = timer.pop(split=True)
                 for p in PHASES:
-                    per_phase[p].append(got.get(p, 0.0))
+                    for d in (0, 1):
+                        per_phase[p, d].append(got.get(p, (0.0, 0.0))[d])
         finally:
             case.timer_owner.timer = None
-        med = torch.tensor([statistics.median(per_phase[p]) for p in PHASES], dtype=torch.float64, device=dev)
+        med = torch.tensor([[statistics.median(per_phase[p, d]) for d in (0, 1)] for p in PHASES],
+                           dtype=torch.float64, device=dev)
         every = [torch.empty_like(med) for _ in range(dist.get_world_size())]
         dist.all_gather(every, med)
-        every = torch.stack(every).cpu()  # [R, phases]
+        every = torch.stack(every).cpu()  # [R, phases, (fwd, bwd)]
         for i, p in enumerate(PHASES):
-            row[f"{p}_ms"] = every[:, i].max().item()
-        row["experts_ms_per_rank"] = every[:, PHASES.index("experts")].tolist()
+            row[f"{p}_ms"] = every[:, i].sum(-1).max().item()
+            row[f"{p}_fwd_ms"], row[f"{p}_bwd_ms"] = every[:, i, 0].max().item(), every[:, i, 1].max().item()
+        row["experts_ms_per_rank"] = every[:, PHASES.index("experts")].sum(-1).tolist()
     if args.torch_profile:
         row["torch_profile"] = torch_profile(case, cuda)
     return row, ys
@@ -302,7 +306,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0, help="routing seed (the router bias draw)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="also run torch.profiler over 5 calls of every case; writes <out>/moe_layer_profile.txt")
-    ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for moe_layer.md and .json")
+    ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
+    ap.add_argument("--name", default="moe_layer",
+                    help="report name: <out>/<name>.md, .json and <name>_breakdown.png (e.g. fig15)")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--out" in argv:  # the output folder is this machine's, not part of the result
@@ -513,11 +519,57 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "ns per assignment (fwd + bwd)",
         f"- reproduce: `torchrun --nproc_per_node={world} {args.command}`\n",
         table, ""])
+    if args.profile_iters:
+        text += "\n".join([
+            "\n## Breakdown by pass: forward / backward (ms, maximum over ranks of each)\n",
+            "The same serialised phases split by the pass they ran in (autograd's backward or not); plan is "
+            "forward only, grad return backward only; fetch in backward is the replica reload.\n",
+            markdown_table(["tokens/rank", "routing", "layer", *(p.replace("_", " ") for p in PHASES)], [[
+                r["tokens"], r["workload"], r["layer"],
+                *("-" if mega(r) and p in ("plan", "fetch", "grad_return")
+                  else f"{_f(r.get(f'{p}_fwd_ms'))} / {_f(r.get(f'{p}_bwd_ms'))}" for p in PHASES)] for r in rows]),
+            f"\n![breakdown]({args.name}_breakdown.png)\n"])
     print(text, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_layer.md").write_text(text)
-    write_json(args.out / "moe_layer.json", info, rows)
-    print(f"wrote {args.out / 'moe_layer.md'} and .json", flush=True)
+    (args.out / f"{args.name}.md").write_text(text)
+    write_json(args.out / f"{args.name}.json", info, rows)
+    if args.profile_iters:
+        plot_breakdown(rows, args.out / f"{args.name}_breakdown.png")
+    print(f"wrote {args.out / args.name}.md and .json", flush=True)
+
+
+def plot_breakdown(rows: list[dict], path: Path) -> None:
+    """Stacked bars per (routing, layer) of the largest token count: forward and backward phases (Fig. 15)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    T = max(r["tokens"] for r in rows)
+    sel = [r for r in rows if r["tokens"] == T and f"{PHASES[0]}_fwd_ms" in r]
+    if not sel:
+        return
+    workloads_ = list(dict.fromkeys(r["workload"] for r in sel))
+    fig, axes = plt.subplots(1, len(workloads_), figsize=(3.2 * len(workloads_) + 1, 4), sharey=True, squeeze=False)
+    colors = dict(zip(PHASES, plt.get_cmap("tab10").colors))
+    for ax, wl in zip(axes[0], workloads_):
+        layers = [r for r in sel if r["workload"] == wl]
+        for i, r in enumerate(layers):
+            for j, d in enumerate(("fwd", "bwd")):
+                bottom = 0.0
+                for p in PHASES:
+                    v = r.get(f"{p}_{d}_ms") or 0.0
+                    ax.bar(2.4 * i + j, v, bottom=bottom, color=colors[p], edgecolor="white", lw=0.3,
+                           label=p.replace("_", " ") if (i, j) == (0, 0) else None)
+                    bottom += v
+        ax.set_xticks([2.4 * i + 0.5 for i in range(len(layers))],
+                      [r["layer"].replace("/", "/\n") + "\nfwd | bwd" for r in layers], fontsize=6)
+        ax.set_title(wl, fontsize=8)
+    axes[0][0].set_ylabel(f"ms (serialised phases, {T} tokens/rank)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

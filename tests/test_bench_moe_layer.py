@@ -29,10 +29,15 @@ def test_tiny_bench_measures_every_case(tmp_path):
         assert f"| {r['tokens']} | {w} | {layer} | {r['ms']:.2f} |" in md
         assert r["max_diff"] < 1e-4, f"{w} {layer}: output differs from the static layer's by {r['max_diff']}"
         assert r["experts_ms"] > 0 and r["dispatch_combine_ms"] > 0
+        # the forward/backward split: both passes run experts and dispatch/combine
+        assert r["experts_fwd_ms"] > 0 and r["experts_bwd_ms"] > 0 and r["dispatch_combine_bwd_ms"] > 0
+        assert r["experts_fwd_ms"] + r["experts_bwd_ms"] >= r["experts_ms"] - 1e-9
         if layer.startswith("torch/"):
             assert r["plan_ms"] > 0 and r["plan_fetch_share"] is not None
+            assert r["plan_fwd_ms"] == r["plan_ms"] and r["plan_bwd_ms"] == 0  # planning is forward only
         if layer != "torch/topoep":
             assert r["imbalance_after"] == r["imbalance_before"]
+    assert "## Breakdown by pass: forward / backward" in md and (tmp_path / "moe_layer_breakdown.png").stat().st_size
     assert rows[("balanced (bound)", "torch/static")]["imbalance_before"] == 1.0
     assert rows[("balanced (bound)", "torch/topoep")]["guard_fired"] == 1.0
     assert rows[("balanced (bound)", "torch/static")]["vs_bound"] == 1.0

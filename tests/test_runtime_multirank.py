@@ -252,10 +252,15 @@ def _timed(rank, world):
         y = layer(xr, idx[rank], w[rank])
         y.backward(gy[rank])
         out.append([y.detach(), xr.grad, layer.fc1.grad.clone(), layer.fc2.grad.clone()])
-    return all(torch.equal(a, b) for a, b in zip(*out)), timer.pop(), layer.stats_dict()["num_replicas"], PHASES
+    split = {p: (timer.ms[p] - timer.ms_bwd.get(p, 0.0), timer.ms_bwd.get(p, 0.0)) for p in timer.ms}
+    assert timer.pop(split=True) == split and timer.pop() == {}
+    return all(torch.equal(a, b) for a, b in zip(*out)), split, layer.stats_dict()["num_replicas"], PHASES
 
 
 def test_phase_timer_times_every_phase_and_changes_nothing():
     for same, ms, replicas, phases in run_ranks(_timed, 4):
         assert same, "timing serialises the pipeline but must not change a single value"
-        assert replicas > 0 and set(ms) == set(phases) and all(v > 0 for v in ms.values())
+        assert replicas > 0 and set(ms) == set(phases) and all(f + b > 0 for f, b in ms.values())
+        # forward or backward: planning is forward only, gradient return backward only, the rest both
+        assert ms["plan"][1] == 0 and ms["grad_return"][0] == 0
+        assert all(ms[p][0] > 0 and ms[p][1] > 0 for p in ("fetch", "dispatch_combine", "experts"))

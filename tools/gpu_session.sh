@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval fig15 train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -49,13 +49,20 @@ step_moe_layer() {  # one MoE layer, Qwen3 expert shape, EP = all GPUs: backend 
     ${TOKENS:+--tokens $TOKENS} 2>&1 | grep -v -i warn | tail -80
 }
 
-step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on all GPUs, resumable across sessions
-  # (runs kept in $RUNS/eval; copy them back with the results); EVAL_ARGS passes more flags (e.g. --skews natural -4)
+step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on all GPUs, resumable across sessions:
+  # the runs go to EVAL_RUNS (default runs/eval in the checkout; carry it to the next session to resume) and are
+  # copied back as $OUT/eval-runs.tgz; EVAL_ARGS passes more flags (e.g. --skews natural -4 --layouts megatron)
+  local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
   for fig in ${FIGS:-fig12}; do
-    timeout ${EVAL_TIMEOUT:-560} python3 bench/paper_eval.py $fig --resume --runs $RUNS/eval --out "$OUT" ${EVAL_ARGS:-} \
-      2>&1 | grep -v -i warn | tail -40
+    timeout ${EVAL_TIMEOUT:-560} python3 bench/paper_eval.py $fig --resume --runs "$runs" --out "$OUT" ${EVAL_ARGS:-} \
+      2>&1 | grep -v -i warn | tail -60
   done
-  tar -C $RUNS -czf "$OUT/eval-runs.tgz" eval 2>/dev/null
+  tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
+}
+
+step_fig15() {  # Fig. 15: one MoE layer's breakdown by phase, forward and backward (bench/moe_layer.py --name fig15)
+  timeout ${FIG15_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
+    --name fig15 --out "$OUT" --tokens ${TOKENS:-8192} --skews -4 --profile-iters 5 2>&1 | grep -v -i warn | tail -30
 }
 
 step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, eplb none vs topoep

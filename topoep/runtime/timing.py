@@ -15,6 +15,8 @@ Phases of `ExpertParallelMoE` (ms summed over the forward and backward of the ca
     experts           grouped SwiGLU forward, data and weight gradients (this rank's main and replica
                       experts; the straggler is the rank where this is largest)
     grad_return       replica weight gradients back to the main ranks
+Each phase is also accounted to the forward or the backward pass (whether autograd's engine was running
+it), `pop(split=True)`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PhaseTimer:
         self.group = group
         self.barrier = barrier and dist.is_available() and dist.is_initialized()
         self.ms: dict[str, float] = {}
+        self.ms_bwd: dict[str, float] = {}
         self._open: dict[str, object] = {}
 
     def _sync(self) -> None:
@@ -72,6 +75,8 @@ class PhaseTimer:
         else:
             ms = 1e3 * (time.perf_counter() - began)
         self.ms[name] = self.ms.get(name, 0.0) + ms
+        if torch._C._current_graph_task_id() != -1:  # inside a backward pass
+            self.ms_bwd[name] = self.ms_bwd.get(name, 0.0) + ms
 
     @contextlib.contextmanager
     def phase(self, name: str, collective: bool = False):
@@ -81,9 +86,12 @@ class PhaseTimer:
         finally:
             self.stop(name)
 
-    def pop(self) -> dict[str, float]:
-        """Milliseconds per phase since the last pop (phases never entered are absent), then reset."""
-        out, self.ms = self.ms, {}
+    def pop(self, split: bool = False) -> dict:
+        """Milliseconds per phase since the last pop (phases never entered are absent), then reset. With
+        split: {phase: (forward ms, backward ms)}."""
+        out, bwd, self.ms, self.ms_bwd = self.ms, self.ms_bwd, {}, {}
+        if split:
+            return {p: (v - bwd.get(p, 0.0), bwd.get(p, 0.0)) for p, v in out.items()}
         return out
 
 
