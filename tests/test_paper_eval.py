@@ -3,6 +3,7 @@ a few steps per run. Checks that every configuration ran, the ratios relate the 
 are evaluated and the reports are written (the numbers themselves are CPU smoke, not results)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,33 @@ def test_backend_defaults_and_reaches_every_run():
     gpu = paper_eval.parse_args(["fig12", "--nproc", "2"])  # a GPU run: the GPU-native backend by default
     assert gpu.backend == "cuda" and "eplb.backend=cuda" in paper_eval.base_overrides(gpu)
     assert paper_eval.parse_args(["fig12", "--nproc", "2", "--backend", "torch"]).backend == "torch"
+
+
+LEAK_CHECK = """
+import gc, sys
+sys.path.insert(0, {repo!r})
+from bench.eval_worker import compose
+from app.config import register_configs
+from app.loop import job_from_config, run
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.models.gpt import GPTModel
+register_configs()
+for i, eplb in enumerate(["none", "topoep"]):
+    run(*job_from_config(compose(["model=tiny", "trainer=cpu", "eplb=" + eplb, "trainer.steps=3", "logger=none",
+                                  "topology=node", "trainer.run_dir={out}/" + str(i)])), keep_distributed=True)
+    gc.collect()
+    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (GPTModel, DistributedDataParallel))]
+    print("alive after job", i, alive)
+    assert not alive, alive
+"""
+
+
+def test_finished_job_frees_its_model(tmp_path):
+    """A job run with keep_distributed (the worker's jobs) leaves no model or DDP module behind: megatron's
+    grad-accumulator hooks would otherwise keep every finished job's model, gradients and optimizer alive
+    (a GPU ran out of memory after 5 qwen3 jobs before this was fixed)."""
+    script = LEAK_CHECK.format(repo=str(paper_eval.REPO), out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=paper_eval.REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "alive after job 1 []" in proc.stdout
