@@ -59,12 +59,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         history = run(*job_from_config(compose(spec["overrides"])), keep_distributed=True)
         gc.collect()  # the job's model, optimizer and layers (and their CUDA graphs) before the next one's
+        left = ""
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            left = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB left allocated"
         if history:
             tps = [m["tokens_per_s"] for m in history[len(history) // 3:]]
             print(f"[{i}/{len(plan)}] {spec['name']}: {len(history)} steps, {statistics.median(tps):,.0f} tok/s "
-                  f"(median of the last two thirds), {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"(median of the last two thirds), {time.perf_counter() - t0:.0f} s{left}", flush=True)
     if dist.is_initialized():
         from megatron.core import parallel_state as ps
 
