@@ -3,7 +3,9 @@
 - payloads: rows carrying (source, token, choice) arrive in the group-major layout at the instance the
   plan gives, and come back to their assignment;
 - the layer against backend `torch` and an fp64 dense reference, for every policy, with skew: the cuda
-  backend's error is within 2x the torch backend's bf16 error (STYLE.md 3), outputs and all gradients;
+  backend's error is within 2x the torch backend's bf16 error (STYLE.md 3), outputs and all gradients; three
+  calls each (eager, metadata-graph capture, replay; policies without a GPU planner stay eager) give the
+  same output;
 - forward and backward under torch.cuda.set_sync_debug_mode("error") (no host synchronisation);
 - the forward captured in a CUDA graph and replayed with new routing.
 """
@@ -148,10 +150,17 @@ def _layer_errors(rank, world, policies, num_slots):
                 with torch.no_grad():
                     layer.fc1.copy_(fc1[lo:hi])
                     layer.fc2.copy_(fc2[lo:hi])
-            xr = x.to(torch.bfloat16).requires_grad_()
-            wr = w.to(torch.bfloat16).requires_grad_()
-            y = layer(xr, idx, wr)
-            (y * gy.to(torch.bfloat16)).sum().backward()
+            ys = []
+            for _ in range(3):  # call 1 eager, call 2 captures the metadata graph, call 3 replays it
+                layer.zero_grad(set_to_none=True)
+                for p in (lists[0] + lists[1]) if lists else ():
+                    p.grad = None
+                xr = x.to(torch.bfloat16).requires_grad_()
+                wr = w.to(torch.bfloat16).requires_grad_()
+                y = layer(xr, idx, wr)
+                (y * gy.to(torch.bfloat16)).sum().backward()
+                ys.append(y.detach())
+            assert all(torch.equal(ys[0], yi) for yi in ys[1:]), f"{policy}/{backend}: calls 2-3 differ from call 1"
             g1, g2 = ((torch.stack([p.grad for p in lists[0]]), torch.stack([p.grad for p in lists[1]])) if lists
                       else (layer.fc1.grad, layer.fc2.grad))
             got = [y.detach(), xr.grad, wr.grad, g1, g2]

@@ -9,7 +9,8 @@ workspaces) and afterwards copies topk_idx into the graph's input, replays it, a
 (the next replay overwrites them while this call's backward still needs them).
 
 Set TOPOEP_CUDA_GRAPHS=0 to run it eagerly (debugging); when the caller is itself capturing a CUDA
-graph, it runs eagerly inside that capture.
+graph, it runs eagerly inside that capture. Policies without a GPU planner (deepseek, fastermoe, flexmoe:
+their reference planners read sizes on the host) also run eagerly: `enabled=False`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 class MetadataGraphs:
     """Per-layer cache: input shape -> (graph, static input, static outputs)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self._graphs: dict = {}
-        self.enabled = os.environ.get("TOPOEP_CUDA_GRAPHS", "1") != "0"
+        self.enabled = enabled and os.environ.get("TOPOEP_CUDA_GRAPHS", "1") != "0"
         self.replays = 0
 
     def __call__(self, fn: Callable[[torch.Tensor], tuple], topk_idx: torch.Tensor) -> tuple:

@@ -234,8 +234,10 @@ class ExpertParallelMoE(nn.Module):
             pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         if pool is not None:
             self.pool = pool
-        if self._meta_graphs is None:
-            self._meta_graphs = MetadataGraphs()
+        if self._meta_graphs is None:  # a policy without a GPU planner synchronises the host: no graph
+            from topoep.planners.cuda import CUDA_POLICIES
+
+            self._meta_graphs = MetadataGraphs(enabled=self.policy in CUDA_POLICIES)
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
