@@ -91,6 +91,13 @@ def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
     """Run every (out, eplb, routing overrides, steps) job not done before (with --resume) in one torchrun
     of bench/eval_worker.py: the process group and CUDA context are set up once for all of them."""
     plan, skipped = [], 0
+    if args.report_only:
+        missing = [str(out) for out, eplb, overrides, steps in jobs
+                   if not is_done(out, job_overrides(args, out, eplb, overrides, steps), steps)]
+        if missing:
+            raise SystemExit(f"--report-only: {len(missing)} runs are missing or ran with other overrides (run "
+                             f"without --report-only to make them): " + ", ".join(missing))
+        return
     for out, eplb, overrides, steps in jobs:
         full = job_overrides(args, out, eplb, overrides, steps)
         if args.resume and is_done(out, full, steps):
@@ -99,6 +106,8 @@ def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run: no steps of an earlier one mixed in
         (out / "overrides.json").write_text(json.dumps(full))
+        (out / "host.json").write_text(json.dumps({**{k: v for k, v in run_info({}).items() if k != "config"},
+                                                   "nproc": args.nproc}))
         plan.append({"name": out.name, "overrides": full})
     print(f"  {len(plan)} runs to do" + (f", {skipped} done before (--resume)" if skipped else ""), flush=True)
     if not plan:
@@ -150,7 +159,8 @@ def summarize(path: Path, warmup: int) -> dict:
         return statistics.fmean(vals) if vals else None
 
     tps = [m["tokens_per_s"] for m in rows]
-    return {"steps": len(rows), "tokens_per_s": statistics.fmean(tps),
+    host = path.parent / "host.json"
+    return {"host": json.loads(host.read_text()) if host.exists() else None, "steps": len(rows), "tokens_per_s": statistics.fmean(tps),
             "tokens_per_s_std": statistics.pstdev(tps), "step_time_s": mean("step_time_s"),
             "imbalance_before": mean("moe/imbalance_before"), "imbalance_after": mean("moe/imbalance_after"),
             "internode_before": mean("moe/internode_before"), "internode_after": mean("moe/internode_after"),
@@ -198,6 +208,14 @@ def check_targets(rows: list[dict]) -> list[str]:
             ok = r["vs_bound"] >= 0.90
             out.append(f"{'met' if ok else 'MISSED'}: topoep >= 0.90 x balanced bound at {r['routing']}: "
                        f"{r['vs_bound']:.3f}")
+    by = {(r["eplb"], r["routing"]): r for r in rows}
+    for r in rows:  # at skew 0 every layout is the same configuration: the second run is a repeat
+        if r["skew"] not in ("natural", "balanced") and float(r["skew"]) == 0 and r["layout"] != "megatron":
+            o = by.get((r["eplb"], routing_name(r["skew"], "megatron")))
+            if o:
+                out.append(f"run-to-run spread (not a target): eplb={r['eplb']} at skew 0 measured twice (layouts "
+                           f"megatron and {r['layout']} coincide there): {o['tokens_per_s']:,.0f} vs "
+                           f"{r['tokens_per_s']:,.0f} tok/s ({100 * abs(o['tokens_per_s'] / r['tokens_per_s'] - 1):.1f} %)")
     for layout in sorted({r["layout"] for r in topo if r["skew"] != "natural"}):
         tps = [r["tokens_per_s"] for r in topo if r["skew"] != "natural" and r["layout"] == layout]
         if len(tps) > 1:
@@ -210,7 +228,9 @@ def check_targets(rows: list[dict]) -> list[str]:
 def loss_figure(args) -> tuple[list[dict], list[str]]:
     outs = {eplb: run_dir(args, eplb, "natural", "megatron", sub="fig14") for eplb in ("none", "topoep")}
     launch_all(args, [(out, eplb, ["router=natural"], args.loss_steps) for eplb, out in outs.items()])
-    rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")]} for eplb, out in outs.items()]
+    rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")],
+             "host": json.loads((out / "host.json").read_text()) if (out / "host.json").exists() else None}
+            for eplb, out in outs.items()]
     a, b = rows[0]["loss"], rows[1]["loss"]
     n = min(len(a), len(b))
     rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
@@ -272,6 +292,39 @@ def plot_throughput(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_policies(rows: list[dict], path: Path, title: str) -> None:
+    """Per routing: tokens/s of every policy (bars) and its rank imbalance after balancing (dots), with the
+    inter-node and replica-served shares written on the bars (Fig. 13 / Fig. 16)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    routings = [x for x in dict.fromkeys(r["routing"] for r in rows) if x != "balanced"]
+    fig, axes = plt.subplots(1, len(routings), figsize=(4.5 * len(routings), 4), squeeze=False)
+    for ax, routing in zip(axes[0], routings):
+        sel = [r for r in rows if r["routing"] == routing]
+        xs = range(len(sel))
+        ax.bar(xs, [r["tokens_per_s"] for r in sel], yerr=[r["tokens_per_s_std"] for r in sel], color="tab:blue",
+               alpha=0.7, capsize=3)
+        for i, r in enumerate(sel):
+            ax.annotate(f"inter {fmt(r['internode_after'], '{:.2f}')}\nrepl {fmt(r['replica_fraction'], '{:.2f}')}",
+                        (i, r["tokens_per_s"] * 0.5), ha="center", fontsize=6, color="white")
+        ax.set_xticks(list(xs), [r["eplb"] for r in sel], rotation=30, fontsize=7)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(routing, fontsize=8)
+        ax2 = ax.twinx()
+        ax2.plot(list(xs), [r["imbalance_before"] or 1 for r in sel], "x", color="gray", label="imbalance before")
+        ax2.plot(list(xs), [r["imbalance_after"] or 1 for r in sel], "o", color="tab:red", label="imbalance after")
+        ax2.set_ylabel("max / mean rank load")
+        ax2.set_ylim(bottom=0.9)
+        ax2.legend(fontsize=6, loc="upper right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_loss(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -295,10 +348,22 @@ TITLES = {"fig12": "Fig. 12: tokens/s vs router skew", "fig13": "Fig. 13: every 
 
 def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "runs"})
-    cmd = "python bench/paper_eval.py " + " ".join(args.argv)
-    md = (f"# {TITLES[fig]}\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
+    hosts = sorted({json.dumps(h, sort_keys=True) for h in (r.get("host") for r in rows) if h})
+    if hosts:  # where the runs were measured (this machine may only render the report: --report-only)
+        hs = [json.loads(h) for h in hosts]
+        info["runs_hardware"] = sorted({h["hardware"] for h in hs})
+        info["runs_commit"] = sorted({h["commit"] for h in hs})
+        info["runs_date"] = [min(h["date"] for h in hs), max(h["date"] for h in hs)]
+        info["runs_nproc"] = sorted({h.get("nproc") or args.nproc for h in hs})
+    cmd = "python bench/paper_eval.py " + " ".join(a for a in args.argv if a != "--report-only")
+    where = (f"- runs measured {info['runs_date'][0]} to {info['runs_date'][1]} on {'; '.join(info['runs_hardware'])} "
+             f"at commit {', '.join(f'`{c}`' for c in info['runs_commit'])}\n" if hosts else "")
+    made = "report made" if hosts else "date"
+    nproc = ", ".join(str(n) for n in info.get("runs_nproc", [args.nproc]))
+    md = (f"# {TITLES[fig]}\n\n- {made}: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
+          + where +
           f"- runs: {'model=tiny trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
-          f"{args.nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
+          f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
           f"{args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
           + "\n".join(f"- {t}" for t in targets) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -329,10 +394,19 @@ def parse_args(argv):
     ap.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: model=tiny trainer=cpu, few steps")
     ap.add_argument("--resume", action="store_true", help="skip runs whose metrics already cover the steps")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: make the report from the runs in --runs (all must exist; e.g. runs copied "
+                         "back from the GPU machine); the report names the machine and commit they ran on")
     ap.add_argument("--runs", type=Path, default=REPO / "runs" / "eval", help="where the runs go")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="where the reports go")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
+    for flag in ("--runs", "--out"):  # this machine's folders, not part of the result
+        if flag in args.argv:
+            i = args.argv.index(flag)
+            del args.argv[i:i + 2]
+    if args.nproc is None and args.report_only:
+        args.nproc = 2 if args.tiny else 0  # not used: nothing is launched
     if args.nproc is None:
         if args.tiny:
             args.nproc = 2
@@ -363,7 +437,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     fig = args.figure
-    print(f"{TITLES[fig]}: runs in {args.runs / fig}", flush=True)
+    print(f"{TITLES[fig]}: runs in {args.runs}", flush=True)
     if fig == "fig14":
         rows, targets = loss_figure(args)
         d = rows[-1]
@@ -377,10 +451,13 @@ def main(argv=None) -> int:
         rows = throughput_figure(args, fig, args.policies, args.skews, args.layouts)
         targets = check_targets(rows)
         body = locality_table(rows) if fig == "fig16" else throughput_table(rows)
+        args.out.mkdir(parents=True, exist_ok=True)
         if fig == "fig12":
-            args.out.mkdir(parents=True, exist_ok=True)
             plot_throughput(rows, args.out / "fig12.png", TITLES[fig])
             body += "\n\n![tokens/s vs skew](fig12.png)"
+        else:
+            plot_policies(rows, args.out / f"{fig}.png", TITLES[fig])
+            body += f"\n\n![every policy]({fig}.png)"
         for r in rows:
             r.pop("loss", None)
     report(args, fig, rows, targets, body)

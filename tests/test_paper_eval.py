@@ -31,6 +31,16 @@ def test_fig12_fig16_fig14_tiny(tmp_path):
     md = (out / "fig12.md").read_text()
     assert "balanced bound at skew -4 concentrated" in md and (out / "fig12.png").stat().st_size > 0
 
+    # --report-only: the same report from the runs, with where they ran; a missing run is named
+    (out / "fig12.md").unlink()
+    assert paper_eval.main(["fig12", "--skews", "-4", "--layouts", "concentrated", "--policies", "none", "topoep",
+                            "--report-only", *common]) == 0
+    again = (out / "fig12.md").read_text()
+    assert again.split("| eplb")[1] == md.split("| eplb")[1] and "runs measured" in again and "report made" in again
+    with pytest.raises(SystemExit, match="--report-only: 2 runs are missing.*static-skew-4-concentrated"):
+        paper_eval.main(["fig12", "--skews", "-4", "--layouts", "concentrated", "--policies", "static",
+                         "--report-only", *common])
+
     assert paper_eval.main(["fig16", "--policies", "topoep", "--layouts", "megatron", *common]) == 0
     md = (out / "fig16.md").read_text()
     assert "| topoep | skew -4 |" in md and "balanced" not in md.split("## Targets")[0].split("| eplb")[1]
