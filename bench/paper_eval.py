@@ -65,10 +65,12 @@ def routing_name(skew, layout: str) -> str:
     return f"skew {float(skew):g}" + ("" if layout == "megatron" else f" {layout}")
 
 
-def run_dir(args, eplb: str, skew, layout: str, sub: str = "") -> Path:
-    """runs/<model>-<backend>[-rpd<n>]/[sub/]<eplb>-<routing>: the throughput figures (12, 13, 16) share their
-    runs (fig13's none/static/topoep at skew -4 are fig12's); fig14's longer runs go to sub fig14."""
+def run_dir(args, eplb: str, skew, layout: str, sub: str = "", rep: int = 1) -> Path:
+    """runs/<model>-<backend>[-rpd<n>]/[sub/]<eplb>-<routing>[-r<rep>]: the throughput figures (12, 13, 16)
+    share their runs (fig13's none/static/topoep at skew -4 are fig12's); fig14's longer runs go to sub fig14;
+    repeat rep > 1 of a configuration (--repeats) gets its own directory."""
     tag = skew if skew in ("natural", "balanced") else f"skew{float(skew):g}-{layout}"
+    tag += f"-r{rep}" if rep > 1 else ""
     group = f"{'tiny' if args.tiny else args.model}-{args.backend}" + (
         f"-rpd{args.ranks_per_domain}" if args.ranks_per_domain else "")
     return args.runs / group / sub / f"{eplb}-{tag}"
@@ -175,13 +177,34 @@ def throughput_figure(args, fig: str, policies: list[str], skews: list, layouts:
     bound_policies = [p for p in policies if p in ("none", "static", "topoep")]
     todo = [(eplb, skew, layout) for eplb in policies
             for skew, layout in cases + ([("balanced", "megatron")] if eplb in bound_policies else [])]
-    launch_all(args, [(run_dir(args, e, s, lay), e, routing_overrides(s, lay), args.steps) for e, s, lay in todo])
+    reps = range(1, args.repeats + 1)
+    # repeat-major order: every configuration once, then again, so that a drift of the machine over the
+    # call affects every configuration alike
+    launch_all(args, [(run_dir(args, e, s, lay, rep=i), e, routing_overrides(s, lay), args.steps)
+                      for i in reps for e, s, lay in todo])
     for eplb, skew, layout in todo:
-        r = summarize(run_dir(args, eplb, skew, layout) / "metrics.jsonl", args.warmup)
+        r = merge_repeats([summarize(run_dir(args, eplb, skew, layout, rep=i) / "metrics.jsonl", args.warmup)
+                           for i in reps])
         r.update(eplb=eplb, routing=routing_name(skew, layout), skew=skew, layout=layout)
         rows.append(r)
     relate(rows)
     return rows
+
+
+def merge_repeats(runs: list[dict]) -> dict:
+    """One row from the repeats of a configuration: tokens/s and the MoE statistics averaged over the runs;
+    tokens_per_s_std is the spread across the runs' means when there are several (within the run otherwise)."""
+    if len(runs) == 1:
+        return {**runs[0], "repeats": 1}
+    out = {"host": runs[0]["host"], "repeats": len(runs), "steps": sum(r["steps"] for r in runs),
+           "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], "loss": runs[0]["loss"]}
+    out["tokens_per_s"] = statistics.fmean(out["tokens_per_s_runs"])
+    out["tokens_per_s_std"] = statistics.stdev(out["tokens_per_s_runs"])
+    for k in ("step_time_s", "imbalance_before", "imbalance_after", "internode_before", "internode_after",
+              "replica_fraction", "guard_fired"):
+        vals = [r[k] for r in runs if r[k] is not None]
+        out[k] = statistics.fmean(vals) if vals else None
+    return out
 
 
 def relate(rows: list[dict]) -> None:
@@ -363,8 +386,9 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
     md = (f"# {TITLES[fig]}\n\n- {made}: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
           + where +
           f"- runs: {'model=tiny trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
-          f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: mean ± std over the steps after "
-          f"{args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
+          f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: "
+          + (f"mean over {args.repeats} interleaved runs per configuration ± the spread of their means, each run "
+             if args.repeats > 1 else "mean ± std ") + f"over the steps after {args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
           + "\n".join(f"- {t}" for t in targets) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{fig}.md").write_text(md)
@@ -381,6 +405,9 @@ def parse_args(argv):
                     help="virtual NVLink domains of this many ranks (default: a node; --tiny: 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the means (default 10; --tiny 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per configuration (throughput figures), interleaved; tokens/s is their mean and "
+                         "± their spread")
     ap.add_argument("--loss-steps", type=int, default=None, help="fig14 steps (default 300; --tiny 4)")
     ap.add_argument("--skews", nargs="+", default=None,
                     help="natural and/or router_skew values (default: natural 0 -1 -2 -3 -4; fig13/16: -4)")
@@ -421,6 +448,8 @@ def parse_args(argv):
     args.steps = args.steps or (3 if args.tiny else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.loss_steps = args.loss_steps or (4 if args.tiny else 300)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.skews is None:

@@ -121,3 +121,33 @@ def test_finished_job_frees_its_model(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "alive after job 1 []" in proc.stdout
+
+
+def test_repeats_are_interleaved_and_merged(monkeypatch, tmp_path):
+    """--repeats 2: every configuration runs twice, repeat-major (all configurations, then all again), in
+    directories of their own; the row is the mean of the runs' tokens/s, ± the spread of the two means."""
+    args = paper_eval.parse_args(["fig12", "--tiny", "--repeats", "2", "--skews", "-4", "--layouts", "megatron",
+                                  "--policies", "static", "topoep", "--runs", str(tmp_path)])
+    launched = []
+    monkeypatch.setattr(paper_eval, "launch_all", lambda a, jobs: launched.extend(jobs))
+    per_run = {}
+
+    def fake_summary(path, warmup):
+        tps = per_run.setdefault(path.parent.name, 100.0 + 10 * len(per_run))
+        return {"host": None, "steps": 2, "tokens_per_s": tps, "tokens_per_s_std": 1.0, "step_time_s": 1.0,
+                "imbalance_before": 1.5, "imbalance_after": 1.0 if "topoep" in path.parent.name else 1.5,
+                "internode_before": 0.5, "internode_after": 0.5, "replica_fraction": 0.1, "guard_fired": 0.0,
+                "loss": [1.0, 1.0]}
+
+    monkeypatch.setattr(paper_eval, "summarize", fake_summary)
+    rows = paper_eval.throughput_figure(args, "fig12", args.policies, args.skews, args.layouts)
+    names = [out.name for out, *_ in launched]
+    assert names == ["static-skew-4-megatron", "static-balanced", "topoep-skew-4-megatron", "topoep-balanced",
+                     "static-skew-4-megatron-r2", "static-balanced-r2", "topoep-skew-4-megatron-r2",
+                     "topoep-balanced-r2"]
+    r = {(x["eplb"], x["routing"]): x for x in rows}[("topoep", "skew -4")]
+    a, b = per_run["topoep-skew-4-megatron"], per_run["topoep-skew-4-megatron-r2"]
+    assert r["repeats"] == 2 and r["tokens_per_s"] == pytest.approx((a + b) / 2)
+    assert r["tokens_per_s_std"] == pytest.approx(abs(a - b) / 2 ** 0.5) and r["steps"] == 4
+    with pytest.raises(SystemExit, match="--repeats must be >= 1"):
+        paper_eval.parse_args(["fig12", "--tiny", "--repeats", "0"])
