@@ -230,14 +230,16 @@ def _plan(d: Data, st: State, omega, topology, main_rank, common, info) -> Plan:
 
 def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, t_ffn,
                 num_caps: int = 16, lns_rounds: int = 8, work_budget: int = DEFAULT_WORK_BUDGET,
-                pareto_guard: bool = True, refine_caps: bool = True, **kw) -> Plan:
+                pareto_guard: bool = True, refine_caps: bool = True, dense_caps: int = 4, **kw) -> Plan:
     """The `joint` policy (module docstring); `topoep.solve(policy="joint")` calls it with the defaults.
 
     t_ffn: seconds of expert time (forward + backward) per assignment. num_caps: caps per threshold
     round (fewer on large instances). lns_rounds: destroy-and-repair rounds. work_budget: bound on the
     move search (see module docstring). pareto_guard: never return a plan worse than the paper's in both
     L_max and inter-domain assignments (False: problem (8) alone). refine_caps: the second round of
-    caps between the best cap's neighbours. info of the plan: the cap, the modelled time in fs, whether
+    caps between the best cap's neighbours. dense_caps: on instances small enough that dense_caps x
+    num_caps caps fit one batch, the search runs a second time from that many caps and the better plan is
+    kept (1: off). info of the plan: the cap, the modelled time in fs, whether
     the costs are exactly two-level, the work left, and "fallback" when static or topoep was better.
     Raises ValueError when the modelled times could overflow int64 (`check_fs_range`).
     """
@@ -255,7 +257,8 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
     paper = solve_topoep(omega, topology, num_slots=N, main_rank=main_rank, **common)
     # batch sizes from the instance size: small instances get every cap and many LNS variants
     Q = d.mains_tab.shape[1] + N
-    K = int(max(4, min(num_caps, (1 << 20) // (R * R * (Q + R)))))
+    fits = (1 << 20) // (R * R * (Q + R))  # caps per batch of the move search
+    K = int(max(4, min(num_caps, fits)))
     max_batch = int(max(4, min(512, (1 << 22) // d.plan_size())))
     max_steps = 4 * R * (N + 1) + 32
     cand, gdom, grank = _locality_candidates(d, topology)
@@ -281,22 +284,37 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
     # assignments is chosen (the two numbers users watch; T_replica can make such a plan cheaper)
     paper_max, paper_inter = _max_and_inter(paper)
     ref = (paper_max, paper_inter) if pareto_guard else (EXCLUDED, EXCLUDED)
-    T = torch.unique(torch.cat([thresholds(d, K), torch.tensor([paper_max], device=d.dev)]))
-    st, J = run(T)
-    k = int(torch.argmin(J))
-    best = st.select(torch.tensor([k], device=d.dev))
-    if refine_caps:
-        j = int((T == st.T[k]).nonzero()[0])
-        st2, J2 = run(even_caps(d, K, int(T[max(j - 1, 0)]), int(T[min(j + 1, T.numel() - 1)])))
-        k2 = int(torch.argmin(J2))
-        if int(J2[k2]) < int(J[k]):
-            best = st2.select(torch.tensor([k2], device=d.dev))
     if lns_rounds > 0:
         val = torch.maximum(gdom, grank).flatten()  # [E * R]
         flat = torch.sort(-val, stable=True).indices  # best first, lowest (e, r) on ties
         flat = flat[val[flat] > 0][:4 * R * N]
         opens = torch.stack([flat // R, flat % R], 1)
-        best = lns(d, best, lns_rounds, max_batch, max_steps, ref, opens)
+
+    def pipeline(T):
+        """Threshold rounds from the caps T, then destroy and repair: the best state."""
+        st, J = run(T)
+        k = int(torch.argmin(J))
+        best = st.select(torch.tensor([k], device=d.dev))
+        if refine_caps:
+            j = int((T == st.T[k]).nonzero()[0])
+            st2, J2 = run(even_caps(d, K, int(T[max(j - 1, 0)]), int(T[min(j + 1, T.numel() - 1)])))
+            k2 = int(torch.argmin(J2))
+            if int(J2[k2]) < int(J[k]):
+                best = st2.select(torch.tensor([k2], device=d.dev))
+        if lns_rounds > 0:
+            best = lns(d, best, lns_rounds, max_batch, max_steps, ref, opens)
+        return best
+
+    paper_cap = torch.tensor([paper_max], device=d.dev)
+    best = pipeline(torch.unique(torch.cat([thresholds(d, K), paper_cap])))
+    if dense_caps > 1 and fits >= dense_caps * K:
+        # small instance: the whole search again from a denser grid of caps, the better plan kept (ties: the
+        # first). A portfolio, not one bigger search: the later stages follow the first round's best cap,
+        # so a denser first round alone is better on some instances and worse on others.
+        other = pipeline(torch.unique(torch.cat([thresholds(d, dense_caps * K), paper_cap])))
+        score = lambda st: int(torch.where(dominated(d, st, ref), EXCLUDED, st.objective(d))[0])  # noqa: E731
+        if score(other) < score(best):
+            best = other
     info = dict(threshold=int(best.T[0]), objective_fs=int(best.objective(d)[0]), exact_costs=d.exact,
                 work_left=d.work_left)
     plan = _plan(d, best, omega, topology, main_rank, common, info)
