@@ -71,7 +71,7 @@ def run_dir(args, eplb: str, skew, layout: str, sub: str = "", rep: int = 1) -> 
     repeat rep > 1 of a configuration (--repeats) gets its own directory."""
     tag = skew if skew in ("natural", "balanced") else f"skew{float(skew):g}-{layout}"
     tag += f"-r{rep}" if rep > 1 else ""
-    group = f"{'tiny' if args.tiny else args.model}-{args.backend}" + (
+    group = f"{args.model}-{args.backend}" + (
         f"-rpd{args.ranks_per_domain}" if args.ranks_per_domain else "")
     return args.runs / group / sub / f"{eplb}-{tag}"
 
@@ -138,7 +138,7 @@ def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
 
 def base_overrides(args) -> list[str]:
     if args.tiny:
-        return ["model=tiny", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}",
+        return [f"model={args.model}", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}",
                 f"eplb.backend={args.backend}"]
     out = [f"model={args.model}", "trainer=default", f"eplb.backend={args.backend}"]
     if args.ranks_per_domain:
@@ -385,7 +385,7 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
     nproc = ", ".join(str(n) for n in info.get("runs_nproc", [args.nproc]))
     md = (f"# {TITLES[fig]}\n\n- {made}: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
           + where +
-          f"- runs: {'model=tiny trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
+          f"- runs: {f'model={args.model} trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
           f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: "
           + (f"mean over {args.repeats} interleaved runs per configuration ± the spread of their means, each run "
              if args.repeats > 1 else "mean ± std ") + f"over the steps after {args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
@@ -399,7 +399,8 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("figure", choices=FIGURES)
-    ap.add_argument("--model", default="qwen3", help="model config (GPU runs)")
+    ap.add_argument("--model", default=None,
+                    help="model config (default qwen3; --tiny: tiny, or tiny_glm45air / tiny_deepseekv2)")
     ap.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs; --tiny: 2)")
     ap.add_argument("--ranks-per-domain", type=int, default=None,
                     help="virtual NVLink domains of this many ranks (default: a node; --tiny: 1)")
@@ -445,6 +446,11 @@ def parse_args(argv):
                 raise SystemExit("GPU runs need CUDA; use --tiny for the CPU smoke")
     if args.backend is None:
         args.backend = "torch" if args.tiny else "cuda"
+    if args.model is None:
+        args.model = "tiny" if args.tiny else "qwen3"
+    if args.tiny and not args.model.startswith("tiny"):
+        raise SystemExit(f"--tiny runs on the CPU: --model must be a tiny model (tiny, tiny_glm45air, tiny_deepseekv2), "
+                         f"got {args.model}")
     args.steps = args.steps or (3 if args.tiny else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.loss_steps = args.loss_steps or (4 if args.tiny else 300)

@@ -151,3 +151,12 @@ def test_repeats_are_interleaved_and_merged(monkeypatch, tmp_path):
     assert r["tokens_per_s_std"] == pytest.approx(abs(a - b) / 2 ** 0.5) and r["steps"] == 4
     with pytest.raises(SystemExit, match="--repeats must be >= 1"):
         paper_eval.parse_args(["fig12", "--tiny", "--repeats", "0"])
+
+
+def test_model_reaches_every_run_and_tiny_models_are_checked(tmp_path):
+    args = paper_eval.parse_args(["fig12", "--tiny", "--model", "tiny_glm45air", "--runs", str(tmp_path)])
+    assert "model=tiny_glm45air" in paper_eval.base_overrides(args)
+    assert paper_eval.run_dir(args, "topoep", "-4.0", "megatron").parent.name == "tiny_glm45air-torch"
+    assert paper_eval.parse_args(["fig12", "--nproc", "2"]).model == "qwen3"
+    with pytest.raises(SystemExit, match="--model must be a tiny model.*got glm45air"):
+        paper_eval.parse_args(["fig12", "--tiny", "--model", "glm45air"])
