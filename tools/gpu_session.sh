@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval fig15 train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest fig15 train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -56,6 +56,22 @@ step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on 
   for fig in ${FIGS:-fig12}; do
     timeout ${EVAL_TIMEOUT:-560} python3 bench/paper_eval.py $fig --resume --runs "$runs" --out "$OUT" ${EVAL_ARGS:-} \
       2>&1 | grep -v -i warn | tail -60
+  done
+  tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
+}
+
+step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU session"), PARTS (default all three;
+  # each is several minutes, so one or two per device call): "repeats" = qwen3 around the two missed targets, 3
+  # interleaved runs each; "glm45air" / "deepseekv2" = Fig. 12 at reduced depth (1 dense + 2 MoE layers)
+  local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
+  for part in ${PARTS:-repeats glm45air deepseekv2}; do
+    if [ "$part" = repeats ]; then
+      timeout 330 python3 bench/paper_eval.py fig12 --resume --runs "$runs" --out "$OUT/repeats" --skews 0 -1 -4 \
+        --layouts megatron --policies static topoep --repeats 3 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
+    else
+      timeout 540 python3 bench/paper_eval.py fig12 --resume --runs "$runs" --out "$OUT/$part" --model "$part" \
+        --set model.num_layers=3 --skews natural 0 -2 -4 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|Error"
+    fi
   done
   tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
 }
