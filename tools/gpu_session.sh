@@ -66,14 +66,15 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
   local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
   for part in ${PARTS:-repeats glm45air deepseekv2}; do
     if [ "$part" = repeats ]; then
-      timeout 330 python3 bench/paper_eval.py fig12 --resume --runs "$runs" --out "$OUT/repeats" --skews 0 -1 -4 \
+      timeout 330 python3 bench/paper_eval.py fig12 --resume --runs "$runs-repeats" --out "$OUT/repeats" --skews 0 -1 -4 \
         --layouts megatron --policies static topoep --repeats 3 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
     else
       timeout 540 python3 bench/paper_eval.py fig12 --resume --runs "$runs" --out "$OUT/$part" --model "$part" \
         --set model.num_layers=3 --skews natural 0 -2 -4 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|Error"
     fi
   done
-  tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
+  tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" "$(basename "$runs")-repeats" \
+    2>/dev/null
 }
 
 step_fig15() {  # Fig. 15: one MoE layer's breakdown by phase, forward and backward (bench/moe_layer.py --name fig15)
