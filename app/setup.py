@@ -31,18 +31,15 @@ def init_distributed(trainer: TrainerConfig) -> Dist:
         env.setdefault("RANK", env["SLURM_PROCID"])
         env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE")) or world)
     if dist.is_initialized():  # an earlier job of this process (keep_distributed): reuse its group
-        local_rank = int(env.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if trainer.device == "cuda" else torch.device("cpu")
         if (dist.get_backend() == "nccl") != (trainer.device == "cuda"):
             raise ValueError(f"trainer.device={trainer.device} differs from the process group this process already "
                              f"has ({dist.get_backend()}): run CPU and GPU jobs in separate processes")
-        world = dist.get_world_size()
-        local_world = int(env.get("LOCAL_WORLD_SIZE") or world)
-        return Dist(dist.get_rank(), world, local_rank, local_world, device)
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    local_world = int(env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE")) or world)
+        return Dist(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device)
     if world == 1:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
@@ -86,9 +83,13 @@ def init_model_parallel(par: ParallelConfig) -> None:
     clears megatron's per-layer router-bias cache (moe_router_force_biased draws a bias once per process and
     layer number and keeps it): each job draws its own, as a fresh process would."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_logging
     from megatron.core.transformer.moe.moe_utils import RandomSTEShared
 
     RandomSTEShared._cache.clear()
+    # megatron's process-wide MoE metrics tracker sizes its entries by the first model's layer count and
+    # keeps adding to them: a fresh one per job
+    moe_logging.set_moe_metrics_tracker(None)
     if ps.model_parallel_is_initialized():
         same = (ps.get_tensor_model_parallel_world_size() == par.tp
                 and ps.get_pipeline_model_parallel_world_size() == par.pp

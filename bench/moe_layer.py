@@ -565,7 +565,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
         ax.set_xticks([2.4 * i + 0.5 for i in range(len(layers))],
                       [r["layer"].replace("/", "/\n") + "\nfwd | bwd" for r in layers], fontsize=6)
         ax.set_title(wl, fontsize=8)
-    axes[0][0].set_ylabel(f"ms (serialised phases, {T} tokens/rank)")
+    axes[0][0].set_ylabel(f"ms (serialised phases, {T} tokens/rank;\neach phase and pass: max over ranks)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

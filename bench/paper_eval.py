@@ -81,41 +81,48 @@ def job_overrides(args, out: Path, eplb: str, overrides: list[str], steps: int) 
             *overrides, *args.set]
 
 
-def is_done(out: Path, overrides: list[str], steps: int) -> bool:
-    """The run's metrics cover `steps` and it ran with exactly these overrides (overrides.json)."""
-    metrics, saved = out / "metrics.jsonl", out / "overrides.json"
+def _without_run_dir(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("trainer.run_dir=")]
+
+
+def is_done(out: Path, overrides: list[str], steps: int, nproc: int | None = None) -> bool:
+    """The run's metrics cover `steps` and it ran with the same overrides (overrides.json; its own folder
+    is left out of the comparison, so runs copied to another path still count) on the same number of
+    processes (host.json; when nproc is given)."""
+    metrics, saved, host = out / "metrics.jsonl", out / "overrides.json", out / "host.json"
     if not (metrics.exists() and saved.exists()):
         return False
-    return json.loads(saved.read_text()) == overrides and len(read_metrics(metrics)) >= steps
+    if _without_run_dir(json.loads(saved.read_text())) != _without_run_dir(overrides):
+        return False
+    if nproc and host.exists() and json.loads(host.read_text()).get("nproc", nproc) != nproc:
+        return False
+    return len(read_metrics(metrics)) >= steps
 
 
 def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
     """Run every (out, eplb, routing overrides, steps) job not done before (with --resume) in one torchrun
-    of bench/eval_worker.py: the process group and CUDA context are set up once for all of them."""
+    of bench/eval_worker.py: the process group and CUDA context are set up once for all of them. The worker
+    writes each run's overrides.json and host.json when the run starts (a run that never started keeps its
+    earlier files)."""
     plan, skipped = [], 0
     if args.report_only:
         missing = [str(out) for out, eplb, overrides, steps in jobs
-                   if not is_done(out, job_overrides(args, out, eplb, overrides, steps), steps)]
+                   if not is_done(out, job_overrides(args, out, eplb, overrides, steps), steps, args.nproc)]
         if missing:
             raise SystemExit(f"--report-only: {len(missing)} runs are missing or ran with other overrides (run "
                              f"without --report-only to make them): " + ", ".join(missing))
         return
     for out, eplb, overrides, steps in jobs:
         full = job_overrides(args, out, eplb, overrides, steps)
-        if args.resume and is_done(out, full, steps):
+        if args.resume and is_done(out, full, steps, args.nproc):
             skipped += 1
             continue
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run: no steps of an earlier one mixed in
-        (out / "overrides.json").write_text(json.dumps(full))
-        (out / "host.json").write_text(json.dumps({**{k: v for k, v in run_info({}).items() if k != "config"},
-                                                   "nproc": args.nproc}))
-        plan.append({"name": out.name, "overrides": full})
+        plan.append({"name": out.name, "out": str(out), "overrides": full})
     print(f"  {len(plan)} runs to do" + (f", {skipped} done before (--resume)" if skipped else ""), flush=True)
     if not plan:
         return
-    group = plan[0]["overrides"][[o.startswith("trainer.run_dir=") for o in plan[0]["overrides"]].index(True)]
-    root = Path(group.split("=", 1)[1]).parent
+    root = Path(plan[0]["out"]).parent
+    root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     plan_file, log = root / f"plan-{stamp}.json", root / f"worker-{stamp}.log"
     plan_file.write_text(json.dumps(plan, indent=1))
@@ -196,7 +203,7 @@ def merge_repeats(runs: list[dict]) -> dict:
     tokens_per_s_std is the spread across the runs' means when there are several (within the run otherwise)."""
     if len(runs) == 1:
         return {**runs[0], "repeats": 1}
-    out = {"host": runs[0]["host"], "repeats": len(runs), "steps": sum(r["steps"] for r in runs),
+    out = {"host": runs[0]["host"], "hosts": [r["host"] for r in runs if r["host"]], "repeats": len(runs), "steps": sum(r["steps"] for r in runs),
            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], "loss": runs[0]["loss"]}
     out["tokens_per_s"] = statistics.fmean(out["tokens_per_s_runs"])
     out["tokens_per_s_std"] = statistics.stdev(out["tokens_per_s_runs"])
@@ -371,7 +378,7 @@ TITLES = {"fig12": "Fig. 12: tokens/s vs router skew", "fig13": "Fig. 13: every 
 
 def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "runs"})
-    hosts = sorted({json.dumps(h, sort_keys=True) for h in (r.get("host") for r in rows) if h})
+    hosts = sorted({json.dumps(h, sort_keys=True) for r in rows for h in (r.get("hosts") or [r.get("host")]) if h})
     if hosts:  # where the runs were measured (this machine may only render the report: --report-only)
         hs = [json.loads(h) for h in hosts]
         info["runs_hardware"] = sorted({h["hardware"] for h in hs})

@@ -102,8 +102,9 @@ from app.loop import job_from_config, run
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 register_configs()
-for i, eplb in enumerate(["none", "topoep"]):
-    run(*job_from_config(compose(["model=tiny", "trainer=cpu", "eplb=" + eplb, "trainer.steps=3", "logger=none",
+for i, (eplb, layers) in enumerate([("none", 2), ("topoep", 3)]):  # natural routing: megatron tracks aux losses
+    run(*job_from_config(compose(["model=tiny", "trainer=cpu", "eplb=" + eplb, "trainer.steps=3",
+                                  "model.num_layers=" + str(layers), "logger=none",
                                   "topology=node", "trainer.run_dir={out}/" + str(i)])), keep_distributed=True)
     gc.collect()
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (GPTModel, DistributedDataParallel))]
@@ -121,6 +122,22 @@ def test_finished_job_frees_its_model(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "alive after job 1 []" in proc.stdout
+
+
+def test_resume_ignores_the_runs_folder_but_not_the_processes(tmp_path):
+    """Runs copied to another folder still count as done (their trainer.run_dir differs); runs made on
+    another number of processes do not."""
+    out = tmp_path / "a" / "topoep-natural"
+    out.mkdir(parents=True)
+    ov = ["model=tiny", "eplb=topoep", f"trainer.run_dir={tmp_path / 'elsewhere'}", "trainer.steps=2"]
+    (out / "overrides.json").write_text(json.dumps(ov))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (out / "host.json").write_text(json.dumps({"nproc": 2}))
+    mine = ov[:2] + [f"trainer.run_dir={out}", ov[3]]
+    assert paper_eval.is_done(out, mine, 2, nproc=2) and paper_eval.is_done(out, mine, 2)
+    assert not paper_eval.is_done(out, mine, 2, nproc=4)
+    assert not paper_eval.is_done(out, mine, 3, nproc=2)  # fewer steps than asked
+    assert not paper_eval.is_done(out, mine[:3] + ["trainer.steps=3"], 2, nproc=2)
 
 
 def test_repeats_are_interleaved_and_merged(monkeypatch, tmp_path):

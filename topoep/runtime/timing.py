@@ -16,7 +16,8 @@ Phases of `ExpertParallelMoE` (ms summed over the forward and backward of the ca
                       experts; the straggler is the rank where this is largest)
     grad_return       replica weight gradients back to the main ranks
 Each phase is also accounted to the forward or the backward pass (whether autograd's engine was running
-it), `pop(split=True)`.
+it), `pop(split=True)`; work that autograd runs inside a forward (a recomputation under activation
+checkpointing, an autograd.grad call) counts as backward.
 """
 
 from __future__ import annotations
