@@ -200,7 +200,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
     logger.finish()
     if keep_distributed:
         _release_ddp_hooks(ddp)
-    if not keep_distributed:
+    else:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
     return history if is_logger else []

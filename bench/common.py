@@ -48,6 +48,17 @@ def run_info(config: dict) -> dict:
             "hardware": hardware(), "config": config}
 
 
+def without_options(argv: list[str], *names: str) -> list[str]:
+    """argv without each option in names and its value (e.g. output folders, which are this machine's and
+    not part of a result's reproduce command)."""
+    out = list(argv)
+    for name in names:
+        if name in out:
+            i = out.index(name)
+            del out[i:i + 2]
+    return out
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -4,13 +4,15 @@
 
 plan.json: a list of {"name": ..., "out": run directory, "overrides": [Hydra overrides, as train.py takes
 them, with trainer.run_dir=out]}. When a job starts, rank 0 writes its overrides.json and host.json (date,
-commit, hardware, processes) into its directory and removes an earlier metrics.jsonl. The jobs run one after the other in the same processes: the process group, megatron's
-parallel state (when the layout is the same) and the CUDA context are set up once instead of once per
-configuration, which is most of a short benchmark run's time. Every job still builds its own model, optimizer,
-data loader and layers from its own seed, and megatron's per-layer router-bias cache is cleared between jobs
-(app.setup.init_model_parallel), so a job trains exactly as it would alone in `train.py`. Jobs of one plan
-should share their parallel layout (paper_eval's do): a job with another layout rebuilds megatron's groups,
-and the symmetric-memory workspaces of backend cuda, cached per group name, stay allocated for the old ones.
+commit, hardware, processes) into its directory and removes an earlier metrics.jsonl.
+
+The jobs run one after the other in the same processes: the process group, megatron's parallel state (when the
+layout is the same) and the CUDA context are set up once instead of once per configuration, which is most of a
+short benchmark run's time. Every job still builds its own model, optimizer, data loader and layers from its
+own seed, and megatron's per-layer router-bias cache is cleared between jobs (app.setup.init_model_parallel),
+so a job trains exactly as it would alone in `train.py`. Jobs of one plan should share their parallel layout
+(paper_eval's do): a job with another layout rebuilds megatron's groups, and the symmetric-memory workspaces
+of backend cuda, cached per group name, stay allocated for the old ones.
 
 Rank 0 prints one line per finished job ("[i/n] name: ... tok/s ..."). A failing job stops the worker with
 its traceback (the other ranks would wait on its collectives); the jobs before it are complete, so
@@ -57,7 +59,6 @@ def main(argv=None) -> int:
 
     from app.config import register_configs
     from app.loop import job_from_config, run
-
     from bench.common import run_info
 
     register_configs()

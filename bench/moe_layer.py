@@ -66,7 +66,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, markdown_table, run_info, without_options, write_json  # noqa: E402
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
@@ -310,10 +310,7 @@ def parse_args(argv):
     ap.add_argument("--name", default="moe_layer",
                     help="report name: <out>/<name>.md, .json and <name>_breakdown.png (e.g. fig15)")
     args = ap.parse_args(argv)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--out" in argv:  # the output folder is this machine's, not part of the result
-        i = argv.index("--out")
-        del argv[i:i + 2]
+    argv = without_options(sys.argv[1:] if argv is None else argv, "--out")
     args.command = " ".join(["bench/moe_layer.py", *argv])
     shape = TINY if args.tiny else QWEN3
     for name in ("iters", "warmup", "profile_iters"):

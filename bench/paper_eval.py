@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, markdown_table, run_info, without_options, write_json  # noqa: E402
 
 FIGURES = ("fig12", "fig13", "fig14", "fig16")
 ALL_POLICIES = ("none", "static", "topoep", "deepseek", "fastermoe", "flexmoe")
@@ -145,8 +145,8 @@ def launch_all(args, jobs: list[tuple[Path, str, list[str], int]]) -> None:
 
 def base_overrides(args) -> list[str]:
     if args.tiny:
-        return [f"model={args.model}", "trainer=cpu", "topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain or 1}",
-                f"eplb.backend={args.backend}"]
+        return [f"model={args.model}", "trainer=cpu", "topology=virtual",
+                f"topology.ranks_per_domain={args.ranks_per_domain or 1}", f"eplb.backend={args.backend}"]
     out = [f"model={args.model}", "trainer=default", f"eplb.backend={args.backend}"]
     if args.ranks_per_domain:
         out += ["topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain}"]
@@ -155,6 +155,12 @@ def base_overrides(args) -> list[str]:
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_host(out: Path) -> dict | None:
+    """Where and at which commit a run was measured (its host.json, written by bench/eval_worker.py)."""
+    host = out / "host.json"
+    return json.loads(host.read_text()) if host.exists() else None
 
 
 def summarize(path: Path, warmup: int) -> dict:
@@ -168,8 +174,7 @@ def summarize(path: Path, warmup: int) -> dict:
         return statistics.fmean(vals) if vals else None
 
     tps = [m["tokens_per_s"] for m in rows]
-    host = path.parent / "host.json"
-    return {"host": json.loads(host.read_text()) if host.exists() else None, "steps": len(rows), "tokens_per_s": statistics.fmean(tps),
+    return {"host": read_host(path.parent), "steps": len(rows), "tokens_per_s": statistics.fmean(tps),
             "tokens_per_s_std": statistics.pstdev(tps), "step_time_s": mean("step_time_s"),
             "imbalance_before": mean("moe/imbalance_before"), "imbalance_after": mean("moe/imbalance_after"),
             "internode_before": mean("moe/internode_before"), "internode_after": mean("moe/internode_after"),
@@ -178,7 +183,7 @@ def summarize(path: Path, warmup: int) -> dict:
 
 
 # -- figures ---------------------------------------------------------------------------------------
-def throughput_figure(args, fig: str, policies: list[str], skews: list, layouts: list[str]) -> list[dict]:
+def throughput_figure(args, policies: list[str], skews: list, layouts: list[str]) -> list[dict]:
     rows = []
     cases = [(s, lay) for s in skews for lay in (["megatron"] if s == "natural" else layouts)]
     bound_policies = [p for p in policies if p in ("none", "static", "topoep")]
@@ -203,8 +208,9 @@ def merge_repeats(runs: list[dict]) -> dict:
     tokens_per_s_std is the spread across the runs' means when there are several (within the run otherwise)."""
     if len(runs) == 1:
         return {**runs[0], "repeats": 1}
-    out = {"host": runs[0]["host"], "hosts": [r["host"] for r in runs if r["host"]], "repeats": len(runs), "steps": sum(r["steps"] for r in runs),
-           "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], "loss": runs[0]["loss"]}
+    out = {"hosts": [r["host"] for r in runs if r["host"]], "repeats": len(runs),
+           "steps": sum(r["steps"] for r in runs), "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+           "loss": runs[0]["loss"]}
     out["tokens_per_s"] = statistics.fmean(out["tokens_per_s_runs"])
     out["tokens_per_s_std"] = statistics.stdev(out["tokens_per_s_runs"])
     for k in ("step_time_s", "imbalance_before", "imbalance_after", "internode_before", "internode_after",
@@ -245,7 +251,8 @@ def check_targets(rows: list[dict]) -> list[str]:
             if o:
                 out.append(f"run-to-run spread (not a target): eplb={r['eplb']} at skew 0 measured twice (layouts "
                            f"megatron and {r['layout']} coincide there): {o['tokens_per_s']:,.0f} vs "
-                           f"{r['tokens_per_s']:,.0f} tok/s ({100 * abs(o['tokens_per_s'] / r['tokens_per_s'] - 1):.1f} %)")
+                           f"{r['tokens_per_s']:,.0f} tok/s "
+                           f"({100 * abs(o['tokens_per_s'] / r['tokens_per_s'] - 1):.1f} %)")
     for layout in sorted({r["layout"] for r in topo if r["skew"] != "natural"}):
         tps = [r["tokens_per_s"] for r in topo if r["skew"] != "natural" and r["layout"] == layout]
         if len(tps) > 1:
@@ -258,8 +265,7 @@ def check_targets(rows: list[dict]) -> list[str]:
 def loss_figure(args) -> tuple[list[dict], list[str]]:
     outs = {eplb: run_dir(args, eplb, "natural", "megatron", sub="fig14") for eplb in ("none", "topoep")}
     launch_all(args, [(out, eplb, ["router=natural"], args.loss_steps) for eplb, out in outs.items()])
-    rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")],
-             "host": json.loads((out / "host.json").read_text()) if (out / "host.json").exists() else None}
+    rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")], "host": read_host(out)}
             for eplb, out in outs.items()]
     a, b = rows[0]["loss"], rows[1]["loss"]
     n = min(len(a), len(b))
@@ -392,10 +398,12 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
     nproc = ", ".join(str(n) for n in info.get("runs_nproc", [args.nproc]))
     md = (f"# {TITLES[fig]}\n\n- {made}: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
           + where +
-          f"- runs: {f'model={args.model} trainer=cpu (CPU smoke)' if args.tiny else f'model={args.model} trainer=default'}; "
+          f"- runs: model={args.model} {'trainer=cpu (CPU smoke)' if args.tiny else 'trainer=default'}; "
           f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: "
           + (f"mean over {args.repeats} interleaved runs per configuration ± the spread of their means, each run "
-             if args.repeats > 1 else "mean ± std ") + f"over the steps after {args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body + "\n\n## Targets (ratios measured in this run)\n\n"
+             if args.repeats > 1 else "mean ± std ")
+          + f"over the steps after {args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body
+          + "\n\n## Targets (ratios measured in this run)\n\n"
           + "\n".join(f"- {t}" for t in targets) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{fig}.md").write_text(md)
@@ -435,11 +443,7 @@ def parse_args(argv):
     ap.add_argument("--runs", type=Path, default=REPO / "runs" / "eval", help="where the runs go")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="where the reports go")
     args = ap.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    for flag in ("--runs", "--out"):  # this machine's folders, not part of the result
-        if flag in args.argv:
-            i = args.argv.index(flag)
-            del args.argv[i:i + 2]
+    args.argv = without_options(argv if argv is not None else sys.argv[1:], "--runs", "--out")
     if args.nproc is None and args.report_only:
         args.nproc = 2 if args.tiny else 0  # not used: nothing is launched
     if args.nproc is None:
@@ -456,8 +460,8 @@ def parse_args(argv):
     if args.model is None:
         args.model = "tiny" if args.tiny else "qwen3"
     if args.tiny and not args.model.startswith("tiny"):
-        raise SystemExit(f"--tiny runs on the CPU: --model must be a tiny model (tiny, tiny_glm45air, tiny_deepseekv2), "
-                         f"got {args.model}")
+        raise SystemExit(f"--tiny runs on the CPU: --model must be a tiny model (tiny, tiny_glm45air, "
+                         f"tiny_deepseekv2), got {args.model}")
     args.steps = args.steps or (3 if args.tiny else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.loss_steps = args.loss_steps or (4 if args.tiny else 300)
@@ -490,7 +494,7 @@ def main(argv=None) -> int:
         plot_loss(rows, args.out / "fig14.png")
         body += "\n\n![loss curves](fig14.png)"
     else:
-        rows = throughput_figure(args, fig, args.policies, args.skews, args.layouts)
+        rows = throughput_figure(args, args.policies, args.skews, args.layouts)
         targets = check_targets(rows)
         body = locality_table(rows) if fig == "fig16" else throughput_table(rows)
         args.out.mkdir(parents=True, exist_ok=True)

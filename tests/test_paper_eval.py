@@ -157,7 +157,7 @@ def test_repeats_are_interleaved_and_merged(monkeypatch, tmp_path):
                 "loss": [1.0, 1.0]}
 
     monkeypatch.setattr(paper_eval, "summarize", fake_summary)
-    rows = paper_eval.throughput_figure(args, "fig12", args.policies, args.skews, args.layouts)
+    rows = paper_eval.throughput_figure(args, args.policies, args.skews, args.layouts)
     names = [out.name for out, *_ in launched]
     assert names == ["static-skew-4-megatron", "static-balanced", "topoep-skew-4-megatron", "topoep-balanced",
                      "static-skew-4-megatron-r2", "static-balanced-r2", "topoep-skew-4-megatron-r2",

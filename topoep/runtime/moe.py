@@ -18,6 +18,7 @@ from torch import nn
 
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
 from topoep.planners import OFFLINE_POLICIES, POLICIES, solve
+from topoep.planners.cuda import CUDA_POLICIES
 from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
@@ -117,7 +118,9 @@ class ExpertParallelMoE(nn.Module):
         self.timer: PhaseTimer | None = None
         self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
         self._stats_sum, self._stats_calls = None, 0
-        self._meta_graphs = None  # backend cuda: the metadata CUDA graphs (cuda_meta.py)
+        # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
+        # the host, so its metadata runs eagerly
+        self._meta_graphs = MetadataGraphs(enabled=policy in CUDA_POLICIES)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -234,10 +237,6 @@ class ExpertParallelMoE(nn.Module):
             pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         if pool is not None:
             self.pool = pool
-        if self._meta_graphs is None:  # a policy without a GPU planner synchronises the host: no graph
-            from topoep.planners.cuda import CUDA_POLICIES
-
-            self._meta_graphs = MetadataGraphs(enabled=self.policy in CUDA_POLICIES)
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
