@@ -15,6 +15,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
+    """The checkout's commit; TOPOEP_COMMIT overrides it where the copy's git metadata is stale (the device
+    machine gets a copy of the working tree whose .git may lag behind)."""
+    if os.environ.get("TOPOEP_COMMIT"):
+        return os.environ["TOPOEP_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
