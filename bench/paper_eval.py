@@ -3,7 +3,7 @@
     python bench/paper_eval.py fig12                 # tokens/s vs router_skew: none, static, topoep + balanced bound
     python bench/paper_eval.py fig13                 # every policy at router_skew -4 (throughput, imbalance)
     python bench/paper_eval.py fig16                 # inter-node and replica-served shares per policy (fig13's runs)
-    python bench/paper_eval.py fig14                 # loss curves of none vs topoep, natural routing, same seed/data
+    python bench/paper_eval.py fig14                 # loss curves of none vs topoep (+ static as control), same seed/data
     python bench/paper_eval.py fig12 --tiny          # CPU smoke: model=tiny, trainer=cpu, a few steps
 
 Every configuration is a `train.py` job with its own directory,
@@ -262,24 +262,52 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def _ema(xs: list[float], alpha: float = 0.1) -> list[float]:
+    out, m = [], xs[0]
+    for x in xs:
+        m = alpha * x + (1 - alpha) * m
+        out.append(m)
+    return out
+
+
+def loss_difference(a: list[float], b: list[float]) -> dict:
+    """Per-step relative difference of two loss curves (b against a), raw and after an EMA (0.1) of each."""
+    n = min(len(a), len(b))
+    rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
+    ea, eb = _ema(a[:n]), _ema(b[:n])
+    return {"steps": n, "step1_a": a[0], "step1_b": b[0], "step1_rel_diff": rel[0],
+            "mean_rel_diff": statistics.fmean(rel), "max_rel_diff": max(rel),
+            "max_step": 1 + max(range(n), key=rel.__getitem__),
+            "mean_rel_diff_ema": statistics.fmean(abs(y - x) / abs(x) for x, y in zip(ea, eb))}
+
+
 def loss_figure(args) -> tuple[list[dict], list[str]]:
-    outs = {eplb: run_dir(args, eplb, "natural", "megatron", sub="fig14") for eplb in ("none", "topoep")}
+    """none vs topoep (the target) and, as a control, every other policy asked for (default static: our layer
+    and kernels without balancing): how far two bf16 trajectories drift from reduction order alone."""
+    eplbs = ["none", "topoep"] + [p for p in args.policies if p not in ("none", "topoep")]
+    outs = {eplb: run_dir(args, eplb, "natural", "megatron", sub="fig14") for eplb in eplbs}
     launch_all(args, [(out, eplb, ["router=natural"], args.loss_steps) for eplb, out in outs.items()])
     rows = [{"eplb": eplb, "loss": [m["loss"] for m in read_metrics(out / "metrics.jsonl")], "host": read_host(out)}
             for eplb, out in outs.items()]
-    a, b = rows[0]["loss"], rows[1]["loss"]
-    n = min(len(a), len(b))
-    rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
-    stats = {"steps": n, "step1_none": a[0], "step1_topoep": b[0], "mean_rel_diff": statistics.fmean(rel),
-             "max_rel_diff": max(rel)}
-    rows.append({"eplb": "difference", **stats})
+    loss = {r["eplb"]: r["loss"] for r in rows}
+    pairs = [("none", e) for e in eplbs[1:]] + [(e, "topoep") for e in eplbs[2:]]
+    diffs = [{"eplb": "difference", "a": a, "b": b, **loss_difference(loss[a], loss[b])} for a, b in pairs]
+    d = diffs[0]  # none vs topoep
     # step 1 sees the same weights, data and routing: only float reduction order differs (other kernels)
-    step1 = abs(b[0] - a[0]) / abs(a[0])
-    targets = [f"{'met' if step1 < 1e-4 else 'MISSED'}: same step-1 loss up to reduction order (relative "
-               f"difference < 1e-4): {a[0]:.8f} vs {b[0]:.8f} ({step1:.1e})",
-               f"{'met' if stats['mean_rel_diff'] < 0.005 else 'MISSED'}: mean relative loss difference < 0.5 %: "
-               f"{100 * stats['mean_rel_diff']:.3f} % (max {100 * stats['max_rel_diff']:.3f} %) over {n} steps"]
-    return rows, targets
+    targets = [f"{'met' if d['step1_rel_diff'] < 1e-4 else 'MISSED'}: same step-1 loss up to reduction order "
+               f"(relative difference < 1e-4): {d['step1_a']:.8f} vs {d['step1_b']:.8f} ({d['step1_rel_diff']:.1e})",
+               f"{'met' if d['mean_rel_diff'] < 0.005 else 'MISSED'}: mean relative loss difference < 0.5 %: "
+               f"{100 * d['mean_rel_diff']:.3f} % (max {100 * d['max_rel_diff']:.3f} %) over {d['steps']} steps"]
+    return rows + diffs, targets
+
+
+def loss_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["a", "b", "steps", "step-1 loss a", "step-1 loss b", "mean rel. diff", "max rel. diff (step)",
+         "mean rel. diff of EMA(0.1)"],
+        [[r["a"], r["b"], r["steps"], f"{r['step1_a']:.6f}", f"{r['step1_b']:.6f}", f"{100 * r['mean_rel_diff']:.3f} %",
+          f"{100 * r['max_rel_diff']:.3f} % ({r['max_step']})", f"{100 * r['mean_rel_diff_ema']:.3f} %"]
+         for r in rows if r["eplb"] == "difference"])
 
 
 # -- reports ---------------------------------------------------------------------------------------
@@ -362,17 +390,26 @@ def plot_policies(rows: list[dict], path: Path, title: str) -> None:
 
 
 def plot_loss(rows: list[dict], path: Path) -> None:
+    """Left: the loss curves. Right: each policy's per-step relative difference to `none`, after an EMA (0.1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows[:2]:
-        ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=f"eplb={r['eplb']}", lw=1)
+    curves = {r["eplb"]: r["loss"] for r in rows if r["eplb"] != "difference"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+    for eplb, loss in curves.items():
+        ax.plot(range(1, len(loss) + 1), loss, label=f"eplb={eplb}", lw=1)
+        if eplb != "none":
+            n = min(len(loss), len(curves["none"]))
+            rel = [abs(b - a) / abs(a) for a, b in zip(curves["none"][:n], loss[:n])]
+            bx.plot(range(1, n + 1), [100 * x for x in _ema(rel)], label=f"{eplb} vs none", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
+    bx.set_xlabel("step")
+    bx.set_ylabel("relative loss difference, EMA(0.1) (%)")
+    bx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -476,7 +513,7 @@ def parse_args(argv):
         if s != "natural" and float(s) > 0:
             raise SystemExit(f"--skews: router_skew must be <= 0 (a fixed bias per layer), got {s}")
     if args.policies is None:
-        args.policies = ["none", "static", "topoep"] if args.figure == "fig12" else list(ALL_POLICIES)
+        args.policies = ["none", "static", "topoep"] if args.figure in ("fig12", "fig14") else list(ALL_POLICIES)
     return args
 
 
@@ -486,10 +523,7 @@ def main(argv=None) -> int:
     print(f"{TITLES[fig]}: runs in {args.runs}", flush=True)
     if fig == "fig14":
         rows, targets = loss_figure(args)
-        d = rows[-1]
-        body = markdown_table(["steps", "step-1 loss none", "step-1 loss topoep", "mean rel. diff", "max rel. diff"],
-                              [[d["steps"], f"{d['step1_none']:.6f}", f"{d['step1_topoep']:.6f}",
-                                f"{100 * d['mean_rel_diff']:.3f} %", f"{100 * d['max_rel_diff']:.3f} %"]])
+        body = loss_table(rows)
         args.out.mkdir(parents=True, exist_ok=True)
         plot_loss(rows, args.out / "fig14.png")
         body += "\n\n![loss curves](fig14.png)"

@@ -47,7 +47,11 @@ def test_fig12_fig16_fig14_tiny(tmp_path):
 
     assert paper_eval.main(["fig14", *common]) == 0
     rows = json.loads((out / "fig14.json").read_text())["rows"]
-    assert [r["eplb"] for r in rows] == ["none", "topoep", "difference"] and rows[2]["steps"] == 4
+    assert [r["eplb"] for r in rows] == ["none", "topoep", "static", "difference", "difference", "difference"]
+    assert [(r["a"], r["b"], r["steps"]) for r in rows[3:]] == [("none", "topoep", 4), ("none", "static", 4),
+                                                               ("static", "topoep", 4)]
+    d = paper_eval.loss_difference(rows[0]["loss"], rows[1]["loss"])
+    assert rows[3]["mean_rel_diff"] == d["mean_rel_diff"] and d["step1_rel_diff"] < 1e-4
     assert "same step-1 loss" in (out / "fig14.md").read_text()
     # --resume repeats nothing: the runs' metrics are reused
     metrics = runs / "tiny-torch" / "fig14" / "none-natural" / "metrics.jsonl"
@@ -177,3 +181,12 @@ def test_model_reaches_every_run_and_tiny_models_are_checked(tmp_path):
     assert paper_eval.parse_args(["fig12", "--nproc", "2"]).model == "qwen3"
     with pytest.raises(SystemExit, match="--model must be a tiny model.*got glm45air"):
         paper_eval.parse_args(["fig12", "--tiny", "--model", "glm45air"])
+
+
+def test_loss_difference_by_hand():
+    d = paper_eval.loss_difference([1.0, 2.0, 4.0, 4.0], [1.1, 2.0, 4.0])
+    assert d["steps"] == 3 and d["max_step"] == 1
+    assert d["step1_rel_diff"] == pytest.approx(0.1) and d["mean_rel_diff"] == pytest.approx(0.1 / 3)
+    # EMA(0.1) from the first value: a = 1, 1.1, 1.39; b = 1.1, 1.19, 1.471
+    ema = [0.1, 0.09 / 1.1, 0.081 / 1.39]
+    assert d["mean_rel_diff_ema"] == pytest.approx(sum(ema) / 3)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest fig15 train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -82,6 +82,13 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
 step_fig15() {  # Fig. 15: one MoE layer's breakdown by phase, forward and backward (bench/moe_layer.py --name fig15)
   timeout ${FIG15_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
     --name fig15 --out "$OUT" --tokens ${TOKENS:-8192} --skews -4 --profile-iters 5 2>&1 | grep -v -i warn | tail -30
+}
+
+step_fig16_layer() {  # why topoep on backend torch at 1 rank per domain (fig16) ran slower than static with the guard
+  # firing: one MoE layer at skew -4 on that configuration, phases timed (bench/moe_layer.py --name fig16_layer)
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
+    --name fig16_layer --out "$OUT" --tokens 4096 --skews -4 --backends torch --ranks-per-domain 1 --no-megatron \
+    --profile-iters 5 2>&1 | grep -v -i warn | tail -30
 }
 
 step_train() {  # model=qwen3 (paper's 5 MoE layers), EP = all GPUs, 50 steps, eplb none vs topoep
