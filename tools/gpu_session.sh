@@ -65,7 +65,11 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
   # interleaved runs each; "glm45air" / "deepseekv2" = Fig. 12 at reduced depth (1 dense + 2 MoE layers)
   local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
   for part in ${PARTS:-repeats glm45air deepseekv2}; do
-    if [ "$part" = repeats ]; then
+    if [ "$part" = fig16repeats ]; then  # fig16's slow balanced runs (backend torch, 1 rank per domain): noise or not?
+      timeout 330 python3 bench/paper_eval.py fig16 --resume --runs "$runs-fig16repeats" --out "$OUT/fig16repeats" \
+        --backend torch --ranks-per-domain 1 --policies static topoep --layouts megatron --repeats 2 --steps 25 \
+        --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
+    elif [ "$part" = repeats ]; then
       timeout 330 python3 bench/paper_eval.py fig12 --resume --runs "$runs-repeats" --out "$OUT/repeats" --skews 0 -1 -4 \
         --layouts megatron --policies static topoep --repeats 3 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
     else  # deepseekv2 at sequence 4096 runs out of memory in its unfused MLA attention (128 heads): 2048
@@ -76,7 +80,7 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
     fi
   done
   tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" "$(basename "$runs")-repeats" \
-    2>/dev/null
+    "$(basename "$runs")-fig16repeats" 2>/dev/null
 }
 
 step_fig15() {  # Fig. 15: one MoE layer's breakdown by phase, forward and backward (bench/moe_layer.py --name fig15)
