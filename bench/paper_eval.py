@@ -443,8 +443,8 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
           + "\n\n## Targets (ratios measured in this run)\n\n"
           + "\n".join(f"- {t}" for t in targets) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{fig}.md").write_text(md)
-    write_json(args.out / f"{fig}.json", info, rows)
+    (args.out / f"{args.name}.md").write_text(md)
+    write_json(args.out / f"{args.name}.json", info, rows)
     print(md)
 
 
@@ -471,6 +471,7 @@ def parse_args(argv):
     ap.add_argument("--backend", choices=["torch", "cuda"], default=None,
                     help="execution backend of the TopoEP layer (eplb.backend; default: cuda on GPUs, torch with "
                          "--tiny); eplb=none ignores it")
+    ap.add_argument("--name", default=None, help="base name of the report files (default: the figure)")
     ap.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: model=tiny trainer=cpu, few steps")
     ap.add_argument("--resume", action="store_true", help="skip runs whose metrics already cover the steps")
@@ -504,6 +505,7 @@ def parse_args(argv):
     args.loss_steps = args.loss_steps or (4 if args.tiny else 300)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    args.name = args.name or args.figure
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.skews is None:
@@ -525,19 +527,19 @@ def main(argv=None) -> int:
         rows, targets = loss_figure(args)
         body = loss_table(rows)
         args.out.mkdir(parents=True, exist_ok=True)
-        plot_loss(rows, args.out / "fig14.png")
-        body += "\n\n![loss curves](fig14.png)"
+        plot_loss(rows, args.out / f"{args.name}.png")
+        body += f"\n\n![loss curves]({args.name}.png)"
     else:
         rows = throughput_figure(args, args.policies, args.skews, args.layouts)
         targets = check_targets(rows)
         body = locality_table(rows) if fig == "fig16" else throughput_table(rows)
         args.out.mkdir(parents=True, exist_ok=True)
         if fig == "fig12":
-            plot_throughput(rows, args.out / "fig12.png", TITLES[fig])
-            body += "\n\n![tokens/s vs skew](fig12.png)"
+            plot_throughput(rows, args.out / f"{args.name}.png", TITLES[fig])
+            body += f"\n\n![tokens/s vs skew]({args.name}.png)"
         else:
-            plot_policies(rows, args.out / f"{fig}.png", TITLES[fig])
-            body += f"\n\n![every policy]({fig}.png)"
+            plot_policies(rows, args.out / f"{args.name}.png", TITLES[fig])
+            body += f"\n\n![every policy]({args.name}.png)"
         for r in rows:
             r.pop("loss", None)
     report(args, fig, rows, targets, body)
