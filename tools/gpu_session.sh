@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -81,6 +81,26 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
   done
   tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" "$(basename "$runs")-repeats" \
     "$(basename "$runs")-fig16repeats" 2>/dev/null
+}
+
+step_scale() {  # issue 10: EP = all GPUs as 2 virtual domains (nvidia-h200-x8: 2 domains of 4; on 2 GPUs: 2 of 1);
+  # PARTS (default all; one or two per device call): tests, layer, fig12, fig13, fig16. Reports named *_ep<NGPU>.
+  local rpd=$((NGPU / 2)) runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
+  local common="--resume --runs $runs --out $OUT --ranks-per-domain $rpd --steps 25 --warmup 5"
+  for part in ${PARTS:-tests layer fig12 fig13 fig16}; do
+    case $part in
+      tests) TOPOEP_GPU_WORLD=$NGPU TOPOEP_GPU_RPD=$rpd python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
+               | tail -12 | tee "$OUT/cuda_backend_tests_ep$NGPU.log" ;;
+      layer) timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
+               --name "moe_layer_ep$NGPU" --out "$OUT" --ranks-per-domain $rpd --tokens 4096 16384 2>&1 | grep -v -i warn \
+               | tail -40 ;;
+      fig12) timeout 560 python3 bench/paper_eval.py fig12 $common --name "fig12_ep$NGPU" --skews natural 0 -2 -4 2>&1 \
+               | grep -E "^  \[|met|MISSED|Error" ;;
+      fig13|fig16) timeout 560 python3 bench/paper_eval.py $part $common --name "${part}_ep$NGPU" 2>&1 \
+               | grep -E "^  \[|met|MISSED|Error" ;;
+    esac
+  done
+  tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
 }
 
 step_fig15() {  # Fig. 15: one MoE layer's breakdown by phase, forward and backward (bench/moe_layer.py --name fig15)
