@@ -51,3 +51,13 @@ def test_swiglu_forward_matches_per_group_loop_with_given_runs():
         assert torch.allclose(h[r:r + n], hg)
         assert torch.allclose(y[r:r + n], (torch.nn.functional.silu(hg[:, :F]) * hg[:, F:]) @ fc2[g].t(), atol=1e-5)
         r += n
+
+
+def test_grouped_copies_only_where_the_grouped_gemm_applies():
+    """On the CPU (no grouped GEMM) the per-expert loop is the only path: no copies are made; the GPU side
+    (separate tensors stacked, the layer bitwise unchanged) is tests/test_runtime_gpu.py."""
+    from topoep.runtime.experts import grouped_copies
+
+    ws1 = [torch.randn(16, 8, dtype=torch.bfloat16) for _ in range(3)]
+    ws2 = [torch.randn(8, 8, dtype=torch.bfloat16) for _ in range(3)]
+    assert grouped_copies(ws1, ws2, torch.randn(4, 8, dtype=torch.bfloat16)) is None

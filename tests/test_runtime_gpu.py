@@ -81,3 +81,42 @@ def test_guard_does_not_synchronise_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert fired.item() and executed.slot_expert.cpu().tolist() == [[-1], [-1]]
+
+
+def test_backend_torch_groups_megatron_style_separate_expert_weights():
+    """megatron's experts are separate parameters (no grouped GEMM over them as they are): backend torch
+    stacks a copy per call (experts.grouped_copies), so the layer runs exactly as with one stacked
+    parameter - bitwise the same output and weight gradients - instead of a loop over the active experts."""
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime.experts import grouped_copies
+
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    E, H, Fd, T, K = 16, 256, 128, 200, 4
+    fc1 = torch.randn(E, 2 * Fd, H, device=dev, dtype=dt) * 0.05
+    fc2 = torch.randn(E, H, Fd, device=dev, dtype=dt) * 0.05
+    lists = ([torch.nn.Parameter(w.clone()) for w in fc1], [torch.nn.Parameter(w.clone()) for w in fc2])
+    assert grouped_copies(*lists, fc1) is not None and grouped_copies(list(fc1.unbind(0)), list(fc2.unbind(0)), fc1) is None
+    kw = dict(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=Topology(num_domains=1, ranks_per_domain=1),
+              num_slots=0, policy="static", backend="torch", dtype=dt, device=dev)
+    stacked = ExpertParallelMoE(**kw)
+    with torch.no_grad():
+        stacked.fc1.copy_(fc1)
+        stacked.fc2.copy_(fc2)
+    separate = ExpertParallelMoE(**kw, expert_weights=lambda: lists)
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    idx = torch.randint(0, E, (T, K), device=dev)
+    w = torch.softmax(torch.randn(T, K, device=dev), 1).to(dt)
+    gy = torch.randn(T, H, device=dev, dtype=dt)
+    ys, grads = [], []
+    for layer in (stacked, separate):
+        xr = x.clone().requires_grad_()
+        y = layer(xr, idx, w)
+        (y * gy).sum().backward()
+        ys.append(y.detach())
+        g1 = layer.fc1.grad if layer is stacked else torch.stack([p.grad for p in lists[0]])
+        g2 = layer.fc2.grad if layer is stacked else torch.stack([p.grad for p in lists[1]])
+        grads.append((xr.grad, g1, g2))
+    assert torch.equal(ys[0], ys[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

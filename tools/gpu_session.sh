@@ -69,6 +69,10 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
       timeout 330 python3 bench/paper_eval.py fig16 --resume --runs "$runs-fig16repeats" --out "$OUT/fig16repeats" \
         --backend torch --ranks-per-domain 1 --policies static topoep --layouts megatron --repeats 2 --steps 25 \
         --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
+    elif [ "$part" = torchprobe ]; then  # backend torch: static at skew -4 vs megatron's balanced routing
+      timeout 200 python3 bench/paper_eval.py fig12 --resume --runs "$runs-probe" --out "$OUT/torchprobe" \
+        --name fig12_torch_balanced_rpd2 --backend torch --ranks-per-domain 2 --policies static --skews -4 \
+        --layouts megatron --steps 20 --warmup 5 2>&1 | grep -E "^  \[|Error"
     elif [ "$part" = repeats ]; then
       timeout 330 python3 bench/paper_eval.py fig12 --resume --runs "$runs-repeats" --out "$OUT/repeats" --skews 0 -1 -4 \
         --layouts megatron --policies static topoep --repeats 3 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
@@ -80,7 +84,7 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
     fi
   done
   tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" "$(basename "$runs")-repeats" \
-    "$(basename "$runs")-fig16repeats" 2>/dev/null
+    "$(basename "$runs")-fig16repeats" "$(basename "$runs")-probe" 2>/dev/null
 }
 
 step_scale() {  # issue 10: EP = all GPUs as 2 virtual domains (nvidia-h200-x8: 2 domains of 4; on 2 GPUs: 2 of 1);

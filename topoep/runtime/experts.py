@@ -86,6 +86,21 @@ class _Segments:
         return torch.tensor([self.starts[g + 1] - base for g in range(g0, g1)], dtype=torch.int32).to(device)
 
 
+def grouped_copies(fc1: list[torch.Tensor], fc2: list[torch.Tensor],
+                   x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Stacked copies of per-expert weights that are separate tensors (megatron's `local_experts.{i}`
+    parameters), as views of one buffer each, where the grouped GEMM applies (CUDA, bf16, aligned):
+    otherwise every expert with rows would be a loop iteration of its own (several kernels and host work
+    each), whose cost grows with the number of active experts. None where nothing is to gain (the
+    weights already form one run, or the loop is the only path, as on the CPU)."""
+    if len(fc1) < 2 or not _grouped_ok(x, fc1[0][None], fc2[0][None]):
+        return None
+    if stacked_view(fc1) is not None and stacked_view(fc2) is not None:
+        return None
+    return (list(torch.stack([w.detach() for w in fc1]).unbind(0)),
+            list(torch.stack([w.detach() for w in fc2]).unbind(0)))
+
+
 def weight_runs(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> list:
     """The runs of a weight list pair (module docstring), to pass as `runs=` when several grouped calls
     share the same weights (each computation of them walks every weight on the host)."""

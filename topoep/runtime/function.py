@@ -25,7 +25,7 @@ import torch
 
 from topoep.plan import Plan
 from topoep.runtime.backend import _Done
-from topoep.runtime.experts import swiglu_dgrad, swiglu_forward, swiglu_wgrad, weight_runs
+from topoep.runtime.experts import grouped_copies, swiglu_dgrad, swiglu_forward, swiglu_wgrad, weight_runs
 from topoep.runtime.layout import ChunkLayout
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
@@ -80,7 +80,8 @@ class ExpertParallelFunction(torch.autograd.Function):
         with phase(tm, "fetch", collective=True):
             be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
-        W1, W2 = fc1 + s1, fc2 + s2
+        m1, m2 = grouped_copies(fc1, fc2, x) or (fc1, fc2)  # megatron's separate experts: one grouped GEMM
+        W1, W2 = m1 + s1, m2 + s2
         runs = weight_runs(W1, W2)  # once for both chunks (a host walk over every weight)
         k = call.top_k
         out = x.new_empty(call.num_tokens * k, x.shape[1])
@@ -112,7 +113,10 @@ class ExpertParallelFunction(torch.autograd.Function):
         with phase(tm, "fetch", collective=True):
             be.fetch_replicas(call.plan, fc1, fc2, pool)
         s1, s2 = pool.slot_weights()
-        W1, W2 = fc1 + s1, fc2 + s2
+        # stacked again rather than kept from forward: a copy of every local expert per layer would stay
+        # in memory until backward
+        m1, m2 = grouped_copies(fc1, fc2, grad_out) or (fc1, fc2)
+        W1, W2 = m1 + s1, m2 + s2
         runs = weight_runs(W1, W2)
         grad_out = grad_out.contiguous()
         sent = [_comm(tm, be.dispatch, grad_out[ch.send_idx], *_splits(ch)) for ch in call.chunks]
