@@ -70,7 +70,7 @@ step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU
         --backend torch --ranks-per-domain 1 --policies static topoep --layouts megatron --repeats 2 --steps 25 \
         --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
     elif [ "$part" = torchprobe ]; then  # backend torch: static at skew -4 vs megatron's balanced routing
-      timeout 200 python3 bench/paper_eval.py fig12 --resume --runs "$runs-probe" --out "$OUT/torchprobe" \
+      timeout 200 python3 bench/paper_eval.py fig12 --runs "$runs-probe" --out "$OUT/torchprobe" \
         --name fig12_torch_balanced_rpd2 --backend torch --ranks-per-domain 2 --policies static --skews -4 \
         --layouts megatron --steps 20 --warmup 5 2>&1 | grep -E "^  \[|Error"
     elif [ "$part" = repeats ]; then
