@@ -86,6 +86,10 @@ class EplbConfig:
     backend: str = "torch"
     """Execution backend of the TopoEP layer: torch (collectives; CPU and GPU) or cuda (GPU-native, one
     NVLink domain, bf16, no host synchronisation)."""
+    transport: str = "peer"
+    """backend cuda's data movement: peer (peer pointers, the EP group on one host) or a2a (NVSHMEM
+    all-to-alls with device-side splits, across hosts; on one host it plans virtual domains' traffic
+    through the path real RDMA takes)."""
     num_chunks: int = 2
     """Token chunks of the pipeline (paper 3.3)."""
     t_ffn: float | None = None
@@ -112,6 +116,13 @@ class EplbConfig:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"eplb.backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        from topoep.runtime.backend import TRANSPORTS
+
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"eplb.transport={self.transport!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
+        if self.transport != "peer" and self.backend != "cuda":
+            raise ValueError(f"eplb.transport={self.transport} applies to eplb.backend=cuda (got backend "
+                             f"{self.backend}): set eplb.backend=cuda, or leave eplb.transport=peer")
         if not isinstance(self.guard, bool):
             raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")

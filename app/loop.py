@@ -125,7 +125,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
     vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
     tc = setup.transformer_config(mc, par, tr, job.router)
     topoep_cfg = (TopoEPLayerConfig(topology=topology, policy=ec.policy, num_slots=ec.num_slots, backend=ec.backend,
-                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec), guard=ec.guard)
+                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec), guard=ec.guard,
+                                    transport=ec.transport)
                   if ec.enabled else None)
     model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
                             rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,

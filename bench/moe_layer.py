@@ -298,6 +298,8 @@ def parse_args(argv):
     ap.add_argument("--unguarded", action="store_true", help="also run every balancing policy with the guard off")
     ap.add_argument("--no-megatron", action="store_true", help="skip megatron-core's alltoall layer")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
+    ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
+                    help="backend cuda's data movement: peer pointers (one host) or NVSHMEM all-to-alls (a2a)")
     ap.add_argument("--ranks-per-domain", type=int, default=None, help="virtual NVLink domain size (default: all)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 20; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up iterations per case (default 3; tiny 1)")
@@ -362,7 +364,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
     for be, policy, guard in variants:
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
-                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens)
+                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,
+                                  transport=args.transport if be == "cuda" else "peer")
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
@@ -499,7 +502,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "# One MoE layer: forward + backward time under skewed routing vs the balanced bound (Fig. 15 breakdown)\n",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
-        f"top-{args.topk}, {dtype}; {args.slots} replica slots; routing seed {args.seed}; megatron experts: "
+        f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
+        f"routing seed {args.seed}; megatron experts: "
         f"{experts_module or 'not run'}",
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
         "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "

@@ -12,7 +12,8 @@
 The EP size is TOPOEP_GPU_WORLD (default 2) and the (virtual) domain size TOPOEP_GPU_RPD (default: all ranks
 in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
-host).
+host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
+peer pointers.
 """
 
 import os
@@ -24,6 +25,7 @@ from distributed import run_ranks
 
 WORLD = int(os.environ.get("TOPOEP_GPU_WORLD", "2"))
 RPD = int(os.environ.get("TOPOEP_GPU_RPD", str(WORLD)))
+TRANSPORT = os.environ.get("TOPOEP_GPU_TRANSPORT", "peer")  # a2a: NVSHMEM all-to-alls (a2a.py)
 if WORLD < 2 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 2 ranks and a "
                      "domain size that divides it")
@@ -74,7 +76,7 @@ def _payload(rank, world, policy):
     dev = _setup(rank)
     E, N = world * E_LOC, 2
     G = E_LOC + N
-    be = CudaBackend()
+    be = CudaBackend(transport=TRANSPORT)
     ws = be.workspace(T, K, E, N, H, torch.bfloat16, dev)
     results = []
     for seed in range(3):
@@ -165,6 +167,7 @@ def _layer_errors(rank, world, policies, num_slots):
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo,
                                       num_slots=num_slots, policy=policy, backend=backend.split("-")[0],
                                       dtype=torch.bfloat16, device=dev, guard=False,
+                                      transport=TRANSPORT if backend != "torch" else "peer",
                                       expert_weights=(lambda lists=lists: lists) if lists else None)
             if lists is None:
                 with torch.no_grad():
@@ -221,7 +224,7 @@ def _sync_free_and_graph(rank, world):
     E = world * E_LOC
     topo = _topology()
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
-                              policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev)
+                              policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev, transport=TRANSPORT)
     batches = [tuple(t.to(dev) for t in b[rank]) for b in (_routing(world, s, 3.0, dev) for s in range(3))]
 
     def step(x, idx, w, gy, backward=True):

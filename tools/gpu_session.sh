@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -29,6 +29,15 @@ step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense re
 step_cuda() {  # backend cuda on 2 GPUs: payloads, vs backend torch for every policy, no host sync, graph replay
   python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -25 | tee "$OUT/cuda_backend_tests.log"
   python3 tools/sync_audit.py 2>&1 | grep -v -i "userwarning\|warnings.warn" | tail -40 | tee "$OUT/sync_audit.log"
+}
+
+step_a2a() {  # backend cuda's NVSHMEM transport (a2a.py) with the 2 GPUs as 2 virtual domains: its GPU tests, then
+  # one MoE layer on it beside the peer-pointer transport (bench/moe_layer.py --transport a2a)
+  TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=$((NGPU / 2)) python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
+    | tail -25 | tee "$OUT/cuda_backend_a2a_tests.log"
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py --name moe_layer_a2a \
+    --out "$OUT" --transport a2a --ranks-per-domain $((NGPU / 2)) --backends cuda --tokens 4096 --no-megatron 2>&1 \
+    | grep -v -i warn | tail -30
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency

@@ -29,6 +29,8 @@ class TopoEPLayerConfig:
     policy: str = "topoep"
     num_slots: int = 2
     backend: str = "torch"
+    transport: str = "peer"
+    """backend "cuda": "peer" (one host) or "a2a" (NVSHMEM, any hosts)."""
     num_chunks: int = 2
     t_ffn: float = DEFAULT_T_FFN
     guard: bool | NetBenefitGuard = True
@@ -80,7 +82,7 @@ class TopoEPMoELayer(MoELayer):
             policy=topoep.policy, group=self.ep_group, backend=topoep.backend, dtype=config.params_dtype,
             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
             num_chunks=topoep.num_chunks, expert_weights=lambda: expert_weight_lists(self.experts),
-            t_ffn=topoep.t_ffn, guard=topoep.guard)
+            t_ffn=topoep.t_ffn, guard=topoep.guard, transport=topoep.transport)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:

@@ -159,11 +159,19 @@ def e_main(e: int, experts_per_rank: int) -> int:
 BACKENDS = ("torch", "cuda")
 
 
-def make_backend(name: str, group=None, max_tokens: int | None = None):
+TRANSPORTS = ("peer", "a2a")
+
+
+def make_backend(name: str, group=None, max_tokens: int | None = None, transport: str = "peer"):
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if name == "torch":
+        if transport != "peer":
+            raise ValueError(f"transport {transport!r} is backend 'cuda''s; backend 'torch' moves data with "
+                             "torch.distributed collectives (leave transport='peer')")
         return TorchBackend(group)
     if name == "cuda":
-        return CudaBackend(group, max_tokens)
+        return CudaBackend(group, max_tokens, transport)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -173,14 +181,18 @@ class CudaBackend:
     rank, every rank of the group on one NVLink domain (one host), and bf16 expert weights.
 
     max_tokens: the most tokens any rank passes to one layer call; the worst-case buffers hold
-    EP size x max_tokens x top_k rows. Default: the first call's T (megatron's micro-batch shape is fixed)."""
+    EP size x max_tokens x top_k rows. Default: the first call's T (megatron's micro-batch shape is fixed).
+
+    transport: "peer" (symm.py: peer pointers, every rank of the group on one host) or "a2a" (a2a.py:
+    NVSHMEM all-to-alls with split sizes on the device, across hosts too; on one host it runs 2 GPUs as
+    virtual domains through the same path as real RDMA)."""
 
     name = "cuda"
     # the forward fetch, the backward reload and the gradient return wait on the stream (no prefetch yet)
     exposed_replica_transfers = 3
     host_splits = False
 
-    def __init__(self, group=None, max_tokens: int | None = None):
+    def __init__(self, group=None, max_tokens: int | None = None, transport: str = "peer"):
         if not torch.cuda.is_available():
             raise ValueError("backend 'cuda' needs a CUDA GPU; use backend='torch' on the CPU")
         if not (dist.is_available() and dist.is_initialized()):
@@ -191,14 +203,16 @@ class CudaBackend:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.transport = transport
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
-            raise ValueError(f"backend 'cuda' moves data through peer pointers inside one host, but this EP group spans "
-                             f"{len(set(hosts))} hosts; its inter-node path (NVSHMEM) is not built yet: use "
-                             "backend='torch' (eplb.backend=torch)")
+        if transport == "peer" and len(set(hosts)) > 1:
+            raise ValueError(f"backend 'cuda' with transport 'peer' moves data through peer pointers inside one host, "
+                             f"but this EP group spans {len(set(hosts))} hosts: use transport='a2a' "
+                             "(eplb.transport=a2a, NVSHMEM) or backend='torch'")
         self.max_tokens = max_tokens
         self._max_rows = None
+        self._exchange = None
 
     def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device):
         """The process-wide symmetric buffers for calls of this shape (created on first use: collective)."""
@@ -212,10 +226,28 @@ class CudaBackend:
                              "call's T): pass max_tokens=<the largest T> to ExpertParallelMoE")
         E_loc = num_experts // self.world_size
         G = E_loc + num_slots
+        if self.transport == "a2a":
+            from topoep.runtime.a2a import A2AWorkspace
+
+            return A2AWorkspace.shared(self.exchange(device), G, E_loc, self._max_rows, hidden, dtype)
         return SymmWorkspace.shared(self.group, G, E_loc, max(num_experts, self.world_size * G), self._max_rows,
                                     hidden, dtype, device)
 
     def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device):
         from topoep.runtime.symm import SymmReplicaPool
 
-        return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device) if num_slots else None
+        if not num_slots:
+            return None
+        if self.transport == "a2a":
+            from topoep.runtime.a2a import A2AReplicaPool
+
+            return A2AReplicaPool.shared(self.exchange(device), num_slots, hidden, ffn_hidden, dtype)
+        return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device)
+
+    def exchange(self, device):
+        """transport 'a2a': the process's NVSHMEM exchange of this group (created on first use: collective)."""
+        if self._exchange is None:
+            from topoep.runtime.a2a import NvshmemExchange
+
+            self._exchange = NvshmemExchange.shared(self.group, device)
+        return self._exchange

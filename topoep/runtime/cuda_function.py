@@ -61,13 +61,6 @@ def stack_experts(ws: list[torch.Tensor]) -> torch.Tensor:
     return v if v is not None else torch.stack([w.detach() for w in ws])
 
 
-def expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
-    """int64[E_loc] device addresses of each expert of a stacked weight, computed on the device."""
-    n = stacked.shape[0]
-    return torch.arange(n, dtype=torch.int64, device=stacked.device) * (stacked[0].numel() * stacked.element_size()) \
-        + stacked.data_ptr()
-
-
 # Grouped SwiGLU over worst-case-sized row buffers: x [cap, H] holds the groups' rows first (n = offs[-1]
 # of them, a device value); rows past n are never computed on (the activations are Triton kernels that
 # read n on the device) and never read. w1 [G, 2F, H], w2 [G, H, F].
@@ -98,7 +91,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         se = call.plan.slot_expert
         if pool is not None:
             with phase(tm, "fetch", collective=True):
-                pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
+                pool.fetch(se, W1, W2, call.experts_per_rank)
         with phase(tm, "dispatch_combine", collective=True):
             rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot)
             n_main, n_slot = call.n_main, call.n_slot
@@ -127,7 +120,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         se = call.plan.slot_expert
         if pool is not None:  # the slots were reused by later layers: reload this layer's replicas
             with phase(tm, "fetch", collective=True):
-                pool.fetch(se, expert_ptrs(W1), expert_ptrs(W2), call.experts_per_rank)
+                pool.fetch(se, W1, W2, call.experts_per_rank)
         with phase(tm, "dispatch_combine", collective=True):
             gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot)
         n_main, n_slot, offs_m, offs_s = call.n_main, call.n_slot, call.offs_main, call.offs_slot

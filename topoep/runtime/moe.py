@@ -65,6 +65,8 @@ class ExpertParallelMoE(nn.Module):
             time; never runs for policy "static" or without slots. `pop_stats` counts how often it fired.
         max_tokens: backend "cuda" only: the most tokens per rank of one call (its worst-case buffers hold
             EP size x max_tokens x k rows); default the first call's T.
+        transport: backend "cuda" only: "peer" (peer pointers; the EP group on one host) or "a2a" (NVSHMEM
+            all-to-alls with device-side splits; any hosts, `a2a.py`).
 
     Attributes:
         timer: a `PhaseTimer` to time the phases of every call (benchmarks; serialises the pipeline),
@@ -75,7 +77,7 @@ class ExpertParallelMoE(nn.Module):
                  num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
                  device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
                  pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN,
-                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None):
+                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None, transport: str = "peer"):
         super().__init__()
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
@@ -97,7 +99,7 @@ class ExpertParallelMoE(nn.Module):
         if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
             raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
         self.guard = NetBenefitGuard.build(guard)
-        self.backend = make_backend(backend, group, max_tokens)
+        self.backend = make_backend(backend, group, max_tokens, transport)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
                              "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")

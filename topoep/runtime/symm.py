@@ -300,6 +300,13 @@ class SymmWorkspace:
         return dst
 
 
+def _expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
+    """int64[E_loc] device addresses of each expert of a stacked weight, computed on the device."""
+    n = stacked.shape[0]
+    return torch.arange(n, dtype=torch.int64, device=stacked.device) * (stacked[0].numel() * stacked.element_size()) \
+        + stacked.data_ptr()
+
+
 class SymmReplicaPool:
     """A `ReplicaPool` whose slots live in symmetric memory, with the gradient-return regions beside
     it (module docstring). fc1 [N, 2F, H], fc2 [N, H, F]; ret1 [R * N, 2F * H], ret2 [R * N, H * F]."""
@@ -336,14 +343,15 @@ class SymmReplicaPool:
     def nbytes(self) -> int:
         return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
 
-    def fetch(self, slot_expert: torch.Tensor, main1_ptrs: torch.Tensor, main2_ptrs: torch.Tensor, e_loc: int) -> None:
-        """Every main rank pushes its replicated experts into the slots the plan gives them. No barrier of
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
+        """Every main rank pushes its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F], stacked)
+        into the slots the plan gives them. No barrier of
         its own: the layer calls it right before a dispatch, whose first barrier publishes the slots before
         anyone computes with them; and before it, every rank passed a barrier after its last use of its
         slots (this call's count all-gathers in forward, the previous gradient return in backward)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
-        for ptrs, buf in ((main1_ptrs, self._fc1), (main2_ptrs, self._fc2)):
+        for ptrs, buf in ((_expert_ptrs(W1), self._fc1), (_expert_ptrs(W2), self._fc2)):
             numel = buf.tensor[0].numel()
             _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
                                                                       self.num_slots, numel, CHUNK=COPY_CHUNK)

@@ -1,0 +1,128 @@
+"""Backend cuda's a2a transport (topoep/runtime/a2a.py) on the CPU: the workspace and replica pool over
+gloo all-to-alls (`GlooExchange`) in 4 processes as 2 domains of 2, with plans that cross domains.
+
+- dispatch puts every row at the position layout.receive_positions gives it (rows carry their source
+  and token), and combine brings every row back to its assignment;
+- fetch fills every slot with its expert's main weights; return_grads adds every slot's gradient to its
+  expert's main rank (integer-valued, so the sums are exact);
+- bad transport settings are refused with the fix named.
+The NVSHMEM exchange itself runs on the GPU machine (tests/test_cuda_backend_gpu.py, TOPOEP_GPU_TRANSPORT=a2a).
+"""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+E_LOC, N, T, K, H, F = 3, 2, 24, 2, 4, 2
+
+
+def _plan(rank, world, policy, exchange):
+    from topoep import Topology, solve
+    from topoep.runtime.layout import count_keys
+
+    E = world * E_LOC
+    g = torch.Generator().manual_seed(100 + rank)
+    bias = torch.zeros(E)
+    bias[:E_LOC] = 3.0  # hot experts on rank 0: balancing replicates them, across domains too
+    idx = torch.topk(torch.randn(T, E, generator=g) + bias, K, dim=1).indices
+    omega = exchange.all_gather(count_keys(idx, E))
+    plan = solve(omega, Topology(num_domains=2, ranks_per_domain=world // 2), num_slots=N, policy=policy,
+                 expert_bytes=1000, token_bytes=10)
+    return idx, plan
+
+
+def _rows_go_and_return(rank, world, policy):
+    import torch.distributed as dist
+
+    from topoep.runtime.a2a import A2AWorkspace, GlooExchange
+    from topoep.runtime.layout import assignment_instances, count_keys, local_group, receive_positions
+
+    ex = GlooExchange()
+    idx, plan = _plan(rank, world, policy, ex)
+    G = E_LOC + N
+    ws = A2AWorkspace(ex, G, E_LOC, T * K, H, torch.float32)
+    inst = assignment_instances(idx, plan, rank)
+    key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
+    C = ws.all_gather(count_keys(key, world * G), 1).view(world, world, G)
+    dest, pos, is_slot = receive_positions(C, key, rank, E_LOC)
+    x = torch.zeros(T, H)
+    x[:, 0] = rank
+    x[:, 1] = torch.arange(T)
+    x[:, 2] = torch.arange(T) * 7 % 5
+    recv_main, recv_slot = ws.dispatch(x, order, K, dest, pos, is_slot)
+    # where every rank's rows should land here
+    sent = [None] * world
+    dist.all_gather_object(sent, (dest.tolist(), pos.tolist(), is_slot.tolist(), (order // K).tolist()))
+    placed = 0
+    for s, (d, p, sl, tok) in enumerate(sent):
+        for di, pi, si, ti in zip(d, p, sl, tok):
+            if di != rank:
+                continue
+            got = (recv_slot if si else recv_main)[pi]
+            assert got[0] == s and got[1] == ti, (s, ti, got)
+            placed += 1
+    n_main, n_slot = (C[:, rank, :E_LOC].sum().view(1), C[:, rank, E_LOC:].sum().view(1))
+    assert placed == int(n_main + n_slot)
+    out = ws.combine(recv_main * 2 + 1, recv_slot * 2 + 1, n_main, n_slot, T * K)
+    expect = (x * 2 + 1).repeat_interleave(K, 0)
+    assert torch.equal(out, expect)
+    return int(n_slot), int((plan.instance_rank[inst] // (world // 2) != rank // (world // 2)).sum())
+
+
+@pytest.mark.parametrize("policy", ["static", "topoep", "deepseek"])
+def test_rows_arrive_in_the_layout_and_come_back(policy):
+    res = run_ranks(_rows_go_and_return, 4, policy)
+    slot_rows, cross = sum(r[0] for r in res), sum(r[1] for r in res)
+    assert cross > 0  # rows crossed the domain boundary
+    assert slot_rows == 0 if policy == "static" else slot_rows > 0  # replicas served rows
+
+
+def _replicas_and_gradients(rank, world, policy):
+    from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
+
+    ex = GlooExchange()
+    _, plan = _plan(rank, world, policy, ex)
+    pool = A2AReplicaPool(ex, N, H, F, torch.float32)
+    e0 = rank * E_LOC
+    W1 = torch.stack([torch.full((2 * F, H), float(e0 + i)) + torch.arange(H) for i in range(E_LOC)])
+    W2 = torch.stack([torch.full((H, F), -float(e0 + i)) for i in range(E_LOC)])
+    se = plan.slot_expert
+    pool.fetch(se, W1, W2, E_LOC)
+    filled = 0
+    for j in range(N):
+        e = int(se[rank, j])
+        if e >= 0:
+            assert torch.equal(pool.fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
+            assert torch.equal(pool.fc2[j], torch.full((H, F), -float(e)))
+            filled += 1
+    # gradients: slot j of rank s holds (s + 1) * 10 + j; the main rank sums them per expert
+    for j in range(N):
+        pool.fc1[j].fill_((rank + 1) * 10 + j)
+        pool.fc2[j].fill_(-((rank + 1) * 10 + j))
+    g1, g2 = torch.ones(E_LOC, 2 * F, H), torch.zeros(E_LOC, H, F)
+    pool.return_grads(se, g1, g2, E_LOC)
+    for i in range(E_LOC):
+        want = sum((s + 1) * 10 + j for s in range(world) for j in range(N) if int(se[s, j]) == e0 + i)
+        assert torch.equal(g1[i], torch.full((2 * F, H), 1.0 + want))
+        assert torch.equal(g2[i], torch.full((H, F), -float(want)))
+    return filled
+
+
+@pytest.mark.parametrize("policy", ["topoep", "deepseek"])
+def test_replicas_are_fetched_and_gradients_return_summed(policy):
+    assert sum(run_ranks(_replicas_and_gradients, 4, policy)) > 0
+
+
+def test_transport_settings_are_checked():
+    from app.config import EplbConfig
+    from topoep.runtime.backend import make_backend
+
+    with pytest.raises(ValueError, match="backend 'cuda''s"):
+        make_backend("torch", transport="a2a")
+    with pytest.raises(ValueError, match="unknown transport 'rdma'"):
+        make_backend("torch", transport="rdma")
+    with pytest.raises(ValueError, match="eplb.transport=a2a applies to eplb.backend=cuda"):
+        EplbConfig(name="topoep", backend="torch", transport="a2a")
+    with pytest.raises(ValueError, match="eplb.transport='x' is unknown"):
+        EplbConfig(name="topoep", backend="cuda", transport="x")

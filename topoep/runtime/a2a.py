@@ -1,0 +1,276 @@
+"""Backend `cuda`'s transport between ranks that need not share an NVLink domain (transport="a2a"): token
+rows, replica weights and replica gradients move with all-to-alls whose split sizes stay on the device.
+
+On GPUs the all-to-all is torch's NVSHMEM op `symm_mem.all_to_all_vdev` (NVLink inside a node, the NIC
+between nodes; `NvshmemExchange`); the CPU tests run the same code over gloo with host splits
+(`GlooExchange`). `A2AWorkspace` and `A2AReplicaPool` have the interface of `symm.SymmWorkspace` and
+`symm.SymmReplicaPool`, whose peer-pointer kernels only reach the ranks of one host, so the layer
+(cuda_function.py) runs unchanged on either transport.
+
+Every size the host sees is fixed by the shapes (worst-case buffers, cap = R * A_cap rows), so nothing
+reads a count on the host. Where a row lands is decided by data that travels with it or that every rank
+already has:
+    dispatch    rows go in send order (destination-major: the layout's sort), with int64 metadata
+                (source, pos, slot) beside them; the receiver copies each row to `pos` of its main or
+                slot buffer (the group-major layout of layout.receive_positions). Rows arrive packed
+                in source order, and rows that did not arrive keep metadata -1.
+    combine     each receiver sends the results back in the order the rows arrived, split by source,
+                so every source gets its rows back in its own send order: out[order[i]] = row i.
+    fetch       the main rank sends its expert's weights to every slot that replicates it, in (rank,
+                slot) order; the plan is the same on every rank, so the receiver knows which row is
+                which slot.
+    grad return each slot sends its weight gradient to its expert's main rank; the main rank sums them
+                in (source, slot) order in fp32 as one 0/1 matrix product (deterministic).
+The worst-case buffers of the replica transfers hold 2 R N + 2 N expert weights per rank (a main rank may
+feed every slot of the group, and receive every slot's gradient): about 340 MB at EP 8 with 2 slots for the
+Qwen3 expert shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from topoep.runtime.layout import count_keys
+
+
+class GlooExchange:
+    """The all-to-all over torch.distributed with host split sizes (gloo; the CPU tests)."""
+
+    def __init__(self, group=None, device="cpu"):
+        self.group = group
+        self.R, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = torch.device(device)
+
+    def buffer(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, in_splits: torch.Tensor) -> None:
+        """Rows send[:sum(in_splits)] (destination-major, in_splits[d] for rank d) -> recv, packed in
+        source order from row 0; recv's later rows keep their contents."""
+        ins = in_splits.to(torch.int64).cpu()
+        outs = torch.empty_like(ins)
+        dist.all_to_all_single(outs, ins, group=self.group)
+        ins, outs = ins.tolist(), outs.tolist()
+        dist.all_to_all_single(recv[:sum(outs)], send[:sum(ins)].contiguous(), outs, ins, group=self.group)
+
+    def all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(row) for _ in range(self.R)]
+        dist.all_gather(out, row.contiguous(), group=self.group)
+        return torch.stack(out)
+
+
+class NvshmemExchange:
+    """The all-to-all as torch's NVSHMEM op (split sizes on the device; no host synchronisation). The
+    process's symmetric memory must use the NVSHMEM backend, chosen before its first allocation."""
+
+    def __init__(self, group=None, device="cuda"):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        if not symm_mem.is_nvshmem_available():
+            raise ValueError("transport 'a2a' needs NVSHMEM (nvidia-nvshmem-cu13 with torch's NVSHMEM build); "
+                             "use transport='peer' on one host")
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except RuntimeError as err:  # another backend already allocated in this process
+            raise ValueError(f"transport 'a2a' needs symmetric memory on NVSHMEM, but this process already uses "
+                             f"another backend ({err}); use one transport per process") from err
+        self.group = group or dist.group.WORLD
+        self.group_name = self.group.group_name
+        self.R, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.device = torch.device(device)
+        self._handles = []
+        self._splits = self.buffer((self.R,), torch.int64)
+        self._splits_offsets = self.buffer((2, self.R), torch.int64)
+
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, group, device):
+        """One exchange per (group, device) in the process: every layer's workspace and pool use it."""
+        key = ((group or dist.group.WORLD).group_name, torch.device(device))
+        if key not in cls._shared:
+            cls._shared[key] = cls(group, device)
+        return cls._shared[key]
+
+    def buffer(self, shape, dtype) -> torch.Tensor:
+        t = self._symm.empty(*shape, dtype=dtype, device=self.device)
+        t.zero_()
+        self._handles.append(self._symm.rendezvous(t, self.group_name))
+        return t
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, in_splits: torch.Tensor) -> None:
+        self._splits.copy_(in_splits)
+        self._handles[0].barrier(channel=0)  # every rank is done with the previous contents of its buffers
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, self._splits, self._splits_offsets, self.group_name)
+
+    def all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.R * row.numel(), dtype=row.dtype, device=row.device)
+        dist.all_gather_into_tensor(out, row.contiguous().view(-1), group=self.group)
+        return out.view(self.R, row.numel())
+
+
+class A2AWorkspace:
+    """`symm.SymmWorkspace`'s operations over an exchange (module docstring). One per (exchange, sizes),
+    shared by every layer; creating one is collective on GPUs."""
+
+    _shared: dict = {}
+
+    def __init__(self, exchange, num_groups: int, experts_per_rank: int, a_cap: int, hidden: int, dtype):
+        ex = self.exchange = exchange
+        self.R, self.rank, self.device = ex.R, ex.rank, ex.device
+        self.G, self.e_loc, self.a_cap, self.H = num_groups, experts_per_rank, a_cap, hidden
+        self.cap = self.R * a_cap
+        self.send, self.recv = ex.buffer((a_cap, hidden), dtype), ex.buffer((self.cap, hidden), dtype)
+        self.meta_send, self.meta_recv = ex.buffer((a_cap,), torch.int64), ex.buffer((self.cap,), torch.int64)
+        self.back_send, self.back_recv = ex.buffer((self.cap, hidden), dtype), ex.buffer((a_cap, hidden), dtype)
+        # the receive buffers in the layer's layout, with one spare row that takes what did not arrive
+        self.recv_main = torch.zeros(self.cap + 1, hidden, dtype=dtype, device=self.device)
+        has_slots = num_groups > experts_per_rank
+        self.recv_slot = torch.zeros(self.cap + 1, hidden, dtype=dtype, device=self.device) if has_slots else None
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)  # rows are checked on the host
+        self._arrived = None  # (valid, is_slot, pos, source) of the last dispatch's received rows
+        self._order = None
+
+    @classmethod
+    def shared(cls, exchange, num_groups, experts_per_rank, a_cap, hidden, dtype):
+        key = (id(exchange), num_groups, experts_per_rank, a_cap, hidden, dtype)
+        ws = cls._shared.get(key)
+        if ws is None:
+            ws = cls._shared[key] = cls(exchange, num_groups, experts_per_rank, a_cap, hidden, dtype)
+        return ws
+
+    def all_gather(self, row: torch.Tensor, which: int) -> torch.Tensor:
+        """int64[n] on every rank -> int64[R, n] (`which` only matters to the peer-pointer workspace)."""
+        return self.exchange.all_gather(row)
+
+    def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
+                 is_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer; `dest`
+        ascends (the send order). Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the
+        received counts are stale."""
+        A = order.numel()
+        if A > self.a_cap:
+            raise ValueError(f"{A} rows to send but the a2a workspace holds {self.a_cap} per rank (max_tokens x "
+                             "top_k): pass max_tokens=<the largest T> to ExpertParallelMoE")
+        self.send[:A] = src.index_select(0, order // row_div)
+        self.meta_send[:A] = ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64)
+        self.meta_recv.fill_(-1)
+        splits = count_keys(dest, self.R)
+        self.exchange.all_to_all(self.meta_send, self.meta_recv, splits)
+        self.exchange.all_to_all(self.send, self.recv, splits)
+        m = self.meta_recv
+        valid = m >= 0
+        slot = (m & 1).bool() & valid
+        at = (m.clamp(min=0) >> 1)
+        p, source = at % (self.cap + 1), at // (self.cap + 1)
+        spare = torch.full_like(p, self.cap)
+        self.recv_main.index_copy_(0, torch.where(valid & ~slot, p, spare), self.recv)
+        if self.recv_slot is not None:
+            self.recv_slot.index_copy_(0, torch.where(slot, p, spare), self.recv)
+        self._arrived = (valid, slot, p.clamp(max=self.cap - 1), torch.where(valid, source, self.R))
+        self._order = order
+        return self.recv_main[:self.cap], (self.recv_slot[:self.cap] if self.recv_slot is not None else None)
+
+    def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
+                n_slot: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+        """The reverse of the last dispatch: row pos of the main / slot results goes back to the source
+        that sent it, at its assignment index. Returns a new [num_rows, H] tensor."""
+        valid, slot, p, source = self._arrived
+        rows = y_main.index_select(0, p)
+        if y_slot is not None:
+            rows = torch.where(slot[:, None], y_slot.index_select(0, p), rows)
+        self.back_send.copy_(rows)
+        self.exchange.all_to_all(self.back_send, self.back_recv, count_keys(source, self.R + 1)[:self.R])
+        order = self._order
+        out = y_main.new_empty(num_rows, y_main.shape[1])
+        out.index_copy_(0, order, self.back_recv[:order.numel()])
+        return out
+
+    def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """A copy of src that later dispatches do not overwrite (rows past n are stale either way)."""
+        return src.clone()
+
+
+def _owner(se: torch.Tensor, e_loc: int) -> torch.Tensor:
+    """Main rank of each slot's expert; -1 for an empty slot."""
+    return torch.where(se >= 0, se.div(e_loc, rounding_mode="floor"), -1)
+
+
+class A2AReplicaPool:
+    """`symm.SymmReplicaPool`'s operations over an exchange: slots fc1 [N, 2F, H], fc2 [N, H, F]."""
+
+    _shared: dict = {}
+
+    def __init__(self, exchange, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype):
+        ex = self.exchange = exchange
+        self.R, self.rank, self.num_slots = ex.R, ex.rank, num_slots
+        H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
+        self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
+        self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
+        self._bufs = [dict(send=ex.buffer((RN, w[0].numel()), dtype), recv=ex.buffer((N, w[0].numel()), dtype),
+                           gsend=ex.buffer((N, w[0].numel()), dtype), grecv=ex.buffer((RN, w[0].numel()), dtype))
+                      for w in (self.fc1, self.fc2)]
+
+    @classmethod
+    def shared(cls, exchange, num_slots, hidden_size, ffn_hidden_size, dtype):
+        key = (id(exchange), num_slots, hidden_size, ffn_hidden_size, dtype)
+        pool = cls._shared.get(key)
+        if pool is None:
+            pool = cls._shared[key] = cls(exchange, num_slots, hidden_size, ffn_hidden_size, dtype)
+        return pool
+
+    def slot_weights(self):
+        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
+        """Every main rank sends the weights of its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F])
+        to the slots the plan gives them."""
+        R, N, me = self.R, self.num_slots, self.rank
+        se = slot_expert.reshape(-1)
+        f = torch.arange(R * N, device=se.device)
+        mine = _owner(se, e_loc) == me
+        send_order = torch.argsort(torch.where(mine, f, R * N + f), stable=True)  # mine first, (rank, slot) order
+        local = (se - me * e_loc).clamp(0, e_loc - 1).index_select(0, send_order)
+        splits = count_keys(torch.where(mine, f // N, R), R + 1)[:R]
+        # my slot j's row: rows come in (source rank, slot) order, from the slots filled
+        se_me = slot_expert.reshape(R, N)[me]
+        j = torch.arange(N, device=se.device)
+        key = torch.where(se_me >= 0, _owner(se_me, e_loc) * N + j, R * N + j)
+        row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
+        for W, slots, b in ((W1, self.fc1, self._bufs[0]), (W2, self.fc2, self._bufs[1])):
+            b["send"].copy_(W.reshape(e_loc, -1).index_select(0, local))
+            self.exchange.all_to_all(b["send"], b["recv"], splits)
+            slots.view(N, -1).copy_(b["recv"].index_select(0, row_of))
+
+    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
+        """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
+        grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F], summed in (source rank, slot) order in fp32."""
+        R, N, me = self.R, self.num_slots, self.rank
+        se = slot_expert.reshape(-1)
+        se_me = se.view(R, N)[me]
+        j = torch.arange(N, device=se.device)
+        dest = _owner(se_me, e_loc)
+        send_order = torch.argsort(torch.where(dest >= 0, dest * N + j, R * N + j), stable=True)
+        splits = count_keys(torch.where(dest >= 0, dest, R), R + 1)[:R]
+        # received row k is the k-th slot (source, slot) of the group whose expert is mine
+        owned = _owner(se, e_loc) == me
+        k = torch.cumsum(owned.to(torch.int64), 0) - 1
+        M = torch.zeros(e_loc + 1, R * N, dtype=torch.float32, device=se.device)
+        rows = torch.where(owned, se - me * e_loc, e_loc)
+        M.index_put_((rows, torch.where(owned, k, 0)), torch.ones_like(k, dtype=torch.float32))
+        M = M[:e_loc]
+        arrived = (torch.arange(R * N, device=se.device) < owned.sum())[:, None]
+        for slots, grad, b in ((self.fc1, grad1, self._bufs[0]), (self.fc2, grad2, self._bufs[1])):
+            b["gsend"].copy_(slots.reshape(N, -1).index_select(0, send_order))
+            self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
+            got = torch.where(arrived, b["grecv"], 0)
+            g = grad.view(e_loc, -1)
+            step = max(1, (1 << 26) // max(1, R * N))  # fp32 columns per product: bounded temporaries
+            for c in range(0, g.shape[1], step):
+                g[:, c:c + step] += (M @ got[:, c:c + step].float()).to(g.dtype)
