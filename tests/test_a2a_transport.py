@@ -17,12 +17,12 @@ from distributed import run_ranks
 E_LOC, N, T, K, H, F = 3, 2, 24, 2, 4, 2
 
 
-def _plan(rank, world, policy, exchange):
+def _plan(rank, world, policy, exchange, seed=0):
     from topoep import Topology, solve
     from topoep.runtime.layout import count_keys
 
     E = world * E_LOC
-    g = torch.Generator().manual_seed(100 + rank)
+    g = torch.Generator().manual_seed(100 * seed + rank)
     bias = torch.zeros(E)
     bias[:E_LOC] = 3.0  # hot experts on rank 0: balancing replicates them, across domains too
     idx = torch.topk(torch.randn(T, E, generator=g) + bias, K, dim=1).indices
@@ -33,41 +33,45 @@ def _plan(rank, world, policy, exchange):
 
 
 def _rows_go_and_return(rank, world, policy):
+    """Two rounds on one workspace (different routing), with room for more rows than are sent."""
     import torch.distributed as dist
 
     from topoep.runtime.a2a import A2AWorkspace, GlooExchange
     from topoep.runtime.layout import assignment_instances, count_keys, local_group, receive_positions
 
     ex = GlooExchange()
-    idx, plan = _plan(rank, world, policy, ex)
     G = E_LOC + N
-    ws = A2AWorkspace(ex, G, E_LOC, T * K, H, torch.float32)
-    inst = assignment_instances(idx, plan, rank)
-    key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
-    C = ws.all_gather(count_keys(key, world * G), 1).view(world, world, G)
-    dest, pos, is_slot = receive_positions(C, key, rank, E_LOC)
-    x = torch.zeros(T, H)
-    x[:, 0] = rank
-    x[:, 1] = torch.arange(T)
-    x[:, 2] = torch.arange(T) * 7 % 5
-    recv_main, recv_slot = ws.dispatch(x, order, K, dest, pos, is_slot)
-    # where every rank's rows should land here
-    sent = [None] * world
-    dist.all_gather_object(sent, (dest.tolist(), pos.tolist(), is_slot.tolist(), (order // K).tolist()))
-    placed = 0
-    for s, (d, p, sl, tok) in enumerate(sent):
-        for di, pi, si, ti in zip(d, p, sl, tok):
-            if di != rank:
-                continue
-            got = (recv_slot if si else recv_main)[pi]
-            assert got[0] == s and got[1] == ti, (s, ti, got)
-            placed += 1
-    n_main, n_slot = (C[:, rank, :E_LOC].sum().view(1), C[:, rank, E_LOC:].sum().view(1))
-    assert placed == int(n_main + n_slot)
-    out = ws.combine(recv_main * 2 + 1, recv_slot * 2 + 1, n_main, n_slot, T * K)
-    expect = (x * 2 + 1).repeat_interleave(K, 0)
-    assert torch.equal(out, expect)
-    return int(n_slot), int((plan.instance_rank[inst] // (world // 2) != rank // (world // 2)).sum())
+    ws = A2AWorkspace(ex, G, E_LOC, T * K + 5, H, torch.float32)
+    slot_rows = cross = 0
+    for seed in range(2):
+        idx, plan = _plan(rank, world, policy, ex, seed)
+        inst = assignment_instances(idx, plan, rank)
+        key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
+        C = ws.all_gather(count_keys(key, world * G), 1).view(world, world, G)
+        dest, pos, is_slot = receive_positions(C, key, rank, E_LOC)
+        x = torch.zeros(T, H)
+        x[:, 0] = rank
+        x[:, 1] = torch.arange(T)
+        x[:, 2] = seed
+        recv_main, recv_slot = ws.dispatch(x, order, K, dest, pos, is_slot)
+        # where every rank's rows should land here
+        sent = [None] * world
+        dist.all_gather_object(sent, (dest.tolist(), pos.tolist(), is_slot.tolist(), (order // K).tolist()))
+        placed = 0
+        for s, (d, p, sl, tok) in enumerate(sent):
+            for di, pi, si, ti in zip(d, p, sl, tok):
+                if di != rank:
+                    continue
+                got = (recv_slot if si else recv_main)[pi]
+                assert got[0] == s and got[1] == ti and got[2] == seed, (s, ti, got)
+                placed += 1
+        n_main, n_slot = (C[:, rank, :E_LOC].sum().view(1), C[:, rank, E_LOC:].sum().view(1))
+        assert placed == int(n_main + n_slot)
+        out = ws.combine(recv_main * 2 + 1, recv_slot * 2 + 1, n_main, n_slot, T * K)
+        assert torch.equal(out, (x * 2 + 1).repeat_interleave(K, 0))
+        slot_rows += int(n_slot)
+        cross += int((plan.instance_rank[inst] // (world // 2) != rank // (world // 2)).sum())
+    return slot_rows, cross
 
 
 @pytest.mark.parametrize("policy", ["static", "topoep", "deepseek"])
@@ -126,3 +130,14 @@ def test_transport_settings_are_checked():
         EplbConfig(name="topoep", backend="torch", transport="a2a")
     with pytest.raises(ValueError, match="eplb.transport='x' is unknown"):
         EplbConfig(name="topoep", backend="cuda", transport="x")
+
+
+def test_a2a_with_pipeline_parallelism_is_refused():
+    from app.config import register_configs
+    from app.loop import job_from_config
+    from bench.eval_worker import compose
+
+    register_configs()
+    with pytest.raises(ValueError, match="eplb.transport=a2a with parallel.pp=2"):
+        job_from_config(compose(["eplb=topoep", "eplb.backend=cuda", "eplb.transport=a2a", "parallel.pp=2"]))
+    job_from_config(compose(["eplb=topoep", "eplb.backend=cuda", "eplb.transport=a2a"]))  # pp 1: accepted

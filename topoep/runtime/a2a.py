@@ -24,6 +24,11 @@ already has:
 The worst-case buffers of the replica transfers hold 2 R N + 2 N expert weights per rank (a main rank may
 feed every slot of the group, and receive every slot's gradient): about 340 MB at EP 8 with 2 slots for the
 Qwen3 expert shape.
+
+Known limits: the gradient return's 0/1 matrix product turns one slot's NaN into NaN for every expert of
+that main rank (the step is lost either way); the exchange and the buffers are collective allocations
+made at the first forward, so every rank must run its MoE layers in step (no pipeline parallelism yet:
+app/config.py refuses transport a2a with pp > 1).
 """
 
 from __future__ import annotations
@@ -62,27 +67,44 @@ class GlooExchange:
 
 class NvshmemExchange:
     """The all-to-all as torch's NVSHMEM op (split sizes on the device; no host synchronisation). The
-    process's symmetric memory must use the NVSHMEM backend, chosen before its first allocation."""
+    process's symmetric memory must use the NVSHMEM backend, chosen before its first allocation.
+
+    What torch 2.11's op needs (read from its source): every tensor symmetric; each rank first writes
+    its split and source offset into every peer's out_splits_offsets, passes a team barrier, then pulls
+    its rows and rewrites its own offsets row, with no barrier after. So consecutive calls alternate
+    between two out_splits_offsets buffers: a peer can write into the one of call k + 2 only after the
+    barrier of call k + 1, which this rank reaches after finishing call k. (The handle's barrier() is a
+    no-op on NVSHMEM in 2.11; it cannot order the calls.) And the op splits each peer's bytes evenly
+    over its blocks and asserts they divide; TORCH_SYMMMEM_NBLOCKS = R gives every peer one block, so
+    any row count works. Creating the exchange is collective (NVSHMEM initialises over all ranks)."""
 
     def __init__(self, group=None, device="cuda"):
+        import os
+
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._symm = symm_mem
         if not symm_mem.is_nvshmem_available():
             raise ValueError("transport 'a2a' needs NVSHMEM (nvidia-nvshmem-cu13 with torch's NVSHMEM build); "
                              "use transport='peer' on one host")
-        try:
-            symm_mem.set_backend("NVSHMEM")
-        except RuntimeError as err:  # another backend already allocated in this process
-            raise ValueError(f"transport 'a2a' needs symmetric memory on NVSHMEM, but this process already uses "
-                             f"another backend ({err}); use one transport per process") from err
         self.group = group or dist.group.WORLD
         self.group_name = self.group.group_name
         self.R, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        nblocks = os.environ.setdefault("TORCH_SYMMMEM_NBLOCKS", str(self.R))
+        if int(nblocks) != self.R:
+            raise ValueError(f"TORCH_SYMMMEM_NBLOCKS={nblocks}: transport 'a2a' needs one block per peer "
+                             f"(TORCH_SYMMMEM_NBLOCKS={self.R}, the EP size), or torch's all-to-all asserts on row "
+                             "counts that do not divide over the blocks; unset it")
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except RuntimeError as err:
+            raise ValueError(f"transport 'a2a' could not put symmetric memory on NVSHMEM ({err}); it must be chosen "
+                             "before the process's first symmetric allocation: use one transport per process") from err
         self.device = torch.device(device)
         self._handles = []
         self._splits = self.buffer((self.R,), torch.int64)
-        self._splits_offsets = self.buffer((2, self.R), torch.int64)
+        self._splits_offsets = [self.buffer((2, self.R), torch.int64) for _ in range(2)]
+        self._calls = 0
 
     _shared: dict = {}
 
@@ -102,8 +124,9 @@ class NvshmemExchange:
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, in_splits: torch.Tensor) -> None:
         self._splits.copy_(in_splits)
-        self._handles[0].barrier(channel=0)  # every rank is done with the previous contents of its buffers
-        torch.ops.symm_mem.all_to_all_vdev(send, recv, self._splits, self._splits_offsets, self.group_name)
+        offsets = self._splits_offsets[self._calls % 2]  # every rank makes the same calls in the same order
+        self._calls += 1
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, self._splits, offsets, self.group_name)
 
     def all_gather(self, row: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.R * row.numel(), dtype=row.dtype, device=row.device)
@@ -226,7 +249,8 @@ class A2AReplicaPool:
 
     @property
     def nbytes(self) -> int:
-        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+        """The slots and the exchange buffers of the replica transfers."""
+        return sum(t.numel() * t.element_size() for t in (self.fc1, self.fc2, *(v for b in self._bufs for v in b.values())))
 
     def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
         """Every main rank sends the weights of its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F])
@@ -272,5 +296,5 @@ class A2AReplicaPool:
             got = torch.where(arrived, b["grecv"], 0)
             g = grad.view(e_loc, -1)
             step = max(1, (1 << 26) // max(1, R * N))  # fp32 columns per product: bounded temporaries
-            for c in range(0, g.shape[1], step):
-                g[:, c:c + step] += (M @ got[:, c:c + step].float()).to(g.dtype)
+            for c in range(0, g.shape[1], step):  # accumulated in fp32, rounded once (as symm.py)
+                g[:, c:c + step] = (g[:, c:c + step].float() + M @ got[:, c:c + step].float()).to(g.dtype)

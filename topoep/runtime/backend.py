@@ -213,6 +213,8 @@ class CudaBackend:
         self.max_tokens = max_tokens
         self._max_rows = None
         self._exchange = None
+        if transport == "a2a":  # NVSHMEM initialises collectively: here, where every rank builds its layers
+            self.exchange(torch.device("cuda", torch.cuda.current_device()))
 
     def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device):
         """The process-wide symmetric buffers for calls of this shape (created on first use: collective)."""
