@@ -71,7 +71,7 @@ def run_dir(args, eplb: str, skew, layout: str, sub: str = "", rep: int = 1) -> 
     repeat rep > 1 of a configuration (--repeats) gets its own directory."""
     tag = skew if skew in ("natural", "balanced") else f"skew{float(skew):g}-{layout}"
     tag += f"-r{rep}" if rep > 1 else ""
-    group = f"{args.model}-{args.backend}" + (
+    group = f"{args.model}-{args.backend}" + ("-a2a" if args.transport == "a2a" else "") + (
         f"-rpd{args.ranks_per_domain}" if args.ranks_per_domain else "")
     return args.runs / group / sub / f"{eplb}-{tag}"
 
@@ -148,6 +148,8 @@ def base_overrides(args) -> list[str]:
         return [f"model={args.model}", "trainer=cpu", "topology=virtual",
                 f"topology.ranks_per_domain={args.ranks_per_domain or 1}", f"eplb.backend={args.backend}"]
     out = [f"model={args.model}", "trainer=default", f"eplb.backend={args.backend}"]
+    if args.transport != "peer":
+        out.append(f"eplb.transport={args.transport}")
     if args.ranks_per_domain:
         out += ["topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain}"]
     return out
@@ -436,7 +438,9 @@ def report(args, fig: str, rows: list[dict], targets: list[str], body: str) -> N
     md = (f"# {TITLES[fig]}\n\n- {made}: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}\n"
           + where +
           f"- runs: model={args.model} {'trainer=cpu (CPU smoke)' if args.tiny else 'trainer=default'}; "
-          f"{nproc} processes; TopoEP backend {args.backend}; overrides: {' '.join(args.set) or '-'}; tokens/s: "
+          f"{nproc} processes; TopoEP backend {args.backend}"
+          + (f" (transport {args.transport})" if args.transport != "peer" else "")
+          + f"; overrides: {' '.join(args.set) or '-'}; tokens/s: "
           + (f"mean over {args.repeats} interleaved runs per configuration ± the spread of their means, each run "
              if args.repeats > 1 else "mean ± std ")
           + f"over the steps after {args.warmup} warm-up steps\n- reproduce: `{cmd}`\n\n" + body
@@ -471,6 +475,9 @@ def parse_args(argv):
     ap.add_argument("--backend", choices=["torch", "cuda"], default=None,
                     help="execution backend of the TopoEP layer (eplb.backend; default: cuda on GPUs, torch with "
                          "--tiny); eplb=none ignores it")
+    ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
+                    help="backend cuda's data movement (eplb.transport): peer pointers, or NVSHMEM all-to-alls (a2a: "
+                         "with --ranks-per-domain, the virtual domains' traffic takes the path of real RDMA)")
     ap.add_argument("--name", default=None, help="base name of the report files (default: the figure)")
     ap.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: model=tiny trainer=cpu, few steps")
@@ -506,6 +513,9 @@ def parse_args(argv):
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     args.name = args.name or args.figure
+    if args.transport != "peer" and (args.tiny or args.backend == "torch"):
+        raise SystemExit(f"--transport {args.transport} is backend cuda's (GPUs): leave it out with --tiny or "
+                         "--backend torch")
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.skews is None:

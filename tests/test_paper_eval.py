@@ -190,3 +190,14 @@ def test_loss_difference_by_hand():
     # EMA(0.1) from the first value: a = 1, 1.1, 1.39; b = 1.1, 1.19, 1.471
     ema = [0.1, 0.09 / 1.1, 0.081 / 1.39]
     assert d["mean_rel_diff_ema"] == pytest.approx(sum(ema) / 3)
+
+
+def test_transport_a2a_runs_apart_and_is_passed_on(tmp_path):
+    with pytest.raises(SystemExit, match="--transport a2a is backend cuda's"):
+        paper_eval.parse_args(["fig16", "--tiny", "--transport", "a2a"])
+    args = paper_eval.parse_args(["fig16", "--report-only", "--transport", "a2a", "--ranks-per-domain", "1",
+                                  "--runs", str(tmp_path)])
+    assert paper_eval.run_dir(args, "topoep", "-4.0", "megatron").parent.name == "qwen3-cuda-a2a-rpd1"
+    assert "eplb.transport=a2a" in paper_eval.base_overrides(args)
+    peer = paper_eval.parse_args(["fig16", "--report-only", "--runs", str(tmp_path)])
+    assert not any("transport" in o for o in paper_eval.base_overrides(peer))

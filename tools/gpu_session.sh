@@ -69,15 +69,21 @@ step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on 
   tar -C "$(dirname "$runs")" --exclude='*.pt' -czf "$OUT/eval-runs.tgz" "$(basename "$runs")" 2>/dev/null
 }
 
-step_eval_rest() {  # what issue 9 still needs (results/paper_eval.md, "Next GPU session"), PARTS (default all three;
-  # each is several minutes, so one or two per device call): "repeats" = qwen3 around the two missed targets, 3
-  # interleaved runs each; "glm45air" / "deepseekv2" = Fig. 12 at reduced depth (1 dense + 2 MoE layers)
+step_eval_rest() {  # follow-up section-6 runs, PARTS (default the first three; each is several minutes, so one or
+  # two per device call): "repeats" = qwen3 around the single-run misses, 3 interleaved runs each; "glm45air" /
+  # "deepseekv2" = Fig. 12 at reduced depth (1 dense + 2 MoE layers); "fig16repeats"; "fig16cuda" / "fig16a2a" =
+  # Fig. 16 on backend cuda (peer / a2a transport) at 1 rank per domain; "torchprobe" (results/paper_eval.md)
   local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
   for part in ${PARTS:-repeats glm45air deepseekv2}; do
     if [ "$part" = fig16repeats ]; then  # fig16's slow balanced runs (backend torch, 1 rank per domain): noise or not?
       timeout 330 python3 bench/paper_eval.py fig16 --resume --runs "$runs-fig16repeats" --out "$OUT/fig16repeats" \
         --backend torch --ranks-per-domain 1 --policies static topoep --layouts megatron --repeats 2 --steps 25 \
         --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|spread"
+    elif [ "$part" = fig16cuda ] || [ "$part" = fig16a2a ]; then  # Fig. 16 on backend cuda, 2 GPUs as 2 domains:
+      # peer pointers (fig16cuda) or the NVSHMEM transport that real RDMA takes (fig16a2a); every policy
+      local tr=peer; [ "$part" = fig16a2a ] && tr=a2a
+      timeout 500 python3 bench/paper_eval.py fig16 --resume --runs "$runs" --out "$OUT/$part" --name "$part" \
+        --transport $tr --ranks-per-domain 1 --steps 25 --warmup 5 2>&1 | grep -E "^  \[|met|MISSED|Error"
     elif [ "$part" = torchprobe ]; then  # backend torch: static at skew -4 vs megatron's balanced routing
       timeout 200 python3 bench/paper_eval.py fig12 --runs "$runs-probe" --out "$OUT/torchprobe" \
         --name fig12_torch_balanced_rpd2 --backend torch --ranks-per-domain 2 --policies static --skews -4 \
