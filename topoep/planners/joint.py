@@ -52,6 +52,10 @@ Algorithm (choices made; every loop has a fixed bound)
 5. Replicas with no load are dropped, the routing is `hierarchical_route`, and the plan is guarded:
    never worse than `static` or `topoep` in modelled time (integer fs), and never `static` when that
    is worse than `topoep` in both L_max and inter-domain assignments (with the Pareto guard).
+6. Two fill-to-cap packings (`fill_to_cap`: the smallest cap by bisection, replicas inside their main's
+   domain, rules "D" and "A") are candidates too, under the same guard: where balance dominates they
+   reach caps the move search does not reach from its starts (e.g. moving the two hottest experts whole
+   to the ranks with the most room, and letting a relieved hot rank take a replica itself).
 
 Work is bounded by `work_budget` (batched tensor elements processed by the move search, summed over
 steps, plus a fixed cost per step). The batch sizes follow the instance size: K = min(num_caps,
@@ -217,6 +221,83 @@ def even_caps(d: Data, K: int, lo: int, hi: int) -> torch.Tensor:
                         device=d.dev)
 
 
+def _fill_attempt(T: int, L0: list, D: list, dom: list, experts_of: list, N: int, rule: str):
+    """One fill-to-cap pass at cap T (Python ints): while a rank is above T, the rank with the most room
+    below T (and a free slot, in the domain of a rank above T) gets a replica of an expert whose main
+    is above T in its domain, and takes as much of its load as fits. rule "A": the largest expert of
+    the most loaded rank; rule "D": the smallest expert that fills the room (else the largest), which
+    keeps the big experts for the big rooms. A rank relieved below T may receive in turn (its main may
+    give away more than it must). Returns (slots [R] of [(expert, amount)], main loads [E]) or None."""
+    R = len(L0)
+    L, U, free = list(L0), list(D), [N] * R
+    hosted = [set() for _ in range(R)]
+    slots = [[] for _ in range(R)]
+    for _ in range(R * N + 1):
+        over = [r for r in range(R) if L[r] > T]
+        if not over:
+            return slots, U
+        over_dom = {dom[r] for r in over}
+        recv = [q for q in range(R) if free[q] > 0 and L[q] < T and dom[q] in over_dom]
+        if not recv:
+            return None
+        q = max(recv, key=lambda q: (T - L[q], -q))  # most room; lowest rank on ties
+        room = T - L[q]
+        donors = [r for r in over if dom[r] == dom[q]]
+        if rule == "A":
+            donors = [max(donors, key=lambda r: (L[r], -r))]
+        cands = [(e, r) for r in donors for e in experts_of[r] if U[e] > 0 and e not in hosted[q]]
+        if not cands:
+            return None
+        fill = [c for c in cands if U[c[0]] >= room] if rule == "D" else []
+        e, r = (min(fill, key=lambda c: (U[c[0]], c[0])) if fill else max(cands, key=lambda c: (U[c[0]], -c[0])))
+        a = min(U[e], room)
+        L[r] -= a
+        L[q] += a
+        U[e] -= a
+        free[q] -= 1
+        hosted[q].add(e)
+        slots[q].append((e, a))
+    return None
+
+
+def fill_to_cap(omega: torch.Tensor, topology: Topology, num_slots: int, main_rank: torch.Tensor, common: dict,
+                rule: str = "D") -> Plan:
+    """A pure-balance candidate of `joint` (MoonEP's fill-to-cap pairing, with the smallest cap found by
+    bisection): replicas only inside their main's domain (so the inter-domain traffic is static's), the
+    load moved as `_fill_attempt` says. Milliseconds at the Fig. 10 scale; on the one-domain study of
+    results/plan_quality.md it reaches the best bound known on most instances. Deterministic."""
+    R, E = omega.shape
+    D = omega.sum(0).tolist()
+    main = main_rank.tolist()
+    dom = topology.domain_of.tolist()
+    L0 = [0] * R
+    experts_of = [[] for _ in range(R)]
+    for e in range(E):
+        L0[main[e]] += D[e]
+        experts_of[main[e]].append(e)
+    lo, hi = -(-sum(D) // R), max(L0)
+    best = _fill_attempt(hi, L0, D, dom, experts_of, num_slots, rule)  # no rank above the static maximum
+    while lo < hi:  # the smallest cap the pass reaches (it is not monotone in T: a found cap is kept)
+        mid = (lo + hi) // 2
+        got = _fill_attempt(mid, L0, D, dom, experts_of, num_slots, rule)
+        if got is None:
+            lo = mid + 1
+        else:
+            hi, best = mid, got
+    slots, U = best
+    se = torch.full((R, num_slots), -1, dtype=torch.int64)
+    load = torch.zeros(R, num_slots, dtype=torch.int64)
+    for q, row in enumerate(slots):
+        for j, (e, a) in enumerate(row):
+            se[q, j], load[q, j] = e, a
+    dev = omega.device
+    se, load = se.to(dev), load.to(dev)
+    inst_load = torch.cat([torch.tensor(U, dtype=torch.int64, device=dev), load.reshape(-1)])
+    route = hierarchical_route(omega, topology, main_rank, se, inst_load)
+    return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=se,
+                route=route, policy="joint", **common)
+
+
 def _plan(d: Data, st: State, omega, topology, main_rank, common, info) -> Plan:
     R, E = d.R, d.E
     U, slot = st.U[0], st.slot[0]
@@ -331,13 +412,20 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
     plan = _plan(d, best, omega, topology, main_rank, common, info)
     # guard: never worse than static or the paper's plan in modelled time (integer fs, full cost
     # matrix; ties to the earlier candidate), and static only if the Pareto guard allows it
-    s_max, s_inter = _max_and_inter(static)
-    static_ok = not (pareto_guard and s_max > paper_max and s_inter > paper_inter)
+    def allowed(p: Plan) -> bool:  # the Pareto guard
+        p_max, p_inter = _max_and_inter(p)
+        return not (pareto_guard and p_max > paper_max and p_inter > paper_inter)
+
     cands = [(modelled_fs(plan, d.t), 0, plan), (modelled_fs(paper, d.t), 2, paper)]
-    if static_ok:
+    if allowed(static):
         cands.append((modelled_fs(static, d.t), 1, static))
+    # fill-to-cap (two rules): where balance dominates, a packing the move search does not reach from its starts
+    for k, rule in enumerate(("D", "A")):
+        fill = fill_to_cap(omega, topology, N, main_rank, common, rule)
+        if allowed(fill):
+            cands.append((modelled_fs(fill, d.t), 3 + k, fill))
     _, which, out = min(cands, key=lambda c: (c[0], c[1]))
     if which:
         out.policy = "joint"
-        out.info = {**info, "fallback": ("static", "topoep")[which - 1]}
+        out.info = {**info, "fallback": ("static", "topoep", "fill_to_cap", "fill_to_cap_a")[which - 1]}
     return out
