@@ -2,8 +2,8 @@
 eq. 5-8, T_comp + T_token + T_replica, for the given topology costs, expert and token sizes and t_ffn.
 
 An offline planner (`topoep.planners.OFFLINE_POLICIES`): use it through `topoep.solve(policy="joint")`
-or bench/plan_quality.py, not in the training runtime. The reference takes 3.5-19.1 s per plan (two runs) at the
-Fig. 10 scale (32 ranks x 640 experts, 1-4 slots, one CPU core; results/plan_quality.md), synchronises
+or bench/plan_quality.py, not in the training runtime. The reference takes 3.8-7.4 s per plan at the Fig. 10 scale (32 ranks x 640
+experts, 1-4 slots, one CPU core; results/plan_quality.md), synchronises
 the host hundreds of times per plan, and its search holds K x R^3 tensors (about 100 GB at EP 1024).
 
 Unlike `topoep` (paper 4.3), nothing here keeps tokens inside their domain at any price: load moves
