@@ -272,15 +272,24 @@ def _ema(xs: list[float], alpha: float = 0.1) -> list[float]:
     return out
 
 
+def _rel(a: list[float], b: list[float]) -> list[float]:
+    """Per-step relative difference of b against a, over their common steps."""
+    return [abs(y - x) / abs(x) for x, y in zip(a, b)]
+
+
+def _rel_ema(a: list[float], b: list[float]) -> list[float]:
+    """The same after an EMA (0.1) of each curve (what the report's EMA column averages and fig14 plots)."""
+    n = min(len(a), len(b))
+    return _rel(_ema(a[:n]), _ema(b[:n]))
+
+
 def loss_difference(a: list[float], b: list[float]) -> dict:
     """Per-step relative difference of two loss curves (b against a), raw and after an EMA (0.1) of each."""
-    n = min(len(a), len(b))
-    rel = [abs(b[i] - a[i]) / abs(a[i]) for i in range(n)]
-    ea, eb = _ema(a[:n]), _ema(b[:n])
-    return {"steps": n, "step1_a": a[0], "step1_b": b[0], "step1_rel_diff": rel[0],
+    rel = _rel(a, b)
+    return {"steps": len(rel), "step1_a": a[0], "step1_b": b[0], "step1_rel_diff": rel[0],
             "mean_rel_diff": statistics.fmean(rel), "max_rel_diff": max(rel),
-            "max_step": 1 + max(range(n), key=rel.__getitem__),
-            "mean_rel_diff_ema": statistics.fmean(abs(y - x) / abs(x) for x, y in zip(ea, eb))}
+            "max_step": 1 + max(range(len(rel)), key=rel.__getitem__),
+            "mean_rel_diff_ema": statistics.fmean(_rel_ema(a, b))}
 
 
 def loss_figure(args) -> tuple[list[dict], list[str]]:
@@ -392,7 +401,8 @@ def plot_policies(rows: list[dict], path: Path, title: str) -> None:
 
 
 def plot_loss(rows: list[dict], path: Path) -> None:
-    """Left: the loss curves. Right: each policy's per-step relative difference to `none`, after an EMA (0.1)."""
+    """Left: the loss curves. Right: each policy's per-step relative difference to `none`, both curves after
+    an EMA (0.1), as in the report's EMA column."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,9 +413,8 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     for eplb, loss in curves.items():
         ax.plot(range(1, len(loss) + 1), loss, label=f"eplb={eplb}", lw=1)
         if eplb != "none":
-            n = min(len(loss), len(curves["none"]))
-            rel = [abs(b - a) / abs(a) for a, b in zip(curves["none"][:n], loss[:n])]
-            bx.plot(range(1, n + 1), [100 * x for x in _ema(rel)], label=f"{eplb} vs none", lw=1)
+            rel = _rel_ema(curves["none"], loss)
+            bx.plot(range(1, len(rel) + 1), [100 * x for x in rel], label=f"{eplb} vs none", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()

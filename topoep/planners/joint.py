@@ -2,9 +2,9 @@
 eq. 5-8, T_comp + T_token + T_replica, for the given topology costs, expert and token sizes and t_ffn.
 
 An offline planner (`topoep.planners.OFFLINE_POLICIES`): use it through `topoep.solve(policy="joint")`
-or bench/plan_quality.py, not in the training runtime. The reference takes 3.8-7.4 s per plan at the Fig. 10 scale (32 ranks x 640
-experts, 1-4 slots, one CPU core; results/plan_quality.md), synchronises
-the host hundreds of times per plan, and its search holds K x R^3 tensors (about 100 GB at EP 1024).
+or bench/plan_quality.py, not in the training runtime. The reference takes 3.8-7.4 s per plan at the
+Fig. 10 scale (32 ranks x 640 experts, 1-4 slots, one CPU core; results/plan_quality.md), synchronises the
+host hundreds of times per plan, and its search holds K x R^3 tensors (about 100 GB at EP 1024).
 
 Unlike `topoep` (paper 4.3), nothing here keeps tokens inside their domain at any price: load moves
 between domains whenever the model says it pays, and a replica slot goes to whichever use (locality or
@@ -264,7 +264,7 @@ def fill_to_cap(omega: torch.Tensor, topology: Topology, num_slots: int, main_ra
                 rule: str = "D") -> Plan:
     """A pure-balance candidate of `joint` (MoonEP's fill-to-cap pairing, with the smallest cap found by
     bisection): replicas only inside their main's domain (so the inter-domain traffic is static's), the
-    load moved as `_fill_attempt` says. Milliseconds at the Fig. 10 scale; on the one-domain study of
+    load moved as `_fill_attempt` says. 4-9 ms at the Fig. 10 scale (one CPU core); on the one-domain study of
     results/plan_quality.md it reaches the best bound known on most instances. Deterministic."""
     R, E = omega.shape
     D = omega.sum(0).tolist()

@@ -247,7 +247,8 @@ class CudaBackend:
         return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device)
 
     def exchange(self, device):
-        """transport 'a2a': the process's NVSHMEM exchange of this group (created on first use: collective)."""
+        """transport 'a2a': the process's NVSHMEM exchange of this group (created by the constructor, where
+        every rank builds its layers: collective)."""
         if self._exchange is None:
             from topoep.runtime.a2a import NvshmemExchange
 
