@@ -153,7 +153,7 @@ class A2AWorkspace:
         has_slots = num_groups > experts_per_rank
         self.recv_slot = torch.zeros(self.cap + 1, hidden, dtype=dtype, device=self.device) if has_slots else None
         self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)  # rows are checked on the host
-        self._arrived = None  # (valid, is_slot, pos, source) of the last dispatch's received rows
+        self._arrived = None  # (is_slot, pos, source; R where nothing arrived) of the last dispatch's rows
         self._order = None
 
     @classmethod
@@ -192,7 +192,7 @@ class A2AWorkspace:
         self.recv_main.index_copy_(0, torch.where(valid & ~slot, p, spare), self.recv)
         if self.recv_slot is not None:
             self.recv_slot.index_copy_(0, torch.where(slot, p, spare), self.recv)
-        self._arrived = (valid, slot, p.clamp(max=self.cap - 1), torch.where(valid, source, self.R))
+        self._arrived = (slot, p.clamp(max=self.cap - 1), torch.where(valid, source, self.R))
         self._order = order
         return self.recv_main[:self.cap], (self.recv_slot[:self.cap] if self.recv_slot is not None else None)
 
@@ -200,7 +200,7 @@ class A2AWorkspace:
                 n_slot: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """The reverse of the last dispatch: row pos of the main / slot results goes back to the source
         that sent it, at its assignment index. Returns a new [num_rows, H] tensor."""
-        valid, slot, p, source = self._arrived
+        slot, p, source = self._arrived
         rows = y_main.index_select(0, p)
         if y_slot is not None:
             rows = torch.where(slot[:, None], y_slot.index_select(0, p), rows)
