@@ -96,7 +96,8 @@ def test_backend_torch_groups_megatron_style_separate_expert_weights():
     fc1 = torch.randn(E, 2 * Fd, H, device=dev, dtype=dt) * 0.05
     fc2 = torch.randn(E, H, Fd, device=dev, dtype=dt) * 0.05
     lists = ([torch.nn.Parameter(w.clone()) for w in fc1], [torch.nn.Parameter(w.clone()) for w in fc2])
-    assert grouped_copies(*lists, fc1) is not None and grouped_copies(list(fc1.unbind(0)), list(fc2.unbind(0)), fc1) is None
+    assert grouped_copies(*lists, fc1) is not None  # separate tensors: stacked
+    assert grouped_copies(list(fc1.unbind(0)), list(fc2.unbind(0)), fc1) is None  # one buffer already
     kw = dict(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=Topology(num_domains=1, ranks_per_domain=1),
               num_slots=0, policy="static", backend="torch", dtype=dt, device=dev)
     stacked = ExpertParallelMoE(**kw)
