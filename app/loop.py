@@ -76,9 +76,9 @@ def job_from_config(cfg) -> tuple[Job, dict]:
 
     parts = {g: OmegaConf.to_object(cfg[g]) for g in GROUPS}
     if parts["eplb"].enabled and parts["eplb"].transport == "a2a" and parts["parallel"].pp > 1:
-        raise ValueError(f"eplb.transport=a2a with parallel.pp={parts['parallel'].pp}: its NVSHMEM buffers are collective "
-                         "allocations made at a stage's first forward, which the other stages do not reach in step; "
-                         "use parallel.pp=1 or eplb.transport=peer")
+        raise ValueError(f"eplb.transport=a2a with parallel.pp={parts['parallel'].pp}: its NVSHMEM buffers are "
+                         "collective allocations made at a stage's first forward, which the other stages do not "
+                         "reach in step; use parallel.pp=1 or eplb.transport=peer")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["_yaml"] = OmegaConf.to_yaml(cfg, resolve=True)
     return Job(**parts, data=to_data_config(cfg.data)), resolved

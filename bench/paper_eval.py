@@ -3,7 +3,7 @@
     python bench/paper_eval.py fig12                 # tokens/s vs router_skew: none, static, topoep + balanced bound
     python bench/paper_eval.py fig13                 # every policy at router_skew -4 (throughput, imbalance)
     python bench/paper_eval.py fig16                 # inter-node and replica-served shares per policy (fig13's runs)
-    python bench/paper_eval.py fig14                 # loss curves of none vs topoep (+ static as control), same seed/data
+    python bench/paper_eval.py fig14                 # loss curves: none vs topoep, static as control
     python bench/paper_eval.py fig12 --tiny          # CPU smoke: model=tiny, trainer=cpu, a few steps
 
 Every configuration is a `train.py` job with its own directory,
