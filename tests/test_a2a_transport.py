@@ -32,14 +32,15 @@ def _plan(rank, world, policy, exchange, seed=0):
     return idx, plan
 
 
-def _rows_go_and_return(rank, world, policy):
-    """Two rounds on one workspace (different routing), with room for more rows than are sent."""
+def _rows_go_and_return(rank, world, policy, blocks):
+    """Two rounds on one workspace (different routing), with room for more rows than are sent; the
+    exchange checks that every split divides over `blocks` blocks per peer, as torch's NVSHMEM op does."""
     import torch.distributed as dist
 
     from topoep.runtime.a2a import A2AWorkspace, GlooExchange
     from topoep.runtime.layout import assignment_instances, count_keys, local_group, receive_positions
 
-    ex = GlooExchange()
+    ex = GlooExchange(blocks_per_peer=blocks)
     G = E_LOC + N
     ws = A2AWorkspace(ex, G, E_LOC, T * K + 5, H, torch.float32)
     slot_rows = cross = 0
@@ -74,9 +75,9 @@ def _rows_go_and_return(rank, world, policy):
     return slot_rows, cross
 
 
-@pytest.mark.parametrize("policy", ["static", "topoep", "deepseek"])
-def test_rows_arrive_in_the_layout_and_come_back(policy):
-    res = run_ranks(_rows_go_and_return, 4, policy)
+@pytest.mark.parametrize("policy,blocks", [("static", 1), ("topoep", 3), ("deepseek", 4)])
+def test_rows_arrive_in_the_layout_and_come_back(policy, blocks):
+    res = run_ranks(_rows_go_and_return, 4, policy, blocks)
     slot_rows, cross = sum(r[0] for r in res), sum(r[1] for r in res)
     assert cross > 0  # rows crossed the domain boundary
     assert slot_rows == 0 if policy == "static" else slot_rows > 0  # replicas served rows
@@ -85,7 +86,7 @@ def test_rows_arrive_in_the_layout_and_come_back(policy):
 def _replicas_and_gradients(rank, world, policy):
     from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
 
-    ex = GlooExchange()
+    ex = GlooExchange(blocks_per_peer=3)  # weight rows of 16 and 8 elements, padded to 24
     _, plan = _plan(rank, world, policy, ex)
     pool = A2AReplicaPool(ex, N, H, F, torch.float32)
     e0 = rank * E_LOC

@@ -35,9 +35,11 @@ step_a2a() {  # backend cuda's NVSHMEM transport (a2a.py) with the 2 GPUs as 2 v
   # one MoE layer on it beside the peer-pointer transport (bench/moe_layer.py --transport a2a)
   TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=$((NGPU / 2)) python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
     | tail -25 | tee "$OUT/cuda_backend_a2a_tests.log"
-  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py --name moe_layer_a2a \
-    --out "$OUT" --transport a2a --ranks-per-domain $((NGPU / 2)) --backends cuda --tokens 4096 --no-megatron 2>&1 \
-    | grep -v -i warn | tail -30
+  echo "bench start $(date +%T)"
+  timeout ${A2A_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
+    --name moe_layer_a2a --out "$OUT" --transport a2a --ranks-per-domain $((NGPU / 2)) --backends cuda \
+    --tokens ${TOKENS:-4096} --no-megatron 2>&1 | grep -v -i warn | grep -E "^  [0-9]|Error|error" | tail -30
+  echo "bench end $(date +%T) (report: $(ls "$OUT"/moe_layer_a2a.md 2>/dev/null))"
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency

@@ -8,25 +8,29 @@ between nodes; `NvshmemExchange`); the CPU tests run the same code over gloo wit
 (cuda_function.py) runs unchanged on either transport.
 
 Every size the host sees is fixed by the shapes (worst-case buffers, cap = R * A_cap rows), so nothing
-reads a count on the host. Where a row lands is decided by data that travels with it or that every rank
-already has:
-    dispatch    rows go in send order (destination-major: the layout's sort), with int64 metadata
-                (source, pos, slot) beside them; the receiver copies each row to `pos` of its main or
-                slot buffer (the group-major layout of layout.receive_positions). Rows arrive packed
-                in source order, and rows that did not arrive keep metadata -1.
+reads a count on the host. torch's op pulls each peer's rows with B blocks (the exchange's blocks_per_peer)
+and needs each peer's bytes to divide over them, so every split is padded to a multiple of B rows (padding
+rows carry metadata that sends them to a spare row) and every weight row to a multiple of 8 B elements.
+Where a row lands is decided by data that travels with it or that every rank already has:
+    dispatch    rows go in send order (destination-major: the layout's sort, each destination's run
+                padded to B rows), with int64 metadata (source, pos, slot) beside them; the receiver
+                copies each row to `pos` of its main or slot buffer (the group-major layout of
+                layout.receive_positions). Rows arrive packed in source order, and rows that did not
+                arrive keep metadata -1.
     combine     each receiver sends the results back in the order the rows arrived, split by source,
                 so every source gets its rows back in its own send order: out[order[i]] = row i.
     fetch       the main rank sends its expert's weights to every slot that replicates it, in (rank,
                 slot) order; the plan is the same on every rank, so the receiver knows which row is
                 which slot.
     grad return each slot sends its weight gradient to its expert's main rank; the main rank sums them
-                in (source, slot) order in fp32 as one 0/1 matrix product (deterministic).
+                in (source, slot) order in fp32 as one 0/1 matrix product (deterministic), touching
+                only the experts that have replicas (at most R N of them).
 The worst-case buffers of the replica transfers hold 2 R N + 2 N expert weights per rank (a main rank may
 feed every slot of the group, and receive every slot's gradient): about 340 MB at EP 8 with 2 slots for the
 Qwen3 expert shape.
 
-Known limits: the gradient return's 0/1 matrix product turns one slot's NaN into NaN for every expert of
-that main rank (the step is lost either way); the exchange and the buffers are collective allocations
+Known limits: the gradient return's 0/1 matrix product turns one slot's NaN into NaN for every replicated
+expert of that main rank (the step is lost either way); the exchange and the buffers are collective allocations
 made at the first forward, so every rank must run its MoE layers in step (no pipeline parallelism yet:
 app/config.py refuses transport a2a with pp > 1).
 """
@@ -42,10 +46,11 @@ from topoep.runtime.layout import count_keys
 class GlooExchange:
     """The all-to-all over torch.distributed with host split sizes (gloo; the CPU tests)."""
 
-    def __init__(self, group=None, device="cpu"):
+    def __init__(self, group=None, device="cpu", blocks_per_peer: int = 1):
         self.group = group
         self.R, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = torch.device(device)
+        self.blocks_per_peer = blocks_per_peer  # checked as torch's NVSHMEM op asserts it (tests)
 
     def buffer(self, shape, dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -54,6 +59,10 @@ class GlooExchange:
         """Rows send[:sum(in_splits)] (destination-major, in_splits[d] for rank d) -> recv, packed in
         source order from row 0; recv's later rows keep their contents."""
         ins = in_splits.to(torch.int64).cpu()
+        row_bytes = send[0].numel() * send.element_size()
+        if any(n * row_bytes % self.blocks_per_peer for n in ins.tolist()):
+            raise AssertionError(f"splits {ins.tolist()} x {row_bytes} bytes do not divide over "
+                                 f"{self.blocks_per_peer} blocks per peer")
         outs = torch.empty_like(ins)
         dist.all_to_all_single(outs, ins, group=self.group)
         ins, outs = ins.tolist(), outs.tolist()
@@ -75,8 +84,10 @@ class NvshmemExchange:
     between two out_splits_offsets buffers: a peer can write into the one of call k + 2 only after the
     barrier of call k + 1, which this rank reaches after finishing call k. (The handle's barrier() is a
     no-op on NVSHMEM in 2.11; it cannot order the calls.) And the op splits each peer's bytes evenly
-    over its blocks and asserts they divide; TORCH_SYMMMEM_NBLOCKS = R gives every peer one block, so
-    any row count works. Creating the exchange is collective (NVSHMEM initialises over all ranks)."""
+    over its blocks (TORCH_SYMMMEM_NBLOCKS / R of them, read once per process) and asserts they divide:
+    the workspace and pool pad to `blocks_per_peer`. Default 64 blocks in all (torch's own choice for large
+    messages), at least one per peer. Creating the exchange is collective (NVSHMEM initialises over all
+    ranks)."""
 
     def __init__(self, group=None, device="cuda"):
         import os
@@ -90,11 +101,11 @@ class NvshmemExchange:
         self.group = group or dist.group.WORLD
         self.group_name = self.group.group_name
         self.R, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        nblocks = os.environ.setdefault("TORCH_SYMMMEM_NBLOCKS", str(self.R))
-        if int(nblocks) != self.R:
-            raise ValueError(f"TORCH_SYMMMEM_NBLOCKS={nblocks}: transport 'a2a' needs one block per peer "
-                             f"(TORCH_SYMMMEM_NBLOCKS={self.R}, the EP size), or torch's all-to-all asserts on row "
-                             "counts that do not divide over the blocks; unset it")
+        nblocks = int(os.environ.setdefault("TORCH_SYMMMEM_NBLOCKS", str(self.R * max(1, 64 // self.R))))
+        if nblocks < self.R or nblocks % self.R:
+            raise ValueError(f"TORCH_SYMMMEM_NBLOCKS={nblocks}: transport 'a2a' needs a multiple of the EP size "
+                             f"{self.R} (the blocks per peer of torch's all-to-all); unset it for the default")
+        self.blocks_per_peer = nblocks // self.R
         try:
             symm_mem.set_backend("NVSHMEM")
         except RuntimeError as err:
@@ -144,17 +155,20 @@ class A2AWorkspace:
         ex = self.exchange = exchange
         self.R, self.rank, self.device = ex.R, ex.rank, ex.device
         self.G, self.e_loc, self.a_cap, self.H = num_groups, experts_per_rank, a_cap, hidden
-        self.cap = self.R * a_cap
-        self.send, self.recv = ex.buffer((a_cap, hidden), dtype), ex.buffer((self.cap, hidden), dtype)
-        self.meta_send, self.meta_recv = ex.buffer((a_cap,), torch.int64), ex.buffer((self.cap,), torch.int64)
-        self.back_send, self.back_recv = ex.buffer((self.cap, hidden), dtype), ex.buffer((a_cap, hidden), dtype)
-        # the receive buffers in the layer's layout, with one spare row that takes what did not arrive
+        self.cap = self.R * a_cap  # the layout's receive rows (positions of layout.receive_positions)
+        self.B = B = ex.blocks_per_peer
+        s_cap, r_cap = a_cap + self.R * (B - 1), self.R * (a_cap + B - 1)  # with each split padded to B rows
+        self.send, self.recv = ex.buffer((s_cap, hidden), dtype), ex.buffer((r_cap, hidden), dtype)
+        self.meta_send, self.meta_recv = ex.buffer((s_cap,), torch.int64), ex.buffer((r_cap,), torch.int64)
+        self.back_send, self.back_recv = ex.buffer((r_cap, hidden), dtype), ex.buffer((s_cap, hidden), dtype)
+        # the receive buffers in the layer's layout, with one spare row that takes padding rows
         self.recv_main = torch.zeros(self.cap + 1, hidden, dtype=dtype, device=self.device)
         has_slots = num_groups > experts_per_rank
         self.recv_slot = torch.zeros(self.cap + 1, hidden, dtype=dtype, device=self.device) if has_slots else None
         self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)  # rows are checked on the host
+        self._pad_meta = (self.rank * (self.cap + 1) + self.cap) << 1  # a padding row: from me, to the spare row
         self._arrived = None  # (is_slot, pos, source; R where nothing arrived) of the last dispatch's rows
-        self._order = None
+        self._order = self._send_pos = None
 
     @classmethod
     def shared(cls, exchange, num_groups, experts_per_rank, a_cap, hidden, dtype):
@@ -177,12 +191,17 @@ class A2AWorkspace:
         if A > self.a_cap:
             raise ValueError(f"{A} rows to send but the a2a workspace holds {self.a_cap} per rank (max_tokens x "
                              "top_k): pass max_tokens=<the largest T> to ExpertParallelMoE")
-        self.send[:A] = src.index_select(0, order // row_div)
-        self.meta_send[:A] = ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64)
-        self.meta_recv.fill_(-1)
         splits = count_keys(dest, self.R)
-        self.exchange.all_to_all(self.meta_send, self.meta_recv, splits)
-        self.exchange.all_to_all(self.send, self.recv, splits)
+        padded = (splits + self.B - 1) // self.B * self.B
+        # row i's place in the send buffer: its destination's padded start + its index within the destination
+        skip = torch.cumsum(padded - splits, 0) - (padded - splits)
+        send_pos = torch.arange(A, device=dest.device) + skip.index_select(0, dest)
+        self.send.index_copy_(0, send_pos, src.index_select(0, order // row_div))
+        self.meta_send.fill_(self._pad_meta)
+        self.meta_send.index_copy_(0, send_pos, ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64))
+        self.meta_recv.fill_(-1)
+        self.exchange.all_to_all(self.meta_send, self.meta_recv, padded)
+        self.exchange.all_to_all(self.send, self.recv, padded)
         m = self.meta_recv
         valid = m >= 0
         slot = (m & 1).bool() & valid
@@ -193,7 +212,7 @@ class A2AWorkspace:
         if self.recv_slot is not None:
             self.recv_slot.index_copy_(0, torch.where(slot, p, spare), self.recv)
         self._arrived = (slot, p.clamp(max=self.cap - 1), torch.where(valid, source, self.R))
-        self._order = order
+        self._order, self._send_pos = order, send_pos
         return self.recv_main[:self.cap], (self.recv_slot[:self.cap] if self.recv_slot is not None else None)
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
@@ -205,10 +224,10 @@ class A2AWorkspace:
         if y_slot is not None:
             rows = torch.where(slot[:, None], y_slot.index_select(0, p), rows)
         self.back_send.copy_(rows)
+        # every arrived row goes back, padding included, so each source gets its padded send layout back
         self.exchange.all_to_all(self.back_send, self.back_recv, count_keys(source, self.R + 1)[:self.R])
-        order = self._order
         out = y_main.new_empty(num_rows, y_main.shape[1])
-        out.index_copy_(0, order, self.back_recv[:order.numel()])
+        out.index_copy_(0, self._order, self.back_recv.index_select(0, self._send_pos))
         return out
 
     def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -232,9 +251,10 @@ class A2AReplicaPool:
         H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
         self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
         self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
-        self._bufs = [dict(send=ex.buffer((RN, w[0].numel()), dtype), recv=ex.buffer((N, w[0].numel()), dtype),
-                           gsend=ex.buffer((N, w[0].numel()), dtype), grecv=ex.buffer((RN, w[0].numel()), dtype))
-                      for w in (self.fc1, self.fc2)]
+        step = 8 * ex.blocks_per_peer  # a weight row's length: whole 16-byte pieces for every block of the op
+        cols = [-(-w[0].numel() // step) * step for w in (self.fc1, self.fc2)]
+        self._bufs = [dict(send=ex.buffer((RN, c), dtype), recv=ex.buffer((N, c), dtype),
+                           gsend=ex.buffer((N, c), dtype), grecv=ex.buffer((RN, c), dtype)) for c in cols]
 
     @classmethod
     def shared(cls, exchange, num_slots, hidden_size, ffn_hidden_size, dtype):
@@ -268,9 +288,10 @@ class A2AReplicaPool:
         key = torch.where(se_me >= 0, _owner(se_me, e_loc) * N + j, R * N + j)
         row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
         for W, slots, b in ((W1, self.fc1, self._bufs[0]), (W2, self.fc2, self._bufs[1])):
-            b["send"].copy_(W.reshape(e_loc, -1).index_select(0, local))
+            n = slots[0].numel()
+            b["send"][:, :n].copy_(W.reshape(e_loc, -1).index_select(0, local))
             self.exchange.all_to_all(b["send"], b["recv"], splits)
-            slots.view(N, -1).copy_(b["recv"].index_select(0, row_of))
+            slots.view(N, -1).copy_(b["recv"][:, :n].index_select(0, row_of))
 
     def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
         """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
@@ -282,19 +303,30 @@ class A2AReplicaPool:
         dest = _owner(se_me, e_loc)
         send_order = torch.argsort(torch.where(dest >= 0, dest * N + j, R * N + j), stable=True)
         splits = count_keys(torch.where(dest >= 0, dest, R), R + 1)[:R]
-        # received row k is the k-th slot (source, slot) of the group whose expert is mine
+        # received row k is the k-th slot, in (source, slot) order, of the group whose expert is mine; its
+        # target is tk[k] (e_loc: no row). The targets, distinct and ascending, are L[:n]; L's other entries
+        # repeat L[0] with M's row 0, so duplicate writes below carry the same values.
         owned = _owner(se, e_loc) == me
         k = torch.cumsum(owned.to(torch.int64), 0) - 1
-        M = torch.zeros(e_loc + 1, R * N, dtype=torch.float32, device=se.device)
-        rows = torch.where(owned, se - me * e_loc, e_loc)
-        M.index_put_((rows, torch.where(owned, k, 0)), torch.ones_like(k, dtype=torch.float32))
-        M = M[:e_loc]
-        arrived = (torch.arange(R * N, device=se.device) < owned.sum())[:, None]
+        f = torch.arange(R * N, device=se.device)
+        tk = torch.full((R * N + 1,), e_loc, dtype=torch.int64, device=se.device)
+        tk.index_copy_(0, torch.where(owned, k, R * N), torch.where(owned, se - me * e_loc, e_loc))
+        tk = tk[:R * N]
+        st = torch.sort(tk).values
+        new = (st < e_loc) & torch.cat([st.new_ones(1, dtype=torch.bool), st[1:] != st[:-1]])
+        L = torch.full((R * N + 1,), e_loc, dtype=torch.int64, device=se.device)
+        L.index_copy_(0, torch.where(new, torch.cumsum(new.to(torch.int64), 0) - 1, R * N), st)
+        L = torch.where(f < new.sum(), L[:R * N], L[0])
+        M = ((tk[None, :] == L[:, None]) & (tk[None, :] < e_loc)).to(torch.float32)  # [R N targets, R N rows]
+        rows = L.clamp(max=e_loc - 1)
+        arrived = (f < owned.sum())[:, None]
         for slots, grad, b in ((self.fc1, grad1, self._bufs[0]), (self.fc2, grad2, self._bufs[1])):
-            b["gsend"].copy_(slots.reshape(N, -1).index_select(0, send_order))
+            n = slots[0].numel()
+            b["gsend"][:, :n].copy_(slots.reshape(N, -1).index_select(0, send_order))
             self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
-            got = torch.where(arrived, b["grecv"], 0)
+            got = torch.where(arrived, b["grecv"][:, :n], 0)
             g = grad.view(e_loc, -1)
             step = max(1, (1 << 26) // max(1, R * N))  # fp32 columns per product: bounded temporaries
-            for c in range(0, g.shape[1], step):  # accumulated in fp32, rounded once (as symm.py)
-                g[:, c:c + step] = (g[:, c:c + step].float() + M @ got[:, c:c + step].float()).to(g.dtype)
+            for c in range(0, n, step):  # accumulated in fp32, rounded once (as symm.py)
+                cur = g[:, c:c + step].index_select(0, rows).float() + M @ got[:, c:c + step].float()
+                g[:, c:c + step].index_copy_(0, rows, cur.to(g.dtype))
