@@ -90,3 +90,40 @@ def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
     for buffer in (~is_slot, is_slot):  # positions: a permutation of each buffer's rows
         assert torch.equal(torch.sort(pos[buffer]).values, torch.arange(int(buffer.sum())))
     assert stats.numel() > 0 and route.shape == (1, E + N)
+
+
+@pytest.mark.parametrize("policy", ["static", "topoep", "deepseek", "joint"])
+@pytest.mark.parametrize("R,E_loc,N,T,k,seed", [(2, 4, 2, 30, 2, 0), (4, 3, 1, 25, 3, 1), (4, 2, 2, 0, 2, 2),
+                                                 (8, 2, 3, 40, 4, 3)])
+def test_send_layout_equals_the_stable_sort_and_its_counts_the_exchange(policy, R, E_loc, N, T, k, seed):
+    """layout.send_layout (no sort, counts read off the plan) gives what the sort of the destination keys
+    and the all-gathered key counts give, for every source rank of plans with replicas."""
+    from topoep import Topology, solve
+    from topoep.runtime.layout import assignment_instances, local_group, send_layout
+
+    E, G = R * E_loc, E_loc + N
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.zeros(E)
+    bias[:E_loc] = 2.5  # hot experts on rank 0: replicas take their rows
+    idx = [torch.topk(torch.randn(T, E, generator=g) + bias, k, dim=1).indices for _ in range(R)]
+    omega = torch.stack([count_keys(i, E) for i in idx])
+    plan = solve(omega, Topology(num_domains=2 if R > 2 else 1, ranks_per_domain=R // 2 if R > 2 else R),
+                 num_slots=N, policy=policy, expert_bytes=1000, token_bytes=10)
+    keys = []
+    for s in range(R):
+        inst = assignment_instances(idx[s], plan, s)
+        key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
+        C, key2, order2 = send_layout(idx[s], plan, s)
+        assert torch.equal(order2, order) and torch.equal(key2, key)
+        keys.append(key)
+    C_exchanged = torch.stack([count_keys(kk, R * G).view(R, G) for kk in keys])
+    assert torch.equal(C, C_exchanged)
+    if policy != "static" and T:
+        assert int(C[:, :, E_loc:].sum()) > 0  # replica slots received rows
+
+
+def test_assignment_ordinals_count_within_each_expert():
+    from topoep.runtime.layout import assignment_ordinals
+
+    e = torch.tensor([2, 0, 2, 2, 1, 0])
+    assert assignment_ordinals(e, 3).tolist() == [0, 0, 1, 2, 0, 1]

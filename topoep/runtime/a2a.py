@@ -183,10 +183,13 @@ class A2AWorkspace:
         return self.exchange.all_gather(row)
 
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
-                 is_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 is_slot: torch.Tensor, join=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer; `dest`
         ascends (the send order). Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the
-        received counts are stale."""
+        received counts are stale. join: an event to wait for first (the a2a pool fetches in order, so the
+        layer passes None)."""
+        if join is not None:
+            torch.cuda.current_stream(src.device).wait_event(join)
         A = order.numel()
         if A > self.a_cap:
             raise ValueError(f"{A} rows to send but the a2a workspace holds {self.a_cap} per rank (max_tokens x "

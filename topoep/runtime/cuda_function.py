@@ -3,9 +3,11 @@
 Per call, every size the host needs is fixed by the shapes (tokens T, top-k, the workspace capacity),
 never by the routing:
     counts      count_keys + a symmetric all-gather (omega), the GPU planner, the guard (torch.where)
-    layout      instance of every assignment, send order (a sort), counts C[s, d, g] all-gathered again,
-                receive positions (layout.receive_positions): all device tensors
-    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py)
+    layout      instance of every assignment, send order and counts C[s, d, g] read off the plan's
+                route (layout.send_layout: no sort, no second exchange), receive positions
+                (layout.receive_positions): all device tensors; the plan statistics on a side stream
+    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py), on a side
+                stream that overlaps the dispatch (joined before the dispatch's publishing barrier)
     dispatch    one kernel stores every row straight into its destination's receive buffer, already
                 grouped by expert; a barrier publishes the rows
     experts     torch._grouped_mm over the worst-case-sized receive buffers with device offsets (rows past
@@ -82,6 +84,36 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n, o1, o2):
     o1 += torch._grouped_mm(gh.t(), x, offs=offs)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device) -> torch.cuda.Stream:
+    """The layer's second stream on a device (replica fetch, plan statistics), created once."""
+    device = torch.device(device)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, tm: PhaseTimer | None):
+    """Fill the replica slots for this call. With a pool that allows it (`async_fetch`: the peer-pointer
+    pool, whose pushes need no collective of their own) and no timer, the pushes run on a side stream
+    and overlap the dispatch; returns the event the dispatch waits for before its publishing barrier.
+    Otherwise (a timer serialises the phases; the a2a pool's all-to-alls must keep their order with the
+    dispatch's) the fetch runs here and None is returned."""
+    if tm is not None or not getattr(pool, "async_fetch", False):
+        with phase(tm, "fetch", collective=True):
+            pool.fetch(se, W1, W2, e_loc)
+        return None
+    main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
+    side.wait_stream(main)  # the plan (slot_expert) and every earlier use of the slots are before this point
+    with torch.cuda.stream(side):
+        pool.fetch(se, W1, W2, e_loc)
+        done = torch.cuda.Event()
+        done.record(side)
+    return done
+
+
 class CudaExpertParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: CudaLayerCall, *weights: torch.Tensor) -> torch.Tensor:
@@ -89,11 +121,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         se = call.plan.slot_expert
-        if pool is not None:
-            with phase(tm, "fetch", collective=True):
-                pool.fetch(se, W1, W2, call.experts_per_rank)
+        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm) if pool is not None else None
         with phase(tm, "dispatch_combine", collective=True):
-            rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot)
+            rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot, join=fetched)
             n_main, n_slot = call.n_main, call.n_slot
             xm = ws.copy_rows(rm, n_main)  # kept for backward: the receive buffers are reused
             xs = ws.copy_rows(rs, n_slot) if pool is not None else None
@@ -118,11 +148,12 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
         se = call.plan.slot_expert
-        if pool is not None:  # the slots were reused by later layers: reload this layer's replicas
-            with phase(tm, "fetch", collective=True):
-                pool.fetch(se, W1, W2, call.experts_per_rank)
+        fetched = None  # the slots were reused by later layers: reload this layer's replicas (overlapping the
+        if pool is not None:  # dispatch of the token gradients where the pool allows it)
+            fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
         with phase(tm, "dispatch_combine", collective=True):
-            gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot)
+            gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot,
+                                 join=fetched)
         n_main, n_slot, offs_m, offs_s = call.n_main, call.n_slot, call.offs_main, call.offs_slot
         with phase(tm, "experts"):  # data gradients first: token gradients leave early
             gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, offs_m, n_main)

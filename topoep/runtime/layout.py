@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from topoep.plan import Plan
-from topoep.planners.common import group_exclusive_cumsum, rank_within_group
+from topoep.planners.common import group_exclusive_cumsum
 
 
 def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
@@ -22,10 +22,27 @@ def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch
 
     The assignments of one expert e, in assignment order, are split over e's instances in instance
     order, plan.route[rank, p] at a time (the contract of `topoep.plan`)."""
+    return _instances(topk_idx, plan, rank)[0]
+
+
+def assignment_ordinals(e: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64[A]: the position of each assignment among this rank's assignments of the same expert, in
+    assignment order (one stable sort of 32-bit keys)."""
+    A = e.numel()
+    sorted_e, idx = torch.sort(e.to(torch.int32), stable=True)
+    counts = count_keys(e, num_experts)
+    start = torch.cumsum(counts, 0) - counts
+    out = torch.empty_like(e)
+    out[idx] = torch.arange(A, device=e.device) - start.index_select(0, sorted_e.to(torch.int64))
+    return out
+
+
+def _instances(topk_idx: torch.Tensor, plan: Plan, rank: int):
+    """(instance of each assignment, its ordinal within its expert, first ordinal served by each instance)."""
     e = topk_idx.reshape(-1)
     A = e.numel()
     if A == 0:
-        return e.clone()
+        return e.clone(), e.clone(), None
     counts = plan.route[rank]  # [P]
     inst_expert = plan.instance_expert
     start = group_exclusive_cumsum(counts, inst_expert)  # first ordinal served by each instance
@@ -34,9 +51,39 @@ def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch
     # unused instances sort after every query (e * big + ordinal < E * big): no nonzero(), no host sync
     inst_key = torch.where(used, inst_expert * big + start, plan.num_experts * big)
     order = torch.argsort(inst_key)
-    ordinal = rank_within_group(e)
+    ordinal = assignment_ordinals(e, plan.num_experts)
     idx = torch.searchsorted(inst_key[order], e * big + ordinal, right=True) - 1
-    return order[idx]
+    return order[idx], ordinal, start
+
+
+def group_counts(plan: Plan) -> torch.Tensor:
+    """int64[R, R, G]: C[s, d, g] = rows source s sends to local group g of rank d, read off the plan's
+    route (the same on every rank, so no exchange is needed). Assumes the default placement."""
+    R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
+    route = plan.route
+    return torch.cat([route[:, :E].reshape(R, R, E // R), route[:, E:].reshape(R, R, N)], dim=2)
+
+
+def send_layout(topk_idx: torch.Tensor, plan: Plan, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(C int64[R, R, G] as `group_counts`, send_key int64[A] ascending, order int64[A]): this rank's
+    assignments in send order (by destination * G + group, then assignment index), the same as a stable
+    sort of the keys, without one: every (destination, group) key is one instance, which serves
+    consecutive ordinals of its expert, so row a goes to the key's start + its ordinal - the instance's
+    first ordinal. Assumes the default placement."""
+    e = topk_idx.reshape(-1)
+    A = e.numel()
+    C = group_counts(plan)
+    if A == 0:
+        return C, e.clone(), e.clone()
+    R, G = plan.num_ranks, C.shape[2]
+    inst, ordinal, start = _instances(topk_idx, plan, rank)
+    key = plan.instance_rank[inst] * G + local_group(inst, plan)
+    mine = C[rank].reshape(-1)
+    key_start = torch.cumsum(mine, 0) - mine
+    at = key_start.index_select(0, key) + ordinal - start.index_select(0, inst)
+    order = torch.empty_like(e)
+    order[at] = torch.arange(A, device=e.device)
+    return C, key.index_select(0, order), order
 
 
 def count_keys(key: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ returns replica weight gradients to the main ranks (see `function.py`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -24,10 +25,10 @@ from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard
 from topoep.plan import Plan, default_main_rank
-from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall
+from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys, local_group,
-                                   receive_positions, received_sizes)
+                                   receive_positions, received_sizes, send_layout)
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
 
@@ -181,6 +182,11 @@ class ExpertParallelMoE(nn.Module):
     def _solve(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
         """(the plan of this call after the net-benefit guard, its statistics without planner_ms). Tensor
         work only (no host synchronisation on a GPU): backend cuda replays it in a CUDA graph."""
+        plan, guard_stats = self._guarded_plan(omega, token_bytes)
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats])
+
+    def _guarded_plan(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
+        """(the plan after the net-benefit guard, float64[3] guard statistics)."""
         N = self.num_slots
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
                      token_bytes=token_bytes, t_ffn=self.t_ffn)
@@ -190,7 +196,7 @@ class ExpertParallelMoE(nn.Module):
             n = self.backend.exposed_replica_transfers if n is None else n
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
-        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats])
+        return plan, guard_stats
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
@@ -260,14 +266,22 @@ class ExpertParallelMoE(nn.Module):
         the grouped-GEMM offsets and row counts are made here once for forward and backward."""
         R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
-        plan, stats = self._solve(omega, token_bytes)
-        inst = assignment_instances(topk_idx, plan, self.rank)
-        G = E_loc + N
-        key, order = torch.sort(plan.instance_rank[inst] * G + local_group(inst, plan), stable=True)
-        C = ws.all_gather(count_keys(key, R * G), 1).view(R, R, G)
+        plan, guard_stats = self._guarded_plan(omega, token_bytes)
+        # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
+        # (into a buffer of this stream, so the allocator needs no record_stream)
+        stats = torch.empty(len(STAT_NAMES) + guard_stats.numel(), dtype=torch.float64, device=omega.device)
+        main = side = None
+        if omega.is_cuda:
+            main, side = torch.cuda.current_stream(omega.device), side_stream(omega.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            stats.copy_(torch.cat([plan_stats(plan, self.t_ffn), guard_stats]))
+        C, key, order = send_layout(topk_idx, plan, self.rank)  # C from the plan's route: no exchange
         dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
         offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
+        if side is not None:
+            main.wait_stream(side)
         return (plan.omega, plan.slot_expert, plan.route, stats, order, dest, pos, is_slot, offs_main, offs_slot,
                 sizes_main.sum().view(1), sizes_slot.sum().view(1))
 

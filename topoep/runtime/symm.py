@@ -255,9 +255,10 @@ class SymmWorkspace:
     # -- small metadata ------------------------------------------------------------------------
     def all_gather(self, row: torch.Tensor, which: int) -> torch.Tensor:
         """int64[n] (n <= count_width) on every rank -> int64[R, n], the same on every rank. `which` (0 or
-        1) picks the buffer; callers alternate (the layer gathers omega in 0, then the layout counts in 1),
-        so a rank writes buffer b again only after every rank passed the barrier of the gather in between,
-        which each reaches after it copied b out: one barrier per gather."""
+        1) picks the buffer. A rank may write buffer b again only after every rank copied it out: callers
+        either alternate buffers (each rank copies b out before the barrier of the gather in between) or,
+        like the layer (omega in buffer 0 once per call), put another barrier of the group between two
+        gathers into one buffer (the dispatch's). One barrier per gather."""
         n = row.numel()
         buf = self.counts[which]
         _gather_row_kernel[(self.R,)](row.contiguous(), n, buf.ptrs, self.rank, BLOCK=min(1024, _pow2(max(n, 16))))
@@ -266,9 +267,11 @@ class SymmWorkspace:
 
     # -- token rows ----------------------------------------------------------------------------
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
-                 is_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 is_slot: torch.Tensor, join: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer.
-        Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale)."""
+        Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale).
+        join: an event of work that must be published with the rows (a replica fetch on a side stream):
+        waited for before the closing barrier."""
         A = order.numel()
         slot, slot_meta = self.recv_slot or self.recv_main, self.meta_slot or self.meta_main
         self.recv_main.barrier(channel=0)  # every rank is done with the previous contents
@@ -277,6 +280,8 @@ class SymmWorkspace:
                 src.contiguous(), order, row_div, dest, pos, is_slot.to(torch.int8), self.rank * self.a_cap,
                 self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
                 A, self.cap, H=self.H, BLOCK_H=self.block_h)
+        if join is not None:
+            torch.cuda.current_stream(src.device).wait_event(join)
         self.recv_main.barrier(channel=1)
         return self.recv_main.tensor, (self.recv_slot.tensor if self.recv_slot is not None else None)
 
@@ -312,6 +317,7 @@ class SymmReplicaPool:
     it (module docstring). fc1 [N, 2F, H], fc2 [N, H, F]; ret1 [R * N, 2F * H], ret2 [R * N, H * F]."""
 
     _shared: dict = {}
+    async_fetch = True  # fetch may run on a side stream beside the dispatch (no collective inside)
 
     def __init__(self, group, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype, device):
         if dtype != torch.bfloat16:
@@ -345,10 +351,11 @@ class SymmReplicaPool:
 
     def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
         """Every main rank pushes its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F], stacked)
-        into the slots the plan gives them. No barrier of
-        its own: the layer calls it right before a dispatch, whose first barrier publishes the slots before
-        anyone computes with them; and before it, every rank passed a barrier after its last use of its
-        slots (this call's count all-gathers in forward, the previous gradient return in backward)."""
+        into the slots the plan gives them. No barrier of its own: the layer calls it right before a
+        dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when
+        the fetch runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a
+        barrier after its last use of its slots (this call's count all-gathers in forward, the previous
+        gradient return in backward)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
         for ptrs, buf in ((_expert_ptrs(W1), self._fc1), (_expert_ptrs(W2), self._fc2)):
