@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -35,11 +35,22 @@ step_a2a() {  # backend cuda's NVSHMEM transport (a2a.py) with the 2 GPUs as 2 v
   # one MoE layer on it beside the peer-pointer transport (bench/moe_layer.py --transport a2a)
   TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=$((NGPU / 2)) python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
     | tail -25 | tee "$OUT/cuda_backend_a2a_tests.log"
+  [ "${A2A_BENCH:-1}" = 0 ] && return
   echo "bench start $(date +%T)"
   timeout ${A2A_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
     --name moe_layer_a2a --out "$OUT" --transport a2a --ranks-per-domain $((NGPU / 2)) --backends cuda \
     --tokens ${TOKENS:-4096} --no-megatron 2>&1 | grep -v -i warn | grep -E "^  [0-9]|Error|error" | tail -30
   echo "bench end $(date +%T) (report: $(ls "$OUT"/moe_layer_a2a.md 2>/dev/null))"
+}
+
+step_layer_cuda() {  # one MoE layer on backend cuda only (static, topoep; 2 and 8 slots; 4096 and 16384 tokens per
+  # rank): the quick check of a change to the cuda path beside the bound (bench/moe_layer.py --name moe_layer_cuda*)
+  for slots in 2 8; do
+    local name=moe_layer_cuda; [ $slots = 2 ] || name=moe_layer_cuda_slots$slots
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py --name $name \
+      --out "$OUT" --backends cuda --no-megatron --slots $slots --tokens ${TOKENS:-4096 16384} 2>&1 | grep -v -i warn \
+      | grep -E "^  [0-9]|Error|error" | tail -30
+  done
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency
