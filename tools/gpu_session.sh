@@ -53,6 +53,17 @@ step_layer_cuda() {  # one MoE layer on backend cuda only (static, topoep; 2 and
   done
 }
 
+step_fetch_ab() {  # what the side-stream replica fetch saves: one layer, 8 slots, 4096 tokens per rank, backend cuda,
+  # with the fetch on the layer's stream (TOPOEP_FETCH_SIDE_STREAM=0) and on the side stream, interleaved twice
+  for rep in 1 2; do
+    for side in 0 1; do
+      TOPOEP_FETCH_SIDE_STREAM=$side timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        bench/moe_layer.py --name moe_layer_fetch_side${side}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots 8 \
+        --tokens 4096 --profile-iters 0 2>&1 | grep -E "^  [0-9]|Error|error" | sed "s/^/side=$side rep=$rep /"
+    done
+  done
+}
+
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency
   python3 -m pytest -q -rA tests/test_planner_cuda.py 2>&1 | tail -15 | tee "$OUT/planner_tests.log"
   python3 bench/planner_latency.py --profile --out "$OUT" 2>&1 | grep -v -i warn | tail -30

@@ -21,6 +21,7 @@ order). Memory: the received rows and the pre-activations kept for backward are 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,8 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n, o1, o2):
 
 
 _SIDE_STREAMS: dict = {}
+# TOPOEP_FETCH_SIDE_STREAM=0 keeps the fetch on the layer's stream (to measure what the overlap saves)
+SIDE_STREAM_FETCH = os.environ.get("TOPOEP_FETCH_SIDE_STREAM", "1") != "0"
 
 
 def side_stream(device) -> torch.cuda.Stream:
@@ -101,7 +104,7 @@ def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_lo
     and overlap the dispatch; returns the event the dispatch waits for before its publishing barrier.
     Otherwise (a timer serialises the phases; the a2a pool's all-to-alls must keep their order with the
     dispatch's) the fetch runs here and None is returned."""
-    if tm is not None or not getattr(pool, "async_fetch", False):
+    if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):
             pool.fetch(se, W1, W2, e_loc)
         return None
