@@ -512,9 +512,9 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "after balancing; guard: share of calls where the net-benefit guard executed the static plan",
         f"- breakdown (ms): median of {args.profile_iters} extra iterations with phases serialised (CUDA events on "
         "GPU), maximum over ranks: experts is the straggler's; phases overlap in the timed runs and do not add up; "
-        "(plan+fetch) / ms: the serialised plan and fetch over the timed layer (target <= 10 %); the plan is "
-        "blocking everywhere, the fetch only on backend torch and transport a2a: on backend cuda's peer transport "
-        "it runs on a side stream beside the dispatch in the timed runs, so there this over-states what it exposes",
+        "(plan+fetch) / ms: the serialised plan and fetch over the timed layer, both blocking (target <= 10 %; "
+        "with TOPOEP_FETCH_SIDE_STREAM=1 backend cuda's peer transport fetches beside the dispatch in the timed "
+        "runs, and this over-states what the fetch exposes)",
         f"- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",

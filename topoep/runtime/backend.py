@@ -188,9 +188,8 @@ class CudaBackend:
     virtual domains through the same path as real RDMA)."""
 
     name = "cuda"
-    # the forward fetch and backward reload overlap the dispatch on the peer transport (a side stream), but
-    # only as far as the dispatch lasts, and the gradient return waits on the stream; kept at 3 (the
-    # guard's cost estimate) until the overlap is measured per transfer size
+    # the forward fetch, the backward reload and the gradient return wait on the stream (a side-stream fetch
+    # exists, TOPOEP_FETCH_SIDE_STREAM=1, but measured no faster)
     exposed_replica_transfers = 3
     host_splits = False
 

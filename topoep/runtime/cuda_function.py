@@ -6,8 +6,8 @@ never by the routing:
     layout      instance of every assignment, send order and counts C[s, d, g] read off the plan's
                 route (layout.send_layout: no sort, no second exchange), receive positions
                 (layout.receive_positions): all device tensors; the plan statistics on a side stream
-    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py), on a side
-                stream that overlaps the dispatch (joined before the dispatch's publishing barrier)
+    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py); optionally on a
+                side stream beside the dispatch (TOPOEP_FETCH_SIDE_STREAM=1; measured no faster)
     dispatch    one kernel stores every row straight into its destination's receive buffer, already
                 grouped by expert; a barrier publishes the rows
     experts     torch._grouped_mm over the worst-case-sized receive buffers with device offsets (rows past
@@ -86,8 +86,9 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n, o1, o2):
 
 
 _SIDE_STREAMS: dict = {}
-# TOPOEP_FETCH_SIDE_STREAM=0 keeps the fetch on the layer's stream (to measure what the overlap saves)
-SIDE_STREAM_FETCH = os.environ.get("TOPOEP_FETCH_SIDE_STREAM", "1") != "0"
+# TOPOEP_FETCH_SIDE_STREAM=1 runs the replica fetch on a side stream beside the dispatch. Off by default: on
+# 2 x H200 it saved nothing measurable and was up to 7 % slower (results/moe_layer_fetch_ab.md)
+SIDE_STREAM_FETCH = os.environ.get("TOPOEP_FETCH_SIDE_STREAM", "0") == "1"
 
 
 def side_stream(device) -> torch.cuda.Stream:
@@ -99,11 +100,11 @@ def side_stream(device) -> torch.cuda.Stream:
 
 
 def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, tm: PhaseTimer | None):
-    """Fill the replica slots for this call. With a pool that allows it (`async_fetch`: the peer-pointer
-    pool, whose pushes need no collective of their own) and no timer, the pushes run on a side stream
-    and overlap the dispatch; returns the event the dispatch waits for before its publishing barrier.
-    Otherwise (a timer serialises the phases; the a2a pool's all-to-alls must keep their order with the
-    dispatch's) the fetch runs here and None is returned."""
+    """Fill the replica slots for this call. With TOPOEP_FETCH_SIDE_STREAM=1, a pool that allows it
+    (`async_fetch`: the peer-pointer pool, whose pushes need no collective of their own) and no timer, the
+    pushes run on a side stream and overlap the dispatch; returns the event the dispatch waits for before its
+    publishing barrier. Otherwise (the default; a timer serialises the phases; the a2a pool's all-to-alls must
+    keep their order with the dispatch's) the fetch runs here and None is returned."""
     if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):
             pool.fetch(se, W1, W2, e_loc)
