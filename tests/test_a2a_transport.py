@@ -105,12 +105,14 @@ def _replicas_and_gradients(rank, world, policy):
     for j in range(N):
         pool.fc1[j].fill_((rank + 1) * 10 + j)
         pool.fc2[j].fill_(-((rank + 1) * 10 + j))
-    g1, g2 = torch.ones(E_LOC, 2 * F, H), torch.zeros(E_LOC, H, F)
+    # every expert starts from its own gradient, so a row written to the wrong expert shows
+    base = torch.arange(E_LOC, dtype=torch.float32) * 1000 + 1
+    g1, g2 = base[:, None, None].expand(E_LOC, 2 * F, H).clone(), -base[:, None, None].expand(E_LOC, H, F).clone()
     pool.return_grads(se, g1, g2, E_LOC)
     for i in range(E_LOC):
         want = sum((s + 1) * 10 + j for s in range(world) for j in range(N) if int(se[s, j]) == e0 + i)
-        assert torch.equal(g1[i], torch.full((2 * F, H), 1.0 + want))
-        assert torch.equal(g2[i], torch.full((H, F), -float(want)))
+        assert torch.equal(g1[i], torch.full((2 * F, H), float(base[i]) + want))
+        assert torch.equal(g2[i], torch.full((H, F), -float(base[i]) - want))
     return filled
 
 

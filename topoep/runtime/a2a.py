@@ -85,8 +85,9 @@ class NvshmemExchange:
     barrier of call k + 1, which this rank reaches after finishing call k. (The handle's barrier() is a
     no-op on NVSHMEM in 2.11; it cannot order the calls.) And the op splits each peer's bytes evenly
     over its blocks (TORCH_SYMMMEM_NBLOCKS / R of them, read once per process) and asserts they divide:
-    the workspace and pool pad to `blocks_per_peer`. Default 64 blocks in all (torch's own choice for large
-    messages), at least one per peer. Creating the exchange is collective (NVSHMEM initialises over all
+    the workspace and pool pad to `blocks_per_peer`. Default 64 blocks in all (torch's choice for large
+    messages inside a node; across nodes torch caps its own choice at 16, which a set variable overrides:
+    set TORCH_SYMMMEM_NBLOCKS to a multiple of the EP size to tune it), at least one per peer. Creating the exchange is collective (NVSHMEM initialises over all
     ranks)."""
 
     def __init__(self, group=None, device="cuda"):
@@ -254,7 +255,7 @@ class A2AReplicaPool:
         H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
         self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
         self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
-        step = 8 * ex.blocks_per_peer  # a weight row's length: whole 16-byte pieces for every block of the op
+        step = 8 * ex.blocks_per_peer  # a weight row's length: whole 8-element pieces for every block of the op
         cols = [-(-w[0].numel() // step) * step for w in (self.fc1, self.fc2)]
         self._bufs = [dict(send=ex.buffer((RN, c), dtype), recv=ex.buffer((N, c), dtype),
                            gsend=ex.buffer((N, c), dtype), grecv=ex.buffer((RN, c), dtype)) for c in cols]

@@ -81,6 +81,8 @@ def send_layout(topk_idx: torch.Tensor, plan: Plan, rank: int) -> tuple[torch.Te
     mine = C[rank].reshape(-1)
     key_start = torch.cumsum(mine, 0) - mine
     at = key_start.index_select(0, key) + ordinal - start.index_select(0, inst)
+    # a permutation only if the plan routes exactly this rank's assignments (C1): checked on the device
+    torch._assert_async(mine.sum() == A, "send_layout: the plan's route does not match this rank's assignments")
     order = torch.empty_like(e)
     order[at] = torch.arange(A, device=e.device)
     return C, key.index_select(0, order), order

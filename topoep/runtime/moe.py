@@ -10,6 +10,7 @@ returns replica weight gradients to the main ranks (see `function.py`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from typing import Callable
@@ -270,12 +271,14 @@ class ExpertParallelMoE(nn.Module):
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
         # (into a buffer of this stream, so the allocator needs no record_stream)
         stats = torch.empty(len(STAT_NAMES) + guard_stats.numel(), dtype=torch.float64, device=omega.device)
+        plan.instance_expert, plan.instance_rank  # noqa: B018 - cached on this stream: the layout reads them
         main = side = None
         if omega.is_cuda:
             main, side = torch.cuda.current_stream(omega.device), side_stream(omega.device)
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            stats.copy_(torch.cat([plan_stats(plan, self.t_ffn), guard_stats]))
+            # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
+            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats]))
         C, key, order = send_layout(topk_idx, plan, self.rank)  # C from the plan's route: no exchange
         dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
