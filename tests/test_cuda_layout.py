@@ -126,4 +126,4 @@ def test_assignment_ordinals_count_within_each_expert():
     from topoep.runtime.layout import assignment_ordinals
 
     e = torch.tensor([2, 0, 2, 2, 1, 0])
-    assert assignment_ordinals(e, 3).tolist() == [0, 0, 1, 2, 0, 1]
+    assert assignment_ordinals(e, count_keys(e, 3)).tolist() == [0, 0, 1, 2, 0, 1]

@@ -104,7 +104,10 @@ def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_lo
     (`async_fetch`: the peer-pointer pool, whose pushes need no collective of their own) and no timer, the
     pushes run on a side stream and overlap the dispatch; returns the event the dispatch waits for before its
     publishing barrier. Otherwise (the default; a timer serialises the phases; the a2a pool's all-to-alls must
-    keep their order with the dispatch's) the fetch runs here and None is returned."""
+    keep their order with the dispatch's) the fetch runs here and None is returned; without a pool (no
+    slots, or policy static) there is nothing to fetch."""
+    if pool is None:
+        return None
     if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):
             pool.fetch(se, W1, W2, e_loc)
@@ -125,7 +128,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         se = call.plan.slot_expert
-        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm) if pool is not None else None
+        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
         with phase(tm, "dispatch_combine", collective=True):
             rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot, join=fetched)
             n_main, n_slot = call.n_main, call.n_slot
@@ -152,9 +155,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
         se = call.plan.slot_expert
-        fetched = None  # the slots were reused by later layers: reload this layer's replicas (overlapping the
-        if pool is not None:  # dispatch of the token gradients where the pool allows it)
-            fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
+        # the slots were reused by later layers: reload this layer's replicas
+        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
         with phase(tm, "dispatch_combine", collective=True):
             gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot,
                                  join=fetched)

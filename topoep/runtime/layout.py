@@ -25,12 +25,13 @@ def assignment_instances(topk_idx: torch.Tensor, plan: Plan, rank: int) -> torch
     return _instances(topk_idx, plan, rank)[0]
 
 
-def assignment_ordinals(e: torch.Tensor, num_experts: int) -> torch.Tensor:
+def assignment_ordinals(e: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """int64[A]: the position of each assignment among this rank's assignments of the same expert, in
-    assignment order (one stable sort of 32-bit keys)."""
+    assignment order; counts: int64[E], the assignments of each expert (this rank's row of omega). What
+    planners.common.rank_within_group computes for any groups, here for ids in [0, E) with known counts:
+    one stable sort of 32-bit keys instead of an argsort of 64-bit group * A + index keys."""
     A = e.numel()
     sorted_e, idx = torch.sort(e.to(torch.int32), stable=True)
-    counts = count_keys(e, num_experts)
     start = torch.cumsum(counts, 0) - counts
     out = torch.empty_like(e)
     out[idx] = torch.arange(A, device=e.device) - start.index_select(0, sorted_e.to(torch.int64))
@@ -51,7 +52,7 @@ def _instances(topk_idx: torch.Tensor, plan: Plan, rank: int):
     # unused instances sort after every query (e * big + ordinal < E * big): no nonzero(), no host sync
     inst_key = torch.where(used, inst_expert * big + start, plan.num_experts * big)
     order = torch.argsort(inst_key)
-    ordinal = assignment_ordinals(e, plan.num_experts)
+    ordinal = assignment_ordinals(e, plan.omega[rank])  # omega[rank] counts these very assignments
     idx = torch.searchsorted(inst_key[order], e * big + ordinal, right=True) - 1
     return order[idx], ordinal, start
 
@@ -75,7 +76,7 @@ def send_layout(topk_idx: torch.Tensor, plan: Plan, rank: int) -> tuple[torch.Te
     C = group_counts(plan)
     if A == 0:
         return C, e.clone(), e.clone()
-    R, G = plan.num_ranks, C.shape[2]
+    G = C.shape[2]
     inst, ordinal, start = _instances(topk_idx, plan, rank)
     key = plan.instance_rank[inst] * G + local_group(inst, plan)
     mine = C[rank].reshape(-1)

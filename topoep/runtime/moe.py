@@ -265,7 +265,7 @@ class ExpertParallelMoE(nn.Module):
         """Counts -> omega -> plan (guarded) -> statistics -> receive layout, as tensors (graph-capturable):
         (omega, slot_expert, route, stats, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot);
         the grouped-GEMM offsets and row counts are made here once for forward and backward."""
-        R, E, N, E_loc = self.topology.num_ranks, self.num_experts, self.num_slots, self.experts_per_rank
+        E, E_loc = self.num_experts, self.experts_per_rank
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         plan, guard_stats = self._guarded_plan(omega, token_bytes)
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
