@@ -3,6 +3,10 @@ and the planner replayed from a CUDA graph, beside the CPU reference planner's t
 
     python bench/planner_latency.py            # (a) E=640, EP 8..128 (8 ranks per domain); (b) EP=32, E 40..640
 
+Besides the full plan it replays variants that leave stages out (the refinement; the refinement and the route;
+everything but the launch), so that the time of each stage, launch included, is visible; their plans are not
+the policy's and are only timed.
+
 Fig. 10-style skewed workload (megatron's biased router, router_skew -2.5, top-8), 2 slots. GPU times:
 median over 200 runs after 20 warm-ups, CUDA events. Writes results/planner_latency.{md,json}.
 """
@@ -62,6 +66,16 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     refine = planner.refine_profile()
     ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
+    variants = {}
+    for name, mask in VARIANTS.items():  # each variant is its own graph: the skip mask is a kernel argument
+        torch.ops.topoep.set_skip_stages(mask)
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                planner.plan(omega, topo, "topoep", 9_437_184, 4096, se.clone(), rt.clone())
+        finally:
+            torch.ops.topoep.set_skip_stages(0)
+        variants[name] = _events_median(g.replay, runs, warmup)
     cpu_times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -69,7 +83,40 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
         cpu_times.append(time.perf_counter() - t0)
     return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
                 reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0),
-                phases_us=phases, refine_domain0=refine)
+                phases_us=phases, refine_domain0=refine, variants_graph_us=variants)
+
+
+# graph replay of the planner with stages left out (csrc/planner.h kSkip*)
+VARIANTS = {"without refine": 1, "without refine and route": 3, "launch only": 4}
+TARGETS = {(8, 640): 15.0, (128, 640): 50.0}  # us, one H200 (the issue's targets)
+
+
+def variant_table(rows: list[dict]) -> str:
+    """Graph-replay time of the full plan and of the variants that leave stages out."""
+    names = list(VARIANTS)
+    table = markdown_table(["sweep", "EP", "experts", "full"] + names,
+                           [[r["sweep"], r["ep"], r["experts"], f"{r['graph_us']:.1f}"]
+                            + [f"{r['variants_graph_us'][n]:.1f}" for n in names] for r in rows])
+    return ("\n## Variants that leave a stage out\n\nCUDA-graph replay (us, median as above) of the same planner "
+            "kernel with stages skipped (`torch.ops.topoep.set_skip_stages`): the refinement (the stage-1/2 plan is "
+            "routed), the refinement and the route, everything (the launch and an empty kernel). Their plans are not "
+            "the policy's; they only show what each stage costs.\n\n" + table + "\n")
+
+
+def target_table(rows: list[dict]) -> str:
+    """The issue's latency targets against the full plan and the plan without its refinement."""
+    out = []
+    for r in rows:
+        t = TARGETS.get((r["ep"], r["experts"]))
+        if t is None or r["sweep"] != "a":
+            continue
+        best = min(r["eager_us"], r["graph_us"])
+        nr = r["variants_graph_us"]["without refine"]
+        out.append([r["ep"], r["experts"], f"{t:.0f}", f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}",
+                    "yes" if best <= t else "no", f"{nr:.1f}", "yes" if nr <= t else "no"])
+    return ("\n## Against the targets\n\n" + markdown_table(
+        ["EP", "experts", "target us", "eager us", "graph us", "met", "graph without refine us", "met without refine"],
+        out) + "\n")
 
 
 def _phase_medians(planner: CudaPlanner, graph, runs: int) -> dict[str, float]:
@@ -141,8 +188,10 @@ def main(argv=None) -> int:
         r["sweep"] = sweep
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
-              f"reference {r['reference_ms']:8.2f} ms", flush=True)
-    breakdown = phase_table(rows) + (kernel_breakdown(args.slots, args.tokens) if args.profile else "")
+              f"reference {r['reference_ms']:8.2f} ms  " + "  ".join(f"{k} {v:.1f}" for k, v in
+                                                                      r["variants_graph_us"].items()), flush=True)
+    breakdown = (target_table(rows) + variant_table(rows) + phase_table(rows)
+                 + (kernel_breakdown(args.slots, args.tokens) if args.profile else ""))
     info = run_info(vars(args) | {"out": str(args.out)})
     paper = {(8, 640): 131, (128, 640): 510}
     table = markdown_table(["sweep", "EP", "experts", "domains", "slots", "eager us", "graph us", "CPU reference ms",

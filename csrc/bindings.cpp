@@ -72,6 +72,12 @@ std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains,
           (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
 }
 
+// Latency measurements only (bench/planner_latency.py --variants): stages the planner leaves out
+void set_skip_stages(int64_t mask) {
+  TORCH_CHECK(mask >= 0 && mask < 8, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all)");
+  topoep::set_skip_stages((int)mask);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(topoep, m) {
@@ -79,6 +85,7 @@ TORCH_LIBRARY(topoep, m) {
         "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
+  m.def("set_skip_stages(int mask) -> ()", &set_skip_stages);
 }
 
 TORCH_LIBRARY_IMPL(topoep, CUDA, m) {

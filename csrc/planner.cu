@@ -44,6 +44,7 @@ struct Dims {
   int R, E, M, rpd, N, P, Eloc, G;  // G: instances a rank can hold (its mains, then its slots)
   int gw;                            // lanes per instance in phases 4 and 6 (a power of two <= 32)
   int local;                         // 1: one block, omega and the whole state in shared memory
+  int skip;                          // kSkip* bits: stages left out, for latency measurements only
   unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
   i64 W, S;
 };
@@ -52,15 +53,15 @@ struct Dims {
 // single block reaches it without global-memory latency.
 struct Work {
   const i64* om;  // omega (the input, or its shared-memory copy)
-  i64 *D, *L0, *U, *L, *slot0, *slot1;
+  i64 *D, *L0, *U, *L, *slot0, *slot1, *T;  // T[e]: total demand of an expert with one instance in stage 1
   int *pos_all0, *pos_dom0, *cnt_all0, *cnt_dom0;
   i64* stamps;  // always global: kNumStamps
 };
 
-// i64 elements of the state (D[M*E], L0[R], U[P], L[R], slot0[R*N], slot1[R*N], then the int arrays
-// pos_all0[P], pos_dom0[P], cnt_all0[E], cnt_dom0[M*E], two per i64)
+// i64 elements of the state (D[M*E], L0[R], U[P], L[R], slot0[R*N], slot1[R*N], T[E], then the int
+// arrays pos_all0[P], pos_dom0[P], cnt_all0[E], cnt_dom0[M*E], two per i64)
 __host__ __device__ inline size_t state_elems(const Dims& d) {
-  const size_t i64s = (size_t)d.M * d.E + 2 * (size_t)d.R + d.P + 2 * (size_t)d.R * d.N;
+  const size_t i64s = (size_t)d.M * d.E + 2 * (size_t)d.R + d.P + 2 * (size_t)d.R * d.N + d.E;
   const size_t i32s = 2 * (size_t)d.P + d.E + (size_t)d.M * d.E;
   return i64s + (i32s + 1) / 2;
 }
@@ -72,18 +73,19 @@ __host__ __device__ inline void carve(Work& w, i64* base, const Dims& d) {
   w.L = w.U + d.P;
   w.slot0 = w.L + d.R;
   w.slot1 = w.slot0 + (size_t)d.R * d.N;
-  w.pos_all0 = (int*)(w.slot1 + (size_t)d.R * d.N);
+  w.T = w.slot1 + (size_t)d.R * d.N;
+  w.pos_all0 = (int*)(w.T + d.E);
   w.pos_dom0 = w.pos_all0 + d.P;
   w.cnt_all0 = w.pos_dom0 + d.P;
   w.cnt_dom0 = w.cnt_all0 + d.E;
 }
 
-// i64 elements of the per-phase shared scratch: placement's keys, the slot tables of phases 3-6, a
-// domain's refinement state
+// i64 elements of the per-phase shared scratch: placement's keys, the slot tables of phases 3-6 and the
+// list of instances that take the general path in phases 4 and 6, a domain's refinement state
 __host__ __device__ inline size_t scratch_elems(const Dims& d) {
   const size_t rpd = d.rpd, G = d.G;
   const size_t placement = (size_t)d.E + rpd;
-  const size_t slots = (size_t)d.R * d.N;  // two int tables
+  const size_t slots = (size_t)d.R * d.N + ((size_t)d.P + 1) / 2;  // two int tables, an int list
   const size_t refine = rpd * G + rpd + (rpd <= 32 ? rpd * rpd : 0) + (rpd * d.N + 1) / 2;
   return max(placement, max(slots, refine));
 }
@@ -191,48 +193,71 @@ __device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d,
   else { *e = se[p - d.E]; *rank = (p - d.E) / d.N; }
 }
 
-// The instance handled by this thread's lane group in round `it` of phases 4 and 6; every lane of a warp
-// runs the same number of rounds (shuffles need the whole warp), lanes past P get p >= P.
-struct LaneGroup {
-  int lig, first, stride;  // lane in group, first instance, instances per round over the grid
+// Phases 4 and 6 give most instances their result on a short path, a thread per instance (or per
+// (source, instance) pair), and append the rest to a block-local list in shared memory, which the block
+// then works through with a group of d.gw lanes per listed instance (a shuffle reduction or scan over
+// sources). The list's order depends on atomics but every listed instance is computed on its own, so the
+// outputs do not.
+struct ListState {
+  int* items;  // the listed instances (at most P)
+  int* count;  // in shared memory
 };
-__device__ __forceinline__ LaneGroup lane_group(const Dims& d) {
-  const int gpw = 32 / d.gw;  // groups per warp
-  const int warp_global = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  LaneGroup g;
-  g.lig = threadIdx.x & (d.gw - 1);
-  g.first = warp_global * gpw + ((threadIdx.x & 31) / d.gw);
-  g.stride = (gridDim.x * blockDim.x >> 5) * gpw;
-  return g;
+
+// Calls f(p, lane in group) for every listed instance of this block, then one more round for lanes past
+// the end (p = d.P), so that every lane of a warp runs the same rounds (shuffles need the whole warp).
+template <class F>
+__device__ __forceinline__ void for_listed(const Dims& d, const ListState& ls, F f) {
+  const int n = *ls.count, gpw = 32 / d.gw, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / d.gw, lig = lane & (d.gw - 1);
+  for (int base = warp * gpw; base < n; base += kWarps * gpw) {  // uniform per warp
+    const int i = base + sub;
+    f(i < n ? ls.items[i] : d.P, lig);
+  }
 }
 
-// phase 4: U0[p] = sum over sources of the stage-2 split
-__device__ void split(const Dims& d, const Work& w, const int* se) {
-  const LaneGroup lg = lane_group(d);
-  const int sub = (threadIdx.x & 31) / d.gw;
-  for (int base = lg.first - sub; base < d.P; base += lg.stride) {  // uniform per warp
-    const int p = base + sub;
-    int e = -1, r = 0;
-    if (p < d.P) instance_of(p, se, d, &e, &r);
-    i64 acc = 0;
-    if (e >= 0) {
-      // share of omega[s, e] the stage-2 split gives p: even over e's instances in s's domain if it has
-      // any (p must be one of them), else over all of e's instances; the remainder rotated by s
-      const int pdom = dom_of_rank(r, d), pos_dom = w.pos_dom0[p], pos_all = w.pos_all0[p], n_all = w.cnt_all0[e];
+// phase 4: U0[p] = sum over sources of the stage-2 split. An expert with one instance (its main) gets its
+// whole demand: the sum of D over domains, also kept in T[e] for phase 6.
+__device__ void split_listed(const Dims& d, const Work& w, const int* se, int p, int lig) {
+  int e = -1, r = 0;
+  if (p < d.P) instance_of(p, se, d, &e, &r);
+  i64 acc = 0;
+  if (e >= 0) {
+    // share of omega[s, e] the stage-2 split gives p: even over e's instances in s's domain if it has
+    // any (p must be one of them), else over all of e's instances; the remainder rotated by s
+    const int pdom = dom_of_rank(r, d), pos_dom = w.pos_dom0[p], pos_all = w.pos_all0[p], n_all = w.cnt_all0[e];
 #pragma unroll 4
-      for (int s = lg.lig; s < d.R; s += d.gw) {
-        const i64 x = w.om[(i64)s * d.E + e];
-        const int sd = dom_of_rank(s, d), nloc = w.cnt_dom0[(i64)sd * d.E + e];
-        if (nloc > 0 && pdom != sd) continue;
-        const int n = nloc > 0 ? nloc : n_all, pos = nloc > 0 ? pos_dom : pos_all;
-        i64 q, rem;
-        divmod(x, n, &q, &rem);
-        acc += q + (floor_mod(pos - s, n) < rem ? 1 : 0);
-      }
+    for (int s = lig; s < d.R; s += d.gw) {
+      const i64 x = w.om[(i64)s * d.E + e];
+      const int sd = dom_of_rank(s, d), nloc = w.cnt_dom0[(i64)sd * d.E + e];
+      if (nloc > 0 && pdom != sd) continue;
+      const int n = nloc > 0 ? nloc : n_all, pos = nloc > 0 ? pos_dom : pos_all;
+      i64 q, rem;
+      divmod(x, n, &q, &rem);
+      acc += q + (floor_mod(pos - s, n) < rem ? 1 : 0);
     }
-    for (int off = d.gw >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off, d.gw);
-    if (p < d.P && lg.lig == 0) w.U[p] = acc;
   }
+  for (int off = d.gw >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off, d.gw);
+  if (p < d.P && lig == 0) w.U[p] = acc;
+}
+
+__device__ void split(const Dims& d, const Work& w, const int* se, const ListState& ls) {
+  if (threadIdx.x == 0) *ls.count = 0;
+  __syncthreads();
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
+    int e, r;
+    instance_of(p, se, d, &e, &r);
+    if (e < 0) { w.U[p] = 0; continue; }
+    if (w.cnt_all0[e] == 1) {  // p is e's main and e's only instance
+      i64 t = 0;
+      for (int m = 0; m < d.M; ++m) t += w.D[(i64)m * d.E + e];
+      w.U[p] = t;
+      w.T[e] = t;
+      continue;
+    }
+    ls.items[atomicAdd(ls.count, 1)] = p;
+  }
+  __syncthreads();
+  for_listed(d, ls, [&](int p, int lig) { split_listed(d, w, se, p, lig); });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -465,7 +490,7 @@ __device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w
     if (lane == 0) st.sl[a] = acc;
   }
   __syncthreads();
-  if (warp == 0) refine_warp<NT>(dom, st, d, blockIdx.x == 0 ? w.stamps + 7 : nullptr);
+  if (warp == 0 && !(d.skip & kSkipRefine)) refine_warp<NT>(dom, st, d, blockIdx.x == 0 ? w.stamps + 7 : nullptr);
   __syncthreads();
   for (int i = threadIdx.x; i < rpd * G; i += blockDim.x) {
     const int a = i / G, g = i % G, r = r0 + a;
@@ -502,60 +527,75 @@ __device__ bool guard_fires(const Dims& d, const Work& w) {
   return fb;
 }
 
-__device__ void route_phase(const Dims& d, const Work& w, const int* se0, const int* se1,
-                            bool fb, i64* __restrict__ slot_expert, i64* __restrict__ route) {
+// The route of a listed instance p (lanes of its group split the sources)
+__device__ void route_listed(const Dims& d, const Work& w, const int* se0, const int* se1, i64* __restrict__ route,
+                             int p, int lig) {
+  int e = -1, r = 0;
+  if (p < d.P) instance_of(p, se1, d, &e, &r);
+  const int gd = e >= 0 ? dom_of_rank(r, d) : 0;
+  const bool main_in_group = e >= 0 && dom_of_rank(main_rank_of(e, d), d) == gd;
+  const i64 up = e >= 0 ? w.U[p] : 0;
+  i64 cu = 0;  // the group's load before p: the main (if in the group and p is a slot), then slots
+  if (e >= 0 && p >= d.E) {
+    if (main_in_group) cu += w.U[e];
+    for (int q = gd * d.rpd * d.N; q < p - d.E; ++q) if (se1[q] == e) cu += w.U[d.E + q];
+  }
+  const int n_all = e >= 0 ? w.cnt_all0[e] : 1;
+  i64 carry = 0;
+  for (int s0 = 0; s0 < d.R; s0 += d.gw) {
+    const int s = s0 + lig;
+    i64 amount = 0;
+    if (e >= 0 && s < d.R) {
+      const int sd = dom_of_rank(s, d);
+      const i64 x = w.om[(i64)s * d.E + e];
+      if (sd == gd) {
+        amount = x;
+      } else if (w.cnt_dom0[(i64)sd * d.E + e] == 0 && x > 0) {  // orphan: its share of the group's initial instances
+        i64 xq, xr;
+        divmod(x, n_all, &xq, &xr);
+        if (main_in_group) amount += xq + (floor_mod(0 - s, n_all) < xr ? 1 : 0);
+        for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
+          if (se0[q] == e) amount += xq + (floor_mod(w.pos_all0[d.E + q] - s, n_all) < xr ? 1 : 0);
+      }
+    }
+    i64 incl = amount;  // inclusive scan over the group's lanes
+    for (int off = 1; off < d.gw; off <<= 1) {
+      const i64 v = __shfl_up_sync(kFull, incl, off, d.gw);
+      if (lig >= off) incl += v;
+    }
+    const i64 lo = carry + incl - amount, hi = lo + amount;
+    if (p < d.P && s < d.R) {
+      const i64 ov = e >= 0 ? min(hi, cu + up) - max(lo, cu) : 0;
+      route[(i64)s * d.P + p] = ov > 0 ? ov : 0;
+    }
+    carry += __shfl_sync(kFull, incl, d.gw - 1, d.gw);
+  }
+}
+
+// A (source, instance) pair takes the short path when the guard fired (the static plan), when the slot is
+// empty, or when p is the main of an expert that had no stage-1 replica and keeps its whole demand (any
+// replica refinement gave it is empty): then every source sends p all it has. Otherwise p is listed.
+__device__ void route_phase(const Dims& d, const Work& w, const int* se0, const int* se1, bool fb,
+                            i64* __restrict__ slot_expert, i64* __restrict__ route, const ListState& ls) {
+  if (threadIdx.x == 0) *ls.count = 0;
+  __syncthreads();
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < d.R * d.N; q += gridDim.x * blockDim.x)
     slot_expert[q] = (fb || w.U[d.E + q] <= 0) ? -1 : se1[q];
-  const LaneGroup lg = lane_group(d);
-  const int sub = (threadIdx.x & 31) / d.gw;
-  for (int base = lg.first - sub; base < d.P; base += lg.stride) {  // uniform per warp
-    const int p = base + sub;
-    int e = -1, r = 0;
-    if (p < d.P) instance_of(p, se1, d, &e, &r);
-    if (fb) {  // the static plan
-      if (p < d.P)
-        for (int s = lg.lig; s < d.R; s += d.gw) route[(i64)s * d.P + p] = p < d.E ? w.om[(i64)s * d.E + p] : 0;
-      continue;
-    }
-    const int gd = e >= 0 ? dom_of_rank(r, d) : 0;
-    const bool main_in_group = e >= 0 && dom_of_rank(main_rank_of(e, d), d) == gd;
-    const i64 up = e >= 0 ? w.U[p] : 0;
-    i64 cu = 0;  // the group's load before p: the main (if in the group and p is a slot), then slots
-    if (e >= 0 && p >= d.E) {
-      if (main_in_group) cu += w.U[e];
-      for (int q = gd * d.rpd * d.N; q < p - d.E; ++q) if (se1[q] == e) cu += w.U[d.E + q];
-    }
-    const int n_all = e >= 0 ? w.cnt_all0[e] : 1;
-    i64 carry = 0;
-    for (int s0 = 0; s0 < d.R; s0 += d.gw) {
-      const int s = s0 + lg.lig;
-      i64 amount = 0;
-      if (e >= 0 && s < d.R) {
-        const int sd = dom_of_rank(s, d);
-        const i64 x = w.om[(i64)s * d.E + e];
-        if (sd == gd) {
-          amount = x;
-        } else if (w.cnt_dom0[(i64)sd * d.E + e] == 0 && x > 0) {  // orphan: its share of the group's initial instances
-          i64 xq, xr;
-          divmod(x, n_all, &xq, &xr);
-          if (main_in_group) amount += xq + (floor_mod(0 - s, n_all) < xr ? 1 : 0);
-          for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
-            if (se0[q] == e) amount += xq + (floor_mod(w.pos_all0[d.E + q] - s, n_all) < xr ? 1 : 0);
-        }
-      }
-      i64 incl = amount;  // inclusive scan over the group's lanes
-      for (int off = 1; off < d.gw; off <<= 1) {
-        const i64 v = __shfl_up_sync(kFull, incl, off, d.gw);
-        if (lg.lig >= off) incl += v;
-      }
-      const i64 lo = carry + incl - amount, hi = lo + amount;
-      if (p < d.P && s < d.R) {
-        const i64 ov = e >= 0 ? min(hi, cu + up) - max(lo, cu) : 0;
-        route[(i64)s * d.P + p] = ov > 0 ? ov : 0;
-      }
-      carry += __shfl_sync(kFull, incl, d.gw - 1, d.gw);
+  const i64 pairs = (i64)d.R * d.P;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += (i64)gridDim.x * blockDim.x) {
+    const int s = pairs <= 0xffffffffll ? (int)((unsigned)i / (unsigned)d.P) : (int)(i / d.P);
+    const int p = (int)(i - (i64)s * d.P);
+    const int e = p < d.E ? p : se1[p - d.E];
+    if (fb || e < 0) {
+      route[i] = (fb && p < d.E) ? w.om[(i64)s * d.E + p] : 0;
+    } else if (p < d.E && w.cnt_all0[e] == 1 && w.U[p] == w.T[e]) {
+      route[i] = w.om[(i64)s * d.E + e];
+    } else if (s == 0) {
+      ls.items[atomicAdd(ls.count, 1)] = p;
     }
   }
+  __syncthreads();
+  for_listed(d, ls, [&](int p, int lig) { route_listed(d, w, se0, se1, route, p, lig); });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -564,8 +604,11 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
                                                             Dims d, Work w, i64* __restrict__ slot_expert,
                                                             i64* __restrict__ route) {
   extern __shared__ i64 smem[];
+  __shared__ int num_listed;
   stamp(w, 0);
+  if (d.skip & kSkipAll) return;
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
+  const ListState ls = {(int*)scratch + 2 * d.R * d.N, &num_listed};  // after the two slot tables
   if (d.local) {        // omega and the state move into shared memory, after the scratch area
     i64* om = smem + scratch_elems(d);
     for (int i = threadIdx.x; i < d.R * d.E; i += blockDim.x) om[i] = omega[i];
@@ -597,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   grid_sync();
   stamp(w, 3);
   // 4 stage-2 split
-  split(d, w, se0);
+  split(d, w, se0, ls);
   grid_sync();
   stamp(w, 4);
   // 5 refinement, a block per domain
@@ -609,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   se0 = se1 + d.R * d.N;
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
-  route_phase(d, w, se0, se1, fb, slot_expert, route);
+  if (!(d.skip & kSkipRoute)) route_phase(d, w, se0, se1, fb, slot_expert, route, ls);
   stamp(w, 6);
 }
 
@@ -630,7 +673,7 @@ static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t)
 static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
   d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
-  d.W = 0; d.S = 0; d.local = 0;
+  d.W = 0; d.S = 0; d.local = 0; d.skip = 0;
   d.inv_eloc = ((1ull << 32) + d.Eloc - 1) / d.Eloc;
   d.inv_rpd = ((1ull << 32) + d.rpd - 1) / d.rpd;
   d.gw = 1;
@@ -641,6 +684,9 @@ static Dims make_dims(int R, int E, int M, int N) {
 size_t workspace_elems(int R, int E, int M, int N) { return kNumStamps + state_elems(make_dims(R, E, M, N)); }
 
 size_t phase_ns_offset(int, int, int, int) { return 0; }
+
+static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
+void set_skip_stages(int mask) { g_skip_stages = mask; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
@@ -661,7 +707,7 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem) {
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
                         int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream) {
   Dims d = make_dims(R, E, M, N);
-  d.W = W; d.S = S;
+  d.W = W; d.S = S; d.skip = g_skip_stages;
   if (N == 0) {
     static_kernel<<<blocks_for((long long)R * d.P, 256), 256, 0, stream>>>(omega, d, slot_expert, route);
     return cudaGetLastError();

@@ -12,12 +12,18 @@ constexpr int kMaxRanksPerDomain = 1024;  // placement's shared rank order; refi
 // move, whole loop)
 constexpr int kNumStamps = 15;
 constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and their state in shared memory
+// Stages the `topoep` kernel leaves out after set_skip_stages(mask), for latency measurements only (the
+// plan is then not the policy's): the refinement (the stage-1/2 plan is routed), the route phase (the
+// route is not written), or everything (the launch alone).
+constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4;
 
 // int64 elements of the workspace plan_topoep needs for (R, E, M domains, N slots); mirrored by
 // topoep/planners/cuda.py:workspace_elems.
 size_t workspace_elems(int R, int E, int M, int N);
 // Offset (int64 elements) of the kNumStamps phase timestamps (ns) in the workspace.
 size_t phase_ns_offset(int R, int E, int M, int N);
+// Leave stages out of every later plan_topoep launch (kSkip* bits; 0 restores the policy).
+void set_skip_stages(int mask);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
 

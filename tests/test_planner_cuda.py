@@ -131,3 +131,27 @@ def test_phase_stamps_cover_the_plan():
     phases = planner.phase_ns()
     assert list(phases) == ["demand", "placement", "instances", "split", "refine", "route"]
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) > 0
+
+
+def test_skip_stages_time_a_valid_plan_and_reset():
+    """The latency variants (set_skip_stages) still route every token, and mask 0 gives the policy back."""
+    R, E, N = 16, 320, 2
+    topo = Topology(num_domains=2, ranks_per_domain=8)
+    omega = biased_routing(R, E, 512, 8, -3.0, seed=9).cuda()
+    planner = CudaPlanner(R, E, topo.num_domains, N, "cuda")
+    se = torch.empty(R, N, dtype=torch.int64, device="cuda")
+    rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
+    try:
+        torch.ops.topoep.set_skip_stages(1)  # no refinement: the stage-1/2 plan, routed
+        planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
+    finally:
+        torch.ops.topoep.set_skip_stages(0)
+    assert torch.equal(rt.sum(1), omega.sum(1))  # every source's tokens are routed
+    inst_expert = torch.cat([torch.arange(E, device="cuda"), se.flatten()])
+    per_expert = torch.zeros(R, E, dtype=torch.int64, device="cuda")
+    live = inst_expert >= 0
+    per_expert.index_add_(1, inst_expert[live], rt[:, live])
+    assert torch.equal(per_expert, omega)  # to instances of the right expert
+    planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
+    ref = solve(omega.cpu(), topo, num_slots=N, backend="reference")
+    assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
