@@ -197,7 +197,8 @@ __device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d,
 // (source, instance) pair), and append the rest to a block-local list in shared memory, which the block
 // then works through with a group of d.gw lanes per listed instance (a shuffle reduction or scan over
 // sources). The list's order depends on atomics but every listed instance is computed on its own, so the
-// outputs do not.
+// outputs do not. Instances are listed block-cyclically (p = thread * blocks + block), so that the slots,
+// which all take the long path and sit at the end of the instance order, spread over the grid.
 struct ListState {
   int* items;  // the listed instances (at most P)
   int* count;  // in shared memory
@@ -243,7 +244,7 @@ __device__ void split_listed(const Dims& d, const Work& w, const int* se, int p,
 __device__ void split(const Dims& d, const Work& w, const int* se, const ListState& ls) {
   if (threadIdx.x == 0) *ls.count = 0;
   __syncthreads();
-  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
+  for (int p = threadIdx.x * gridDim.x + blockIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
     int e, r;
     instance_of(p, se, d, &e, &r);
     if (e < 0) { w.U[p] = 0; continue; }
@@ -572,27 +573,31 @@ __device__ void route_listed(const Dims& d, const Work& w, const int* se0, const
   }
 }
 
-// A (source, instance) pair takes the short path when the guard fired (the static plan), when the slot is
-// empty, or when p is the main of an expert that had no stage-1 replica and keeps its whole demand (any
-// replica refinement gave it is empty): then every source sends p all it has. Otherwise p is listed.
+// Instance p's route takes the short path when the guard fired (the static plan), when its slot is empty,
+// or when p is the main of an expert that had no stage-1 replica and keeps its whole demand (any replica
+// refinement gave it is empty): then every source sends p all it has (0 for an empty slot).
+__device__ __forceinline__ bool route_short(const Dims& d, const Work& w, const int* se1, bool fb, int p, int* e) {
+  *e = p < d.E ? p : se1[p - d.E];
+  return fb || *e < 0 || (p < d.E && w.cnt_all0[p] == 1 && w.U[p] == w.T[p]);
+}
+
 __device__ void route_phase(const Dims& d, const Work& w, const int* se0, const int* se1, bool fb,
                             i64* __restrict__ slot_expert, i64* __restrict__ route, const ListState& ls) {
   if (threadIdx.x == 0) *ls.count = 0;
   __syncthreads();
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < d.R * d.N; q += gridDim.x * blockDim.x)
     slot_expert[q] = (fb || w.U[d.E + q] <= 0) ? -1 : se1[q];
-  const i64 pairs = (i64)d.R * d.P;
+  for (int p = threadIdx.x * gridDim.x + blockIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
+    int e;
+    if (!route_short(d, w, se1, fb, p, &e)) ls.items[atomicAdd(ls.count, 1)] = p;
+  }
+  const i64 pairs = (i64)d.R * d.P;  // the short path, a thread per pair (coalesced over p)
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += (i64)gridDim.x * blockDim.x) {
     const int s = pairs <= 0xffffffffll ? (int)((unsigned)i / (unsigned)d.P) : (int)(i / d.P);
     const int p = (int)(i - (i64)s * d.P);
-    const int e = p < d.E ? p : se1[p - d.E];
-    if (fb || e < 0) {
-      route[i] = (fb && p < d.E) ? w.om[(i64)s * d.E + p] : 0;
-    } else if (p < d.E && w.cnt_all0[e] == 1 && w.U[p] == w.T[e]) {
-      route[i] = w.om[(i64)s * d.E + e];
-    } else if (s == 0) {
-      ls.items[atomicAdd(ls.count, 1)] = p;
-    }
+    int e;
+    if (route_short(d, w, se1, fb, p, &e))
+      route[i] = fb ? (p < d.E ? w.om[(i64)s * d.E + p] : 0) : (e < 0 ? 0 : w.om[(i64)s * d.E + e]);
   }
   __syncthreads();
   for_listed(d, ls, [&](int p, int lig) { route_listed(d, w, se0, se1, route, p, lig); });
