@@ -197,8 +197,13 @@ __device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d,
 // (source, instance) pair), and append the rest to a block-local list in shared memory, which the block
 // then works through with a group of d.gw lanes per listed instance (a shuffle reduction or scan over
 // sources). The list's order depends on atomics but every listed instance is computed on its own, so the
-// outputs do not. Instances are listed block-cyclically (p = thread * blocks + block), so that the slots,
-// which all take the long path and sit at the end of the instance order, spread over the grid.
+// outputs do not. Runs of 32 instances go to the grid's warps block-cyclically (warp_cyclic), so that the
+// slots, which all take the long path and sit at the end of the instance order, spread over the blocks while
+// a warp's accesses stay contiguous.
+__device__ __forceinline__ int warp_cyclic() {
+  return ((threadIdx.x >> 5) * gridDim.x + blockIdx.x) * 32 + (threadIdx.x & 31);
+}
+
 struct ListState {
   int* items;  // the listed instances (at most P)
   int* count;  // in shared memory
@@ -244,7 +249,7 @@ __device__ void split_listed(const Dims& d, const Work& w, const int* se, int p,
 __device__ void split(const Dims& d, const Work& w, const int* se, const ListState& ls) {
   if (threadIdx.x == 0) *ls.count = 0;
   __syncthreads();
-  for (int p = threadIdx.x * gridDim.x + blockIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
+  for (int p = warp_cyclic(); p < d.P; p += gridDim.x * blockDim.x) {
     int e, r;
     instance_of(p, se, d, &e, &r);
     if (e < 0) { w.U[p] = 0; continue; }
@@ -587,17 +592,22 @@ __device__ void route_phase(const Dims& d, const Work& w, const int* se0, const 
   __syncthreads();
   for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < d.R * d.N; q += gridDim.x * blockDim.x)
     slot_expert[q] = (fb || w.U[d.E + q] <= 0) ? -1 : se1[q];
-  for (int p = threadIdx.x * gridDim.x + blockIdx.x; p < d.P; p += gridDim.x * blockDim.x) {
+  // the short path: a thread per (instance, run of sources), as many runs as the grid has threads for
+  const int threads = gridDim.x * blockDim.x;
+  const int runs = max(1, min(d.R, threads / d.P)), run_len = (d.R + runs - 1) / runs;
+  const int items = runs * d.P;  // <= max(threads, P)
+  for (int i = warp_cyclic(); i < items; i += threads) {
+    const int c = (int)((unsigned)i / (unsigned)d.P), p = i - c * d.P;
     int e;
-    if (!route_short(d, w, se1, fb, p, &e)) ls.items[atomicAdd(ls.count, 1)] = p;
-  }
-  const i64 pairs = (i64)d.R * d.P;  // the short path, a thread per pair (coalesced over p)
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += (i64)gridDim.x * blockDim.x) {
-    const int s = pairs <= 0xffffffffll ? (int)((unsigned)i / (unsigned)d.P) : (int)(i / d.P);
-    const int p = (int)(i - (i64)s * d.P);
-    int e;
-    if (route_short(d, w, se1, fb, p, &e))
-      route[i] = fb ? (p < d.E ? w.om[(i64)s * d.E + p] : 0) : (e < 0 ? 0 : w.om[(i64)s * d.E + e]);
+    if (!route_short(d, w, se1, fb, p, &e)) {
+      if (c == 0) ls.items[atomicAdd(ls.count, 1)] = p;
+      continue;
+    }
+    const bool zero = fb ? p >= d.E : e < 0;
+    const int col = zero ? 0 : fb ? p : e;  // the static plan routes to the mains only
+    const int s1 = min(d.R, (c + 1) * run_len);
+#pragma unroll 4
+    for (int s = c * run_len; s < s1; ++s) route[(i64)s * d.P + p] = zero ? 0 : w.om[(i64)s * d.E + col];
   }
   __syncthreads();
   for_listed(d, ls, [&](int p, int lig) { route_listed(d, w, se0, se1, route, p, lig); });
@@ -616,6 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   const ListState ls = {(int*)scratch + 2 * d.R * d.N, &num_listed};  // after the two slot tables
   if (d.local) {        // omega and the state move into shared memory, after the scratch area
     i64* om = smem + scratch_elems(d);
+#pragma unroll 8
     for (int i = threadIdx.x; i < d.R * d.E; i += blockDim.x) om[i] = omega[i];
     w.om = om;
     carve(w, om + (size_t)d.R * d.E, d);
@@ -750,7 +761,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = blocks > 1 ? 1 : 0;  // one block synchronises with block barriers: a plain launch
   return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, slot_expert, route);
 }
 
