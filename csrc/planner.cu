@@ -364,8 +364,10 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     // rb = busiest rank of the domain, ties -> lowest id
     i64 bl = -1;
     int b = INT_MAX;
-    if (d.rpd <= 16) {  // every lane scans the whole domain: no warp communication
-      for (int a = 0; a < d.rpd; ++a) { const i64 v = st.sl[a]; if (v > bl) { bl = v; b = a; } }
+    if (d.rpd <= 32) {  // a lane per rank: the lowest of the lanes with the largest load
+      const i64 mine = lane < d.rpd ? st.sl[lane] : -1;
+      b = __ffs(keep_max(kFull, (unsigned long long)(mine + 1))) - 1;
+      bl = __shfl_sync(kFull, mine, b);
     } else {
       for (int a = lane; a < d.rpd; a += 32) if (st.sl[a] > bl) { bl = st.sl[a]; b = a; }
       const unsigned tied = keep_max(kFull, (unsigned long long)(bl + 1));
