@@ -282,7 +282,7 @@ def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
         return ""
     by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
     by_dev = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                       row_limit=15, max_name_column_width=70)
+                                       row_limit=40, max_name_column_width=70)
     return f"## {case.name}: {iters} calls, by host time\n{by_cpu}\n## by self device time\n{by_dev}\n"
 
 
