@@ -278,6 +278,12 @@ def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
             case.run()
         if cuda:
             torch.cuda.synchronize()
+    if os.environ.get("TOPOEP_TRACE_DIR"):  # a Chrome trace per rank and case, for timeline analysis
+        d = Path(os.environ["TOPOEP_TRACE_DIR"])
+        d.mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() else "_" for c in case.name)
+        n = len(list(d.glob(f"trace_*_{name}_rank{dist.get_rank()}.json")))  # cases repeat over workloads
+        prof.export_chrome_trace(str(d / f"trace_{n}_{name}_rank{dist.get_rank()}.json"))
     if dist.get_rank() != 0:
         return ""
     by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
