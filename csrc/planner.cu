@@ -45,8 +45,6 @@ struct Dims {
   int gw;                            // lanes per instance in phases 4 and 6 (a power of two <= 32)
   int local;                         // 1: one block, omega and the whole state in shared memory
   int skip;                          // kSkip* bits: stages left out, for latency measurements only
-  int lpt;                           // refinement: lanes per target rank (domains of <= 16 ranks: 32 / rpd rounded up
-                                     // to a power of two; they split the target's existing-instance candidates)
   unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
   i64 W, S;
 };
@@ -357,15 +355,11 @@ __device__ __forceinline__ void consider(Key& best, i64 u, i64 half, i64 lt, i64
 template <int NT>
 __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* prof) {
   const int lane = threadIdx.x & 31, r0 = dom * d.rpd, N = num_slots<NT>(d);
-  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h), only when
-  // kProfile is set: the clock reads order the loop's instructions and cost time of their own
-  const bool timed = (d.skip & kProfile) != 0, count = timed && dom == 0 && lane == 0;
+  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h)
+  const bool count = dom == 0 && lane == 0;
   long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
-  const long long t_begin = timed ? clock64() : 0;
+  const long long t_begin = clock64();
   long long t0 = t_begin, t1;
-  // this lane's target rank (lanes of a target split its existing-instance candidates) and the stride
-  // to its next one
-  const int L = d.lpt, sub = lane & (L - 1), a_first = L > 1 ? lane / L : lane, a_step = L > 1 ? INT_MAX : 32;
   while (true) {
     // rb = busiest rank of the domain, ties -> lowest id
     i64 bl = -1;
@@ -380,41 +374,33 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       b = (int)__reduce_min_sync(kFull, (tied >> lane & 1) ? (unsigned)b : 0xffffffffu);
       bl = st.sl[b];
     }
-    if (timed) { t1 = clock64(); c_rb += t1 - t0; t0 = t1; }
+    t1 = clock64(); c_rb += t1 - t0; t0 = t1;
     const i64* cost_row = st.cost + (i64)b * st.cs;
-    // existing-instance candidates; `need`: this lane's targets that still want a new-replica candidate.
-    // Candidate c < N of target a: the expert in a's slot c, if rb hosts it; c >= N: the expert in rb's
-    // slot c - N, if its main is a. The L lanes of a target take c = sub, sub + L, ...
+    // existing-instance candidates; `need`: this lane's targets that still want a new-replica candidate
     Key best = no_key();
     unsigned need = 0;
-    for (int a = a_first, k = 0; a < d.rpd; a += a_step, ++k) {
+    for (int a = lane, k = 0; a < d.rpd; a += 32, ++k) {
       const i64 lt = st.sl[a], c = cost_row[a];
       const i64 half = (bl - lt) / 2;
-      if (a == b || half <= 0) continue;  // the same for every lane of the target
+      if (a == b || half <= 0) continue;
       i64 ex = 0;  // best existing delta for this target
 #pragma unroll
-      for (int j = sub; j < 2 * N; j += L) {
-        i64 u = 0;
-        int x, gs, gt;
-        if (j < N) {
-          x = st.se[a * N + j];  // an expert in a's slots that rb also hosts
-          gs = x < 0 ? -1 : find_on<NT>(st, b, x, r0, d);
-          gt = d.Eloc + j;
-          if (gs >= 0) u = st.su[b * d.G + gs];
-        } else {
-          x = st.se[b * N + j - N];  // an expert in rb's slots whose main is a
-          gs = d.Eloc + j - N;
-          gt = x - (r0 + a) * d.Eloc;
-          if (x >= 0 && main_rank_of(x, d) == r0 + a) u = st.su[b * d.G + gs];
-        }
-        if (u > 0) { consider(best, u, half, lt, c, a, x, gs, gt); ex = max(ex, u < half ? u : half); }
+      for (int j = 0; j < N; ++j) {
+        const int x = st.se[a * N + j];  // an expert in a's slots that rb also hosts
+        const int g = x < 0 ? -1 : find_on<NT>(st, b, x, r0, d);
+        const i64 u = g < 0 ? 0 : st.su[b * d.G + g];
+        if (u > 0) { consider(best, u, half, lt, c, a, x, g, d.Eloc + j); ex = max(ex, u < half ? u : half); }
       }
-      // the target's lanes take the same branches: they alone exchange
-      const unsigned group = L == 32 ? kFull : ((1u << L) - 1) << (lane & ~(L - 1));
-      for (int off = L >> 1; off > 0; off >>= 1) ex = max(ex, (i64)__shfl_xor_sync(group, ex, off));
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int y = st.se[b * N + j];  // an expert in rb's slots whose main is a
+        const i64 u = (y >= 0 && main_rank_of(y, d) == r0 + a) ? st.su[b * d.G + d.Eloc + j] : 0;
+        if (u > 0) { consider(best, u, half, lt, c, a, y, d.Eloc + j, y - (r0 + a) * d.Eloc); ex = max(ex, u < half ? u : half); }
+      }
       // a new replica can only win with a larger delta (an existing instance wins ties)
-      if (sub == 0 && ex < half && first_free<NT>(st, a, d) >= 0) need |= 1u << k;
+      if (ex < half && first_free<NT>(st, a, d) >= 0) need |= 1u << k;
     }
+    t1 = clock64(); c_ex += t1 - t0; t0 = t1;
     // new-replica candidates: rb's instances in (load desc, expert asc) order, one warp argmax per round;
     // a target takes the first one it does not host
     i64 pu = LLONG_MAX;
@@ -438,14 +424,14 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       if (u < 0) break;  // rb has no further instance with load
       pu = u;
       pe = e;
-      for (int a = a_first, k = 0; a < d.rpd; a += a_step, ++k) {
+      for (int a = lane, k = 0; a < d.rpd; a += 32, ++k) {
         if (!(need >> k & 1)) continue;
         if (find_on<NT>(st, a, e, r0, d) >= 0) continue;
         consider(best, u, (bl - st.sl[a]) / 2, st.sl[a], cost_row[a], a, e, g, -1 - first_free<NT>(st, a, d));
         need &= ~(1u << k);
       }
     }
-    if (timed) { t1 = clock64(); c_rounds += t1 - t0; t0 = t1; }
+    t1 = clock64(); c_rounds += t1 - t0; t0 = t1;
     // the best lane, field by field
     unsigned tied = __ballot_sync(kFull, best.gs >= 0);
     if (tied == 0) break;  // no move helps
@@ -455,10 +441,9 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     if (__popc(tied) > 1) tied = keep_max(tied, best.gt >= 0 ? 1ull : 0ull);
     if (__popc(tied) > 1) tied = keep_max(tied, (unsigned long long)best.u);
     if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)(unsigned)best.a);
-    // lanes of one target hold distinct experts (an expert is never in a slot of its main rank)
-    if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)(unsigned)best.e);
+    // a lane's candidates have distinct targets from other lanes', so one lane is left here
     const int win = __ffs(tied) - 1;
-    if (timed) { t1 = clock64(); c_red += t1 - t0; t0 = t1; }
+    t1 = clock64(); c_red += t1 - t0; t0 = t1;
     if (lane == win) {
       const int a = best.a;
       int gt = best.gt;
@@ -474,7 +459,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     }
     __syncwarp();
     ++iters;
-    if (timed) { t1 = clock64(); c_move += t1 - t0; t0 = t1; }
+    t1 = clock64(); c_move += t1 - t0; t0 = t1;
   }
   if (count && prof != nullptr) {
     prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
@@ -707,9 +692,6 @@ static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
   d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
   d.W = 0; d.S = 0; d.local = 0; d.skip = 0;
-  int rp = 1;
-  while (rp < d.rpd) rp <<= 1;
-  d.lpt = d.rpd <= 16 ? 32 / rp : 1;
   d.inv_eloc = ((1ull << 32) + d.Eloc - 1) / d.Eloc;
   d.inv_rpd = ((1ull << 32) + d.rpd - 1) / d.rpd;
   d.gw = 1;
