@@ -27,13 +27,15 @@ step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense re
 }
 
 step_cuda() {  # backend cuda on 2 GPUs: payloads, vs backend torch for every policy, no host sync, graph replay
-  python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -25 | tee "$OUT/cuda_backend_tests.log"
-  python3 tools/sync_audit.py 2>&1 | grep -v -i "userwarning\|warnings.warn" | tail -40 | tee "$OUT/sync_audit.log"
+  timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -25 \
+    | tee "$OUT/cuda_backend_tests.log"
+  timeout ${CUDA_TEST_TIMEOUT:-300} python3 tools/sync_audit.py 2>&1 | grep -v -i "userwarning\|warnings.warn" | tail -40 | tee "$OUT/sync_audit.log"
 }
 
 step_a2a() {  # backend cuda's NVSHMEM transport (a2a.py) with the 2 GPUs as 2 virtual domains: its GPU tests, then
   # one MoE layer on it beside the peer-pointer transport (bench/moe_layer.py --transport a2a)
-  TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=$((NGPU / 2)) python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
+  TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=$((NGPU / 2)) timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py 2>&1 \
     | tail -25 | tee "$OUT/cuda_backend_a2a_tests.log"
   [ "${A2A_BENCH:-1}" = 0 ] && return
   echo "bench start $(date +%T)"
