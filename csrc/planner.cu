@@ -4,21 +4,24 @@
 // docstring is the spec). No host synchronisation: sizes come from the tensor shapes, data never leaves
 // the device.
 //
-// `topoep` is one cooperative kernel (a launch costs more than most phases at these sizes). Its phases
-// are separated by grid barriers (a block barrier when the grid is one block, as at EP 8):
+// `topoep` is one kernel (a launch costs more than most phases at these sizes), cooperative when it has
+// more than one block. Its phases are separated by grid barriers (a block barrier when the grid is one
+// block, as at EP 8):
 //   1 demand     D[m, e] = sum of omega over domain m's ranks (grid-stride, coalesced over e)
 //   2 placement  per domain (a block each): static rank loads L0; stage 1's positive-benefit candidates
 //                ranked by counting (D desc, e asc), round robin over the domain's ranks by static load
 //   3 instances  position and count of every instance of the stage-1 placement (main first, p order)
-//   4 split      stage 2: U0[p], the even split with same-domain preference summed over sources (a lane
-//                group per instance, a shuffle reduction)
+//   4 split      stage 2: U0[p], the even split with same-domain preference summed over sources. An
+//                expert with one instance takes the short path (its total demand, a thread per instance);
+//                the rest a lane group per instance and a shuffle reduction (see ListState)
 //   5 refine     stage 3 per domain: one warp, its state in shared memory, no block barrier in the loop.
 //                Lanes are target ranks; a target's best "existing instance" candidate is one of at most
 //                2N shared experts, its best "new replica" candidate the first of the busiest rank's
 //                instances in (load desc, expert asc) order not hosted on it, found by warp argmax rounds
 //   6 route      the never-worse-than-static guard (every block reduces it), empty replicas dropped, and
-//                per instance the interval mapping of its (expert, domain) group's sources (a lane group
-//                per instance, a shuffle scan)
+//                per instance the interval mapping of its (expert, domain) group's sources. Static plans,
+//                empty slots and experts that keep one loaded instance take the short path (omega's column,
+//                a thread per instance and run of sources); the rest a lane group per instance, a shuffle scan
 // Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset).
 //
 // Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
