@@ -72,7 +72,7 @@ std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains,
           (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
 }
 
-// Latency measurements only (bench/planner_latency.py --variants): stages the planner leaves out
+// Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out
 void set_skip_stages(int64_t mask) {
   TORCH_CHECK(mask >= 0 && mask < 8, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all)");
   topoep::set_skip_stages((int)mask);
