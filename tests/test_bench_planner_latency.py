@@ -1,0 +1,36 @@
+"""bench/planner_latency.py's report on the CPU (the measurement itself needs a GPU): the targets table reads
+the best of the four timings and the variant without refinement, and says met / not met for each."""
+
+from bench.planner_latency import TARGETS, VARIANTS, main, target_table, variant_table
+
+
+def _row(ep, graph, eager=90.0, without_refine=14.0):
+    return dict(sweep="a", ep=ep, experts=640, eager_us=eager, graph_us=graph + 3, eager_busy_us=eager - 20,
+                graph_busy_us=graph, variants_graph_us={name: without_refine - i for i, name in enumerate(VARIANTS)})
+
+
+def test_target_table_states_each_target():
+    assert set(TARGETS) == {(8, 640), (128, 640)}
+    rows = [_row(8, 64.0, without_refine=14.2), _row(128, 45.0, without_refine=36.7), _row(32, 10.0)]
+    text = target_table(rows)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 8 ") or ln.startswith("| 128 ")]
+    assert len(lines) == 2 and "| 32 " not in text  # only the rows with a target
+    ep8 = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert ep8[2] == "15" and ep8[7] == "no" and ep8[8] == "14.2" and ep8[9] == "yes"
+    ep128 = [c.strip() for c in lines[1].split("|")[1:-1]]
+    assert ep128[6] == "45.0" and ep128[7] == "yes" and ep128[9] == "yes"
+
+
+def test_variant_table_has_every_variant():
+    text = variant_table([_row(8, 64.0)])
+    header = next(ln for ln in text.splitlines() if ln.startswith("| sweep"))
+    assert all(name in header for name in VARIANTS) and "| 64.0 |" in text
+
+
+def test_needs_a_gpu(monkeypatch):
+    import pytest
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        main([])
