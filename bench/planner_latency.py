@@ -84,7 +84,7 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
         try:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                planner.plan(omega, topo, "topoep", 9_437_184, 4096, se.clone(), rt.clone())
+                planner.plan(*args[:5], se.clone(), rt.clone())  # its own outputs: se, rt hold the checked plan
         finally:
             torch.ops.topoep.set_skip_stages(0)
         variants[name] = _events_median(g.replay, runs, warmup, busy=True)

@@ -1,6 +1,9 @@
 """bench/planner_latency.py's report on the CPU (the measurement itself needs a GPU): the targets table reads
 the best of the four timings and the variant without refinement, and says met / not met for each."""
 
+import pytest
+import torch
+
 from bench.planner_latency import TARGETS, VARIANTS, main, target_table, variant_table
 
 
@@ -28,9 +31,6 @@ def test_variant_table_has_every_variant():
 
 
 def test_needs_a_gpu(monkeypatch):
-    import pytest
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a GPU"):
         main([])

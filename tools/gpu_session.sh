@@ -70,7 +70,8 @@ step_planner() {  # CUDA planner: bit-equality with the reference, no host sync,
   # PLANNER_QUICK=1: one of the four chunks of random cases (600) and the other tests, for a first check of a
   # kernel change. The benchmark only runs when every test passed (a faulting kernel can hang it), and both
   # have a time limit, so that a broken build cannot use up a session's GPU time.
-  local t=tests/test_planner_cuda.py args=(tests/test_planner_cuda.py)
+  local t=tests/test_planner_cuda.py
+  local args=("$t")
   [ "${PLANNER_QUICK:-0}" = 1 ] && for c in 1 2 3; do args+=(--deselect "$t::test_cuda_plan_equals_reference[$c]"); done
   timeout ${PLANNER_TEST_TIMEOUT:-360} python3 -m pytest -q -rA "${args[@]}" > "$OUT/planner_tests_full.log" 2>&1
   local rc=$?
