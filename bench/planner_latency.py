@@ -75,7 +75,7 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
     phases = _phase_medians(planner, graph, runs)
-    refine = planner.refine_profile()
+    refine = planner.refine_profile(omega, topo, 9_437_184, 4096)
     ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
     variants = {}

@@ -358,10 +358,11 @@ __device__ __forceinline__ void consider(Key& best, i64 u, i64 half, i64 lt, i64
 template <int NT>
 __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* prof) {
   const int lane = threadIdx.x & 31, r0 = dom * d.rpd, N = num_slots<NT>(d);
-  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h)
-  const bool count = dom == 0 && lane == 0;
+  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h), only when
+  // kProfile is set: the clock reads order the loop's instructions and cost time of their own
+  const bool timed = (d.skip & kProfile) != 0, count = timed && dom == 0 && lane == 0;
   long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
-  const long long t_begin = clock64();
+  const long long t_begin = timed ? clock64() : 0;
   long long t0 = t_begin, t1;
   while (true) {
     // rb = busiest rank of the domain, ties -> lowest id
@@ -377,7 +378,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       b = (int)__reduce_min_sync(kFull, (tied >> lane & 1) ? (unsigned)b : 0xffffffffu);
       bl = st.sl[b];
     }
-    t1 = clock64(); c_rb += t1 - t0; t0 = t1;
+    if (timed) { t1 = clock64(); c_rb += t1 - t0; t0 = t1; }
     const i64* cost_row = st.cost + (i64)b * st.cs;
     // existing-instance candidates; `need`: this lane's targets that still want a new-replica candidate
     Key best = no_key();
@@ -403,7 +404,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       // a new replica can only win with a larger delta (an existing instance wins ties)
       if (ex < half && first_free<NT>(st, a, d) >= 0) need |= 1u << k;
     }
-    t1 = clock64(); c_ex += t1 - t0; t0 = t1;
+    if (timed) { t1 = clock64(); c_ex += t1 - t0; t0 = t1; }
     // new-replica candidates: rb's instances in (load desc, expert asc) order, one warp argmax per round;
     // a target takes the first one it does not host
     i64 pu = LLONG_MAX;
@@ -434,7 +435,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
         need &= ~(1u << k);
       }
     }
-    t1 = clock64(); c_rounds += t1 - t0; t0 = t1;
+    if (timed) { t1 = clock64(); c_rounds += t1 - t0; t0 = t1; }
     // the best lane, field by field
     unsigned tied = __ballot_sync(kFull, best.gs >= 0);
     if (tied == 0) break;  // no move helps
@@ -446,7 +447,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)(unsigned)best.a);
     // a lane's candidates have distinct targets from other lanes', so one lane is left here
     const int win = __ffs(tied) - 1;
-    t1 = clock64(); c_red += t1 - t0; t0 = t1;
+    if (timed) { t1 = clock64(); c_red += t1 - t0; t0 = t1; }
     if (lane == win) {
       const int a = best.a;
       int gt = best.gt;
@@ -462,7 +463,194 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     }
     __syncwarp();
     ++iters;
-    t1 = clock64(); c_move += t1 - t0; t0 = t1;
+    if (timed) { t1 = clock64(); c_move += t1 - t0; t0 = t1; }
+  }
+  if (count && prof != nullptr) {
+    prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
+    prof[6] = c_move; prof[7] = clock64() - t_begin;
+  }
+}
+
+// The refinement of a domain of <= 32 ranks with 1-4 slots whose loads fit in 26 bits (the domain's total
+// load is below 2^26; refinement keeps it, and every instance and rank load is at most that): the same
+// moves as refine_warp with its state in registers. Lane a is the domain's rank a and holds its load, its
+// slot experts, their main ranks and their loads; main-instance loads stay in shared memory. Per
+// iteration: the busiest rank rb (one 32-bit max and a ballot); rb's slots by shuffles; every lane's best
+// existing-instance candidate without branches (at most 2N: experts in its slots that rb hosts, experts
+// in rb's slots whose main it is); new-replica rounds only while some lane wants one (the first round's
+// loads are issued early, beside the existing candidates); the best lane field by field.
+template <int NT>
+__device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64* prof) {
+  const int lane = threadIdx.x & 31, rpd = d.rpd, r0 = dom * rpd, me = r0 + lane, G = d.G, Eloc = d.Eloc;
+  const bool valid = lane < rpd;
+  const bool timed = (d.skip & kProfile) != 0, count = timed && dom == 0 && lane == 0;
+  long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
+  const long long t_begin = timed ? clock64() : 0;
+  long long t0 = t_begin, t1;
+  i64* su = st.su;  // [rpd][G]; the main instances' loads are read and written here, the slots' in registers
+  const i64* cost_s = st.sl + rpd;  // refine() stages the domain's cost rows here when rpd <= 32
+  int la = valid ? (int)st.sl[lane] : 0, se[NT], sm[NT], us[NT];  // sm: the main rank of se (-1: empty)
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    se[j] = valid ? st.se[lane * NT + j] : -1;
+    sm[j] = se[j] >= 0 ? main_rank_of(se[j], d) : -1;
+    us[j] = valid ? (int)su[lane * G + Eloc + j] : 0;
+  }
+  while (true) {
+    // rb = busiest rank, ties -> lowest id: one max over (load + 1) << 5 | (31 - lane) (lanes past the
+    // domain send 0 and never win; loads are below 2^26)
+    const unsigned top = __reduce_max_sync(kFull, valid ? ((unsigned)la + 1u) << 5 | (31u - lane) : 0u);
+    const int b = 31 - (int)(top & 31u);
+    const int bl = (int)(top >> 5) - 1, rb = r0 + b, bmain = rb * Eloc;
+    const i64* sub = su + b * G;
+    int sb[NT], sbm[NT], ub[NT];  // rb's slot experts, their main ranks and loads
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      sb[j] = __shfl_sync(kFull, se[j], b);
+      sbm[j] = __shfl_sync(kFull, sm[j], b);
+      ub[j] = __shfl_sync(kFull, us[j], b);
+    }
+    const i64 cost = cost_s[b * rpd + (valid ? lane : 0)];
+    // the first new-replica round's loads (rb's best main instance on this lane's share), issued early
+    int cu = 0, cg = INT_MAX;
+    for (int g = lane; g < Eloc; g += 32) {  // g ascending: expert ascending, so ties keep the lowest
+      const int u = (int)sub[g];
+      if (u > cu) { cu = u; cg = g; }
+    }
+    if (timed) { t1 = clock64(); c_rb += t1 - t0; t0 = t1; }
+    // this lane's best existing-instance candidate. Within a target L, cost and rank are the same for every
+    // candidate and delta = min(u, half) grows with u, so (delta desc, load desc, expert asc) is (load desc,
+    // expert asc): one 64-bit key per candidate, u << 32 | (2^29 - 1 - e) << 3 | index, maxed as a tree
+    // (independent candidates, a short dependency chain)
+    const int half = valid ? (bl - la) >> 1 : 0;  // 0 on rb itself
+    const auto pack = [](int u, int e, int i) {
+      return (unsigned long long)(unsigned)u << 32 | (unsigned long long)(0x1fffffffu - (unsigned)e) << 3 | (unsigned)i;
+    };
+    unsigned long long key[2 * NT];
+    int gsj[NT];  // rb's instance of the expert in this rank's slot j
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {  // an expert in this rank's slots that rb also hosts: as a main or in a slot
+      const int x = se[j];
+      const bool on_main = sm[j] == rb;
+      int u = on_main ? (int)sub[x - bmain] : 0;
+      gsj[j] = x - bmain;
+#pragma unroll
+      for (int k = 0; k < NT; ++k) {
+        const bool hit = x >= 0 && sb[k] == x;
+        u = hit ? ub[k] : u;
+        gsj[j] = hit ? Eloc + k : gsj[j];
+      }
+      key[j] = u > 0 ? pack(u, x, j) : 0ull;
+    }
+#pragma unroll
+    for (int k = 0; k < NT; ++k)  // an expert in rb's slots whose main is this rank
+      key[NT + k] = (sbm[k] == me && ub[k] > 0) ? pack(ub[k], sb[k], NT + k) : 0ull;
+#pragma unroll
+    for (int w = 1; w < 2 * NT; w <<= 1)
+#pragma unroll
+      for (int i = 0; i + w < 2 * NT; i += 2 * w) key[i] = key[i] > key[i + w] ? key[i] : key[i + w];
+    const unsigned long long kb = half > 0 ? key[0] : 0ull;
+    int bu = (int)(kb >> 32), bd = min(bu, half), be = (int)(0x1fffffffu - (unsigned)(kb >> 3 & 0x1fffffffu));
+    int bgs = -1, bgt = 0, bm = -1;  // bgt < 0: a new replica in slot -1 - bgt
+    const int bi = (int)(kb & 7);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (bi == j) { bgs = gsj[j]; bgt = Eloc + j; }
+      if (bi == NT + j) { bgs = Eloc + j; bgt = sb[j] - me * Eloc; }
+    }
+    int free_slot = -1;
+#pragma unroll
+    for (int j = NT - 1; j >= 0; --j) if (se[j] < 0) free_slot = j;
+    // a new replica can only win with a larger delta (an existing instance wins ties)
+    bool need = free_slot >= 0 && bd < half;
+    if (timed) { t1 = clock64(); c_ex += t1 - t0; t0 = t1; }
+    // new-replica candidates: rb's instances in (load desc, expert asc) order, one round each; a lane takes
+    // the first one its rank does not host; rounds run while some lane still wants one (the first round's
+    // loads were issued above). (pu, pe): the last round's instance
+    int pu = INT_MAX, pe = -1;
+    for (bool first = true;; first = false) {
+      if (!__any_sync(kFull, need)) break;
+      if (!first) {
+        cu = 0;
+        cg = INT_MAX;
+        for (int g = lane; g < Eloc; g += 32) {
+          const int u = (int)sub[g], e = bmain + g;
+          if (u > cu && (u < pu || (u == pu && e > pe))) { cu = u; cg = g; }
+        }
+      }
+      ++n_rounds;
+      int su_ = 0, se_ = INT_MAX, sk = -1;  // rb's best slot after (pu, pe), the same on every lane
+#pragma unroll
+      for (int k = 0; k < NT; ++k) {
+        const int u = ub[k], e = sb[k];
+        const bool after = e >= 0 && u > 0 && (u < pu || (u == pu && e > pe));
+        if (after && (u > su_ || (u == su_ && e < se_))) { su_ = u; se_ = e; sk = k; }
+      }
+      int wu = (int)__reduce_max_sync(kFull, (unsigned)cu);
+      int wg = (int)__reduce_min_sync(kFull, cu == wu ? (unsigned)cg : 0xffffffffu), we = INT_MAX, wm = rb;
+      if (wu > 0) we = bmain + wg;
+      else wg = -1;
+      if (sk >= 0 && (su_ > wu || (su_ == wu && se_ < we))) {
+        wu = su_;
+        we = se_;
+        wg = Eloc + sk;
+#pragma unroll
+        for (int k = 0; k < NT; ++k) wm = k == sk ? sbm[k] : wm;
+      }
+      if (wg < 0) break;  // rb has no further instance with load
+      pu = wu;
+      pe = we;
+      bool hosted = wm == me;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) hosted |= se[j] == we;
+      if (need && !hosted) {
+        const int dl = min(wu, half);
+        if (dl > bd) { bd = dl; bu = wu; be = we; bgs = wg; bgt = -1 - free_slot; bm = wm; }
+        need = false;
+      }
+    }
+    if (timed) { t1 = clock64(); c_rounds += t1 - t0; t0 = t1; }
+    // the best lane: (delta desc, L asc, cost asc, existing first, load desc, rank asc)
+    const unsigned md = __reduce_max_sync(kFull, (unsigned)bd);
+    if (md == 0) break;  // no move helps
+    const auto in = [&](unsigned t) { return (t >> lane & 1) != 0; };
+    unsigned tied = __ballot_sync(kFull, (unsigned)bd == md);
+    if (__popc(tied) > 1) {
+      const unsigned ml = __reduce_min_sync(kFull, in(tied) ? (unsigned)la : 0xffffffffu);
+      tied = __ballot_sync(kFull, in(tied) && (unsigned)la == ml);
+    }
+    if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)cost);
+    if (__popc(tied) > 1) {
+      const unsigned ex = __ballot_sync(kFull, in(tied) && bgt >= 0);
+      if (ex != 0) tied = ex;
+    }
+    if (__popc(tied) > 1) {
+      const unsigned mu = __reduce_max_sync(kFull, in(tied) ? (unsigned)bu : 0u);
+      tied = __ballot_sync(kFull, in(tied) && (unsigned)bu == mu);
+    }
+    const int win = __ffs(tied) - 1;
+    if (timed) { t1 = clock64(); c_red += t1 - t0; t0 = t1; }
+    // the move, by selects on rb's lane and the winner's (a new replica's slot held no load)
+    const int dl = (int)md, gs = __shfl_sync(kFull, bgs, win);
+    const bool is_b = lane == b, is_w = lane == win;
+    la += is_w ? dl : is_b ? -dl : 0;
+    if (is_b && gs < Eloc) su[b * G + gs] -= dl;
+    if (is_w && bgt >= 0 && bgt < Eloc) su[lane * G + bgt] += dl;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const bool nw = is_w && bgt == -1 - j;
+      se[j] = nw ? be : se[j];
+      sm[j] = nw ? bm : sm[j];
+      us[j] += (is_b && gs == Eloc + j) ? -dl : (is_w && (bgt == Eloc + j || nw)) ? dl : 0;
+    }
+    __syncwarp();
+    ++iters;
+    if (timed) { t1 = clock64(); c_move += t1 - t0; t0 = t1; }
+  }
+  if (valid) {  // the registers back to the shared state
+    st.sl[lane] = la;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) { st.se[lane * NT + j] = se[j]; su[lane * G + Eloc + j] = us[j]; }
   }
   if (count && prof != nullptr) {
     prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
@@ -501,7 +689,17 @@ __device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w
     if (lane == 0) st.sl[a] = acc;
   }
   __syncthreads();
-  if (warp == 0 && !(d.skip & kSkipRefine)) refine_warp<NT>(dom, st, d, blockIdx.x == 0 ? w.stamps + 7 : nullptr);
+  if (warp == 0 && !(d.skip & kSkipRefine)) {
+    i64* prof = blockIdx.x == 0 ? w.stamps + 7 : nullptr;
+    // the register path when every load fits in 26 bits: the domain's total (refinement keeps it) is below 2^26
+    i64 total = lane < rpd ? st.sl[lane] : 0;
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFull, total, off);
+    bool done = false;
+    if constexpr (NT > 0) {
+      if (rpd <= 32 && total < (1 << 26)) { refine_warp_fast<NT>(dom, st, d, prof); done = true; }
+    }
+    if (!done) refine_warp<NT>(dom, st, d, prof);
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < rpd * G; i += blockDim.x) {
     const int a = i / G, g = i % G, r = r0 + a;

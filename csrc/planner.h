@@ -14,8 +14,9 @@ constexpr int kNumStamps = 15;
 constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and their state in shared memory
 // Stages the `topoep` kernel leaves out after set_skip_stages(mask), for latency measurements only (the
 // plan is then not the policy's): the refinement (the stage-1/2 plan is routed), the route phase (the
-// route is not written), or everything (the launch alone).
-constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4;
+// route is not written), or everything (the launch alone). kProfile (the plan is the policy's) also counts
+// the refinement's SM cycles per step (the counters after the stamps; the clock reads slow it down).
+constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4, kProfile = 8;
 
 // int64 elements of the workspace plan_topoep needs for (R, E, M domains, N slots); mirrored by
 // topoep/planners/cuda.py:workspace_elems.

@@ -74,6 +74,24 @@ def test_cuda_plan_equals_reference(chunk):
     assert not mismatches, f"{len(mismatches)} plans differ from the reference, e.g. {mismatches[:5]}"
 
 
+def test_cuda_plan_equals_reference_large_loads_and_many_slots():
+    """Domain loads of 2^26 and more (the refinement's 64-bit path; the register path needs less) and 5-6
+    slots (no unrolled slot loops)."""
+    rng = random.Random(77)
+    mismatches = []
+    for i in range(80):
+        omega, topo, N, W = random_case(rng)
+        if i % 2 == 0:
+            omega = omega * rng.choice([1 << 11, 1 << 22, (1 << 28) + 3])  # domain totals past 2^26 (and 2^31)
+        else:
+            N = rng.choice([5, 6])
+        ref = solve(omega, topo, num_slots=N, expert_bytes=W, token_bytes=4096, backend="reference")
+        got = solve(omega.cuda(), topo, num_slots=N, expert_bytes=W, token_bytes=4096, backend="cuda")
+        if not (torch.equal(got.slot_expert.cpu(), ref.slot_expert) and torch.equal(got.route.cpu(), ref.route)):
+            mismatches.append((i, tuple(omega.shape), topo.num_domains, N, W))
+    assert not mismatches, f"{len(mismatches)} plans differ from the reference, e.g. {mismatches[:5]}"
+
+
 def test_no_host_synchronisation():
     omega = biased_routing(32, 640, 512, 8, -2.5, seed=3).cuda()
     topo = Topology(num_domains=4, ranks_per_domain=8)
@@ -131,6 +149,11 @@ def test_phase_stamps_cover_the_plan():
     phases = planner.phase_ns()
     assert list(phases) == ["demand", "placement", "instances", "split", "refine", "route"]
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) > 0
+    prof = planner.refine_profile(omega, topo, 9_437_184, 4096)  # a profiled plan: the counters are written
+    assert prof["iterations"] >= 0 and prof["loop_cycles"] > 0
+    planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)  # and the flag is off again
+    ref = solve(omega.cpu(), topo, num_slots=2, backend="reference")
+    assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
 
 
 def test_skip_stages_time_a_valid_plan_and_reset():

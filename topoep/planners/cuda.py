@@ -89,6 +89,7 @@ def _register_fakes() -> None:
 
 
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
+PROFILE = 8  # set_skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
                    "move_cycles", "loop_cycles")
 
@@ -119,10 +120,18 @@ class CudaPlanner:
         t = self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist()
         return {name: t[i + 1] - t[i] for i, name in enumerate(PHASES)}
 
-    def refine_profile(self) -> dict[str, int]:
-        """Domain 0's refinement in the last `topoep` plan: iterations, and SM cycles spent finding the
+    def refine_profile(self, omega: torch.Tensor, topology, expert_bytes: int, token_bytes: int) -> dict[str, int]:
+        """Plans omega once more with the refinement's cycle counters on (they slow it down, so plans
+        count them only on request) and returns domain 0's: iterations, and SM cycles spent finding the
         busiest rank, the existing-instance candidates, the new-replica rounds (and their number), the
         candidate reduction, the move, and the whole loop (synchronises the host; for benchmarks)."""
+        se = torch.empty(self.R, self.N, dtype=torch.int64, device=self.device)
+        rt = torch.empty(self.R, self.E + self.R * self.N, dtype=torch.int64, device=self.device)
+        torch.ops.topoep.set_skip_stages(PROFILE)
+        try:
+            self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt)
+        finally:
+            torch.ops.topoep.set_skip_stages(0)
         at = self._stamps_at + len(PHASES) + 1
         v = self.workspace[at:at + len(REFINE_COUNTERS)].tolist()
         return dict(zip(REFINE_COUNTERS, v))
