@@ -4,92 +4,52 @@ with the same result as eager."""
 
 import multiprocessing
 import os
-import random
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
+import planner_cases as pc
 from topoep import Topology, solve
 from topoep.planners.cuda import CudaPlanner
 from topoep.workloads import biased_routing
 
 pytestmark = pytest.mark.gpu
 
-W_CHOICES = (200_000, 9_437_184, 4096)
 
-
-def random_case(rng: random.Random):
-    R = rng.choice([8, 16, 32, 64, 128])
-    ks = [k for k in range(1, 1281) if 40 <= R * k <= 1280]
-    E = R * rng.choice(ks)
-    M = rng.choice([m for m in (1, 2, 4, 8, 16) if R % m == 0])
-    N = rng.randint(0, 4)
-    omega = biased_routing(R, E, rng.choice([0, 16, 128, 512]), rng.randint(1, 8), rng.choice([0.0, -1.0, -2.0, -4.0, -8.0]),
-                           seed=rng.randrange(1 << 30), layout=rng.choice(["random", "clustered", "scattered"]))
-    for s in rng.sample(range(R), rng.randint(0, R // 4)):
-        omega[s] = 0
-    return omega, Topology(num_domains=M, ranks_per_domain=R // M), N, rng.choice(W_CHOICES)
-
-
-def _reference_plans(cases):
-    """Reference plans of a batch of cases (runs in a worker process)."""
-    torch.set_num_threads(1)
-    out = []
-    for omega, topo, N, W in cases:
-        for policy in ("topoep", "static"):
-            ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096, backend="reference")
-            out.append((ref.slot_expert, ref.route))
-    return out
-
-
-@pytest.mark.parametrize("chunk", range(4))
-def test_cuda_plan_equals_reference(chunk):
-    rng = random.Random(1000 + chunk)
-    cases = [random_case(rng) for _ in range(600)]  # 2400 cases over the 4 chunks
-    # the CPU reference is the slow side: compute it in worker processes
-    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-    batches = [cases[i::workers] for i in range(workers)]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_reference_plans, batches))
-    refs = [None] * (2 * len(cases))
-    for w, res in enumerate(results):
-        for j, plan in enumerate(res):
-            refs[2 * (w + workers * (j // 2)) + j % 2] = plan
+def _check_against_reference(chunk) -> None:
+    """Both policies' slot_expert and route (and the dense view of every tenth case) of a chunk's cases equal
+    the reference's, compared by digest (tests/planner_cases.py)."""
+    cases = pc.cases_of(chunk)
+    stored = pc.load_digests(chunk) or [None] * len(cases)
+    refs = {i: s for i, s in enumerate(stored) if s is not None and s["omega"] == pc.digest(cases[i][0])}
+    missing = [(i, case) for i, case in enumerate(cases) if i not in refs]
+    if missing:  # the CPU reference is the slow side: compute what the digest file lacks in worker processes
+        workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        batches = [missing[w::workers] for w in range(workers)]
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for items, digests in zip(batches, pool.map(pc.reference_digests_batch, batches)):
+                refs.update((i, d) for (i, _), d in zip(items, digests))
     mismatches = []
     for i, (omega, topo, N, W) in enumerate(cases):
-        for k, policy in enumerate(("topoep", "static")):
-            ref_se, ref_route = refs[2 * i + k]
-            got = solve(omega.cuda(), topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096,
+        for policy in pc.POLICIES:
+            got = solve(omega.cuda(), topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=pc.TOKEN_BYTES,
                         backend="cuda")
-            same = torch.equal(got.slot_expert.cpu(), ref_se) and torch.equal(got.route.cpu(), ref_route)
-            if not same:
+            if pc.plan_digests(got, pc.with_dense(i)) != refs[i][policy]:
                 mismatches.append((i, policy, tuple(omega.shape), topo.num_domains, N, W))
-            elif i % 10 == 0:  # the dense view of a sample (to_dense is slow)
-                ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=4096,
-                            backend="reference")
-                x1, q1 = got.to_dense()
-                x0, q0 = ref.to_dense()
-                assert torch.equal(x1.cpu(), x0) and torch.equal(q1.cpu(), q0)
     assert not mismatches, f"{len(mismatches)} plans differ from the reference, e.g. {mismatches[:5]}"
+
+
+@pytest.mark.parametrize("chunk", range(pc.CHUNKS))
+def test_cuda_plan_equals_reference(chunk):
+    """2400 random cases over the chunks: R 8-128, E 40-1280, 0-4 slots, 1-16 domains, skews, zero rows."""
+    _check_against_reference(chunk)
 
 
 def test_cuda_plan_equals_reference_large_loads_and_many_slots():
     """Domain loads of 2^26 and more (the refinement's 64-bit path; the register path needs less) and 5-6
     slots (no unrolled slot loops)."""
-    rng = random.Random(77)
-    mismatches = []
-    for i in range(80):
-        omega, topo, N, W = random_case(rng)
-        if i % 2 == 0:
-            omega = omega * rng.choice([1 << 11, 1 << 22, (1 << 28) + 3])  # domain totals past 2^26 (and 2^31)
-        else:
-            N = rng.choice([5, 6])
-        ref = solve(omega, topo, num_slots=N, expert_bytes=W, token_bytes=4096, backend="reference")
-        got = solve(omega.cuda(), topo, num_slots=N, expert_bytes=W, token_bytes=4096, backend="cuda")
-        if not (torch.equal(got.slot_expert.cpu(), ref.slot_expert) and torch.equal(got.route.cpu(), ref.route)):
-            mismatches.append((i, tuple(omega.shape), topo.num_domains, N, W))
-    assert not mismatches, f"{len(mismatches)} plans differ from the reference, e.g. {mismatches[:5]}"
+    _check_against_reference("large")
 
 
 def test_no_host_synchronisation():

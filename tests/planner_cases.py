@@ -1,0 +1,135 @@
+"""The random planner cases of tests/test_planner_cuda.py, and stored digests of their reference plans.
+
+The CUDA planner's GPU test compares 2400 random plans (and both policies) with the CPU reference, which
+is the slow side: about 20 CPU-minutes, several minutes of the GPU machine's time. `python
+tools/planner_ref_digests.py` computes the reference once, on any CPU machine, and stores a 128-bit BLAKE2b
+digest of every reference output in `tests/data/planner_ref_digests.json`:
+- slot_expert and route of each case and policy;
+- the dense view (`Plan.to_dense`) of every tenth case.
+
+The file is keyed by a digest of the sources that define the cases and the reference plans, and by the torch
+version (the cases' omega comes from torch's generator). The GPU test uses a stored digest only when the key
+is current and the case's omega has the digest stored beside it. Otherwise it computes that reference on the
+spot, as before. Equal digests of (dtype, shape, bytes) mean equal tensors, so the comparison stays bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from topoep import Topology, solve
+from topoep.workloads import biased_routing
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGESTS = ROOT / "tests" / "data" / "planner_ref_digests.json"
+# what the cases and the reference plans depend on
+SOURCES = ("tests/planner_cases.py", "topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
+           "topoep/planners/__init__.py", "topoep/planners/common.py", "topoep/planners/reference.py")
+W_CHOICES = (200_000, 9_437_184, 4096)
+CHUNKS, CASES_PER_CHUNK = 4, 600  # 2400 cases
+POLICIES = ("topoep", "static")
+TOKEN_BYTES = 4096
+
+
+def random_case(rng: random.Random):
+    """(omega, topology, num_slots, expert_bytes): R 8-128, E 40-1280, 1-16 domains, 0-4 slots, skews from
+    uniform to extreme, layouts random / clustered / scattered, up to a quarter of the rows zero."""
+    R = rng.choice([8, 16, 32, 64, 128])
+    ks = [k for k in range(1, 1281) if 40 <= R * k <= 1280]
+    E = R * rng.choice(ks)
+    M = rng.choice([m for m in (1, 2, 4, 8, 16) if R % m == 0])
+    N = rng.randint(0, 4)
+    omega = biased_routing(R, E, rng.choice([0, 16, 128, 512]), rng.randint(1, 8), rng.choice([0.0, -1.0, -2.0, -4.0, -8.0]),
+                           seed=rng.randrange(1 << 30), layout=rng.choice(["random", "clustered", "scattered"]))
+    for s in rng.sample(range(R), rng.randint(0, R // 4)):
+        omega[s] = 0
+    return omega, Topology(num_domains=M, ranks_per_domain=R // M), N, rng.choice(W_CHOICES)
+
+
+def chunk_cases(chunk: int) -> list:
+    rng = random.Random(1000 + chunk)
+    return [random_case(rng) for _ in range(CASES_PER_CHUNK)]
+
+
+def large_cases() -> list:
+    """80 cases beside the chunks: half with omega scaled by 2^11, 2^22 or 2^28 + 3 (domain totals of 2^26
+    and more: the refinement's 64-bit path), half with 5-6 slots (no unrolled slot loops)."""
+    rng = random.Random(77)
+    out = []
+    for i in range(80):
+        omega, topo, N, W = random_case(rng)
+        if i % 2 == 0:
+            omega = omega * rng.choice([1 << 11, 1 << 22, (1 << 28) + 3])
+        else:
+            N = rng.choice([5, 6])
+        out.append((omega, topo, N, W))
+    return out
+
+
+def with_dense(i: int) -> bool:
+    """Whether case i's dense view is compared too (to_dense is slow)."""
+    return i % 10 == 0
+
+
+def digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+    h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def plan_digests(plan, dense: bool) -> list[str]:
+    """[slot_expert, route] (+ [dense x, dense q] when dense) digests of a plan."""
+    out = [digest(plan.slot_expert), digest(plan.route)]
+    if dense:
+        out += [digest(v) for v in plan.to_dense()]
+    return out
+
+
+def reference_digests(i: int, case) -> dict:
+    """{"omega": digest, policy: plan_digests} of case i's reference plans."""
+    omega, topo, N, W = case
+    out = {"omega": digest(omega)}
+    for policy in POLICIES:
+        ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=TOKEN_BYTES,
+                    backend="reference")
+        out[policy] = plan_digests(ref, with_dense(i))
+    return out
+
+
+def reference_digests_batch(items) -> list[dict]:
+    """reference_digests of [(i, case), ...] (runs in a worker process)."""
+    torch.set_num_threads(1)
+    return [reference_digests(i, case) for i, case in items]
+
+
+def sources_key() -> str:
+    h = hashlib.sha256(torch.__version__.encode())
+    for rel in SOURCES:
+        h.update(rel.encode())
+        h.update((ROOT / rel).read_bytes())
+    return h.hexdigest()
+
+
+def cases_of(chunk: int | str) -> list:
+    """The cases of chunk 0 .. CHUNKS - 1, or of "large"."""
+    return large_cases() if chunk == "large" else chunk_cases(chunk)
+
+
+CHUNK_NAMES = tuple(range(CHUNKS)) + ("large",)
+
+
+def load_digests(chunk: int | str) -> list[dict] | None:
+    """The stored digests of a chunk's cases, or None when the file is missing or stale."""
+    if not DIGESTS.exists():
+        return None
+    data = json.loads(DIGESTS.read_text())
+    if data.get("key") != sources_key():
+        return None
+    return data["chunks"].get(str(chunk))
