@@ -17,8 +17,11 @@ bit.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import multiprocessing
 import random
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ from topoep.workloads import biased_routing
 ROOT = Path(__file__).resolve().parents[1]
 DIGESTS = ROOT / "tests" / "data" / "planner_ref_digests.json"
 # what the cases and the reference plans depend on
-SOURCES = ("tests/planner_cases.py", "topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
+SOURCES = ("topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
            "topoep/planners/__init__.py", "topoep/planners/common.py", "topoep/planners/reference.py")
 W_CHOICES = (200_000, 9_437_184, 4096)
 CHUNKS, CASES_PER_CHUNK = 4, 600  # 2400 cases
@@ -37,24 +40,42 @@ POLICIES = ("topoep", "static")
 TOKEN_BYTES = 4096
 
 
-def random_case(rng: random.Random):
-    """(omega, topology, num_slots, expert_bytes): R 8-128, E 40-1280, 1-16 domains, 0-4 slots, skews from
-    uniform to extreme, layouts random / clustered / scattered, up to a quarter of the rows zero."""
+def case_params(rng: random.Random) -> tuple:
+    """A random case's parameters, drawn from rng (everything random_case draws, in the same order):
+    R 8-128, E 40-1280, 1-16 domains, 0-4 slots, skews from uniform to extreme, layouts random / clustered
+    / scattered, up to a quarter of the rows zero."""
     R = rng.choice([8, 16, 32, 64, 128])
     ks = [k for k in range(1, 1281) if 40 <= R * k <= 1280]
     E = R * rng.choice(ks)
     M = rng.choice([m for m in (1, 2, 4, 8, 16) if R % m == 0])
     N = rng.randint(0, 4)
-    omega = biased_routing(R, E, rng.choice([0, 16, 128, 512]), rng.randint(1, 8), rng.choice([0.0, -1.0, -2.0, -4.0, -8.0]),
-                           seed=rng.randrange(1 << 30), layout=rng.choice(["random", "clustered", "scattered"]))
-    for s in rng.sample(range(R), rng.randint(0, R // 4)):
-        omega[s] = 0
-    return omega, Topology(num_domains=M, ranks_per_domain=R // M), N, rng.choice(W_CHOICES)
+    routing = (rng.choice([0, 16, 128, 512]), rng.randint(1, 8), rng.choice([0.0, -1.0, -2.0, -4.0, -8.0]),
+               rng.randrange(1 << 30), rng.choice(["random", "clustered", "scattered"]))
+    zero_rows = rng.sample(range(R), rng.randint(0, R // 4))
+    return R, E, M, N, routing, zero_rows, rng.choice(W_CHOICES)
 
 
-def chunk_cases(chunk: int) -> list:
+def build_case(params: tuple):
+    """(omega, topology, num_slots, expert_bytes) of case_params' parameters."""
+    R, E, M, N, (tokens, topk, skew, seed, layout), zero_rows, W = params
+    omega = biased_routing(R, E, tokens, topk, skew, seed=seed, layout=layout)
+    omega[zero_rows] = 0
+    return omega, Topology(num_domains=M, ranks_per_domain=R // M), N, W
+
+
+def random_case(rng: random.Random):
+    return build_case(case_params(rng))
+
+
+def chunk_cases(chunk: int, count: int = CASES_PER_CHUNK, workers: int = 1) -> list:
+    """The first `count` cases of a chunk (each case continues the chunk's random stream); `workers` > 1
+    builds their omega in that many processes."""
     rng = random.Random(1000 + chunk)
-    return [random_case(rng) for _ in range(CASES_PER_CHUNK)]
+    params = [case_params(rng) for _ in range(count)]
+    if workers <= 1:
+        return [build_case(p) for p in params]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(build_case, params, chunksize=16))
 
 
 def large_cases() -> list:
@@ -110,16 +131,21 @@ def reference_digests_batch(items) -> list[dict]:
 
 
 def sources_key() -> str:
+    """Digest of the torch version, SOURCES, and this module's case generators and constants."""
     h = hashlib.sha256(torch.__version__.encode())
     for rel in SOURCES:
         h.update(rel.encode())
         h.update((ROOT / rel).read_bytes())
+    for f in (case_params, build_case, random_case, chunk_cases, large_cases, with_dense, digest, plan_digests,
+              reference_digests):
+        h.update(inspect.getsource(f).encode())
+    h.update(repr((W_CHOICES, CHUNKS, CASES_PER_CHUNK, POLICIES, TOKEN_BYTES)).encode())
     return h.hexdigest()
 
 
-def cases_of(chunk: int | str) -> list:
+def cases_of(chunk: int | str, workers: int = 1) -> list:
     """The cases of chunk 0 .. CHUNKS - 1, or of "large"."""
-    return large_cases() if chunk == "large" else chunk_cases(chunk)
+    return large_cases() if chunk == "large" else chunk_cases(chunk, workers=workers)
 
 
 CHUNK_NAMES = tuple(range(CHUNKS)) + ("large",)

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.gpu
 def _check_against_reference(chunk) -> None:
     """Both policies' slot_expert and route (and the dense view of every tenth case) of a chunk's cases equal
     the reference's, compared by digest (tests/planner_cases.py)."""
-    cases = pc.cases_of(chunk)
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    cases = pc.cases_of(chunk, workers)
     stored = pc.load_digests(chunk) or [None] * len(cases)
     refs = {i: s for i, s in enumerate(stored) if s is not None and s["omega"] == pc.digest(cases[i][0])}
     missing = [(i, case) for i, case in enumerate(cases) if i not in refs]
     if missing:  # the CPU reference is the slow side: compute what the digest file lacks in worker processes
-        workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         batches = [missing[w::workers] for w in range(workers)]
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for items, digests in zip(batches, pool.map(pc.reference_digests_batch, batches)):

@@ -31,7 +31,7 @@ def main() -> None:
     chunks = {}
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for chunk in pc.CHUNK_NAMES:
-            cases = list(enumerate(pc.cases_of(chunk)))
+            cases = list(enumerate(pc.cases_of(chunk, args.workers)))
             batches = [cases[i:i + 10] for i in range(0, len(cases), 10)]
             out = []
             for res in tqdm(pool.map(pc.reference_digests_batch, batches), total=len(batches),
