@@ -75,7 +75,16 @@ def chunk_cases(chunk: int, count: int = CASES_PER_CHUNK, workers: int = 1) -> l
     if workers <= 1:
         return [build_case(p) for p in params]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(build_case, params, chunksize=16))
+        built = list(pool.map(_build_case_numpy, params, chunksize=16))
+    return [(torch.from_numpy(omega), *rest) for omega, *rest in built]
+
+
+def _build_case_numpy(params: tuple):
+    """build_case in a worker process; omega travels back as a numpy array (plain pickling, much faster
+    than torch's shared-memory tensor transfer for many small tensors)."""
+    torch.set_num_threads(1)
+    omega, *rest = build_case(params)
+    return (omega.numpy(), *rest)
 
 
 def large_cases() -> list:
@@ -136,8 +145,8 @@ def sources_key() -> str:
     for rel in SOURCES:
         h.update(rel.encode())
         h.update((ROOT / rel).read_bytes())
-    for f in (case_params, build_case, random_case, chunk_cases, large_cases, with_dense, digest, plan_digests,
-              reference_digests):
+    for f in (case_params, build_case, random_case, chunk_cases, _build_case_numpy, large_cases, with_dense, digest,
+              plan_digests, reference_digests):
         h.update(inspect.getsource(f).encode())
     h.update(repr((W_CHOICES, CHUNKS, CASES_PER_CHUNK, POLICIES, TOKEN_BYTES)).encode())
     return h.hexdigest()
