@@ -14,10 +14,12 @@
 //   4 split      stage 2: U0[p], the even split with same-domain preference summed over sources. An
 //                expert with one instance takes the short path (its total demand, a thread per instance);
 //                the rest a lane group per instance and a shuffle reduction (see ListState)
-//   5 refine     stage 3 per domain: one warp, its state in shared memory, no block barrier in the loop.
-//                Lanes are target ranks; a target's best "existing instance" candidate is one of at most
-//                2N shared experts, its best "new replica" candidate the first of the busiest rank's
-//                instances in (load desc, expert asc) order not hosted on it, found by warp argmax rounds
+//   5 refine     stage 3 per domain: one warp, no block barrier in the loop. Lanes are target ranks; a
+//                target's best "existing instance" candidate is one of at most 2N shared experts, its best
+//                "new replica" candidate the first of the busiest rank's instances in (load desc, expert
+//                asc) order not hosted on it, found by warp argmax rounds. Domains of <= 32 ranks with 1-4
+//                slots and a total load below 2^26 keep the ranks' loads and slots in registers and compare
+//                32-bit keys (refine_warp_fast); the rest keep the state in shared memory (refine_warp)
 //   6 route      the never-worse-than-static guard (every block reduces it), empty replicas dropped, and
 //                per instance the interval mapping of its (expert, domain) group's sources. Static plans,
 //                empty slots and experts that keep one loaded instance take the short path (omega's column,
