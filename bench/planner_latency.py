@@ -177,8 +177,10 @@ def phase_table(rows: list[dict]) -> str:
                              for r in rows])
     table += ("\nRefinement of domain 0 (SM cycles counted by its warp's lane 0, last replay):\n\n" + table2)
     return ("\n## Where the time goes\n\nGPU time of each phase of the planner kernel (us, median over 50 graph "
-            "replays, from %globaltimer stamps block 0 writes after each grid barrier; the rest of the graph time "
-            "is launch overhead).\n\n" + table + "\n")
+            "replays, from %globaltimer stamps block 0 writes after each grid barrier). The route phase has no "
+            "barrier after it: its stamp is block 0's own share, and on a grid of several blocks the others can "
+            "take longer (the variant without the route shows its whole cost). The rest of the graph time is "
+            "the launch and the end of the route.\n\n" + table + "\n")
 
 
 def main(argv=None) -> int:
