@@ -96,7 +96,8 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
                 eager_busy_us=eager_busy, graph_busy_us=graphed_busy,
                 reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0),
-                phases_us=phases, refine_domain0=refine, variants_graph_us=variants)
+                phases_us=phases, refine_domain0=refine, variants_graph_us=variants,
+                refine_iters=list(ref.info.get("refine_iters", [])))
 
 
 # graph replay of the planner with stages left out (csrc/planner.h kSkip*)
@@ -164,6 +165,16 @@ def kernel_breakdown(slots: int, tokens: int) -> str:
     return "\n".join(out)
 
 
+def refine_iters_table(rows: list[dict]) -> str:
+    """Per plan: the slowest domain's refinement iterations and which domain that is, and the total."""
+    body = []
+    for r in rows:
+        it = r.get("refine_iters") or [0]
+        slowest = max(range(len(it)), key=lambda m: (it[m], -m))
+        body.append([r["sweep"], r["ep"], r["experts"], len(it), it[slowest], slowest, sum(it)])
+    return markdown_table(["sweep", "EP", "experts", "domains", "most iterations", "in domain", "all domains"], body)
+
+
 def phase_table(rows: list[dict]) -> str:
     """Where the time goes: the planner kernel's phases (graph replay, median us)."""
     names = list(rows[0]["phases_us"])
@@ -176,6 +187,8 @@ def phase_table(rows: list[dict]) -> str:
                              + [f"{r['refine_domain0']['loop_cycles'] / max(1, r['refine_domain0']['iterations']):.0f}"]
                              for r in rows])
     table += ("\nRefinement of domain 0 (SM cycles counted by its warp's lane 0, last replay):\n\n" + table2)
+    table += ("\nRefinement iterations per domain (the CPU reference's `info[\"refine_iters\"]`; domains refine in "
+              "parallel, so the slowest one sets the phase's time):\n\n" + refine_iters_table(rows))
     return ("\n## Where the time goes\n\nGPU time of each phase of the planner kernel (us, median over 50 graph "
             "replays, from %globaltimer stamps block 0 writes after each grid barrier). The route phase has no "
             "barrier after it: its stamp is block 0's own share, and on a grid of several blocks the others can "

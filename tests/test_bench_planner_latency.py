@@ -4,7 +4,7 @@ the best of the four timings and the variant without refinement, and says met / 
 import pytest
 import torch
 
-from bench.planner_latency import TARGETS, VARIANTS, main, target_table, variant_table
+from bench.planner_latency import TARGETS, VARIANTS, main, refine_iters_table, target_table, variant_table
 
 
 def _row(ep, graph, eager=90.0, without_refine=14.0):
@@ -28,6 +28,13 @@ def test_variant_table_has_every_variant():
     text = variant_table([_row(8, 64.0)])
     header = next(ln for ln in text.splitlines() if ln.startswith("| sweep"))
     assert all(name in header for name in VARIANTS) and "| 64.0 |" in text
+
+
+def test_refine_iters_table_names_the_slowest_domain():
+    rows = [dict(_row(128, 51.1), refine_iters=[1, 2, 1, 0, 21, 6, 21, 3]), dict(_row(8, 34.7), refine_iters=[28])]
+    lines = [ln for ln in refine_iters_table(rows).splitlines() if ln.startswith("| a ")]
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["a", "128", "640", "8", "21", "4", "55"]  # ties: lowest
+    assert [c.strip() for c in lines[1].split("|")[1:-1]] == ["a", "8", "640", "1", "28", "0", "28"]
 
 
 def test_needs_a_gpu(monkeypatch):
