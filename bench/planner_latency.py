@@ -75,9 +75,7 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
     phases = _phase_medians(planner, graph, runs)
-    refine = planner.refine_profile(omega, topo, 9_437_184, 4096)
-    ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
-    assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
+    refine = planner.refine_profile(*args[:2], *args[3:5])  # omega, topology, expert and token bytes
     variants = {}
     for name, mask in VARIANTS.items():  # each variant is its own graph: the skip mask is a kernel argument
         torch.ops.topoep.set_skip_stages(mask)
@@ -91,8 +89,9 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     cpu_times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        solve(omega_cpu, topo, num_slots=slots, backend="reference")
+        ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
         cpu_times.append(time.perf_counter() - t0)
+    assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
     return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
                 eager_busy_us=eager_busy, graph_busy_us=graphed_busy,
                 reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0),

@@ -26,6 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from topoep import Topology, solve
 from topoep.workloads import biased_routing
@@ -138,6 +139,17 @@ def reference_digests_batch(items) -> list[dict]:
     """reference_digests of [(i, case), ...] (runs in a worker process)."""
     torch.set_num_threads(1)
     return [reference_digests(i, case) for i, case in items]
+
+
+def reference_digests_parallel(items, workers: int, desc: str | None = None) -> list[dict]:
+    """reference_digests of [(i, case), ...], in order, computed in `workers` processes (batches of 10 cases;
+    a progress bar when desc is given)."""
+    batches = [items[k:k + 10] for k in range(0, len(items), 10)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = pool.map(reference_digests_batch, batches)
+        if desc is not None:
+            results = tqdm(results, total=len(batches), desc=desc)
+        return [d for batch in results for d in batch]
 
 
 def sources_key() -> str:

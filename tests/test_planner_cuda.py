@@ -2,9 +2,7 @@
 bit for bit on thousands of random instances, never synchronises the host, and replays in a CUDA graph
 with the same result as eager."""
 
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -26,10 +24,7 @@ def _check_against_reference(chunk) -> None:
     refs = {i: s for i, s in enumerate(stored) if s is not None and s["omega"] == pc.digest(cases[i][0])}
     missing = [(i, case) for i, case in enumerate(cases) if i not in refs]
     if missing:  # the CPU reference is the slow side: compute what the digest file lacks in worker processes
-        batches = [missing[w::workers] for w in range(workers)]
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for items, digests in zip(batches, pool.map(pc.reference_digests_batch, batches)):
-                refs.update((i, d) for (i, _), d in zip(items, digests))
+        refs.update(zip((i for i, _ in missing), pc.reference_digests_parallel(missing, workers)))
     mismatches = []
     for i, (omega, topo, N, W) in enumerate(cases):
         for policy in pc.POLICIES:

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import planner_cases as pc  # noqa: E402
@@ -28,16 +24,9 @@ def main() -> None:
     if args.workers < 1:
         ap.error(f"--workers must be >= 1, got {args.workers}")
     key = pc.sources_key()
-    chunks = {}
-    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for chunk in pc.CHUNK_NAMES:
-            cases = list(enumerate(pc.cases_of(chunk, args.workers)))
-            batches = [cases[i:i + 10] for i in range(0, len(cases), 10)]
-            out = []
-            for res in tqdm(pool.map(pc.reference_digests_batch, batches), total=len(batches),
-                            desc=f"chunk {chunk} (batches of 10 cases)"):
-                out.extend(res)
-            chunks[str(chunk)] = out
+    chunks = {str(chunk): pc.reference_digests_parallel(list(enumerate(pc.cases_of(chunk, args.workers))), args.workers,
+                                                        desc=f"chunk {chunk} (batches of 10 cases)")
+              for chunk in pc.CHUNK_NAMES}
     pc.DIGESTS.parent.mkdir(parents=True, exist_ok=True)
     pc.DIGESTS.write_text(json.dumps({"key": key, "chunks": chunks}, separators=(",", ":")) + "\n")
     print(f"wrote {pc.DIGESTS} ({pc.DIGESTS.stat().st_size / 1e3:.0f} kB, key {key[:12]})")
