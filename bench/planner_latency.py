@@ -189,10 +189,9 @@ def phase_table(rows: list[dict]) -> str:
     table += ("\nRefinement iterations per domain (the CPU reference's `info[\"refine_iters\"]`; domains refine in "
               "parallel, so the slowest one sets the phase's time):\n\n" + refine_iters_table(rows))
     return ("\n## Where the time goes\n\nGPU time of each phase of the planner kernel (us, median over 50 graph "
-            "replays, from %globaltimer stamps block 0 writes after each grid barrier). The route phase has no "
-            "barrier after it: its stamp is block 0's own share, and on a grid of several blocks the others can "
-            "take longer (the variant without the route shows its whole cost). The rest of the graph time is "
-            "the launch and the end of the route.\n\n" + table + "\n")
+            "replays, from %globaltimer stamps block 0 writes after each grid barrier; the route phase, which "
+            "no barrier follows, ends at the latest block's stamp). The rest of the graph time is the "
+            "launch.\n\n" + table + "\n")
 
 
 def main(argv=None) -> int:

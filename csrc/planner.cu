@@ -24,7 +24,8 @@
 //                per instance the interval mapping of its (expert, domain) group's sources. Static plans,
 //                empty slots and experts that keep one loaded instance take the short path (omega's column,
 //                a thread per instance and run of sources); the rest a lane group per instance, a shuffle scan
-// Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset).
+// Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset); the route's
+// end, with no grid barrier after it, is the latest block's.
 //
 // Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
 // is slot j of rank r. Default placement main(e) = e / (E / R) only.
@@ -202,12 +203,15 @@ __device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d,
 // (source, instance) pair), and append the rest to a block-local list in shared memory, which the block
 // then works through with a group of d.gw lanes per listed instance (a shuffle reduction or scan over
 // sources). The list's order depends on atomics but every listed instance is computed on its own, so the
-// outputs do not. Runs of 32 instances go to the grid's warps block-cyclically (warp_cyclic), so that the
-// slots, which all take the long path and sit at the end of the instance order, spread over the blocks while
-// a warp's accesses stay contiguous.
+// outputs do not. On the short path runs of 32 instances go to the grid's warps block-cyclically
+// (warp_cyclic), so that a warp's accesses stay contiguous; the listed instances go to the blocks one by one
+// (instance p to block p mod grid, list_first), so that the slots, which all take the long path and sit at
+// the end of the instance order, spread evenly over every block.
 __device__ __forceinline__ int warp_cyclic() {
   return ((threadIdx.x >> 5) * gridDim.x + blockIdx.x) * 32 + (threadIdx.x & 31);
 }
+
+__device__ __forceinline__ int list_first() { return threadIdx.x * gridDim.x + blockIdx.x; }
 
 struct ListState {
   int* items;  // the listed instances (at most P)
@@ -263,9 +267,12 @@ __device__ void split(const Dims& d, const Work& w, const int* se, const ListSta
       for (int m = 0; m < d.M; ++m) t += w.D[(i64)m * d.E + e];
       w.U[p] = t;
       w.T[e] = t;
-      continue;
     }
-    ls.items[atomicAdd(ls.count, 1)] = p;
+  }
+  for (int p = list_first(); p < d.P; p += gridDim.x * blockDim.x) {  // the rest: the general path
+    int e, r;
+    instance_of(p, se, d, &e, &r);
+    if (e >= 0 && w.cnt_all0[e] > 1) ls.items[atomicAdd(ls.count, 1)] = p;
   }
   __syncthreads();
   for_listed(d, ls, [&](int p, int lig) { split_listed(d, w, se, p, lig); });
@@ -357,15 +364,28 @@ __device__ __forceinline__ void consider(Key& best, i64 u, i64 half, i64 lt, i64
   if (better(k, best)) best = k;
 }
 
+// The refinement's SM cycles per step, counted by lane 0 of domain 0 and written after the stamps (prof =
+// w.stamps + 7; see planner.h), only when kProfile is set: the clock reads order the loop's instructions
+// and cost time of their own. Both refinement loops (refine_warp, refine_warp_fast) use it.
+struct RefineClock {
+  enum Step { kBusiest, kExisting, kRounds, kReduce, kMove, kSteps };
+  bool on;
+  long long begin, last, cycles[kSteps] = {0, 0, 0, 0, 0}, rounds = 0, iters = 0;
+  __device__ explicit RefineClock(const Dims& d) : on((d.skip & kProfile) != 0) { begin = last = on ? clock64() : 0; }
+  __device__ __forceinline__ void step(Step s) {  // the time since the previous step goes to s
+    if (on) { const long long t = clock64(); cycles[s] += t - last; last = t; }
+  }
+  __device__ void write(i64* prof, int dom) const {
+    if (!on || prof == nullptr || dom != 0 || (threadIdx.x & 31) != 0) return;
+    prof[0] = iters; prof[1] = cycles[kBusiest]; prof[2] = cycles[kExisting]; prof[3] = cycles[kRounds];
+    prof[4] = rounds; prof[5] = cycles[kReduce]; prof[6] = cycles[kMove]; prof[7] = clock64() - begin;
+  }
+};
+
 template <int NT>
 __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* prof) {
   const int lane = threadIdx.x & 31, r0 = dom * d.rpd, N = num_slots<NT>(d);
-  // SM cycles per step, counted by lane 0 for domain 0 (prof = w.stamps + 7; see planner.h), only when
-  // kProfile is set: the clock reads order the loop's instructions and cost time of their own
-  const bool timed = (d.skip & kProfile) != 0, count = timed && dom == 0 && lane == 0;
-  long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
-  const long long t_begin = timed ? clock64() : 0;
-  long long t0 = t_begin, t1;
+  RefineClock clk(d);
   while (true) {
     // rb = busiest rank of the domain, ties -> lowest id
     i64 bl = -1;
@@ -380,7 +400,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       b = (int)__reduce_min_sync(kFull, (tied >> lane & 1) ? (unsigned)b : 0xffffffffu);
       bl = st.sl[b];
     }
-    if (timed) { t1 = clock64(); c_rb += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kBusiest);
     const i64* cost_row = st.cost + (i64)b * st.cs;
     // existing-instance candidates; `need`: this lane's targets that still want a new-replica candidate
     Key best = no_key();
@@ -406,7 +426,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       // a new replica can only win with a larger delta (an existing instance wins ties)
       if (ex < half && first_free<NT>(st, a, d) >= 0) need |= 1u << k;
     }
-    if (timed) { t1 = clock64(); c_ex += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kExisting);
     // new-replica candidates: rb's instances in (load desc, expert asc) order, one warp argmax per round;
     // a target takes the first one it does not host
     i64 pu = LLONG_MAX;
@@ -420,7 +440,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
         if (uu <= 0 || ee < 0 || !(uu < pu || (uu == pu && ee > pe))) continue;
         if (uu > u || (uu == u && ee < e)) { u = uu; e = ee; g = gg; }
       }
-      ++n_rounds;
+      ++clk.rounds;
       unsigned top = keep_max(kFull, (unsigned long long)(u + 1));
       const int emin = (int)__reduce_min_sync(kFull, (top >> lane & 1) ? (unsigned)e : 0xffffffffu);
       const int src = __ffs(__ballot_sync(kFull, (top >> lane & 1) && e == emin)) - 1;
@@ -437,7 +457,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
         need &= ~(1u << k);
       }
     }
-    if (timed) { t1 = clock64(); c_rounds += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kRounds);
     // the best lane, field by field
     unsigned tied = __ballot_sync(kFull, best.gs >= 0);
     if (tied == 0) break;  // no move helps
@@ -449,7 +469,7 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
     if (__popc(tied) > 1) tied = keep_max(tied, ~(unsigned long long)(unsigned)best.a);
     // a lane's candidates have distinct targets from other lanes', so one lane is left here
     const int win = __ffs(tied) - 1;
-    if (timed) { t1 = clock64(); c_red += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kReduce);
     if (lane == win) {
       const int a = best.a;
       int gt = best.gt;
@@ -464,13 +484,10 @@ __device__ void refine_warp(int dom, const DomState& st, const Dims& d, i64* pro
       st.sl[a] += best.delta;
     }
     __syncwarp();
-    ++iters;
-    if (timed) { t1 = clock64(); c_move += t1 - t0; t0 = t1; }
+    ++clk.iters;
+    clk.step(RefineClock::kMove);
   }
-  if (count && prof != nullptr) {
-    prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
-    prof[6] = c_move; prof[7] = clock64() - t_begin;
-  }
+  clk.write(prof, dom);
 }
 
 // The refinement of a domain of <= 32 ranks with 1-4 slots whose loads fit in 26 bits (the domain's total
@@ -485,10 +502,7 @@ template <int NT>
 __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64* prof) {
   const int lane = threadIdx.x & 31, rpd = d.rpd, r0 = dom * rpd, me = r0 + lane, G = d.G, Eloc = d.Eloc;
   const bool valid = lane < rpd;
-  const bool timed = (d.skip & kProfile) != 0, count = timed && dom == 0 && lane == 0;
-  long long c_rb = 0, c_ex = 0, c_rounds = 0, c_red = 0, c_move = 0, n_rounds = 0, iters = 0;
-  const long long t_begin = timed ? clock64() : 0;
-  long long t0 = t_begin, t1;
+  RefineClock clk(d);
   i64* su = st.su;  // [rpd][G]; the main instances' loads are read and written here, the slots' in registers
   const i64* cost_s = st.sl + rpd;  // refine() stages the domain's cost rows here when rpd <= 32
   int la = valid ? (int)st.sl[lane] : 0, se[NT], sm[NT], us[NT];  // sm: the main rank of se (-1: empty)
@@ -519,7 +533,7 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
       const int u = (int)sub[g];
       if (u > cu) { cu = u; cg = g; }
     }
-    if (timed) { t1 = clock64(); c_rb += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kBusiest);
     // this lane's best existing-instance candidate. Within a target L, cost and rank are the same for every
     // candidate and delta = min(u, half) grows with u, so (delta desc, load desc, expert asc) is (load desc,
     // expert asc): one 64-bit key per candidate, u << 32 | (2^29 - 1 - e) << 3 | index, maxed as a tree
@@ -565,7 +579,7 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
     for (int j = NT - 1; j >= 0; --j) if (se[j] < 0) free_slot = j;
     // a new replica can only win with a larger delta (an existing instance wins ties)
     bool need = free_slot >= 0 && bd < half;
-    if (timed) { t1 = clock64(); c_ex += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kExisting);
     // new-replica candidates: rb's instances in (load desc, expert asc) order, one round each; a lane takes
     // the first one its rank does not host; rounds run while some lane still wants one (the first round's
     // loads were issued above). (pu, pe): the last round's instance
@@ -580,7 +594,7 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
           if (u > cu && (u < pu || (u == pu && e > pe))) { cu = u; cg = g; }
         }
       }
-      ++n_rounds;
+      ++clk.rounds;
       int su_ = 0, se_ = INT_MAX, sk = -1;  // rb's best slot after (pu, pe), the same on every lane
 #pragma unroll
       for (int k = 0; k < NT; ++k) {
@@ -611,7 +625,7 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
         need = false;
       }
     }
-    if (timed) { t1 = clock64(); c_rounds += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kRounds);
     // the best lane: (delta desc, L asc, cost asc, existing first, load desc, rank asc)
     const unsigned md = __reduce_max_sync(kFull, (unsigned)bd);
     if (md == 0) break;  // no move helps
@@ -631,7 +645,7 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
       tied = __ballot_sync(kFull, in(tied) && (unsigned)bu == mu);
     }
     const int win = __ffs(tied) - 1;
-    if (timed) { t1 = clock64(); c_red += t1 - t0; t0 = t1; }
+    clk.step(RefineClock::kReduce);
     // the move, by selects on rb's lane and the winner's (a new replica's slot held no load)
     const int dl = (int)md, gs = __shfl_sync(kFull, bgs, win);
     const bool is_b = lane == b, is_w = lane == win;
@@ -646,18 +660,15 @@ __device__ void refine_warp_fast(int dom, const DomState& st, const Dims& d, i64
       us[j] += (is_b && gs == Eloc + j) ? -dl : (is_w && (bgt == Eloc + j || nw)) ? dl : 0;
     }
     __syncwarp();
-    ++iters;
-    if (timed) { t1 = clock64(); c_move += t1 - t0; t0 = t1; }
+    ++clk.iters;
+    clk.step(RefineClock::kMove);
   }
   if (valid) {  // the registers back to the shared state
     st.sl[lane] = la;
 #pragma unroll
     for (int j = 0; j < NT; ++j) { st.se[lane * NT + j] = se[j]; su[lane * G + Eloc + j] = us[j]; }
   }
-  if (count && prof != nullptr) {
-    prof[0] = iters; prof[1] = c_rb; prof[2] = c_ex; prof[3] = c_rounds; prof[4] = n_rounds; prof[5] = c_red;
-    prof[6] = c_move; prof[7] = clock64() - t_begin;
-  }
+  clk.write(prof, dom);
 }
 
 template <int NT>
@@ -752,24 +763,28 @@ __device__ void route_listed(const Dims& d, const Work& w, const int* se0, const
     for (int q = gd * d.rpd * d.N; q < p - d.E; ++q) if (se1[q] == e) cu += w.U[d.E + q];
   }
   const int n_all = e >= 0 ? w.cnt_all0[e] : 1;
-  i64 carry = 0;
-  for (int s0 = 0; s0 < d.R; s0 += d.gw) {
-    const int s = s0 + lig;
+  // what source s sends the group (0 past the sources or for an empty slot)
+  const auto source_amount = [&](int s) -> i64 {
+    if (e < 0 || s >= d.R) return 0;
+    const int sd = dom_of_rank(s, d);
+    const i64 x = w.om[(i64)s * d.E + e];
+    if (sd == gd) return x;
     i64 amount = 0;
-    if (e >= 0 && s < d.R) {
-      const int sd = dom_of_rank(s, d);
-      const i64 x = w.om[(i64)s * d.E + e];
-      if (sd == gd) {
-        amount = x;
-      } else if (w.cnt_dom0[(i64)sd * d.E + e] == 0 && x > 0) {  // orphan: its share of the group's initial instances
-        i64 xq, xr;
-        divmod(x, n_all, &xq, &xr);
-        if (main_in_group) amount += xq + (floor_mod(0 - s, n_all) < xr ? 1 : 0);
-        for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
-          if (se0[q] == e) amount += xq + (floor_mod(w.pos_all0[d.E + q] - s, n_all) < xr ? 1 : 0);
-      }
+    if (w.cnt_dom0[(i64)sd * d.E + e] == 0 && x > 0) {  // orphan: its share of the group's initial instances
+      i64 xq, xr;
+      divmod(x, n_all, &xq, &xr);
+      if (main_in_group) amount += xq + (floor_mod(0 - s, n_all) < xr ? 1 : 0);
+      for (int q = gd * d.rpd * d.N; q < (gd + 1) * d.rpd * d.N; ++q)
+        if (se0[q] == e) amount += xq + (floor_mod(w.pos_all0[d.E + q] - s, n_all) < xr ? 1 : 0);
     }
-    i64 incl = amount;  // inclusive scan over the group's lanes
+    return amount;
+  };
+  // the route of the sources s0 + lane in group: an inclusive scan over the group's lanes, then the overlap
+  // of each source's interval with p's
+  i64 carry = 0;
+  const auto scan_and_write = [&](i64 amount, int s0) {
+    const int s = s0 + lig;
+    i64 incl = amount;
     for (int off = 1; off < d.gw; off <<= 1) {
       const i64 v = __shfl_up_sync(kFull, incl, off, d.gw);
       if (lig >= off) incl += v;
@@ -780,7 +795,17 @@ __device__ void route_listed(const Dims& d, const Work& w, const int* se0, const
       route[(i64)s * d.P + p] = ov > 0 ? ov : 0;
     }
     carry += __shfl_sync(kFull, incl, d.gw - 1, d.gw);
-  }
+  };
+  // the first kPrefetch runs of sources are read before any scan, so that their loads are in flight
+  // together (the scans' shuffles would otherwise order them); runs past them one by one
+  constexpr int kPrefetch = 4;
+  i64 amounts[kPrefetch];
+#pragma unroll
+  for (int c = 0; c < kPrefetch; ++c) amounts[c] = source_amount(c * d.gw + lig);
+#pragma unroll
+  for (int c = 0; c < kPrefetch; ++c)
+    if (c * d.gw < d.R) scan_and_write(amounts[c], c * d.gw);  // uniform over the warp
+  for (int s0 = kPrefetch * d.gw; s0 < d.R; s0 += d.gw) scan_and_write(source_amount(s0 + lig), s0);
 }
 
 // Instance p's route takes the short path when the guard fired (the static plan), when its slot is empty,
@@ -804,15 +829,16 @@ __device__ void route_phase(const Dims& d, const Work& w, const int* se0, const 
   for (int i = warp_cyclic(); i < items; i += threads) {
     const int c = (int)((unsigned)i / (unsigned)d.P), p = i - c * d.P;
     int e;
-    if (!route_short(d, w, se1, fb, p, &e)) {
-      if (c == 0) ls.items[atomicAdd(ls.count, 1)] = p;
-      continue;
-    }
+    if (!route_short(d, w, se1, fb, p, &e)) continue;  // listed below
     const bool zero = fb ? p >= d.E : e < 0;
     const int col = zero ? 0 : fb ? p : e;  // the static plan routes to the mains only
     const int s1 = min(d.R, (c + 1) * run_len);
 #pragma unroll 4
     for (int s = c * run_len; s < s1; ++s) route[(i64)s * d.P + p] = zero ? 0 : w.om[(i64)s * d.E + col];
+  }
+  for (int p = list_first(); p < d.P; p += gridDim.x * blockDim.x) {
+    int e;
+    if (!route_short(d, w, se1, fb, p, &e)) ls.items[atomicAdd(ls.count, 1)] = p;
   }
   __syncthreads();
   for_listed(d, ls, [&](int p, int lig) { route_listed(d, w, se0, se1, route, p, lig); });
@@ -826,6 +852,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   extern __shared__ i64 smem[];
   __shared__ int num_listed;
   stamp(w, 0);
+  if (blockIdx.x == 0 && threadIdx.x == 0) w.stamps[6] = 0;  // the route's end: a max over blocks, below
   if (d.skip & kSkipAll) return;
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
   const ListState ls = {(int*)scratch + 2 * d.R * d.N, &num_listed};  // after the two slot tables
@@ -874,7 +901,13 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
   if (!(d.skip & kSkipRoute)) route_phase(d, w, se0, se1, fb, slot_expert, route, ls);
-  stamp(w, 6);
+  // no grid barrier follows the route: its end is the last block's, a max of every block's clock
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    atomicMax((unsigned long long*)&w.stamps[6], t);
+  }
 }
 
 __global__ void static_kernel(const i64* __restrict__ omega, Dims d, i64* __restrict__ slot_expert,
