@@ -256,10 +256,10 @@ class Execution:
 
 
 # GPU planner latency (us, `topoep.solve(backend="cuda")` eager, 640 experts, 2 slots) on one H200,
-# results/planner_latency.md (commit 6f5ff0c = main's 02a6a7f kernel, idle stream: the whole Python call).
+# results/planner_latency.md (commit 5750e1c = main's 127124b kernel, idle stream: the whole Python call).
 # Interpolated in log2(EP); beyond EP 128 extrapolated linearly in EP with the last segment's slope
 # (conservative: not measured).
-GPU_PLANNER_US = ((8, 51.5), (16, 47.6), (32, 50.8), (64, 59.4), (128, 68.0))
+GPU_PLANNER_US = ((8, 49.1), (16, 46.3), (32, 54.9), (64, 53.8), (128, 61.1))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # of commit 75d7c67 (measured at c3e64ae; 2 x H200, EP 2, Qwen3 expert shape), backend cuda (the fast path:

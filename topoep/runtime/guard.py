@@ -37,7 +37,7 @@ class NetBenefitGuard:
 
     plan_s: float = 1e-4
     """T_plan, seconds: the planner's latency. 100 us: the CUDA planner measured on an H200 at EP 8-128,
-    E 64-640 took 44-68 us for a whole eager call and 28-51 us on the GPU (results/planner_latency.md)."""
+    E 64-640 took 43-61 us for a whole eager call and 28-47 us on the GPU (results/planner_latency.md)."""
     transfer_latency_s: float = 2e-5
     """Seconds added per exposed replica transfer when the plan has a replica: a collective's launch and
     synchronisation (about 20 us for a small NCCL all-to-all inside a node)."""
