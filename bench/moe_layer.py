@@ -33,7 +33,8 @@ Measured per case:
                vs bound <= 1.11)
     imbalance  max / mean rank load before balancing (main instances: what static and megatron execute)
                -> after (the plan executed, from the layer's statistics)
-    guard      share of the calls in which the net-benefit guard fired (executed the static plan)
+    guard      share of the calls in which the net-benefit guard fired (executed the static plan); backend
+               cuda: (skip x%) the share that also left the replica machinery out (guard.py, skip_lag)
     breakdown  --profile-iters extra iterations with a `topoep.runtime.PhaseTimer` (phases serialised: each
                one waits for the work before it, communication phases start after a barrier, each phase is
                timed with CUDA events), median per rank, then the maximum over ranks: plan (count
@@ -229,8 +230,12 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
         case.run()
     if case.topoep is not None:
         case.topoep.pop_stats()
+    hint = case.topoep.slot_hint if case.topoep is not None else None
+    before = (hint.calls, hint.skipped) if hint is not None else None
     ms = statistics.median(across_ranks_max(time_iterations(case.run, args.iters, cuda), dev))
-    row = dict(ms=ms, guard_fired=None, imbalance_after=None, guard_saved_ms=None, guard_cost_ms=None)
+    row = dict(ms=ms, guard_fired=None, imbalance_after=None, guard_saved_ms=None, guard_cost_ms=None, slot_skip=None)
+    if hint is not None and hint.calls > before[0]:  # share of timed calls without the replica machinery
+        row["slot_skip"] = (hint.skipped - before[1]) / (hint.calls - before[0])
     if case.topoep is not None:
         stats, _ = case.topoep.pop_stats()
         s = dict(zip(LAYER_STAT_NAMES, stats.tolist()))
@@ -502,7 +507,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
     table = markdown_table(header, [[
         r["tokens"], r["workload"], r["layer"], f"{r['ms']:.2f}", _f(r["vs_static"]), _f(r["vs_bound"]),
         f"{r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f}",
-        _f(r["guard_fired"], "{:.0%}") if r["guard_fired"] is not None else "-",
+        (_f(r["guard_fired"], "{:.0%}") + (f" (skip {r['slot_skip']:.0%})" if r.get("slot_skip") is not None else "")
+         if r["guard_fired"] is not None else "-"),
         *(("-" if mega(r) and p in ("plan", "fetch", "grad_return") else _f(r.get(f"{p}_ms")))
           for p in PHASES), _f(r["plan_fetch_share"], "{:.0%}")] for r in rows])
     text = "\n".join([
@@ -515,7 +521,9 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
         "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "
         "balanced routing (every rank exactly the mean load); rank imbalance: max / mean rank load before -> "
-        "after balancing; guard: share of calls where the net-benefit guard executed the static plan",
+        "after balancing; guard: share of calls where the net-benefit guard executed the static plan (skip: "
+        "share of timed calls whose replica machinery was left out because the guard had fired `skip_lag` calls "
+        "earlier)",
         f"- breakdown (ms): median of {args.profile_iters} extra iterations with phases serialised (CUDA events on "
         "GPU), maximum over ranks: experts is the straggler's; phases overlap in the timed runs and do not add up; "
         "(plan+fetch) / ms: the serialised plan and fetch over the timed layer, both blocking (target <= 10 %; "

@@ -217,6 +217,54 @@ def test_layer_matches_torch_backend_within_bf16_error(num_slots):
                 assert out[("topoep", "cuda")][1] > 0
 
 
+def _slot_skip(rank, world):
+    """A topoep layer whose guard always fires (plan_s = 1 s) against the static layer, 4 calls: calls 3-4
+    leave the replica machinery out (the hint, lag 2); every call equals the static layer bit for bit. A
+    guard that never fires (no costs, skewed routing) never skips and uses its replicas."""
+    from topoep import ExpertParallelMoE
+    from topoep.runtime import NetBenefitGuard
+
+    dev = _setup(rank)
+    E = world * E_LOC
+    topo = _topology()
+    g = torch.Generator().manual_seed(5)
+    fc1 = (torch.randn(E_LOC, 2 * FD, H, generator=g) * 0.05).to(dev, torch.bfloat16)
+    fc2 = (torch.randn(E_LOC, H, FD, generator=g) * 0.05).to(dev, torch.bfloat16)
+    guards = {"static": None, "fires": NetBenefitGuard(plan_s=1.0),
+              "never": NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0)}
+    layers = {}
+    for name, guard in guards.items():
+        layers[name] = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
+                                         policy="static" if guard is None else "topoep", backend="cuda",
+                                         dtype=torch.bfloat16, device=dev, guard=guard or False, transport=TRANSPORT)
+        with torch.no_grad():
+            layers[name].fc1.copy_(fc1)
+            layers[name].fc2.copy_(fc2)
+    out = {name: [] for name in layers}
+    replicas = []
+    for call in range(4):
+        x, idx, w, gy = (t.to(dev) for t in _routing(world, 20 + call, 3.0, dev)[rank])
+        for name, layer in layers.items():
+            layer.zero_grad(set_to_none=True)
+            xr = x.to(torch.bfloat16).requires_grad_()
+            y = layer(xr, idx, w.to(torch.bfloat16))
+            (y * gy.to(torch.bfloat16)).sum().backward()
+            out[name].append((y.detach(), xr.grad, layer.fc1.grad, layer.fc2.grad))
+            if name == "never":
+                replicas.append(layer.stats_dict()["replica_fraction"])
+    same = [all(torch.equal(a, b) for a, b in zip(out["fires"][c], out["static"][c])) for c in range(4)]
+    fired = layers["fires"].stats_dict()["guard_fired"]
+    return same, fired, layers["fires"].slot_hint.skipped, layers["never"].slot_hint.skipped, replicas
+
+
+def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
+    for same, fired, skipped, skipped_never, replicas in run_ranks(_slot_skip, WORLD, backend="nccl"):
+        assert all(same), same
+        assert fired == 1.0 and skipped == 2  # calls 3 and 4 of lag 2
+        if RPD > 1:  # across domains of 1 rank topoep finds no replica worth it, and then wants none
+            assert skipped_never == 0 and all(r > 0 for r in replicas), replicas
+
+
 def _sync_free_and_graph(rank, world):
     from topoep import ExpertParallelMoE
 

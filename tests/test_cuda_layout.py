@@ -79,8 +79,9 @@ def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
                               num_slots=N, policy="topoep", guard=False)
     g = torch.Generator().manual_seed(0)
     topk_idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    out = layer._cuda_metadata(_OneRankWorkspace(), topk_idx, token_bytes=16)
-    omega, slot_expert, route, stats, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out
+    out = layer._cuda_metadata(_OneRankWorkspace(), topk_idx, torch.tensor(True), token_bytes=16)
+    omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out
+    assert wanted.dtype == torch.bool and not wanted  # no guard: no decision
     assert torch.equal(omega[0], count_keys(topk_idx, E))
     assert torch.equal(torch.sort(order).values, torch.arange(T * k))  # every assignment sent once
     assert torch.equal(dest, torch.zeros(T * k, dtype=torch.int64))

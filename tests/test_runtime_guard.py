@@ -10,7 +10,7 @@ import torch
 from distributed import run_ranks
 from topoep import ExpertParallelMoE, Plan, Topology, solve
 from topoep.runtime import LAYER_STAT_NAMES
-from topoep.runtime.guard import NetBenefitGuard
+from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.workloads import balanced_topk, biased_topk
 
 IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
@@ -47,6 +47,35 @@ def test_prediction_and_selection_on_a_hand_worked_plan():
     # no planning cost, one exposed transfer: 8 us saved < 5 ns + 20 us latency; without the latency > 5 ns
     assert NetBenefitGuard(plan_s=0.0).select(plan, 1e-6, 1)[1].item()
     assert not NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0).select(plan, 1e-6, 1)[1].item()
+
+
+def test_allow_false_forces_the_static_plan():
+    """The host left the replica machinery out: the static plan runs even where the guard wants replicas."""
+    plan = hand_plan()
+    g = NetBenefitGuard()
+    static = solve(plan.omega, plan.topology, num_slots=1, policy="static", expert_bytes=1000, token_bytes=10)
+    executed, fired, saved, cost = g.select(plan, 1e-4, 3, torch.tensor(False))
+    assert fired.item() and (saved > cost).item()  # forced, although the guard itself wants the plan
+    assert torch.equal(executed.slot_expert, static.slot_expert) and torch.equal(executed.route, static.route)
+    executed, fired, _, _ = g.select(plan, 1e-4, 3, torch.tensor(True))
+    assert not fired.item() and torch.equal(executed.route, plan.route)
+
+
+def test_slot_skip_hint_follows_the_decision_lag_calls_back():
+    for lag in (1, 2, 3):
+        hint = SlotSkipHint(lag)
+        wanted = [True, False, False, True, False, True, True, False, False, False]
+        got = []
+        for w in wanted:
+            got.append(hint.allow(torch.device("cpu")))
+            hint.record(torch.tensor(w))
+        assert got == [True] * lag + wanted[:-lag], (lag, got)
+        assert hint.skipped == got.count(False) and hint.calls == len(wanted) and hint.waits == 0
+    with pytest.raises(ValueError, match="skip_lag must be an integer >= 1"):
+        NetBenefitGuard(skip_lag=0)
+    topo = Topology(num_domains=1, ranks_per_domain=1)
+    # backend torch reads its sizes on the host anyway: no hint there
+    assert ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo).slot_hint is None
 
 
 def test_guard_reads_no_tensor_values():

@@ -5,8 +5,8 @@ This work is a chain of about 150 small kernels on tensors of a few thousand ele
 host spends about 1-2 ms launching them, longer than the GPU spends running them, and the layer becomes
 host-bound. None of it synchronises the host and every shape is fixed by (T, k), so each layer captures
 it once per input shape (on the second call: the first one compiles the kernels and creates the
-workspaces) and afterwards copies topk_idx into the graph's input, replays it, and clones its outputs
-(the next replay overwrites them while this call's backward still needs them).
+workspaces) and afterwards copies topk_idx (and the replica-machinery flag) into the graph's inputs, replays
+it, and clones its outputs (the next replay overwrites them while this call's backward still needs them).
 
 Set TOPOEP_CUDA_GRAPHS=0 to run it eagerly (debugging); when the caller is itself capturing a CUDA
 graph, it runs eagerly inside that capture. Policies without a GPU planner (deepseek, fastermoe, flexmoe:
@@ -29,24 +29,26 @@ class MetadataGraphs:
         self.enabled = enabled and os.environ.get("TOPOEP_CUDA_GRAPHS", "1") != "0"
         self.replays = 0
 
-    def __call__(self, fn: Callable[[torch.Tensor], tuple], topk_idx: torch.Tensor) -> tuple:
-        """fn(topk_idx) -> tuple of tensors, through the graph when possible."""
+    def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple:
+        """fn(topk_idx, *inputs) -> tuple of tensors, through the graph when possible. Every input is a device
+        tensor whose shape is fixed by topk_idx's (the graph copies it into its own before each replay)."""
         if not self.enabled or torch.cuda.is_current_stream_capturing():
-            return fn(topk_idx)
+            return fn(topk_idx, *inputs)
         key = (tuple(topk_idx.shape), topk_idx.device)
         entry = self._graphs.get(key)
         if entry is None:  # first call: eager (compiles kernels, creates workspaces)
             self._graphs[key] = "warm"
-            return fn(topk_idx)
+            return fn(topk_idx, *inputs)
         if entry == "warm":
-            static_idx = topk_idx.clone()
+            static_in = [t.clone() for t in (topk_idx, *inputs)]
             graph = torch.cuda.CUDAGraph()
             # thread_local: the NCCL watchdog thread may query events while we capture
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outs = fn(static_idx)
-            self._graphs[key] = entry = (graph, static_idx, outs)
-        graph, static_idx, outs = entry
-        static_idx.copy_(topk_idx)
+                outs = fn(*static_in)
+            self._graphs[key] = entry = (graph, static_in, outs)
+        graph, static_in, outs = entry
+        for dst, src in zip(static_in, (topk_idx, *inputs)):
+            dst.copy_(src)
         graph.replay()
         self.replays += 1
         return tuple(t.clone() for t in outs)

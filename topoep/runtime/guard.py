@@ -15,6 +15,14 @@ call executes the static plan (no replicas: every assignment on its expert's mai
 as in eq. 2 although the plan exists by the time the guard decides: it is the margin balancing must
 clear to pay on such routing (and a later version may skip planning on its strength).
 
+Backend cuda also skips the replica machinery of a call whose guard will fire (`skip_lag`, `SlotSkipHint`):
+with the decision on the device, the host still launches the slot fetch, the slot GEMMs and the gradient
+return, which then move nothing but cost their launches and barriers (a few % of a layer at 4096 tokens per
+rank). The host cannot know this call's decision without a sync, so it uses the decision of the same layer
+`skip_lag` calls earlier, made on the same all-gathered counts on every rank: every rank takes the same
+branch. When it skips, this call's plan is forced static on the device (the model's math is unchanged), and
+the guard's own decision on the balanced plan is recorded for the calls after.
+
 No host synchronisation: the decision is a 0-d bool device tensor and the executed plan's tensors are
 `torch.where(use_balanced, balanced, static)` (both plans have the same shapes), so the guard stays
 CUDA-graph friendly. The decision is a deterministic function of omega (the same on every rank) and
@@ -50,6 +58,10 @@ class NetBenefitGuard:
     and the gradient return are blocking collectives; the paper's pipeline (3.3) exposes only the
     forward fetch: 1)."""
 
+    skip_lag: int | None = 2
+    """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
+    call of the same layer `skip_lag` calls earlier (module docstring; `SlotSkipHint`). None: never."""
+
     def __post_init__(self):
         for name in ("plan_s", "transfer_latency_s"):
             v = getattr(self, name)
@@ -63,6 +75,11 @@ class NetBenefitGuard:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise ValueError(f"NetBenefitGuard.exposed_transfers must be an integer >= 0 or None (the backend's), "
                              f"got {n!r}")
+
+        lag = self.skip_lag
+        if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
+            raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
+                             f"replica machinery), got {lag!r}")
 
     @staticmethod
     def build(guard) -> "NetBenefitGuard | None":
@@ -93,15 +110,19 @@ class NetBenefitGuard:
         busiest = torch.maximum(zero.index_add(0, dst, t).max(), zero.index_add(0, src, t).max())
         return exposed_transfers * (busiest + self.transfer_latency_s * occupied.any().to(torch.float64))
 
-    def select(self, plan: Plan, t_ffn: float, exposed_transfers: int):
+    def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
 
-        `plan` is the balanced plan; `fired` is True when the static plan is executed instead."""
+        `plan` is the balanced plan; `fired` is True when the static plan is executed instead. `allow`
+        (bool 0-d, optional): False forces the static plan (the host left out the replica machinery);
+        `T_saved > T_plan + T_transfer` is the guard's own decision either way."""
         E = plan.num_experts
         static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
         saved = t_ffn * (static_load.max() - plan.rank_load.max()).to(torch.float64)
         cost = self.plan_s + self.transfer_time(plan, exposed_transfers)
         use = saved > cost
+        if allow is not None:
+            use = use & allow
         static_route = torch.zeros_like(plan.route)
         static_route[:, :E] = plan.omega
         executed = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
@@ -109,3 +130,48 @@ class NetBenefitGuard:
                         route=torch.where(use, plan.route, static_route), policy=plan.policy,
                         expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes, info=dict(plan.info))
         return executed, ~use, saved, cost
+
+
+class SlotSkipHint:
+    """The host's memory of one layer's guard decisions (module docstring), for backend cuda.
+
+    `allow()` says whether this call launches the replica machinery: True for the first `lag` calls, during
+    CUDA-graph capture (a captured branch must serve every replay), and whenever the guard wanted replicas
+    `lag` calls earlier. `record(wanted)` keeps this call's decision (a bool 0-d device tensor) by an
+    asynchronous copy into pinned host memory. The copy of the call `lag` calls back has long finished when
+    the next call reads it (the GPU would have to be `lag` whole layer calls behind the host); if it has not,
+    the host waits for it (counted in `waits`) rather than guess: every rank must take the same branch."""
+
+    def __init__(self, lag: int):
+        self.lag = lag
+        self._host: list[torch.Tensor | None] = [None] * lag
+        self._done: list[torch.cuda.Event | None] = [None] * lag
+        self.calls = 0  # recorded calls
+        self.skipped = 0  # calls that left the replica machinery out
+        self.waits = 0  # reads that had to wait for the decision's copy
+
+    def allow(self, device: torch.device) -> bool:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return True
+        if self.calls < self.lag:
+            return True
+        i = self.calls % self.lag  # the slot of call (this call - lag)
+        ev = self._done[i]
+        if ev is not None and not ev.query():
+            self.waits += 1
+            ev.synchronize()
+        ok = bool(self._host[i].item())  # a host tensor: no device access
+        self.skipped += not ok
+        return ok
+
+    def record(self, wanted: torch.Tensor) -> None:
+        if wanted.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        i = self.calls % self.lag
+        if self._host[i] is None:
+            self._host[i] = torch.empty((), dtype=torch.bool, pin_memory=wanted.is_cuda)
+        self._host[i].copy_(wanted, non_blocking=wanted.is_cuda)
+        if wanted.is_cuda:
+            ev = self._done[i] = self._done[i] or torch.cuda.Event()
+            ev.record()
+        self.calls += 1

@@ -24,7 +24,7 @@ from topoep.planners.cuda import CUDA_POLICIES
 from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
-from topoep.runtime.guard import NetBenefitGuard
+from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
 from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
@@ -125,6 +125,11 @@ class ExpertParallelMoE(nn.Module):
         # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
         # the host, so its metadata runs eagerly
         self._meta_graphs = MetadataGraphs(enabled=policy in CUDA_POLICIES)
+        # backend cuda: leave out the replica machinery of calls whose guard will fire (guard.py, skip_lag)
+        lag = self.guard.skip_lag if self.guard is not None else None
+        self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
+                          and policy != "static" else None)
+        self._allow_flags: dict = {}  # device -> (True, False) 0-d bool tensors: the metadata graph's input
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -183,21 +188,26 @@ class ExpertParallelMoE(nn.Module):
     def _solve(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
         """(the plan of this call after the net-benefit guard, its statistics without planner_ms). Tensor
         work only (no host synchronisation on a GPU): backend cuda replays it in a CUDA graph."""
-        plan, guard_stats = self._guarded_plan(omega, token_bytes)
+        plan, guard_stats, _ = self._guarded_plan(omega, token_bytes)
         return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats])
 
-    def _guarded_plan(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
-        """(the plan after the net-benefit guard, float64[3] guard statistics)."""
+    def _guarded_plan(self, omega: torch.Tensor, token_bytes: int,
+                      allow: torch.Tensor | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None]:
+        """(the plan after the net-benefit guard, float64[3] guard statistics, the guard's own decision: a
+        bool 0-d tensor, True when it wants the balanced plan; None without a guard). `allow` False (a bool
+        0-d tensor) forces the static plan: the host left this call's replica machinery out."""
         N = self.num_slots
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
                      token_bytes=token_bytes, t_ffn=self.t_ffn)
         guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
+        wanted = None
         if self.guard is not None and self.policy != "static" and N > 0:
             n = self.guard.exposed_transfers
             n = self.backend.exposed_replica_transfers if n is None else n
-            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n)
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow)
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
-        return plan, guard_stats
+            wanted = saved > cost
+        return plan, guard_stats, wanted
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
@@ -241,16 +251,24 @@ class ExpertParallelMoE(nn.Module):
         if not x.is_cuda or x.dtype != torch.bfloat16:
             raise ValueError(f"backend 'cuda' runs bf16 tensors on a GPU, got x {x.dtype} on {x.device}")
         ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device)
-        pool = None
-        if self.policy != "static":  # static never uses a slot: no fetch, no gradient return
-            pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
+        # static never uses a slot, and neither does a call whose guard will fire (slot_hint): no fetch, no
+        # slot GEMMs, no gradient return
+        use_slots = self.policy != "static" and (self.slot_hint is None or self.slot_hint.allow(x.device))
+        pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device) if use_slots else None
         if pool is not None:
             self.pool = pool
+        flags = self._allow_flags.get(x.device)
+        if flags is None:
+            flags = self._allow_flags[x.device] = (torch.ones((), dtype=torch.bool, device=x.device),
+                                                   torch.zeros((), dtype=torch.bool, device=x.device))
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
-            omega, slot_expert, route, stats, *layout = self._meta_graphs(
-                lambda idx: self._cuda_metadata(ws, idx, token_bytes), topk_idx)
+            omega, slot_expert, route, stats, wanted, *layout = self._meta_graphs(
+                lambda idx, allow: self._cuda_metadata(ws, idx, allow, token_bytes), topk_idx,
+                flags[0] if use_slots else flags[1])
+            if self.slot_hint is not None:
+                self.slot_hint.record(wanted)
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
             plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
@@ -261,13 +279,16 @@ class ExpertParallelMoE(nn.Module):
                              top_k=k, experts_per_rank=E_loc, timer=tm)
         return CudaExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
-    def _cuda_metadata(self, ws, topk_idx: torch.Tensor, token_bytes: int) -> tuple:
-        """Counts -> omega -> plan (guarded) -> statistics -> receive layout, as tensors (graph-capturable):
-        (omega, slot_expert, route, stats, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot);
-        the grouped-GEMM offsets and row counts are made here once for forward and backward."""
+    def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
+        """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
+        (graph-capturable): (omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main,
+        offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); the
+        grouped-GEMM offsets and row counts are made here once for forward and backward."""
         E, E_loc = self.num_experts, self.experts_per_rank
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
-        plan, guard_stats = self._guarded_plan(omega, token_bytes)
+        plan, guard_stats, wanted = self._guarded_plan(omega, token_bytes, allow)
+        if wanted is None:
+            wanted = torch.zeros((), dtype=torch.bool, device=omega.device)
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
         # (into a buffer of this stream, so the allocator needs no record_stream)
         stats = torch.empty(len(STAT_NAMES) + guard_stats.numel(), dtype=torch.float64, device=omega.device)
@@ -285,8 +306,8 @@ class ExpertParallelMoE(nn.Module):
         offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
         if side is not None:
             main.wait_stream(side)
-        return (plan.omega, plan.slot_expert, plan.route, stats, order, dest, pos, is_slot, offs_main, offs_slot,
-                sizes_main.sum().view(1), sizes_slot.sum().view(1))
+        return (plan.omega, plan.slot_expert, plan.route, stats, wanted, order, dest, pos, is_slot, offs_main,
+                offs_slot, sizes_main.sum().view(1), sizes_slot.sum().view(1))
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then
