@@ -328,6 +328,12 @@ def test_no_host_sync_and_forward_graph_replay():
         assert replays == 2 and same_as_eager  # the layer's own metadata graph: used, and equal to eager
 
 
+def test_triton_layout_equals_the_torch_layout_on_the_gpu():
+    import layout_triton_check
+
+    assert layout_triton_check.main("cuda") == 0
+
+
 def test_fused_swiglu_activation_matches_reference_on_the_counted_rows():
     from topoep.runtime.experts import _act_grads, swiglu_act_reference
     from topoep.runtime.symm import swiglu_act, swiglu_act_grad

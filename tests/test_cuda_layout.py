@@ -1,6 +1,13 @@
 """CPU tests of the device-side receive layout of the `cuda` backend (topoep/runtime/layout.py
 `receive_positions`): every rank's rows land in a gap-free, collision-free, group-major layout in two
-buffers per destination (main experts, replica slots), with sources in rank order inside a group."""
+buffers per destination (main experts, replica slots), with sources in rank order inside a group. The
+Triton version of the send and receive layout (layout_triton.py) equals it bit for bit under Triton's
+interpreter."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +135,17 @@ def test_assignment_ordinals_count_within_each_expert():
 
     e = torch.tensor([2, 0, 2, 2, 1, 0])
     assert assignment_ordinals(e, count_keys(e, 3)).tolist() == [0, 0, 1, 2, 0, 1]
+
+
+def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
+    """tests/layout_triton_check.py in a subprocess with TRITON_INTERPRET=1 (read when triton is imported)."""
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(here / "layout_triton_check.py")], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
+    assert len(lines) == 8 and all("equal on every rank" in ln for ln in lines), out.stdout
+    assert any("(0 replicas)" not in ln for ln in lines)  # replicas exercised

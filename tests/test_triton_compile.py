@@ -1,4 +1,4 @@
-"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py) compiles for sm_90 (H100/H200)
+"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py) compiles for sm_90 (H100/H200)
 without a GPU, with the argument types the backend passes. Catches type and syntax errors before any GPU
 time; that the kernels compute the right thing is checked on the GPU (tests/test_cuda_backend_gpu.py)."""
 
@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
+import topoep.runtime.layout_triton as LT  # noqa: E402
 import topoep.runtime.symm as S  # noqa: E402
 
 I64, I32 = "*i64", "i32"
@@ -31,17 +32,29 @@ KERNELS = {
                            dict(F=768, BLOCK_F=1024)),
     "_reduce_grads_kernel": (dict(slot_expert=I64, ret="*bf16", grad="*bf16", me=I32, e_loc=I32, RN=I32, numel=I32),
                              dict(CHUNK=S.COPY_CHUNK)),
+    # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
+    "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, A=I32, E=I32, nb=I32), dict(B=LT.BLOCK, EB=256)),
+    "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_expert_ptr=I64, inst_rank_ptr=I64,
+                            inst_start_ptr=I64, key_start_ptr=I64, recv_start_ptr=I64, order_ptr=I64, key_ptr=I64,
+                            dest_ptr=I64, pos_ptr=I64, slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32,
+                            nb=I32),
+                       dict(S=16, B=LT.BLOCK)),
 }
+MODULES = (S, LT)
+
+
+def _kernel(name):
+    return next(getattr(m, name) for m in MODULES if hasattr(m, name))
 
 
 def test_every_kernel_is_listed():
-    found = {n for n in dir(S) if n.endswith("_kernel") and hasattr(getattr(S, n), "fn")}
+    found = {n for m in MODULES for n in dir(m) if n.endswith("_kernel") and hasattr(getattr(m, n), "fn")}
     assert found == set(KERNELS)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_compiles_for_sm90(name):
-    fn = getattr(S, name)
+    fn = _kernel(name)
     sig, const = KERNELS[name]
     params = list(inspect.signature(fn.fn).parameters)
     assert set(sig) | set(const) == set(params), "signature out of date"

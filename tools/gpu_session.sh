@@ -55,15 +55,24 @@ step_layer_cuda() {  # one MoE layer on backend cuda only (static, topoep; 2 and
   done
 }
 
-step_fetch_ab() {  # what the side-stream replica fetch saves: one layer, 8 slots, 4096 tokens per rank, backend cuda,
-  # with the fetch on the layer's stream (TOPOEP_FETCH_SIDE_STREAM=0) and on the side stream, interleaved twice
+ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
+  # and VAR=1, interleaved twice (machines differ by several % from call to call: compare inside one call)
+  local var=$1 name=$2 slots=$3; shift 3
   for rep in 1 2; do
-    for side in 0 1; do
-      TOPOEP_FETCH_SIDE_STREAM=$side timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-        bench/moe_layer.py --name moe_layer_fetch_side${side}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots 8 \
-        --tokens 4096 --profile-iters 0 2>&1 | grep -E "^  [0-9]|Error|error" | sed "s/^/side=$side rep=$rep /"
+    for v in 0 1; do
+      env "$var=$v" timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        bench/moe_layer.py --name ${name}${v}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots $slots \
+        --tokens 4096 --profile-iters 0 "$@" 2>&1 | grep -E "^  [0-9]|Error|error" | sed "s/^/$var=$v rep=$rep /"
     done
   done
+}
+
+step_fetch_ab() {  # what the side-stream replica fetch saves: 8 slots, fetch on the layer's stream or the side stream
+  ab_layer TOPOEP_FETCH_SIDE_STREAM moe_layer_fetch_side 8
+}
+
+step_layout_ab() {  # what the Triton send/receive layout (layout_triton.py) saves against the torch one: 2 slots
+  ab_layer TOPOEP_FUSED_LAYOUT moe_layer_layout_fused 2 --skews 0 -4 --layouts concentrated
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency.

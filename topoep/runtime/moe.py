@@ -28,8 +28,9 @@ from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
 from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
-from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys, local_group,
-                                   receive_positions, received_sizes, send_layout)
+from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys,
+                                   group_counts, local_group, receive_positions, received_sizes, send_layout)
+from topoep.runtime import layout_triton
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
 
@@ -300,8 +301,12 @@ class ExpertParallelMoE(nn.Module):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
             stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats]))
-        C, key, order = send_layout(topk_idx, plan, self.rank)  # C from the plan's route: no exchange
-        dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
+        if omega.is_cuda and layout_triton.ENABLED:  # two Triton kernels instead of about 60 small torch ones
+            C = group_counts(plan)  # from the plan's route: no exchange
+            key, order, dest, pos, is_slot = layout_triton.fused_layout(topk_idx, plan, self.rank, C)
+        else:
+            C, key, order = send_layout(topk_idx, plan, self.rank)
+            dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
         offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
         if side is not None:

@@ -1,0 +1,156 @@
+"""Backend cuda's send and receive layout in two Triton kernels: what `layout.send_layout` followed by
+`layout.receive_positions` compute with about 60 small torch kernels (two argsorts of the instances, a
+stable sort of the assignments, searchsorted, gathers and scatters), bit for bit the same.
+
+An assignment a (token t, choice j; expert e = topk_idx[t, j]) is the o-th of this rank's assignments of e
+(its ordinal, in assignment order). The plan's route row of this rank gives each instance p of e a count,
+and the instances of e serve consecutive ordinals in instance order: the main instance (p = e) the first
+route[e], then e's replica slots in slot order. So a's instance is the one whose range holds o, and a's
+place in the send order is the start of its (destination, group) key plus o minus the instance's first
+ordinal (layout.send_layout's docstring). The kernels:
+
+1. `_block_counts_kernel`: per block of B assignments, how many of each expert it holds
+   (torch: the exclusive sum of those over blocks: each block's first ordinal of every expert);
+2. `_layout_kernel`: per block, each assignment's ordinal (the block's offset plus the earlier
+   assignments of the same expert inside the block, from a B x B comparison), its instance, its key, and
+   its send position; it writes order, key, destination, receive position and is_slot at that position.
+
+`fused_layout` prepares the small per-instance and per-key tables with torch and launches both. The torch
+functions in layout.py stay the reference (and the CPU path); tests/layout_triton_check.py compares the
+two under Triton's interpreter on the CPU, and tests/test_cuda_backend_gpu.py on the GPU.
+Default placement only (main_rank[e] = e // E_loc), like layout.py. TOPOEP_FUSED_LAYOUT=0 makes backend
+cuda use the torch layout instead (`tools/gpu_session.sh layout_ab` compares the two).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from topoep.plan import Plan
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only environments: the module imports, the kernels are unavailable
+    triton = None
+
+BLOCK = 128  # assignments per program (the in-block ordinal compares BLOCK x BLOCK pairs)
+ENABLED = os.environ.get("TOPOEP_FUSED_LAYOUT", "1") != "0"  # 0: backend cuda uses the torch layout (A/B runs)
+
+if triton is not None:
+
+    @triton.jit
+    def _block_counts_kernel(e_ptr, counts_ptr, A, E, nb, B: tl.constexpr, EB: tl.constexpr):
+        """counts[x, b] = assignments of expert x among a in [b * B, (b + 1) * B), b < nb (expert-major, so
+        that the sum over blocks is a scan along the last dimension). EB: a power of two > E (bin E takes
+        the lanes past A)."""
+        b = tl.program_id(0)
+        a = b * B + tl.arange(0, B)
+        e = tl.load(e_ptr + a, mask=a < A, other=E).to(tl.int32)
+        h = tl.histogram(e, EB)
+        x = tl.arange(0, EB)
+        tl.store(counts_ptr + x.to(tl.int64) * nb + b, h.to(tl.int64), mask=x < E)
+
+    @triton.jit
+    def _layout_kernel(e_ptr, first_ptr, route_ptr, inst_expert_ptr, inst_rank_ptr, inst_start_ptr, key_start_ptr,
+                       recv_start_ptr, order_ptr, key_ptr, dest_ptr, pos_ptr, slot_ptr, A, E, E_loc, N, G, nb,
+                       S: tl.constexpr, B: tl.constexpr):
+        """The send position of each assignment of block b, and what goes there (module docstring).
+        first[x, b]: the ordinal of block b's first assignment of expert x; route: this rank's row of the
+        plan's route [E + S] (S: the replica slots of all ranks); inst_start: each instance's first ordinal; key_start / recv_start [R * G]:
+        where each (destination, group) key starts in the send order / in the destination's buffer."""
+        b = tl.program_id(0)
+        i = tl.arange(0, B)
+        a = b * B + i
+        m = a < A
+        e = tl.load(e_ptr + a, mask=m, other=0)
+        # the earlier assignments of the same expert inside the block
+        same = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None]) & m[None, :]
+        o = tl.load(first_ptr + e * nb + b, mask=m, other=0) + tl.sum(same.to(tl.int32), axis=1).to(tl.int64)
+        inst = e  # the main instance serves ordinals [0, route[e])
+        st = tl.zeros([B], dtype=tl.int64)
+        for s in range(S):  # the replica slots, in instance order
+            p = E + s
+            pe = tl.load(inst_expert_ptr + p)
+            ps = tl.load(inst_start_ptr + p)
+            pc = tl.load(route_ptr + p)
+            hit = (e == pe) & (o >= ps) & (o < ps + pc)
+            inst = tl.where(hit, p, inst)
+            st = tl.where(hit, ps, st)
+        group = tl.where(inst < E, inst % E_loc, E_loc + (inst - E) % N)
+        key = tl.load(inst_rank_ptr + inst, mask=m, other=0) * G + group
+        at = tl.load(key_start_ptr + key, mask=m, other=0) + o - st
+        pos = tl.load(recv_start_ptr + key, mask=m, other=0) + o - st
+        tl.store(order_ptr + at, a.to(tl.int64), mask=m)
+        tl.store(key_ptr + at, key, mask=m)
+        tl.store(dest_ptr + at, key // G, mask=m)
+        tl.store(pos_ptr + at, pos, mask=m)
+        tl.store(slot_ptr + at, (group >= E_loc).to(tl.int8), mask=m)
+
+
+def _pow2_above(n: int) -> int:
+    p = 1
+    while p <= n:
+        p <<= 1
+    return p
+
+
+def instance_starts(route_row: torch.Tensor, inst_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64[P]: each instance's first ordinal of its expert (planners.common.group_exclusive_cumsum of
+    the route row over the instances' experts) for the default instance order (mains p = e first, then the
+    slots): 0 for a main, the main's count plus the counts of the expert's earlier slots for a slot, 0 for
+    an empty slot. A slot x slot comparison instead of the general function's argsort."""
+    E = num_experts
+    se, sc = inst_expert[E:], route_row[E:]
+    S = se.numel()
+    earlier = torch.ones(S, S, dtype=torch.bool, device=se.device).tril(-1)  # [p, q]: q before p
+    same = (se[:, None] == se[None, :]) & earlier
+    slot_start = route_row.index_select(0, se.clamp(min=0)) + (same * sc[None, :]).sum(1)
+    return torch.cat([torch.zeros(E, dtype=route_row.dtype, device=se.device),
+                      torch.where(se >= 0, slot_start, 0)])
+
+
+def receive_starts(C: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
+    """int64[R * G]: where this rank's rows of each (destination, group) key start in the destination's
+    receive buffer (main or slot): layout.receive_positions's `start`, flattened."""
+    per_group = C.sum(0)  # [d, g]
+    start = torch.cumsum(per_group, 1) - per_group
+    main_total = per_group[:, :experts_per_rank].sum(1, keepdim=True)
+    is_slot_group = torch.arange(C.shape[2], device=C.device) >= experts_per_rank
+    start = torch.where(is_slot_group, start - main_total, start)
+    return (start + (torch.cumsum(C, 0)[rank] - C[rank])).reshape(-1)
+
+
+def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor):
+    """(send_key, order, dest, pos, is_slot) of this rank's assignments, all in send order: the same
+    tensors as `layout.send_layout(topk_idx, plan, rank)[1:]` followed by `layout.receive_positions(C, key,
+    rank, E_loc)`, with C = `layout.group_counts(plan)`. No host synchronisation; graph-capturable."""
+    if triton is None:
+        raise RuntimeError("fused_layout needs Triton (backend cuda)")
+    e = topk_idx.reshape(-1)
+    A = e.numel()
+    R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
+    E_loc, G = E // R, C.shape[2]
+    dev = e.device
+    route = plan.route[rank].contiguous()
+    inst_expert = plan.instance_expert.contiguous()
+    inst_rank = plan.instance_rank.contiguous()
+    mine = C[rank].reshape(-1)
+    # a permutation only if the plan routes exactly this rank's assignments (C1): checked on the device
+    torch._assert_async(mine.sum() == A, "fused_layout: the plan's route does not match this rank's assignments")
+    key_start = torch.cumsum(mine, 0) - mine
+    recv_start = receive_starts(C, rank, E_loc)
+    inst_start = instance_starts(route, inst_expert, E)
+    nb = triton.cdiv(A, BLOCK) if A else 0
+    order, key, dest, pos = (torch.empty(A, dtype=torch.int64, device=dev) for _ in range(4))
+    is_slot = torch.empty(A, dtype=torch.int8, device=dev)
+    if nb:
+        counts = torch.empty(E, nb, dtype=torch.int64, device=dev)
+        _block_counts_kernel[(nb,)](e, counts, A, E, nb, B=BLOCK, EB=_pow2_above(E))
+        first = torch.cumsum(counts, 1) - counts  # along the last dimension: a fast scan (the first dimension's
+        # took 49 us for [256 blocks, 128 experts] on an H200)
+        _layout_kernel[(nb,)](e, first, route, inst_expert, inst_rank, inst_start, key_start, recv_start, order, key,
+                              dest, pos, is_slot, A, E, E_loc, max(N, 1), G, nb, S=inst_expert.numel() - E, B=BLOCK)
+    return key, order, dest, pos, is_slot.view(torch.bool)
