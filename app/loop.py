@@ -237,7 +237,7 @@ def _line(step, steps, m, balanced) -> str:
         if balanced:
             s += (f" -> {m['moe/imbalance_after']:.2f} | inter-node {100 * m['moe/internode_after']:.1f} % | "
                   f"replica {100 * m['moe/replica_fraction']:.1f} % | planner {m['moe/planner_ms']:.1f} ms | "
-                  f"guard {100 * m['moe/guard_fired']:.0f} %")
+                  f"guard {100 * m['moe/guard_fired']:.0f} % (skip {100 * m['moe/slot_skip']:.0f} %)")
         else:
             s += f" | inter-node {100 * m['moe/internode_before']:.1f} %"
     return s

@@ -4,7 +4,8 @@ Each MoE layer's router is hooked to count its local assignments per expert (on 
 over micro-batches). Once per step the counts are all-gathered over the EP group into omega[R, E] per
 layer, from which the no-balancing ("before") imbalance and inter-node share follow; TopoEP layers add
 their plans' statistics ("after") and the share of their calls in which the net-benefit guard fired
-(executed the static plan). One small all-reduce brings every pipeline stage's layers to rank 0.
+(executed the static plan), and of those in which backend cuda also left the replica machinery out
+(`slot_skip`). One small all-reduce brings every pipeline stage's layers to rank 0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.topology import Topology
 
 COLUMNS = ("imbalance_before", "imbalance_after", "internode_before", "internode_after", "replica_fraction",
-           "planner_ms", "num_replicas", "guard_fired")
+           "planner_ms", "num_replicas", "guard_fired", "slot_skip")
 _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
 
@@ -65,13 +66,14 @@ class MoEStats:
             inter = (om * cross).sum() / total
             row = dict(imbalance_before=before, imbalance_after=before, internode_before=inter,
                        internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0,
-                       guard_fired=0.0)
+                       guard_fired=0.0, slot_skip=0.0)
             balancer = getattr(layer, "balancer", None)
             s, calls = balancer.pop_stats() if balancer is not None else (None, 0)
             if s is not None:  # TopoEP layer: its plans' statistics, averaged over the micro-batches
                 row.update(imbalance_after=s[_IDX["imbalance"]], internode_after=s[_IDX["internode_fraction"]],
                            replica_fraction=s[_IDX["replica_fraction"]], planner_ms=s[_IDX["planner_ms"]] * calls,
-                           num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]])
+                           num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]],
+                           slot_skip=s[_IDX["slot_skipped"]])
             stats[self.index[i]] = torch.stack([torch.as_tensor(row[c], dtype=torch.float64, device=self.device)
                                                 for c in COLUMNS])
             loads[self.index[i]] = load

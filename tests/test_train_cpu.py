@@ -55,6 +55,7 @@ def test_quickstart_trains_and_logs(runs):
     assert all(r["moe/imbalance_after"] <= r["moe/imbalance_before"] + 1e-9 for r in m)
     assert "moe/layer2/imbalance_after" in m[0] and m[0]["moe/planner_ms"] > 0
     assert all(r["moe/guard_fired"] == 0.0 for r in m) and "guard 0 %" in stdout  # trainer=cpu: guard off
+    assert all(r["moe/slot_skip"] == 0.0 for r in m)  # backend torch never leaves the replica machinery out
     assert (root / "config.yaml").read_text().count("eplb:") == 1
     assert list((root / "heatmaps").glob("expert_load_step*.png"))
     assert list((root / "wandb").glob("offline-run-*"))  # W&B offline run directory

@@ -39,6 +39,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "guard_fired",  # 1 if the net-benefit guard executed the static plan instead of the balanced one
     "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs)
     "guard_cost_ms",  # its predicted T_plan + T_transfer
+    "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
 )
 
 
@@ -210,12 +211,12 @@ class ExpertParallelMoE(nn.Module):
             wanted = saved > cost
         return plan, guard_stats, wanted
 
-    def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
+    def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
         n = len(STAT_NAMES)
         self.last_plan = plan
-        self.stats = torch.cat([stats[:n], torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device),
-                                stats[n:]])
+        host = [torch.full((1,), v, dtype=torch.float64, device=stats.device) for v in (planner_ms, float(slot_skipped))]
+        self.stats = torch.cat([stats[:n], host[0], stats[n:], host[1]])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
 
@@ -273,7 +274,8 @@ class ExpertParallelMoE(nn.Module):
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
             plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
-            self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
+            self._record(plan, stats, 1e3 * (time.perf_counter() - t0),
+                         slot_skipped=self.slot_hint is not None and not use_slots)
         order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = layout
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
                              offs_main=offs_main, offs_slot=offs_slot, n_main=n_main, n_slot=n_slot, num_tokens=T,
