@@ -186,7 +186,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
         if stats.num_moe_layers:
             m = moe.cpu()
             for j, c in enumerate(COLUMNS):
-                metrics[f"moe/{c}"] = m[:, j].sum().item() if c == "planner_ms" else m[:, j].mean().item()
+                metrics[f"moe/{c}"] = m[:, j].sum().item() if c in ("planner_ms", "slot_waits") else m[:, j].mean().item()
                 for li in range(m.shape[0]):
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
         if is_logger and step % tr.log_interval == 0:

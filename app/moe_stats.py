@@ -4,8 +4,10 @@ Each MoE layer's router is hooked to count its local assignments per expert (on 
 over micro-batches). Once per step the counts are all-gathered over the EP group into omega[R, E] per
 layer, from which the no-balancing ("before") imbalance and inter-node share follow; TopoEP layers add
 their plans' statistics ("after") and the share of their calls in which the net-benefit guard fired
-(executed the static plan), and of those in which backend cuda also left the replica machinery out
-(`slot_skip`). One small all-reduce brings every pipeline stage's layers to rank 0.
+(executed the static plan); with backend cuda also the share of calls that left the replica machinery out
+(`slot_skip`), the share that did so although their own guard wanted replicas (`slot_skip_missed`: the cost
+of deciding from the guard `skip_lag` calls earlier) and how often the host waited for that earlier decision
+(`slot_waits`, a count on the ranks that report each stage). One small all-reduce brings every pipeline stage's layers to rank 0.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.topology import Topology
 
 COLUMNS = ("imbalance_before", "imbalance_after", "internode_before", "internode_after", "replica_fraction",
-           "planner_ms", "num_replicas", "guard_fired", "slot_skip")
+           "planner_ms", "num_replicas", "guard_fired", "slot_skip", "slot_skip_missed", "slot_waits")
 _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
 
@@ -32,6 +34,7 @@ class MoEStats:
         E = self.num_experts = num_experts
         self.index = [layer.layer_number - 1 - first_k_dense for layer in layers]  # global MoE-layer index
         self.counts = torch.zeros(len(layers), E, dtype=torch.int64, device=device)
+        self._waits: dict[int, int] = {}  # layer -> its slot hint's waits at the last collect
         for i, layer in enumerate(layers):
             layer.router.register_forward_hook(self._hook(i))
 
@@ -66,14 +69,18 @@ class MoEStats:
             inter = (om * cross).sum() / total
             row = dict(imbalance_before=before, imbalance_after=before, internode_before=inter,
                        internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0,
-                       guard_fired=0.0, slot_skip=0.0)
+                       guard_fired=0.0, slot_skip=0.0, slot_skip_missed=0.0, slot_waits=0.0)
             balancer = getattr(layer, "balancer", None)
             s, calls = balancer.pop_stats() if balancer is not None else (None, 0)
             if s is not None:  # TopoEP layer: its plans' statistics, averaged over the micro-batches
                 row.update(imbalance_after=s[_IDX["imbalance"]], internode_after=s[_IDX["internode_fraction"]],
                            replica_fraction=s[_IDX["replica_fraction"]], planner_ms=s[_IDX["planner_ms"]] * calls,
                            num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]],
-                           slot_skip=s[_IDX["slot_skipped"]])
+                           slot_skip=s[_IDX["slot_skipped"]], slot_skip_missed=s[_IDX["slot_skip_missed"]])
+            hint = getattr(balancer, "slot_hint", None)
+            if hint is not None:  # host counter: the waits since the last step
+                row.update(slot_waits=float(hint.waits - self._waits.get(i, 0)))
+                self._waits[i] = hint.waits
             stats[self.index[i]] = torch.stack([torch.as_tensor(row[c], dtype=torch.float64, device=self.device)
                                                 for c in COLUMNS])
             loads[self.index[i]] = load

@@ -136,7 +136,9 @@ def _guarded_layers(rank, world):
         s = guarded.stats_dict()
         ref = run(layer("static" if name == "balanced" else "topoep", False), idx)
         out[name] = dict(fired=s["guard_fired"], replicas=s["num_replicas"], saved=s["guard_saved_ms"],
-                         cost=s["guard_cost_ms"], bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
+                         cost=s["guard_cost_ms"], wanted=s["guard_wanted"],
+                         skip=(s["slot_skipped"], s["slot_skip_missed"]),
+                         bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
     unguarded = layer("topoep", False)
     run(unguarded, workloads["skewed"])
     out["unguarded_replicas"] = unguarded.stats_dict()["num_replicas"]
@@ -155,5 +157,7 @@ def test_balanced_routing_fires_the_guard_and_skewed_routing_does_not():
         assert skew["fired"] == 0.0 and skew["replicas"] > 0 and skew["saved"] > skew["cost"]
         assert skew["bit_equal"], "guard did not fire: the layer must compute exactly what it computes unguarded"
         assert r["unguarded_replicas"] == skew["replicas"]
+        assert (bal["wanted"], skew["wanted"]) == (0.0, 1.0)  # the guard's own decision
+        assert bal["skip"] == skew["skip"] == (0.0, 0.0)  # backend torch never leaves the replicas out
         assert r["pop"] == (pytest.approx(2.0), 3)  # fired in 2 of 3 calls
     assert len({(r["skewed"]["replicas"], r["balanced"]["fired"]) for r in results}) == 1  # one decision

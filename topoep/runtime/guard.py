@@ -140,7 +140,11 @@ class SlotSkipHint:
     `lag` calls earlier. `record(wanted)` keeps this call's decision (a bool 0-d device tensor) by an
     asynchronous copy into pinned host memory. The copy of the call `lag` calls back has long finished when
     the next call reads it (the GPU would have to be `lag` whole layer calls behind the host); if it has not,
-    the host waits for it (counted in `waits`) rather than guess: every rank must take the same branch."""
+    the host waits for it (counted in `waits`) rather than guess: every rank must take the same branch.
+
+    A recomputed forward (activation checkpointing) is one more call: it may take the other branch than the
+    original forward. Megatron's reentrant recompute is fine with that (same math); torch.utils.checkpoint's
+    non-reentrant mode checks that the recomputation saves the same tensors, so use skip_lag=None with it."""
 
     def __init__(self, lag: int):
         self.lag = lag

@@ -36,10 +36,13 @@ from topoep.runtime.timing import PhaseTimer, phase
 
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
-    "guard_fired",  # 1 if the net-benefit guard executed the static plan instead of the balanced one
+    "guard_fired",  # 1 if the call executed the static plan instead of the balanced one: the guard decided so,
+    # or (backend cuda, skip_lag) the host had left the call's replica machinery out
     "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs)
     "guard_cost_ms",  # its predicted T_plan + T_transfer
+    "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
+    "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
 )
 
 
@@ -195,28 +198,29 @@ class ExpertParallelMoE(nn.Module):
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int,
                       allow: torch.Tensor | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None]:
-        """(the plan after the net-benefit guard, float64[3] guard statistics, the guard's own decision: a
+        """(the plan after the net-benefit guard, float64[4] guard statistics, the guard's own decision: a
         bool 0-d tensor, True when it wants the balanced plan; None without a guard). `allow` False (a bool
         0-d tensor) forces the static plan: the host left this call's replica machinery out."""
         N = self.num_slots
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
                      token_bytes=token_bytes, t_ffn=self.t_ffn)
-        guard_stats = torch.zeros(3, dtype=torch.float64, device=omega.device)
+        guard_stats = torch.zeros(4, dtype=torch.float64, device=omega.device)
         wanted = None
         if self.guard is not None and self.policy != "static" and N > 0:
             n = self.guard.exposed_transfers
             n = self.backend.exposed_replica_transfers if n is None else n
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow)
-            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost])
             wanted = saved > cost
+            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64)])
         return plan, guard_stats, wanted
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
         n = len(STAT_NAMES)
         self.last_plan = plan
-        host = [torch.full((1,), v, dtype=torch.float64, device=stats.device) for v in (planner_ms, float(slot_skipped))]
-        self.stats = torch.cat([stats[:n], host[0], stats[n:], host[1]])
+        planner = torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device)
+        skipped = torch.full((1,), float(slot_skipped), dtype=torch.float64, device=stats.device)
+        self.stats = torch.cat([stats[:n], planner, stats[n:], skipped, skipped * stats[-1:]])  # stats[-1]: wanted
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
 
