@@ -175,18 +175,25 @@ def receive_positions(C: torch.Tensor, send_key: torch.Tensor, rank: int, expert
     by the source's send order: the layout a grouped GEMM reads directly.
 
     Returns (dest int64[A], pos int64[A] row in the destination's buffer, is_slot bool[A])."""
-    R, _, G = C.shape
+    G = C.shape[2]
+    start = receive_starts(C, rank, experts_per_rank)
+    mine = C[rank].reshape(-1)
+    send_start = torch.cumsum(mine, 0) - mine
+    i = torch.arange(send_key.numel(), device=send_key.device)
+    pos = start[send_key] + i - send_start[send_key]
+    return send_key // G, pos, (send_key % G) >= experts_per_rank
+
+
+def receive_starts(C: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
+    """int64[R * G]: where this rank's rows of each (destination, group) key start in the destination's
+    receive buffer (main or slot; `receive_positions`' layout)."""
+    G = C.shape[2]
     per_group = C.sum(0)  # [d, g]: rows d receives in group g
     start = torch.cumsum(per_group, 1) - per_group  # group-major over all groups
     main_total = per_group[:, :experts_per_rank].sum(1, keepdim=True)
     is_slot_group = torch.arange(G, device=C.device) >= experts_per_rank
     start = torch.where(is_slot_group, start - main_total, start)  # slot groups: own buffer from row 0
-    start = start + (torch.cumsum(C, 0)[rank] - C[rank])  # rows of lower sources come first
-    mine = C[rank].reshape(-1)
-    send_start = torch.cumsum(mine, 0) - mine
-    i = torch.arange(send_key.numel(), device=send_key.device)
-    pos = start.reshape(-1)[send_key] + i - send_start[send_key]
-    return send_key // G, pos, (send_key % G) >= experts_per_rank
+    return (start + (torch.cumsum(C, 0)[rank] - C[rank])).reshape(-1)  # rows of lower sources come first
 
 
 def received_sizes(C: torch.Tensor, rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,8 @@ import os
 import torch
 
 from topoep.plan import Plan
+from topoep.runtime.layout import receive_starts
+from topoep.runtime.symm import _pow2
 
 try:
     import triton
@@ -90,13 +92,6 @@ if triton is not None:
         tl.store(slot_ptr + at, (group >= E_loc).to(tl.int8), mask=m)
 
 
-def _pow2_above(n: int) -> int:
-    p = 1
-    while p <= n:
-        p <<= 1
-    return p
-
-
 def instance_starts(route_row: torch.Tensor, inst_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64[P]: each instance's first ordinal of its expert (planners.common.group_exclusive_cumsum of
     the route row over the instances' experts) for the default instance order (mains p = e first, then the
@@ -110,17 +105,6 @@ def instance_starts(route_row: torch.Tensor, inst_expert: torch.Tensor, num_expe
     slot_start = route_row.index_select(0, se.clamp(min=0)) + (same * sc[None, :]).sum(1)
     return torch.cat([torch.zeros(E, dtype=route_row.dtype, device=se.device),
                       torch.where(se >= 0, slot_start, 0)])
-
-
-def receive_starts(C: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
-    """int64[R * G]: where this rank's rows of each (destination, group) key start in the destination's
-    receive buffer (main or slot): layout.receive_positions's `start`, flattened."""
-    per_group = C.sum(0)  # [d, g]
-    start = torch.cumsum(per_group, 1) - per_group
-    main_total = per_group[:, :experts_per_rank].sum(1, keepdim=True)
-    is_slot_group = torch.arange(C.shape[2], device=C.device) >= experts_per_rank
-    start = torch.where(is_slot_group, start - main_total, start)
-    return (start + (torch.cumsum(C, 0)[rank] - C[rank])).reshape(-1)
 
 
 def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor):
@@ -148,7 +132,7 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
     is_slot = torch.empty(A, dtype=torch.int8, device=dev)
     if nb:
         counts = torch.empty(E, nb, dtype=torch.int64, device=dev)
-        _block_counts_kernel[(nb,)](e, counts, A, E, nb, B=BLOCK, EB=_pow2_above(E))
+        _block_counts_kernel[(nb,)](e, counts, A, E, nb, B=BLOCK, EB=_pow2(E + 1))
         first = torch.cumsum(counts, 1) - counts  # along the last dimension: a fast scan (the first dimension's
         # took 49 us for [256 blocks, 128 experts] on an H200)
         _layout_kernel[(nb,)](e, first, route, inst_expert, inst_rank, inst_start, key_start, recv_start, order, key,
