@@ -1,14 +1,17 @@
 """Run by tests/test_cuda_layout.py in a subprocess with TRITON_INTERPRET=1 (Triton's interpreter runs the
 kernels on CPU tensors; it must be set before triton is imported): `layout_triton.fused_layout` against
 the torch reference (`layout.send_layout` + `layout.receive_positions`) on random plans, bit for bit.
-Prints one line per case and exits 1 on the first difference. tests/test_cuda_backend_gpu.py calls
-main("cuda") for the same check on the GPU (compiled kernels)."""
+Prints one line per case and exits 1 on the first difference; last, on the CPU only, a plan that routes
+one assignment to the wrong expert must be rejected. tests/test_cuda_backend_gpu.py calls main("cuda") for
+the same comparisons on the GPU (compiled kernels)."""
 
+import random
 import sys
 
 import torch
 
-from topoep import Topology, solve
+from topoep import Plan, Topology, solve
+from topoep.plan import default_main_rank
 from topoep.runtime.layout import group_counts, receive_positions, send_layout
 from topoep.runtime.layout_triton import BLOCK, fused_layout
 from topoep.workloads import biased_topk
@@ -26,6 +29,57 @@ def cases():
     yield 4, 2, 16, 2, 0, 2, 0.0, "topoep"  # no assignments
 
 
+def hand_plan(R: int, E: int, N: int, T: int, k: int, seed: int, zero_main: bool):
+    """(routing per rank, a valid plan no planner makes): expert 0 is in most tokens and fills most slots,
+    some ranks hold it twice; every (source, expert) count is split at random over the expert's instances,
+    with the main instance's share 0 when `zero_main`."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    idx = []
+    for _ in range(R):
+        rows = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        hot = (rows == 0).any(1)
+        rows[~hot, 0] = 0  # expert 0 in every token
+        idx.append(rows)
+    omega = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idx])
+    slot_expert = torch.tensor([[0 if rnd.random() < 0.6 else rnd.randrange(E) if rnd.random() < 0.8 else -1
+                                 for _ in range(N)] for _ in range(R)], dtype=torch.int64)
+    inst_expert = torch.cat([torch.arange(E), slot_expert.reshape(-1)])
+    route = torch.zeros(R, E + R * N, dtype=torch.int64)
+    for s in range(R):
+        for x in range(E):
+            insts = [x] + [p for p in range(E, E + R * N) if int(inst_expert[p]) == x]
+            n = int(omega[s, x])
+            cuts = sorted(rnd.randint(0, n) for _ in range(len(insts) - 1))
+            parts = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+            if zero_main and len(insts) > 1:
+                parts[1] += parts[0]
+                parts[0] = 0
+            route[s, insts] = torch.tensor(parts)
+    plan = Plan(omega=omega, topology=Topology(num_domains=1, ranks_per_domain=R), num_slots=N,
+                main_rank=default_main_rank(E, R), slot_expert=slot_expert, route=route, policy="hand",
+                expert_bytes=1, token_bytes=1)
+    return idx, plan
+
+
+def compare(n: int, label: str, idx, plan, device: str) -> bool:
+    """fused_layout against the torch layout on every rank of one plan; prints one line."""
+    idx = [i.to(device) for i in idx]
+    C = group_counts(plan)
+    for rank in range(plan.num_ranks):
+        _, key_ref, order_ref = send_layout(idx[rank], plan, rank)
+        dest_ref, pos_ref, slot_ref = receive_positions(C, key_ref, rank, plan.num_experts // plan.num_ranks)
+        got = fused_layout(idx[rank], plan, rank, C)
+        for name, g, r in zip(("key", "order", "dest", "pos", "is_slot"), got,
+                              (key_ref, order_ref, dest_ref, pos_ref, slot_ref)):
+            if not (g.dtype == r.dtype and torch.equal(g, r)):
+                print(f"case {n} ({label}) rank {rank}: {name} differs ({g.dtype} vs {r.dtype})\n"
+                      f"  got {g.tolist()[:40]}\n  ref {r.tolist()[:40]}")
+                return False
+    print(f"case {n}: {label}: equal on every rank ({int(plan.slot_expert.ge(0).sum())} replicas)")
+    return True
+
+
 def main(device: str = "cpu") -> int:
     for n, (R, rpd, E, N, T, k, skew, policy) in enumerate(cases()):
         topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
@@ -35,21 +89,32 @@ def main(device: str = "cpu") -> int:
         omega = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idx])
         idx = [i.to(device) for i in idx]
         plan = solve(omega.to(device), topo, num_slots=N, policy=policy, expert_bytes=1000, token_bytes=10)
-        C = group_counts(plan)
-        for rank in range(R):
-            _, key_ref, order_ref = send_layout(idx[rank], plan, rank)
-            dest_ref, pos_ref, slot_ref = receive_positions(C, key_ref, rank, E // R)
-            got = fused_layout(idx[rank], plan, rank, C)
-            for name, g, r in zip(("key", "order", "dest", "pos", "is_slot"), got,
-                                  (key_ref, order_ref, dest_ref, pos_ref, slot_ref)):
-                if not (g.dtype == r.dtype and torch.equal(g, r)):
-                    print(f"case {n} (R={R} E={E} N={N} T={T} k={k} {policy}) rank {rank}: {name} differs "
-                          f"({g.dtype} vs {r.dtype})\n"
-                          f"  got {g.tolist()[:40]}\n  ref {r.tolist()[:40]}")
-                    return 1
-        print(f"case {n}: R={R} E={E} N={N} T={T} k={k} {policy}: equal on every rank "
-              f"({int(plan.slot_expert.ge(0).sum())} replicas)")
-    return 0
+        if not compare(n, f"R={R} E={E} N={N} T={T} k={k} {policy}", idx, plan, device):
+            return 1
+    # hand-made plans: one expert in many slots (twice on some ranks), main instances that serve nothing
+    for n, (R, E, N, T, k, zero_main) in enumerate([(8, 16, 4, 100, 2, False), (8, 16, 4, 101, 3, True),
+                                                    (32, 64, 2, 33, 3, False), (4, 8, 2, 257, 1, True)], n + 1):
+        idx, plan = hand_plan(R, E, N, T, k, seed=n, zero_main=zero_main)
+        plan = Plan(omega=plan.omega.to(device), topology=plan.topology, num_slots=N,
+                    main_rank=plan.main_rank.to(device), slot_expert=plan.slot_expert.to(device),
+                    route=plan.route.to(device), policy="hand", expert_bytes=1, token_bytes=1)
+        if not compare(n, f"hand-made R={R} E={E} N={N} T={T} k={k} zero_main={zero_main}", idx, plan, device):
+            return 1
+    if device != "cpu":  # a failed device-side assert would leave the process's CUDA context unusable
+        return 0
+    # a plan that routes the right total but moves one assignment from expert 1 to expert 2: rejected
+    route = plan.route.clone()
+    route[0, 1] -= 1
+    route[0, 2] += 1
+    bad = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
+               slot_expert=plan.slot_expert, route=route, policy="hand", expert_bytes=1, token_bytes=1)
+    try:
+        fused_layout(idx[0], bad, 0, group_counts(bad))
+    except RuntimeError as err:
+        print(f"case {n + 1}: a route that moves one assignment between experts: rejected ({str(err)[:60]})")
+        return 0
+    print(f"case {n + 1}: a route that moves one assignment between experts was NOT rejected")
+    return 1
 
 
 if __name__ == "__main__":

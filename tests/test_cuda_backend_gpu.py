@@ -254,7 +254,8 @@ def _slot_skip(rank, world):
                 replicas.append(layer.stats_dict()["replica_fraction"])
     same = [all(torch.equal(a, b) for a, b in zip(out["fires"][c], out["static"][c])) for c in range(4)]
     fired = layers["fires"].stats_dict()["guard_fired"]
-    logged = (layers["fires"].stats_dict()["slot_skipped"], layers["never"].stats_dict()["slot_skipped"])
+    f, n = layers["fires"].stats_dict(), layers["never"].stats_dict()
+    logged = (f["slot_skipped"], n["slot_skipped"], f["guard_wanted"], f["slot_skip_missed"])
     return same, fired, layers["fires"].slot_hint.skipped, layers["never"].slot_hint.skipped, replicas, logged
 
 
@@ -263,6 +264,7 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
         assert all(same), same
         assert fired == 1.0 and skipped == 2  # calls 3 and 4 of lag 2
         assert logged[0] == 1.0  # the last call's statistics say it skipped (moe/slot_skip in the trainer)
+        assert logged[2:] == (0.0, 0.0)  # and that its guard did not want replicas: nothing missed
         if RPD > 1:  # across domains of 1 rank topoep finds no replica worth it, and then wants none
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 

@@ -34,11 +34,10 @@ KERNELS = {
                              dict(CHUNK=S.COPY_CHUNK)),
     # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
     "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, A=I32, E=I32, nb=I32), dict(B=LT.BLOCK, EB=256)),
-    "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_expert_ptr=I64, inst_rank_ptr=I64,
-                            inst_start_ptr=I64, key_start_ptr=I64, recv_start_ptr=I64, order_ptr=I64, key_ptr=I64,
-                            dest_ptr=I64, pos_ptr=I64, slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32,
-                            nb=I32),
-                       dict(S=16, B=LT.BLOCK)),
+    "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_rank_ptr=I64, inst_start_ptr=I64,
+                            rep_first_ptr=I64, rep_count_ptr=I64, rep_list_ptr=I64, key_start_ptr=I64,
+                            recv_start_ptr=I64, order_ptr=I64, key_ptr=I64, dest_ptr=I64, pos_ptr=I64,
+                            slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32, nb=I32), dict(B=LT.BLOCK)),
 }
 MODULES = (S, LT)
 

@@ -12,8 +12,9 @@ ordinal (layout.send_layout's docstring). The kernels:
 1. `_block_counts_kernel`: per block of B assignments, how many of each expert it holds
    (torch: the exclusive sum of those over blocks: each block's first ordinal of every expert);
 2. `_layout_kernel`: per block, each assignment's ordinal (the block's offset plus the earlier
-   assignments of the same expert inside the block, from a B x B comparison), its instance, its key, and
-   its send position; it writes order, key, destination, receive position and is_slot at that position.
+   assignments of the same expert inside the block, from a B x B comparison), its instance (among its
+   expert's replicas only: a per-expert list), its key, and its send position; it writes order, key,
+   destination, receive position and is_slot at that position.
 
 `fused_layout` prepares the small per-instance and per-key tables with torch and launches both. The torch
 functions in layout.py stay the reference (and the CPU path); tests/layout_triton_check.py compares the
@@ -56,13 +57,16 @@ if triton is not None:
         tl.store(counts_ptr + x.to(tl.int64) * nb + b, h.to(tl.int64), mask=x < E)
 
     @triton.jit
-    def _layout_kernel(e_ptr, first_ptr, route_ptr, inst_expert_ptr, inst_rank_ptr, inst_start_ptr, key_start_ptr,
-                       recv_start_ptr, order_ptr, key_ptr, dest_ptr, pos_ptr, slot_ptr, A, E, E_loc, N, G, nb,
-                       S: tl.constexpr, B: tl.constexpr):
+    def _layout_kernel(e_ptr, first_ptr, route_ptr, inst_rank_ptr, inst_start_ptr, rep_first_ptr, rep_count_ptr,
+                       rep_list_ptr, key_start_ptr, recv_start_ptr, order_ptr, key_ptr, dest_ptr, pos_ptr, slot_ptr,
+                       A, E, E_loc, N, G, nb, B: tl.constexpr):
         """The send position of each assignment of block b, and what goes there (module docstring).
         first[x, b]: the ordinal of block b's first assignment of expert x; route: this rank's row of the
-        plan's route [E + S] (S: the replica slots of all ranks); inst_start: each instance's first ordinal; key_start / recv_start [R * G]:
-        where each (destination, group) key starts in the send order / in the destination's buffer."""
+        plan's route [P]; inst_start [P]: each instance's first ordinal; rep_list[rep_first[x] + j], j <
+        rep_count[x]: expert x's replica instances in slot order; key_start / recv_start [R * G]: where each
+        (destination, group) key starts in the send order / in the destination's buffer. A position outside
+        [0, A) (only a plan that does not route this rank's assignments, which fused_layout asserts against)
+        is not written."""
         b = tl.program_id(0)
         i = tl.arange(0, B)
         a = b * B + i
@@ -73,38 +77,55 @@ if triton is not None:
         o = tl.load(first_ptr + e * nb + b, mask=m, other=0) + tl.sum(same.to(tl.int32), axis=1).to(tl.int64)
         inst = e  # the main instance serves ordinals [0, route[e])
         st = tl.zeros([B], dtype=tl.int64)
-        for s in range(S):  # the replica slots, in instance order
-            p = E + s
-            pe = tl.load(inst_expert_ptr + p)
-            ps = tl.load(inst_start_ptr + p)
-            pc = tl.load(route_ptr + p)
-            hit = (e == pe) & (o >= ps) & (o < ps + pc)
+        rn = tl.load(rep_count_ptr + e, mask=m, other=0)
+        rf = tl.load(rep_first_ptr + e, mask=m, other=0)
+        n_max = tl.max(rn, axis=0)
+        j = 0
+        while j < n_max:  # the replicas of each lane's expert (a while loop: Triton's interpreter runs it too)
+            v = m & (j < rn)
+            p = tl.load(rep_list_ptr + rf + j, mask=v, other=0)
+            ps = tl.load(inst_start_ptr + p, mask=v, other=0)
+            pc = tl.load(route_ptr + p, mask=v, other=0)
+            hit = v & (o >= ps) & (o < ps + pc)
             inst = tl.where(hit, p, inst)
             st = tl.where(hit, ps, st)
+            j += 1
         group = tl.where(inst < E, inst % E_loc, E_loc + (inst - E) % N)
         key = tl.load(inst_rank_ptr + inst, mask=m, other=0) * G + group
         at = tl.load(key_start_ptr + key, mask=m, other=0) + o - st
         pos = tl.load(recv_start_ptr + key, mask=m, other=0) + o - st
-        tl.store(order_ptr + at, a.to(tl.int64), mask=m)
-        tl.store(key_ptr + at, key, mask=m)
-        tl.store(dest_ptr + at, key // G, mask=m)
-        tl.store(pos_ptr + at, pos, mask=m)
-        tl.store(slot_ptr + at, (group >= E_loc).to(tl.int8), mask=m)
+        ok = m & (at >= 0) & (at < A)
+        tl.store(order_ptr + at, a.to(tl.int64), mask=ok)
+        tl.store(key_ptr + at, key, mask=ok)
+        tl.store(dest_ptr + at, key // G, mask=ok)
+        tl.store(pos_ptr + at, pos, mask=ok)
+        tl.store(slot_ptr + at, (group >= E_loc).to(tl.int8), mask=ok)
 
 
-def instance_starts(route_row: torch.Tensor, inst_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64[P]: each instance's first ordinal of its expert (planners.common.group_exclusive_cumsum of
-    the route row over the instances' experts) for the default instance order (mains p = e first, then the
-    slots): 0 for a main, the main's count plus the counts of the expert's earlier slots for a slot, 0 for
-    an empty slot. A slot x slot comparison instead of the general function's argsort."""
+def instance_tables(route_row: torch.Tensor, inst_expert: torch.Tensor, num_experts: int):
+    """(inst_start int64[P], rep_first int64[E], rep_count int64[E], rep_list int64[S + 1]) for the default
+    instance order (mains p = e first, then the S replica slots of all ranks):
+
+    inst_start: each instance's first ordinal of its expert (planners.common.group_exclusive_cumsum of the
+    route row over the instances' experts): 0 for a main, the main's count plus the counts of the expert's
+    earlier slots for a slot, 0 for an empty slot; rep_list[rep_first[x] + j] for j < rep_count[x]: the
+    replica instances of expert x in slot order. Slot x slot comparisons instead of argsorts."""
     E = num_experts
     se, sc = inst_expert[E:], route_row[E:]
     S = se.numel()
-    earlier = torch.ones(S, S, dtype=torch.bool, device=se.device).tril(-1)  # [p, q]: q before p
+    dev = se.device
+    valid = se >= 0
+    e_of = se.clamp(min=0)
+    earlier = torch.ones(S, S, dtype=torch.bool, device=dev).tril(-1)  # [p, q]: q before p
     same = (se[:, None] == se[None, :]) & earlier
-    slot_start = route_row.index_select(0, se.clamp(min=0)) + (same * sc[None, :]).sum(1)
-    return torch.cat([torch.zeros(E, dtype=route_row.dtype, device=se.device),
-                      torch.where(se >= 0, slot_start, 0)])
+    slot_start = route_row.index_select(0, e_of) + (same * sc[None, :]).sum(1)
+    inst_start = torch.cat([torch.zeros(E, dtype=route_row.dtype, device=dev), torch.where(valid, slot_start, 0)])
+    rep_count = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, e_of, valid.long())
+    rep_first = torch.cumsum(rep_count, 0) - rep_count
+    at = torch.where(valid, rep_first.index_select(0, e_of) + same.sum(1), S)  # empty slots: the spare entry S
+    rep_list = torch.zeros(S + 1, dtype=torch.int64, device=dev).index_put_(
+        (at,), E + torch.arange(S, device=dev))
+    return inst_start, rep_first, rep_count, rep_list
 
 
 def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor):
@@ -122,19 +143,25 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
     inst_expert = plan.instance_expert.contiguous()
     inst_rank = plan.instance_rank.contiguous()
     mine = C[rank].reshape(-1)
-    # a permutation only if the plan routes exactly this rank's assignments (C1): checked on the device
-    torch._assert_async(mine.sum() == A, "fused_layout: the plan's route does not match this rank's assignments")
     key_start = torch.cumsum(mine, 0) - mine
     recv_start = receive_starts(C, rank, E_loc)
-    inst_start = instance_starts(route, inst_expert, E)
+    inst_start, rep_first, rep_count, rep_list = instance_tables(route, inst_expert, E)
     nb = triton.cdiv(A, BLOCK) if A else 0
     order, key, dest, pos = (torch.empty(A, dtype=torch.int64, device=dev) for _ in range(4))
     is_slot = torch.empty(A, dtype=torch.int8, device=dev)
+    total = torch.zeros(E, dtype=torch.int64, device=dev)  # this rank's assignments of each expert
     if nb:
         counts = torch.empty(E, nb, dtype=torch.int64, device=dev)
         _block_counts_kernel[(nb,)](e, counts, A, E, nb, B=BLOCK, EB=_pow2(E + 1))
-        first = torch.cumsum(counts, 1) - counts  # along the last dimension: a fast scan (the first dimension's
-        # took 49 us for [256 blocks, 128 experts] on an H200)
-        _layout_kernel[(nb,)](e, first, route, inst_expert, inst_rank, inst_start, key_start, recv_start, order, key,
-                              dest, pos, is_slot, A, E, E_loc, max(N, 1), G, nb, S=inst_expert.numel() - E, B=BLOCK)
+        csum = torch.cumsum(counts, 1)  # along the last dimension: a fast scan (the first dimension's took 49 us
+        # for [256 blocks, 128 experts] on an H200)
+        first, total = csum - counts, csum[:, -1]
+        _layout_kernel[(nb,)](e, first, route, inst_rank, inst_start, rep_first, rep_count, rep_list, key_start,
+                              recv_start, order, key, dest, pos, is_slot, A, E, E_loc, max(N, 1), G, nb, B=BLOCK)
+    # the positions are a permutation only if the plan routes exactly this rank's assignments of every expert
+    # (C1): checked on the device (the kernel leaves out positions outside [0, A) rather than write there)
+    routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(
+        0, inst_expert.clamp(min=0), torch.where(inst_expert >= 0, route, 0))
+    torch._assert_async((routed == total).all(), "fused_layout: the plan's route does not match this rank's "
+                        "assignments of every expert")
     return key, order, dest, pos, is_slot.view(torch.bool)
