@@ -311,6 +311,10 @@ def parse_args(argv):
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
     ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
                     help="backend cuda's data movement: peer pointers (one host) or NVSHMEM all-to-alls (a2a)")
+    ap.add_argument("--reload", choices=["auto", "always"], default="auto",
+                    help="backend cuda's replica reload in backward: auto leaves it out when the slots still hold "
+                         "the layer's replicas (a lone layer, the last of a model); always reloads, as every MoE "
+                         "layer but the last of a deeper model does (TOPOEP_RELOAD_ALWAYS=1)")
     ap.add_argument("--ranks-per-domain", type=int, default=None, help="virtual NVLink domain size (default: all)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 20; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up iterations per case (default 3; tiny 1)")
@@ -334,6 +338,10 @@ def parse_args(argv):
                          f"({args.profile_iters}) >= 0")
     if args.slots < 0:
         raise ValueError(f"--slots must be >= 0, got {args.slots}")
+    if args.reload == "always":
+        from topoep.runtime import cuda_function
+
+        cuda_function.RELOAD_ALWAYS = True
     args.hidden, args.ffn, args.topk = shape["hidden"], shape["ffn"], shape["topk"]
     args.tokens = args.tokens or shape["tokens"]
     if args.backends is None:
@@ -498,6 +506,15 @@ def _f(v, fmt="{:.2f}"):
     return "-" if v is None else fmt.format(v)
 
 
+def _reload_text(args) -> str:
+    from topoep.runtime import cuda_function
+
+    if cuda_function.RELOAD_ALWAYS:
+        return "always (as every MoE layer but the last of a model with several)"
+    return ("auto: left out, the lone layer's replicas are still in the slots in backward (as for a model's last "
+            "MoE layer; `--reload always` shows the others)")
+
+
 def report(args, rows, world, topo, dtype, experts_module) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                     | {"world": world, "topology": repr(topo), "dtype": str(dtype), "megatron_experts": experts_module})
@@ -516,7 +533,7 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
         f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
-        f"routing seed {args.seed}; megatron experts: "
+        f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; megatron experts: "
         f"{experts_module or 'not run'}",
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
         "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "

@@ -101,14 +101,17 @@ def _replicas_and_gradients(rank, world, policy):
             assert torch.equal(pool.fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
             assert torch.equal(pool.fc2[j], torch.full((H, F), -float(e)))
             filled += 1
-    # gradients: slot j of rank s holds (s + 1) * 10 + j; the main rank sums them per expert
+    # gradients: slot j of rank s has (s + 1) * 10 + j; the main rank sums them per expert
+    s1, s2 = torch.empty_like(pool.fc1), torch.empty_like(pool.fc2)
     for j in range(N):
-        pool.fc1[j].fill_((rank + 1) * 10 + j)
-        pool.fc2[j].fill_(-((rank + 1) * 10 + j))
+        s1[j].fill_((rank + 1) * 10 + j)
+        s2[j].fill_(-((rank + 1) * 10 + j))
+    slots_before = pool.fc1.clone(), pool.fc2.clone()
     # every expert starts from its own gradient, so a row written to the wrong expert shows
     base = torch.arange(E_LOC, dtype=torch.float32) * 1000 + 1
     g1, g2 = base[:, None, None].expand(E_LOC, 2 * F, H).clone(), -base[:, None, None].expand(E_LOC, H, F).clone()
-    pool.return_grads(se, g1, g2, E_LOC)
+    pool.return_grads(se, g1, g2, E_LOC, src=(s1, s2))
+    assert torch.equal(pool.fc1, slots_before[0]) and torch.equal(pool.fc2, slots_before[1])  # weights kept
     for i in range(E_LOC):
         want = sum((s + 1) * 10 + j for s in range(world) for j in range(N) if int(se[s, j]) == e0 + i)
         assert torch.equal(g1[i], torch.full((2 * F, H), float(base[i]) + want))

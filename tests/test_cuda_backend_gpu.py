@@ -7,7 +7,9 @@
   calls each (eager, metadata-graph capture, replay; policies without a GPU planner stay eager) give the
   same output;
 - forward and backward under torch.cuda.set_sync_debug_mode("error") (no host synchronisation);
-- the forward captured in a CUDA graph and replayed with new routing.
+- the forward captured in a CUDA graph and replayed with new routing;
+- two layers sharing the replica slots: the earlier one reloads its replicas in backward, the later one
+  (whose replicas are still there) does not.
 
 The EP size is TOPOEP_GPU_WORLD (default 2) and the (virtual) domain size TOPOEP_GPU_RPD (default: all ranks
 in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
@@ -215,6 +217,64 @@ def test_layer_matches_torch_backend_within_bf16_error(num_slots):
             assert any(out[(p, "cuda")][1] > 0 for p in policies)
             if RPD > 1:
                 assert out[("topoep", "cuda")][1] > 0
+
+
+def _two_layers(rank, world):
+    """Two layers share the replica slots: forward A, forward B, then backward (B first, then A). B's backward
+    finds its replicas still in the slots and leaves the reload out; A's must reload (B's replicas and weights
+    are in the slots). Both against backend torch and the fp64 reference, as in _layer_errors."""
+    from topoep import ExpertParallelMoE
+
+    dev = _setup(rank)
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    policy = "topoep" if RPD > 1 else "flexmoe"  # across domains of 1 rank topoep and deepseek place no replica
+    weights, data, refs = [], [], []
+    for seed in (7, 8):  # layer A, layer B: other weights, other routing, so other replicas
+        g = torch.Generator().manual_seed(seed)
+        fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+        d = _routing(world, 30 + seed, 3.0, dev)
+        r = [_dense(x, idx, w, fc1, fc2, gy) for x, idx, w, gy in d]
+        weights.append((fc1, fc2))
+        data.append(tuple(t.to(dev) for t in d[rank]))
+        refs.append(r[rank][:2] + [sum(q[3] for q in r), sum(q[4] for q in r)])
+    out = {}
+    for backend in ("torch", "cuda"):
+        layers = []
+        for fc1, fc2 in weights:
+            layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
+                                      num_slots=2, policy=policy, backend=backend, dtype=torch.bfloat16, device=dev,
+                                      guard=False, transport=TRANSPORT if backend == "cuda" else "peer")
+            with torch.no_grad():
+                layer.fc1.copy_(fc1[lo:hi])
+                layer.fc2.copy_(fc2[lo:hi])
+            layers.append(layer)
+        losses, xs = [], []
+        for layer, (x, idx, w, gy) in zip(layers, data):
+            xr = x.to(torch.bfloat16).requires_grad_()
+            losses.append((layer(xr, idx, w.to(torch.bfloat16)) * gy.to(torch.bfloat16)).sum())
+            xs.append(xr)
+        losses[1].backward()  # B, then A: the order of a model's backward
+        losses[0].backward()
+        errs = []
+        for layer, xr, ref in zip(layers, xs, refs):
+            got = [xr.grad, layer.fc1.grad, layer.fc2.grad]
+            errs += [float((a.double().cpu() - (b if i == 0 else b[lo:hi])).abs().max())
+                     for i, (a, b) in enumerate(zip(got, ref[1:]))]
+        reps = [layer.stats_dict()["replica_fraction"] for layer in layers]
+        pool = layers[0].pool if backend == "cuda" else None
+        out[backend] = (errs, reps, (pool.fills, pool.reloads_skipped) if pool is not None else None)
+    return out
+
+
+def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
+    for out in run_ranks(_two_layers, WORLD, backend="nccl"):
+        (errs_t, reps_t, _), (errs_c, reps_c, counts) = out["torch"], out["cuda"]
+        assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # both layers use replicas
+        assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
+        names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "fc1", "fc2")]
+        for name, ec, et in zip(names, errs_c, errs_t):
+            assert ec <= 2 * et + 1e-6, f"{name}: error {ec:.3g} > 2 x torch's {et:.3g}"
 
 
 def _slot_skip(rank, world):

@@ -1,5 +1,5 @@
-"""tools/trace_summary.py on a synthetic Chrome trace: counts per call, barrier waits, and the main stream's
-wait for a side-stream branch."""
+"""tools/trace_summary.py on a synthetic Chrome trace: counts per call, barrier waits, the main stream's
+wait for a side-stream branch, and its idle time."""
 
 import gzip
 import json
@@ -31,6 +31,8 @@ def test_summary_and_diff(tmp_path):
     assert "4 GPU ops/call" in s and "busy 380 us/call" in s
     assert "1.0 barriers/call waiting 30 us/call" in s and "1 host runtime calls/call" in s
     assert "main stream waited 170 us" in s
+    # main stream: from 0 to 10352 us, kernels of its own for 2 x 180 us of it
+    assert "span 5176 us/call, idle 4996 us/call" in s
     b = tmp_path / "b.json"
     b.write_text(json.dumps({"traceEvents": ev + [_k("extra", 50_000, 40, 7)]}))
     d = trace_summary.diff(a, b, calls)

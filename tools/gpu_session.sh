@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -65,6 +65,15 @@ ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens p
         --tokens 4096 --profile-iters 0 "$@" 2>&1 | grep -E "^  [0-9]|Error|error" | sed "s/^/$var=$v rep=$rep /"
     done
   done
+}
+
+step_reload_ab() {  # what the backward reload costs: a lone layer leaves it out (auto, =0), an earlier layer of a
+  # deeper model reloads (=1); 8 slots
+  ab_layer TOPOEP_RELOAD_ALWAYS moe_layer_reload_always 8 --skews 0 -4 --layouts concentrated
+}
+
+step_return_ab() {  # the replica gradient return on the layer's stream (=0) or beside the main weight gradients (=1)
+  ab_layer TOPOEP_RETURN_SIDE_STREAM moe_layer_return_side 8 --skews 0 -4 --layouts concentrated
 }
 
 step_fetch_ab() {  # what the side-stream replica fetch saves: 8 slots, fetch on the layer's stream or the side stream

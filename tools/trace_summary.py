@@ -67,7 +67,10 @@ def summary(path: Path, calls: int) -> str:
     bar = [e for e in ks if "barrier" in e["name"]]
     runtime = [e for e in ev if e.get("cat") == "cuda_runtime"]
     br = side_branches(ks, main)
+    span, idle = main_idle(ks, main)
     lines = [f"{path.name}: {len(ks) / calls:.0f} GPU ops/call, busy {busy / calls:.0f} us/call, "
+             f"main stream: span {span / calls:.0f} us/call, idle {idle / calls:.0f} us/call (no kernel of its own "
+             "running: waiting for the host, a peer or a side stream), "
              f"{len(bar) / calls:.1f} barriers/call waiting {sum(e['dur'] for e in bar) / calls:.0f} us/call, "
              f"{len(runtime) / calls:.0f} host runtime calls/call"]
     if br:
@@ -76,6 +79,21 @@ def summary(path: Path, calls: int) -> str:
                      f"kernels over {sum(b['span_us'] for b in br) / n:.0f} us; the main stream waited "
                      f"{sum(b['main_wait_us'] for b in br) / n:.0f} us for each")
     return "\n".join(lines)
+
+
+def main_idle(ks: list[dict], main) -> tuple[float, float]:
+    """(span from the main stream's first kernel start to its last kernel end, the part of it in which no kernel
+    of the main stream ran), us."""
+    m = [e for e in ks if e["args"].get("stream") == main]
+    if not m:
+        return 0.0, 0.0
+    start, covered, end = m[0]["ts"], 0.0, m[0]["ts"]
+    for e in m:  # sorted by start: the union of the intervals
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if t > end:
+            covered += t - max(s, end)
+            end = t
+    return end - start, end - start - covered
 
 
 def _short(name: str) -> str:

@@ -255,6 +255,8 @@ class A2AReplicaPool:
         H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
         self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
         self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
+        # which fill of the slots they hold, host counters (cuda_function.start_fetch)
+        self.fills, self.filled, self.reloads_skipped = 0, None, 0
         step = 8 * ex.blocks_per_peer  # a weight row's length: whole 8-element pieces for every block of the op
         cols = [-(-w[0].numel() // step) * step for w in (self.fc1, self.fc2)]
         self._bufs = [dict(send=ex.buffer((RN, c), dtype), recv=ex.buffer((N, c), dtype),
@@ -297,9 +299,11 @@ class A2AReplicaPool:
             self.exchange.all_to_all(b["send"], b["recv"], splits)
             slots.view(N, -1).copy_(b["recv"][:, :n].index_select(0, row_of))
 
-    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
-        """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
-        grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F], summed in (source rank, slot) order in fp32."""
+    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
+                     src: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The slots' weight gradients src = (fc1 grads [N, 2F, H], fc2 grads [N, H, F]) go to their expert's
+        main rank, which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F], summed in (source rank, slot)
+        order in fp32. The slots keep their weights."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
         se_me = se.view(R, N)[me]
@@ -324,7 +328,7 @@ class A2AReplicaPool:
         M = ((tk[None, :] == L[:, None]) & (tk[None, :] < e_loc)).to(torch.float32)  # [R N targets, R N rows]
         rows = L.clamp(max=e_loc - 1)
         arrived = (f < owned.sum())[:, None]
-        for slots, grad, b in ((self.fc1, grad1, self._bufs[0]), (self.fc2, grad2, self._bufs[1])):
+        for slots, grad, b in ((src[0], grad1, self._bufs[0]), (src[1], grad2, self._bufs[1])):
             n = slots[0].numel()
             b["gsend"][:, :n].copy_(slots.reshape(N, -1).index_select(0, send_order))
             self.exchange.all_to_all(b["gsend"], b["grecv"], splits)

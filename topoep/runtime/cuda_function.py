@@ -50,6 +50,7 @@ class CudaLayerCall:
     top_k: int
     experts_per_rank: int
     timer: PhaseTimer | None = None
+    fill: int = -1  # which fill of the pool holds this call's replicas (start_fetch)
 
 
 def stack_experts(ws: list[torch.Tensor]) -> torch.Tensor:
@@ -79,16 +80,23 @@ def grouped_swiglu_dgrad(gy, h, w1, w2, offs, n):
     return torch._grouped_mm(gh, w1, offs=offs), gh
 
 
-def grouped_swiglu_wgrad(x, h, gy, gh, offs, n, o1, o2):
-    """Accumulates the weight gradients of every group into o1 [G, 2F, H], o2 [G, H, F]."""
-    o2 += torch._grouped_mm(gy.t(), swiglu_act(h, n), offs=offs)
-    o1 += torch._grouped_mm(gh.t(), x, offs=offs)
+def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
+    """The weight gradients of every group, (g1 [G, 2F, H], g2 [G, H, F]), written once by the GEMMs (no
+    zero fill, no accumulation pass); a group with no rows gets zeros."""
+    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), swiglu_act(h, n), offs=offs)
 
 
 _SIDE_STREAMS: dict = {}
 # TOPOEP_FETCH_SIDE_STREAM=1 runs the replica fetch on a side stream beside the dispatch. Off by default: on
 # 2 x H200 it saved nothing measurable and was up to 7 % slower (results/moe_layer_fetch_ab.md)
 SIDE_STREAM_FETCH = os.environ.get("TOPOEP_FETCH_SIDE_STREAM", "0") == "1"
+# TOPOEP_RETURN_SIDE_STREAM=0 pushes the replica gradients on the layer's stream after the main experts' weight
+# gradients instead of on a side stream beside them (peer transport only)
+SIDE_STREAM_RETURN = os.environ.get("TOPOEP_RETURN_SIDE_STREAM", "1") == "1"
+# TOPOEP_RELOAD_ALWAYS=1 reloads the replicas in backward even when the slots still hold them (what every
+# MoE layer but the last does in a model with several of them): benchmarks of a single layer use it to
+# show what such a layer costs
+RELOAD_ALWAYS = os.environ.get("TOPOEP_RELOAD_ALWAYS", "0") == "1"
 
 
 def side_stream(device) -> torch.cuda.Stream:
@@ -99,15 +107,32 @@ def side_stream(device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, tm: PhaseTimer | None):
+def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
     """Fill the replica slots for this call. With TOPOEP_FETCH_SIDE_STREAM=1, a pool that allows it
     (`async_fetch`: the peer-pointer pool, whose pushes need no collective of their own) and no timer, the
     pushes run on a side stream and overlap the dispatch; returns the event the dispatch waits for before its
     publishing barrier. Otherwise (the default; a timer serialises the phases; the a2a pool's all-to-alls must
     keep their order with the dispatch's) the fetch runs here and None is returned; without a pool (no
-    slots, or policy static) there is nothing to fetch."""
+    slots, or policy static) there is nothing to fetch.
+
+    The pool remembers which fetch filled it last (`pool.filled`, a host counter: every rank issues the same
+    calls in the same order, so every rank decides alike). A backward `reload` is left out when the slots still
+    hold this call's replicas: no fetch happened since this call's forward (the last MoE layer of a model, or
+    a lone layer), and nothing else writes the slots (the gradients return from separate buffers). With CUDA
+    graphs of forward and backward (make_graphed_callables) set TOPOEP_RELOAD_ALWAYS=1: a replayed backward
+    repeats the decision made at capture."""
+    pool, se, tm = call.pool, call.plan.slot_expert, call.timer
     if pool is None:
         return None
+    # under CUDA graph capture nothing is left out, and what the replays will fill is unknown here
+    capturing = se.is_cuda and torch.cuda.is_current_stream_capturing()
+    if reload and not RELOAD_ALWAYS and not capturing and pool.filled == call.fill:
+        pool.reloads_skipped += 1
+        return None
+    pool.fills += 1
+    call.fill = pool.fills
+    pool.filled = None if capturing else call.fill
+    e_loc = call.experts_per_rank
     if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):
             pool.fetch(se, W1, W2, e_loc)
@@ -121,14 +146,35 @@ def start_fetch(pool, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_lo
     return done
 
 
+def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main_wgrad) -> tuple:
+    """The replica weight gradients s1 [N, 2F, H], s2 [N, H, F] go home while `main_wgrad()` computes this
+    rank's own weight gradients (g1, g2), which then receive them; returns (g1, g2). With the peer transport
+    (`pool.push_grads`), no timer and TOPOEP_RETURN_SIDE_STREAM on (the default), the pushes run on a side
+    stream beside the main weight-gradient GEMMs; otherwise the return follows them on this stream."""
+    pool, se, tm, e_loc = call.pool, call.plan.slot_expert, call.timer, call.experts_per_rank
+    if tm is not None or not hasattr(pool, "push_grads") or not SIDE_STREAM_RETURN:
+        with phase(tm, "experts"):
+            g1, g2 = main_wgrad()
+        with phase(tm, "grad_return", collective=True):
+            pool.return_grads(se, g1, g2, e_loc, src=(s1, s2))
+        return g1, g2
+    main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
+    side.wait_stream(main)  # s1, s2 are made; every rank's previous return was summed before this call
+    with torch.cuda.stream(side):
+        pool.push_grads(se, s1, s2, e_loc)
+    g1, g2 = main_wgrad()
+    main.wait_stream(side)  # s1, s2 stay referenced until here: their memory is not reused before the pushes
+    pool.reduce_grads(se, g1, g2, e_loc)
+    return g1, g2
+
+
 class CudaExpertParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: CudaLayerCall, *weights: torch.Tensor) -> torch.Tensor:
         n = len(weights) // 2
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
-        se = call.plan.slot_expert
-        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
+        fetched = start_fetch(call, W1, W2)
         with phase(tm, "dispatch_combine", collective=True):
             rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot, join=fetched)
             n_main, n_slot = call.n_main, call.n_slot
@@ -154,9 +200,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         weights, (xm, hm), rest = t[:2 * n], t[2 * n:2 * n + 2], t[2 * n + 2:]
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
-        se = call.plan.slot_expert
-        # the slots were reused by later layers: reload this layer's replicas
-        fetched = start_fetch(pool, se, W1, W2, call.experts_per_rank, tm)
+        # reload this layer's replicas unless the slots still hold them (start_fetch)
+        fetched = start_fetch(call, W1, W2, reload=True)
         with phase(tm, "dispatch_combine", collective=True):
             gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot,
                                  join=fetched)
@@ -169,16 +214,17 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
         with phase(tm, "dispatch_combine", collective=True):
             grad_assign = ws.combine(gxm, gxs, n_main, n_slot, grad_out.shape[0])
-        with phase(tm, "experts"):
-            g1, g2 = torch.zeros_like(W1), torch.zeros_like(W2)
-            grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main, g1, g2)
-            if pool is not None:  # the replica weights are no longer needed: the slots take their gradients
-                pool.fc1.zero_()
-                pool.fc2.zero_()
-                grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot, pool.fc1, pool.fc2)
-        if pool is not None:
-            with phase(tm, "grad_return", collective=True):
-                pool.return_grads(se, g1, g2, call.experts_per_rank)
+
+        def main_wgrad():
+            return grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main)
+
+        if pool is None:
+            with phase(tm, "experts"):
+                g1, g2 = main_wgrad()
+        else:  # the replicas' weight gradients first: they travel home while the main ones are computed
+            with phase(tm, "experts"):
+                s1, s2 = grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot)
+            g1, g2 = return_grads(call, s1, s2, main_wgrad)
         k = call.top_k
         grad_x = grad_assign.view(-1, k, grad_assign.shape[1]).sum(1)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves

@@ -332,6 +332,8 @@ class SymmReplicaPool:
         self.ret1 = SymmBuffer((R * num_slots, 2 * F * H), dtype, device, self.group)
         self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
         self.fc1, self.fc2 = self._fc1.tensor, self._fc2.tensor
+        # which fill of the slots they hold, host counters (cuda_function.start_fetch)
+        self.fills, self.filled, self.reloads_skipped = 0, None, 0
 
     @classmethod
     def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device):
@@ -363,19 +365,32 @@ class SymmReplicaPool:
             _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
                                                                       self.num_slots, numel, CHUNK=COPY_CHUNK)
 
-    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
-        """The slots hold replica weight gradients: send each to its expert's main rank, which adds them to
-        grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] in (source rank, slot) order."""
+    def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int) -> None:
+        """First half of the gradient return: my slots' weight gradients src1 [N, 2F, H] / src2 [N, H, F]
+        (contiguous) go to region (me, slot) of their expert's main rank. No barrier first: the previous
+        return's regions were summed before the dispatch barriers that every rank passed since. May run on a
+        side stream (it has no collective of its own); `reduce_grads` must come after it on the layer's stream."""
         se = slot_expert.reshape(-1).contiguous()
         N = self.num_slots
-        # no barrier first: the previous return's regions were summed before the dispatch barriers that
-        # every rank passed since
-        for pool, ret in ((self.fc1, self.ret1), (self.fc2, self.ret2)):
-            numel = pool[0].numel()
-            _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, pool, ret.ptrs, self.rank, e_loc, N, numel,
-                                                                    CHUNK=COPY_CHUNK)
+        for src, ret in ((src1, self.ret1), (src2, self.ret2)):
+            numel = src[0].numel()
+            _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, src.contiguous(), ret.ptrs, self.rank,
+                                                                    e_loc, N, numel, CHUNK=COPY_CHUNK)
+
+    def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
+        """Second half: a barrier (every rank has pushed), then grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] of
+        my experts += their returned regions in (source rank, slot) order, in fp32."""
+        se = slot_expert.reshape(-1).contiguous()
         self.ret1.barrier(channel=1)
         for grad, ret in ((grad1, self.ret1), (grad2, self.ret2)):
             numel = grad[0].numel()
             _reduce_grads_kernel[(e_loc, triton.cdiv(numel, COPY_CHUNK))](se, ret.tensor, grad, self.rank, e_loc,
                                                                           se.numel(), numel, CHUNK=COPY_CHUNK)
+
+    def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
+                     src: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The slots' weight gradients src = (fc1 grads [N, 2F, H], fc2 grads [N, H, F]) go to their expert's
+        main rank, which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] in (source rank, slot) order.
+        The slots themselves keep their weights."""
+        self.push_grads(slot_expert, *src, e_loc)
+        self.reduce_grads(slot_expert, grad1, grad2, e_loc)
