@@ -2,7 +2,8 @@
 gloo all-to-alls (`GlooExchange`) in 4 processes as 2 domains of 2, with plans that cross domains.
 
 - dispatch puts every row at the position layout.receive_positions gives it (rows carry their source
-  and token), and combine brings every row back to its assignment;
+  and token; in the second round scaled by a factor per assignment, as the backward's top-k weights), and
+  combine brings every row back to its assignment;
 - fetch fills every slot with its expert's main weights; return_grads adds every slot's gradient to its
   expert's main rank (integer-valued, so the sums are exact);
 - bad transport settings are refused with the fix named.
@@ -54,22 +55,26 @@ def _rows_go_and_return(rank, world, policy, blocks):
         x[:, 0] = rank
         x[:, 1] = torch.arange(T)
         x[:, 2] = seed
-        recv_main, recv_slot = ws.dispatch(x, order, K, dest, pos, is_slot)
+        # round 2 scales every row by its assignment's factor (1-3) as it is sent (the backward's top-k weights)
+        scale = (torch.arange(T * K) % 3 + 1).float() if seed else None
+        recv_main, recv_slot = ws.dispatch(x, order, K, dest, pos, is_slot, scale=scale)
         # where every rank's rows should land here
         sent = [None] * world
-        dist.all_gather_object(sent, (dest.tolist(), pos.tolist(), is_slot.tolist(), (order // K).tolist()))
+        dist.all_gather_object(sent, (dest.tolist(), pos.tolist(), is_slot.tolist(), order.tolist()))
         placed = 0
-        for s, (d, p, sl, tok) in enumerate(sent):
-            for di, pi, si, ti in zip(d, p, sl, tok):
+        for s, (d, p, sl, asg) in enumerate(sent):
+            for di, pi, si, ai in zip(d, p, sl, asg):
                 if di != rank:
                     continue
                 got = (recv_slot if si else recv_main)[pi]
-                assert got[0] == s and got[1] == ti and got[2] == seed, (s, ti, got)
+                f = ai % 3 + 1 if seed else 1
+                assert got[0] == s * f and got[1] == (ai // K) * f and got[2] == seed * f, (s, ai, got)
                 placed += 1
         n_main, n_slot = (C[:, rank, :E_LOC].sum().view(1), C[:, rank, E_LOC:].sum().view(1))
         assert placed == int(n_main + n_slot)
         out = ws.combine(recv_main * 2 + 1, recv_slot * 2 + 1, n_main, n_slot, T * K)
-        assert torch.equal(out, (x * 2 + 1).repeat_interleave(K, 0))
+        want = x.repeat_interleave(K, 0) * (scale[:, None] if seed else 1)
+        assert torch.equal(out, want * 2 + 1)
         slot_rows += int(n_slot)
         cross += int((plan.instance_rank[inst] // (world // 2) != rank // (world // 2)).sum())
     return slot_rows, cross

@@ -1,6 +1,6 @@
 """Find every host synchronisation in one forward + backward of the `cuda`-backend layer on 2 GPUs
-(GPU machine): runs under torch.cuda.set_sync_debug_mode("warn") and prints the Python stack of each
-synchronising call. Usage: python tools/sync_audit.py"""
+(GPU machine; TOPOEP_GPU_WORLD=1 for one): runs under torch.cuda.set_sync_debug_mode("warn") and prints the
+Python stack of each synchronising call. Usage: python tools/sync_audit.py"""
 
 import os
 import sys
@@ -41,7 +41,7 @@ def _audit(rank, world):
 
 
 if __name__ == "__main__":
-    for rank, found in enumerate(run_ranks(_audit, 2, backend="nccl")):
+    for rank, found in enumerate(run_ranks(_audit, int(os.environ.get("TOPOEP_GPU_WORLD", "2")), backend="nccl")):
         print(f"rank {rank}: {len(found)} synchronising calls")
         for f in found[:20]:
             print(f)

@@ -184,11 +184,12 @@ class A2AWorkspace:
         return self.exchange.all_gather(row)
 
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
-                 is_slot: torch.Tensor, join=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer; `dest`
-        ascends (the send order). Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the
-        received counts are stale. join: an event to wait for first (the a2a pool fetches in order, so the
-        layer passes None)."""
+                 is_slot: torch.Tensor, join=None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor | None]:
+        """Send row i (src[order[i] // row_div], times scale[order[i]] when scale is given: one fp32 product
+        rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer; `dest` ascends (the send
+        order). Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the received counts are stale.
+        join: an event to wait for first (the a2a pool fetches in order, so the layer passes None)."""
         if join is not None:
             torch.cuda.current_stream(src.device).wait_event(join)
         A = order.numel()
@@ -200,7 +201,10 @@ class A2AWorkspace:
         # row i's place in the send buffer: its destination's padded start + its index within the destination
         skip = torch.cumsum(padded - splits, 0) - (padded - splits)
         send_pos = torch.arange(A, device=dest.device) + skip.index_select(0, dest)
-        self.send.index_copy_(0, send_pos, src.index_select(0, order // row_div))
+        rows = src.index_select(0, order // row_div)
+        if scale is not None:
+            rows = (rows.float() * scale.index_select(0, order).float()[:, None]).to(src.dtype)
+        self.send.index_copy_(0, send_pos, rows)
         self.meta_send.fill_(self._pad_meta)
         self.meta_send.index_copy_(0, send_pos, ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64))
         self.meta_recv.fill_(-1)
@@ -220,9 +224,10 @@ class A2AWorkspace:
         return self.recv_main[:self.cap], (self.recv_slot[:self.cap] if self.recv_slot is not None else None)
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
-                n_slot: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True) -> torch.Tensor:
         """The reverse of the last dispatch: row pos of the main / slot results goes back to the source
-        that sent it, at its assignment index. Returns a new [num_rows, H] tensor."""
+        that sent it, at its assignment index. Returns a new [num_rows, H] tensor (`copy` is the peer
+        workspace's switch; the rows here are always new)."""
         slot, p, source = self._arrived
         rows = y_main.index_select(0, p)
         if y_slot is not None:

@@ -12,8 +12,10 @@ never by the routing:
                 grouped by expert; a barrier publishes the rows
     experts     torch._grouped_mm over the worst-case-sized receive buffers with device offsets (rows past
                 the last offset are never read)
-    combine     one kernel stores every result row into its source's buffer at its assignment index
-Backward runs the same steps for the token gradients, computes every data gradient before the weight
+    combine     one kernel stores every result row into its source's buffer at its assignment index; one
+                more (weighting.py) sums each token's k rows with its top-k weights
+Backward runs the same steps for the token gradients (the dispatch scales each row by its top-k weight as it
+sends it; the weights' gradient is one kernel over the kept expert outputs), computes every data gradient before the weight
 gradients, and returns the replica weight gradients to their main ranks (summed there in source, slot
 order). Memory: the received rows and the pre-activations kept for backward are worst-case sized
 (R * T * k rows per layer), the price of never reading a count on the host.
@@ -29,6 +31,7 @@ import torch
 from topoep.plan import Plan
 from topoep.runtime.symm import swiglu_act, swiglu_act_grad
 from topoep.runtime.timing import PhaseTimer, phase
+from topoep.runtime.weighting import row_dots, sum_choices, weighted_sum
 
 
 @dataclass
@@ -170,8 +173,12 @@ def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main
 
 class CudaExpertParallelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, call: CudaLayerCall, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor, call: CudaLayerCall,
+                *weights: torch.Tensor) -> torch.Tensor:
+        """y [T, H] = sum over the k choices of topk_weights [T, k] times the expert's output (weighting.py)."""
         n = len(weights) // 2
+        T, k = topk_weights.shape
+        wq = topk_weights.to(x.dtype).contiguous()  # the weights in the layer's dtype, as a torch layer multiplies
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
@@ -186,25 +193,32 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             if pool is not None:
                 ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, call.offs_slot, n_slot)
         with phase(tm, "dispatch_combine", collective=True):
-            out = ws.combine(ym, ys, n_main, n_slot, x.shape[0] * call.top_k)
-        ctx.call, ctx.num_weights = call, n
+            rows = ws.combine(ym, ys, n_main, n_slot, T * k, copy=False)
+            # the expert outputs stay for the weights' gradient: copied in the same pass as the weighted sum
+            kept = rows.new_empty(T * k, rows.shape[1]) if ctx.needs_input_grad[1] else None
+            y = weighted_sum(rows, wq, save=kept)
+        ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
-        ctx.save_for_backward(*weights, xm, hm, *((xs, hs) if pool is not None else ()))
-        return out
+        ctx.save_for_backward(wq, kept, *weights, xm, hm, *((xs, hs) if pool is not None else ()))
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         call: CudaLayerCall = ctx.call
         n = ctx.num_weights
-        t = ctx.saved_tensors
+        wq, kept, *t = ctx.saved_tensors
         weights, (xm, hm), rest = t[:2 * n], t[2 * n:2 * n + 2], t[2 * n + 2:]
+        T, k = wq.shape
+        grad_y = grad_out.contiguous()
+        grad_w = row_dots(grad_y, kept, k).to(ctx.w_dtype) if kept is not None else None
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
         # reload this layer's replicas unless the slots still hold them (start_fetch)
         fetched = start_fetch(call, W1, W2, reload=True)
         with phase(tm, "dispatch_combine", collective=True):
-            gm, gs = ws.dispatch(grad_out.contiguous(), call.order, 1, call.dest, call.pos, call.is_slot,
-                                 join=fetched)
+            # the gradient of each choice's output, w[t, j] grad_y[t], made as the rows are sent
+            gm, gs = ws.dispatch(grad_y, call.order, k, call.dest, call.pos, call.is_slot, join=fetched,
+                                 scale=wq.view(-1))
         n_main, n_slot, offs_m, offs_s = call.n_main, call.n_slot, call.offs_main, call.offs_slot
         with phase(tm, "experts"):  # data gradients first: token gradients leave early
             gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, offs_m, n_main)
@@ -213,7 +227,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 xs, hs = rest
                 gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
         with phase(tm, "dispatch_combine", collective=True):
-            grad_assign = ws.combine(gxm, gxs, n_main, n_slot, grad_out.shape[0])
+            grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
+            grad_x = sum_choices(grad_assign, k, T)
 
         def main_wgrad():
             return grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main)
@@ -225,8 +240,6 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with phase(tm, "experts"):
                 s1, s2 = grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot)
             g1, g2 = return_grads(call, s1, s2, main_wgrad)
-        k = call.top_k
-        grad_x = grad_assign.view(-1, k, grad_assign.shape[1]).sum(1)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves
-            return grad_x, None, g1, g2
-        return (grad_x, None, *g1.unbind(0), *g2.unbind(0))
+            return grad_x, grad_w, None, g1, g2
+        return (grad_x, grad_w, None, *g1.unbind(0), *g2.unbind(0))

@@ -184,9 +184,8 @@ class ExpertParallelMoE(nn.Module):
         if self.backend.name == "cuda":
             if self._expert_weights is None:  # the stacked parameters: no per-expert views through autograd
                 fc1, fc2 = [self.fc1], [self.fc2]
-            out = self._experts_cuda(x, topk_idx, fc1, fc2)
-        else:
-            out = self._experts_torch(x, topk_idx, fc1, fc2)
+            return self._experts_cuda(x, topk_idx, topk_weights, fc1, fc2)  # weighted inside (weighting.py)
+        out = self._experts_torch(x, topk_idx, fc1, fc2)
         T, k = topk_idx.shape
         return (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
@@ -248,9 +247,10 @@ class ExpertParallelMoE(nn.Module):
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm)
         return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
-    def _experts_cuda(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
-        """Backend cuda: the same, with no host synchronisation (cuda_function.py); the metadata (counts,
-        plan, guard, statistics, receive layout) is one CUDA graph replay (cuda_meta.py)."""
+    def _experts_cuda(self, x, topk_idx, topk_weights, fc1, fc2) -> torch.Tensor:
+        """Backend cuda: y [T, H], the expert outputs weighted and summed, with no host synchronisation
+        (cuda_function.py); the metadata (counts, plan, guard, statistics, receive layout) is one CUDA graph
+        replay (cuda_meta.py)."""
         T, k = topk_idx.shape
         N, E_loc = self.num_slots, self.experts_per_rank
         be, tm = self.backend, self.timer
@@ -284,7 +284,7 @@ class ExpertParallelMoE(nn.Module):
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
                              offs_main=offs_main, offs_slot=offs_slot, n_main=n_main, n_slot=n_slot, num_tokens=T,
                              top_k=k, experts_per_rank=E_loc, timer=tm)
-        return CudaExpertParallelFunction.apply(x, call, *fc1, *fc2)
+        return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors

@@ -46,6 +46,15 @@ if triton is not None:
             tl.store(dst + h0 + offs, tl.load(src + h0 + offs, mask=m), mask=m)
 
     @triton.jit
+    def _copy_row_scaled(dst, src, scale, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        """dst[:H] = src[:H] * scale (fp32 product, one rounding to dst's type)."""
+        offs = tl.arange(0, BLOCK_H)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            m = h0 + offs < H
+            v = tl.load(src + h0 + offs, mask=m).to(tl.float32) * scale
+            tl.store(dst + h0 + offs, v.to(dst.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _gather_row_kernel(src, n, bases, me, BLOCK: tl.constexpr):
         """Row `me` of every peer's buffer (int64[R, n]) <- src[:n]: program r writes rank r's copy."""
         r = tl.program_id(0)
@@ -57,10 +66,11 @@ if triton is not None:
 
     @triton.jit
     def _dispatch_kernel(src, order, row_div, dest, pos, is_slot, meta_base, main_bases, slot_bases,
-                         main_meta_bases, slot_meta_bases, overflow, n_rows, cap,
-                         H: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Send row i: src[order[i] // row_div] -> row pos[i] of rank dest[i]'s main or slot buffer, and
-        meta_base + order[i] (the row's way home) into the matching meta buffer."""
+                         main_meta_bases, slot_meta_bases, overflow, n_rows, cap, scale,
+                         H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """Send row i: src[order[i] // row_div] (times scale[order[i]] with HAS_SCALE) -> row pos[i] of rank
+        dest[i]'s main or slot buffer, and meta_base + order[i] (the row's way home) into the matching meta
+        buffer."""
         for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             a = tl.load(order + i)
             d = tl.load(dest + i)
@@ -71,7 +81,11 @@ if triton is not None:
                     tl.pointer_type(src.dtype.element_ty))
                 metas = tl.where(slot, tl.load(slot_meta_bases + d), tl.load(main_meta_bases + d)).to(
                     tl.pointer_type(tl.int64))
-                _copy_row(rows + p * H, src + (a // row_div) * H, H, BLOCK_H)
+                if HAS_SCALE:
+                    _copy_row_scaled(rows + p * H, src + (a // row_div) * H, tl.load(scale + a).to(tl.float32), H,
+                                     BLOCK_H)
+                else:
+                    _copy_row(rows + p * H, src + (a // row_div) * H, H, BLOCK_H)
                 tl.store(metas + p, meta_base + a)
             else:
                 tl.atomic_add(overflow, 1)
@@ -267,8 +281,10 @@ class SymmWorkspace:
 
     # -- token rows ----------------------------------------------------------------------------
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
-                 is_slot: torch.Tensor, join: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send row i (src[order[i] // row_div]) to row pos[i] of rank dest[i]'s main or slot buffer.
+                 is_slot: torch.Tensor, join: torch.cuda.Event | None = None,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send row i (src[order[i] // row_div], times scale[order[i]] when scale is given: one fp32 product
+        rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer.
         Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale).
         join: an event of work that must be published with the rows (a replica fetch on a side stream):
         waited for before the closing barrier."""
@@ -279,24 +295,27 @@ class SymmWorkspace:
             _dispatch_kernel[(min(A, self.row_grid),)](
                 src.contiguous(), order, row_div, dest, pos, is_slot.to(torch.int8), self.rank * self.a_cap,
                 self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
-                A, self.cap, H=self.H, BLOCK_H=self.block_h)
+                A, self.cap, scale if scale is not None else order, H=self.H, BLOCK_H=self.block_h,
+                HAS_SCALE=scale is not None)
         if join is not None:
             torch.cuda.current_stream(src.device).wait_event(join)
         self.recv_main.barrier(channel=1)
         return self.recv_main.tensor, (self.recv_slot.tensor if self.recv_slot is not None else None)
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
-                n_slot: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True) -> torch.Tensor:
         """The reverse of dispatch: every received row goes back to its source's assignment index.
         n_main, n_slot: int64[1] rows received (device); y_slot None without slots. Returns a new
-        [num_rows, H] tensor."""
+        [num_rows, H] tensor, or with copy=False the workspace's own rows (read them before this stream's
+        next dispatch or combine)."""
         for y, meta, n in ((y_main, self.meta_main, n_main), (y_slot, self.meta_slot, n_slot)):
             if y is None:
                 continue
             _combine_kernel[(self.row_grid,)](y, meta.tensor, n, self.back.ptrs, self.a_cap, self.cap, H=self.H,
                                               BLOCK_H=self.block_h)
         self.back.barrier(channel=0)
-        return self.back.tensor[:num_rows].clone()
+        rows = self.back.tensor[:num_rows]
+        return rows.clone() if copy else rows
 
     def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """A non-symmetric copy of src's first n rows (n on the device) in a tensor of src's shape."""

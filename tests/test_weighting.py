@@ -1,0 +1,31 @@
+"""CPU test of backend cuda's fused top-k weighting (topoep/runtime/weighting.py): its three Triton kernels
+against their torch references under Triton's interpreter (tests/weighting_check.py in a subprocess: the
+interpreter must be chosen before triton is imported). tests/test_cuda_backend_gpu.py runs the same check
+with the compiled kernels on the GPU."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_weighting_kernels_equal_their_references_in_the_interpreter():
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(here / "weighting_check.py")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
+    assert len(lines) == 5 and all(ln.endswith(": equal") for ln in lines), out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_weighting_kernels_equal_their_references_on_the_gpu():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import weighting_check
+
+    assert weighting_check.main("cuda") == 0
