@@ -42,9 +42,8 @@ KERNELS = {
                             slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32, nb=I32), dict(B=LT.BLOCK)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", T=I32),
-                             dict(K=8, H=2048, BLOCK=1024, SAVE=True)),
+                             dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
-    "_sum_choices_kernel": (dict(rows="*bf16", y="*bf16", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
 MODULES = (S, LT, W)
 
@@ -58,10 +57,16 @@ def test_every_kernel_is_listed():
     assert found == set(KERNELS)
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_kernel_compiles_for_sm90(name):
+# other specialisations the backend launches: (kernel, constexprs that differ)
+VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
+            ("_dispatch_kernel", dict(HAS_SCALE=False))]  # the forward dispatch
+
+
+@pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)
+def test_kernel_compiles_for_sm90(name, changed):
     fn = _kernel(name)
     sig, const = KERNELS[name]
+    const = const | changed
     params = list(inspect.signature(fn.fn).parameters)
     assert set(sig) | set(const) == set(params), "signature out of date"
     src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},

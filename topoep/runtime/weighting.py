@@ -1,4 +1,4 @@
-"""Backend cuda's top-k weighting around dispatch and combine, fused into three Triton kernels.
+"""Backend cuda's top-k weighting around dispatch and combine, fused into Triton kernels.
 
 The layer's output is y[t] = sum_j w[t, j] out[t k + j] (out: the expert result of assignment t k + j, back
 from the combine). Written with torch ops this is a broadcast multiply and a sum over [T, k, H] tensors in
@@ -10,7 +10,7 @@ layer's GPU time at 16384 tokens per rank (one H200, EP 1, results/gpu/README.md
     backward   grad out[t k + j] = w[t, j] grad_y[t]        not materialised: the backward dispatch scales
                                                             each row as it sends it (dispatch `scale=`)
                grad w[t, j] = <grad_y[t], out[t k + j]>     `row_dots` (fp32)
-               grad x[t] = sum_j grad_assign[t k + j]       `sum_choices` (fp32 sums, one rounding)
+               grad x[t] = sum_j grad_assign[t k + j]       `sum_choices` (the same kernel unweighted)
 
 Each kernel has a torch reference beside it (`*_reference`, the same arithmetic: fp32 products and sums in
 choice order); tests/weighting_check.py compares them under Triton's interpreter on the CPU and on the GPU.
@@ -33,8 +33,9 @@ if triton is not None:
 
     @triton.jit
     def _weighted_sum_kernel(rows, w, y, save, T, K: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
-                             SAVE: tl.constexpr):
-        """y[t] = sum_j w[t, j] rows[t K + j] (fp32, one rounding); with SAVE, save[t K + j] = rows[t K + j]."""
+                             SAVE: tl.constexpr, WEIGHTED: tl.constexpr):
+        """y[t] = sum_j w[t, j] rows[t K + j] (sum_j rows[t K + j] without WEIGHTED; fp32, one rounding);
+        with SAVE, save[t K + j] = rows[t K + j]."""
         offs = tl.arange(0, BLOCK)
         t = tl.program_id(0).to(tl.int64)
         while t < T:
@@ -45,7 +46,10 @@ if triton is not None:
                     r = tl.load(rows + (t * K + j) * H + h0 + offs, mask=m)
                     if SAVE:
                         tl.store(save + (t * K + j) * H + h0 + offs, r, mask=m)
-                    acc += tl.load(w + t * K + j).to(tl.float32) * r.to(tl.float32)
+                    if WEIGHTED:
+                        acc += tl.load(w + t * K + j).to(tl.float32) * r.to(tl.float32)
+                    else:
+                        acc += r.to(tl.float32)
                 tl.store(y + t * H + h0 + offs, acc.to(y.dtype.element_ty), mask=m)
             t += tl.num_programs(0)
 
@@ -62,20 +66,6 @@ if triton is not None:
                     gv = tl.load(g + t * H + h0 + offs, mask=m).to(tl.float32)
                     acc += gv * tl.load(rows + (t * K + j) * H + h0 + offs, mask=m).to(tl.float32)
                 tl.store(out + t * K + j, tl.sum(acc, axis=0))
-            t += tl.num_programs(0)
-
-    @triton.jit
-    def _sum_choices_kernel(rows, y, T, K: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr):
-        """y[t] = sum_j rows[t K + j] (fp32, one rounding)."""
-        offs = tl.arange(0, BLOCK)
-        t = tl.program_id(0).to(tl.int64)
-        while t < T:
-            for h0 in tl.static_range(0, H, BLOCK):
-                m = h0 + offs < H
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for j in tl.static_range(K):
-                    acc += tl.load(rows + (t * K + j) * H + h0 + offs, mask=m).to(tl.float32)
-                tl.store(y + t * H + h0 + offs, acc.to(y.dtype.element_ty), mask=m)
             t += tl.num_programs(0)
 
 
@@ -106,7 +96,7 @@ def weighted_sum(rows: torch.Tensor, w: torch.Tensor, save: torch.Tensor | None 
     y = rows.new_empty(T, H)
     if T:
         _weighted_sum_kernel[_grid(T)](rows, w.contiguous(), y, save if save is not None else rows, T, K=k, H=H,
-                                       BLOCK=_block(H), SAVE=save is not None)
+                                       BLOCK=_block(H), SAVE=save is not None, WEIGHTED=True)
     return y
 
 
@@ -139,7 +129,8 @@ def sum_choices(rows: torch.Tensor, k: int, T: int) -> torch.Tensor:
     H = _check(rows, T, k)
     y = rows.new_empty(T, H)
     if T:
-        _sum_choices_kernel[_grid(T)](rows, y, T, K=k, H=H, BLOCK=_block(H))
+        _weighted_sum_kernel[_grid(T)](rows, rows, y, rows, T, K=k, H=H, BLOCK=_block(H), SAVE=False,
+                                       WEIGHTED=False)
     return y
 
 
