@@ -2,7 +2,7 @@
 kernels on CPU tensors; it must be set before triton is imported): `layout_triton.fused_layout` against
 the torch reference (`layout.send_layout` + `layout.receive_positions`) on random plans, bit for bit.
 Prints one line per case and exits 1 on the first difference; last, on the CPU only, a plan that routes
-one assignment to the wrong expert must be rejected. tests/test_cuda_backend_gpu.py calls main("cuda") for
+one assignment to the wrong expert, and one that routes one more to an empty slot, must be rejected. tests/test_cuda_backend_gpu.py calls main("cuda") for
 the same comparisons on the GPU (compiled kernels)."""
 
 import random
@@ -108,13 +108,32 @@ def main(device: str = "cpu") -> int:
     route[0, 2] += 1
     bad = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
                slot_expert=plan.slot_expert, route=route, policy="hand", expert_bytes=1, token_bytes=1)
+    if not rejected(n + 1, "a route that moves one assignment between experts", idx[0], bad):
+        return 1
+    # a route that routes every expert's assignments right and one more to an empty slot: rejected (the per-expert
+    # sums match; the total does not)
+    R, N, E = plan.num_ranks, plan.num_slots, plan.num_experts
+    se, route = plan.slot_expert.clone(), plan.route.clone()
+    p = E + (R - 1) * N + (N - 1)  # the last slot of the last rank, emptied
+    e_old = int(se[R - 1, N - 1])
+    if e_old >= 0:
+        route[0, e_old] += route[0, p]  # rank 0's assignments it served go to the main instance
+    route[:, p] = 0
+    se[R - 1, N - 1] = -1
+    route[0, p] += 1
+    bad = Plan(omega=plan.omega, topology=plan.topology, num_slots=N, main_rank=plan.main_rank, slot_expert=se,
+               route=route, policy="hand", expert_bytes=1, token_bytes=1)
+    return 0 if rejected(n + 2, "a route with one more assignment on an empty slot", idx[0], bad) else 1
+
+
+def rejected(n: int, what: str, idx: torch.Tensor, bad: Plan) -> bool:
     try:
-        fused_layout(idx[0], bad, 0, group_counts(bad))
+        fused_layout(idx, bad, 0, group_counts(bad))
     except RuntimeError as err:
-        print(f"case {n + 1}: a route that moves one assignment between experts: rejected ({str(err)[:60]})")
-        return 0
-    print(f"case {n + 1}: a route that moves one assignment between experts was NOT rejected")
-    return 1
+        print(f"case {n}: {what}: rejected ({str(err)[:60]})")
+        return True
+    print(f"case {n}: {what} was NOT rejected")
+    return False
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
-    assert len(lines) == 13 and all("equal on every rank" in ln for ln in lines[:12]), out.stdout
-    assert "rejected (" in lines[12]  # a plan that does not route this rank's assignments of every expert
+    assert len(lines) == 14 and all("equal on every rank" in ln for ln in lines[:12]), out.stdout
+    # plans that do not route this rank's assignments of every expert, or route one to an empty slot
+    assert "rejected (" in lines[12] and "rejected (" in lines[13], out.stdout
     assert any("(0 replicas)" not in ln for ln in lines)  # replicas exercised

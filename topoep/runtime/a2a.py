@@ -260,8 +260,8 @@ class A2AReplicaPool:
         H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
         self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
         self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
-        # which fill of the slots they hold, host counters (cuda_function.start_fetch)
-        self.fills, self.filled, self.reloads_skipped = 0, None, 0
+        # which fill of the slots they hold, host counters; graphed: a fetch was captured (cuda_function.start_fetch)
+        self.fills, self.filled, self.reloads_skipped, self.graphed = 0, None, 0, False
         step = 8 * ex.blocks_per_peer  # a weight row's length: whole 8-element pieces for every block of the op
         cols = [-(-w[0].numel() // step) * step for w in (self.fc1, self.fc2)]
         self._bufs = [dict(send=ex.buffer((RN, c), dtype), recv=ex.buffer((N, c), dtype),

@@ -121,20 +121,22 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     The pool remembers which fetch filled it last (`pool.filled`, a host counter: every rank issues the same
     calls in the same order, so every rank decides alike). A backward `reload` is left out when the slots still
     hold this call's replicas: no fetch happened since this call's forward (the last MoE layer of a model, or
-    a lone layer), and nothing else writes the slots (the gradients return from separate buffers). With CUDA
-    graphs of forward and backward (make_graphed_callables) set TOPOEP_RELOAD_ALWAYS=1: a replayed backward
-    repeats the decision made at capture."""
+    a lone layer), and nothing else writes the slots (the gradients return from separate buffers). A pool
+    whose fetch was ever captured in a CUDA graph always reloads (a replay refills the slots without the host
+    knowing); TOPOEP_RELOAD_ALWAYS=1 always reloads."""
     pool, se, tm = call.pool, call.plan.slot_expert, call.timer
     if pool is None:
         return None
-    # under CUDA graph capture nothing is left out, and what the replays will fill is unknown here
-    capturing = se.is_cuda and torch.cuda.is_current_stream_capturing()
-    if reload and not RELOAD_ALWAYS and not capturing and pool.filled == call.fill:
+    # a fetch captured in a CUDA graph refills the slots at every replay, unseen by these counters: once the
+    # pool has been captured, nothing is ever left out again
+    if se.is_cuda and torch.cuda.is_current_stream_capturing():
+        pool.graphed = True
+    if reload and not RELOAD_ALWAYS and not pool.graphed and pool.filled == call.fill:
         pool.reloads_skipped += 1
         return None
     pool.fills += 1
     call.fill = pool.fills
-    pool.filled = None if capturing else call.fill
+    pool.filled = call.fill
     e_loc = call.experts_per_rank
     if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):

@@ -159,9 +159,10 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
         _layout_kernel[(nb,)](e, first, route, inst_rank, inst_start, rep_first, rep_count, rep_list, key_start,
                               recv_start, order, key, dest, pos, is_slot, A, E, E_loc, max(N, 1), G, nb, B=BLOCK)
     # the positions are a permutation only if the plan routes exactly this rank's assignments of every expert
-    # (C1): checked on the device (the kernel leaves out positions outside [0, A) rather than write there)
+    # (C1) and nothing to an empty slot (which would shift the later keys): checked on the device (the kernel
+    # leaves out positions outside [0, A) rather than write there)
     routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(
         0, inst_expert.clamp(min=0), torch.where(inst_expert >= 0, route, 0))
-    torch._assert_async((routed == total).all(), "fused_layout: the plan's route does not match this rank's "
-                        "assignments of every expert")
+    torch._assert_async((routed == total).all() & (route.sum() == A), "fused_layout: the plan's route does not "
+                        "match this rank's assignments of every expert (or routes some to an empty slot)")
     return key, order, dest, pos, is_slot.view(torch.bool)

@@ -351,8 +351,8 @@ class SymmReplicaPool:
         self.ret1 = SymmBuffer((R * num_slots, 2 * F * H), dtype, device, self.group)
         self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
         self.fc1, self.fc2 = self._fc1.tensor, self._fc2.tensor
-        # which fill of the slots they hold, host counters (cuda_function.start_fetch)
-        self.fills, self.filled, self.reloads_skipped = 0, None, 0
+        # which fill of the slots they hold, host counters; graphed: a fetch was captured (cuda_function.start_fetch)
+        self.fills, self.filled, self.reloads_skipped, self.graphed = 0, None, 0, False
 
     @classmethod
     def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device):

@@ -63,8 +63,8 @@ if triton is not None:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for h0 in tl.static_range(0, H, BLOCK):
                     m = h0 + offs < H
-                    gv = tl.load(g + t * H + h0 + offs, mask=m).to(tl.float32)
-                    acc += gv * tl.load(rows + (t * K + j) * H + h0 + offs, mask=m).to(tl.float32)
+                    gv = tl.load(g + t * H + h0 + offs, mask=m, other=0.0).to(tl.float32)
+                    acc += gv * tl.load(rows + (t * K + j) * H + h0 + offs, mask=m, other=0.0).to(tl.float32)
                 tl.store(out + t * K + j, tl.sum(acc, axis=0))
             t += tl.num_programs(0)
 
@@ -93,6 +93,9 @@ def weighted_sum(rows: torch.Tensor, w: torch.Tensor, save: torch.Tensor | None 
     a [>= T k, H] tensor). With `save` ([T k, H]), rows' first T k rows are copied into it in the same pass."""
     T, k = w.shape
     H = _check(rows, T, k)
+    if save is not None and (tuple(save.shape) != (T * k, H) or save.dtype != rows.dtype or not save.is_contiguous()):
+        raise ValueError(f"save must be a contiguous [T*k={T * k}, H={H}] {rows.dtype} tensor, got {list(save.shape)} "
+                         f"{save.dtype}")
     y = rows.new_empty(T, H)
     if T:
         _weighted_sum_kernel[_grid(T)](rows, w.contiguous(), y, save if save is not None else rows, T, K=k, H=H,
@@ -113,6 +116,8 @@ def row_dots(g: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     """fp32 [T, k]: <g[t], rows[t k + j]> for g [T, H]."""
     T = g.shape[0]
     H = _check(rows, T, k)
+    if g.dim() != 2 or g.shape[1] != H:
+        raise ValueError(f"g must be [T, H={H}] like the rows, got {list(g.shape)}")
     out = torch.empty(T, k, dtype=torch.float32, device=g.device)
     if T:
         _row_dots_kernel[_grid(T)](g.contiguous(), rows, out, T, K=k, H=H, BLOCK=_block(H))
