@@ -238,9 +238,13 @@ def _two_layers(rank, world):
         r = [_dense(x, idx, w, fc1, fc2, gy) for x, idx, w, gy in d]
         weights.append((fc1, fc2))
         data.append(tuple(t.to(dev) for t in d[rank]))
-        refs.append(r[rank][:2] + [sum(q[3] for q in r), sum(q[4] for q in r)])
+        refs.append(r[rank][:3] + [sum(q[3] for q in r), sum(q[4] for q in r)])
     out = {}
-    for backend in ("torch", "cuda"):
+    from topoep.runtime import cuda_function
+
+    for name in ("torch", "cuda", "cuda-return-on-stream"):  # the last: TOPOEP_RETURN_SIDE_STREAM=0's path
+        backend = name.split("-")[0]
+        cuda_function.SIDE_STREAM_RETURN = name != "cuda-return-on-stream"
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
@@ -250,33 +254,45 @@ def _two_layers(rank, world):
                 layer.fc1.copy_(fc1[lo:hi])
                 layer.fc2.copy_(fc2[lo:hi])
             layers.append(layer)
-        losses, xs = [], []
+        losses, xs, ws = [], [], []
         for layer, (x, idx, w, gy) in zip(layers, data):
             xr = x.to(torch.bfloat16).requires_grad_()
-            losses.append((layer(xr, idx, w.to(torch.bfloat16)) * gy.to(torch.bfloat16)).sum())
+            wr = w.to(torch.bfloat16).requires_grad_()
+            losses.append((layer(xr, idx, wr) * gy.to(torch.bfloat16)).sum())
             xs.append(xr)
+            ws.append(wr)
         losses[1].backward()  # B, then A: the order of a model's backward
         losses[0].backward()
-        errs = []
-        for layer, xr, ref in zip(layers, xs, refs):
-            got = [xr.grad, layer.fc1.grad, layer.fc2.grad]
-            errs += [float((a.double().cpu() - (b if i == 0 else b[lo:hi])).abs().max())
+        errs, grads = [], []
+        for layer, xr, wr, ref in zip(layers, xs, ws, refs):
+            got = [xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad]
+            errs += [float((a.double().cpu() - (b if i < 2 else b[lo:hi])).abs().max())
                      for i, (a, b) in enumerate(zip(got, ref[1:]))]
+            grads += got
         reps = [layer.stats_dict()["replica_fraction"] for layer in layers]
         pool = layers[0].pool if backend == "cuda" else None
-        out[backend] = (errs, reps, (pool.fills, pool.reloads_skipped) if pool is not None else None)
-    return out
+        counts = (pool.fills - (out["cuda"][2][0] if name == "cuda-return-on-stream" else 0),
+                  pool.reloads_skipped - (out["cuda"][2][1] if name == "cuda-return-on-stream" else 0)) \
+            if pool is not None else None  # the cuda runs share the process's pool: this run's own counts
+        out[name] = (errs, reps, counts, grads)
+    cuda_function.SIDE_STREAM_RETURN = True
+    return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),)
+            for k, v in out.items()}
 
 
 @pytest.mark.skipif(WORLD < 2, reason="a replica needs a second rank")
 def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
-        (errs_t, reps_t, _), (errs_c, reps_c, counts) = out["torch"], out["cuda"]
-        assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # both layers use replicas
-        assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
-        names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "fc1", "fc2")]
-        for name, ec, et in zip(names, errs_c, errs_t):
-            assert ec <= 2 * et + 1e-6, f"{name}: error {ec:.3g} > 2 x torch's {et:.3g}"
+        errs_t, reps_t, _, _ = out["torch"]
+        for name in ("cuda", "cuda-return-on-stream"):
+            errs_c, reps_c, counts, same_as_cuda = out[name]
+            assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # both layers use replicas
+            assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
+            names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
+            for what, ec, et in zip(names, errs_c, errs_t):
+                assert ec <= 2 * et + 1e-6, f"{name} {what}: error {ec:.3g} > 2 x torch's {et:.3g}"
+            # the gradient return on the layer's stream or on a side stream: the same sums in the same order
+            assert same_as_cuda, f"{name}: gradients differ from the side-stream return's"
 
 
 def _slot_skip(rank, world):
