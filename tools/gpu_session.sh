@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -55,6 +55,16 @@ step_layer_cuda() {  # one MoE layer on backend cuda only (static, topoep; 2 and
   done
 }
 
+step_ep1() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 (every path but the copies between GPUs and
+  # the replicas), the sync audit, and one layer at EP 1 with a torch.profiler table (what the local work costs)
+  TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
+    tests/test_weighting.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_tests.log"
+  TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/moe_layer.py --name moe_layer_ep1 \
+    --out "$OUT" --backends cuda --no-megatron --slots 2 --tokens 4096 16384 --skews 0 --layouts random \
+    --profile-iters 2 --torch-profile 2>&1 | grep -E "^  [0-9]|Error|error" | tail -10
+}
+
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
   # and VAR=1, interleaved twice (machines differ by several % from call to call: compare inside one call)
   local var=$1 name=$2 slots=$3; shift 3
@@ -74,6 +84,12 @@ step_reload_ab() {  # what the backward reload costs: a lone layer leaves it out
 
 step_return_ab() {  # the replica gradient return on the layer's stream (=0) or beside the main weight gradients (=1)
   ab_layer TOPOEP_RETURN_SIDE_STREAM moe_layer_return_side 8 --skews 0 -4 --layouts concentrated
+}
+
+step_replica_copy() {  # the replica fetch and gradient push kernels' bandwidth for copy chunk sizes and warps, beside
+  # copy engines (bench/replica_copy.py -> results/replica_copy.md)
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/replica_copy.py --out "$OUT" \
+    2>&1 | grep -v -i warn | tail -40
 }
 
 step_fetch_ab() {  # what the side-stream replica fetch saves: 8 slots, fetch on the layer's stream or the side stream

@@ -34,6 +34,7 @@ except ImportError:  # CPU-only environments: the module imports, the kernels ar
 
 ROW_PROGRAMS_PER_SM = 8
 COPY_CHUNK = 8192  # elements per program of the weight and gradient copies
+COPY_WARPS = 4  # warps per program of those copies (Triton's default); bench/replica_copy.py tries others
 
 if triton is not None:
 
@@ -382,7 +383,8 @@ class SymmReplicaPool:
         for ptrs, buf in ((_expert_ptrs(W1), self._fc1), (_expert_ptrs(W2), self._fc2)):
             numel = buf.tensor[0].numel()
             _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
-                                                                      self.num_slots, numel, CHUNK=COPY_CHUNK)
+                                                                      self.num_slots, numel, CHUNK=COPY_CHUNK,
+                                                                      num_warps=COPY_WARPS)
 
     def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int) -> None:
         """First half of the gradient return: my slots' weight gradients src1 [N, 2F, H] / src2 [N, H, F]
@@ -394,7 +396,8 @@ class SymmReplicaPool:
         for src, ret in ((src1, self.ret1), (src2, self.ret2)):
             numel = src[0].numel()
             _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, src.contiguous(), ret.ptrs, self.rank,
-                                                                    e_loc, N, numel, CHUNK=COPY_CHUNK)
+                                                                    e_loc, N, numel, CHUNK=COPY_CHUNK,
+                                                                    num_warps=COPY_WARPS)
 
     def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
         """Second half: a barrier (every rank has pushed), then grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] of
