@@ -5,6 +5,8 @@ fetches (the copies themselves run on the GPU: tests/test_cuda_backend_gpu.py)."
 
 import types
 
+import pytest
+
 import torch
 
 from topoep.runtime import cuda_function as cf
@@ -61,3 +63,13 @@ def test_reload_always_switch(monkeypatch):
     monkeypatch.setattr(cf, "RELOAD_ALWAYS", True)
     pool = _Pool()
     assert _run(pool, [("fwd", 1), ("bwd", 1)]) == [1, 1]
+
+
+def test_switches_take_0_or_1(monkeypatch):
+    monkeypatch.setenv("TOPOEP_RELOAD_ALWAYS", "yes")
+    with pytest.raises(ValueError, match="TOPOEP_RELOAD_ALWAYS='yes': set it to 0 or 1"):
+        cf.env_switch("TOPOEP_RELOAD_ALWAYS", False)
+    monkeypatch.setenv("TOPOEP_RELOAD_ALWAYS", "1")
+    assert cf.env_switch("TOPOEP_RELOAD_ALWAYS", False)
+    monkeypatch.delenv("TOPOEP_RELOAD_ALWAYS")
+    assert not cf.env_switch("TOPOEP_RELOAD_ALWAYS", False) and cf.env_switch("TOPOEP_RELOAD_ALWAYS", True)

@@ -92,14 +92,24 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
 _SIDE_STREAMS: dict = {}
 # TOPOEP_FETCH_SIDE_STREAM=1 runs the replica fetch on a side stream beside the dispatch. Off by default: on
 # 2 x H200 it saved nothing measurable and was up to 7 % slower (results/moe_layer_fetch_ab.md)
-SIDE_STREAM_FETCH = os.environ.get("TOPOEP_FETCH_SIDE_STREAM", "0") == "1"
+def env_switch(name: str, default: bool) -> bool:
+    """A 0/1 environment switch; any other value raises and names the variable."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: set it to 0 or 1 (or leave it unset for {int(default)})")
+    return v == "1"
+
+
+SIDE_STREAM_FETCH = env_switch("TOPOEP_FETCH_SIDE_STREAM", False)
 # TOPOEP_RETURN_SIDE_STREAM=0 pushes the replica gradients on the layer's stream after the main experts' weight
 # gradients instead of on a side stream beside them (peer transport only)
-SIDE_STREAM_RETURN = os.environ.get("TOPOEP_RETURN_SIDE_STREAM", "1") == "1"
+SIDE_STREAM_RETURN = env_switch("TOPOEP_RETURN_SIDE_STREAM", True)
 # TOPOEP_RELOAD_ALWAYS=1 reloads the replicas in backward even when the slots still hold them (what every
 # MoE layer but the last does in a model with several of them): benchmarks of a single layer use it to
 # show what such a layer costs
-RELOAD_ALWAYS = os.environ.get("TOPOEP_RELOAD_ALWAYS", "0") == "1"
+RELOAD_ALWAYS = env_switch("TOPOEP_RELOAD_ALWAYS", False)
 
 
 def side_stream(device) -> torch.cuda.Stream:
