@@ -52,6 +52,17 @@ class GlooExchange:
         self.device = torch.device(device)
         self.blocks_per_peer = blocks_per_peer  # checked as torch's NVSHMEM op asserts it (tests)
 
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, group=None):
+        """One exchange per group in the process (backend cuda's transport 'gloo': every layer's workspace and
+        pool use it, as with NvshmemExchange.shared)."""
+        key = (group or dist.group.WORLD).group_name
+        if key not in cls._shared:
+            cls._shared[key] = cls(group)
+        return cls._shared[key]
+
     def buffer(self, shape, dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 

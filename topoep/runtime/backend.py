@@ -159,7 +159,9 @@ def e_main(e: int, experts_per_rank: int) -> int:
 BACKENDS = ("torch", "cuda")
 
 
-TRANSPORTS = ("peer", "a2a")
+# "gloo": backend cuda's logic on CPU processes over gloo (a2a.py's workspace and pool on GlooExchange, torch
+# references in place of the Triton kernels): a test harness for the CPU, not a way to train
+TRANSPORTS = ("peer", "a2a", "gloo")
 
 
 def make_backend(name: str, group=None, max_tokens: int | None = None, transport: str = "peer"):
@@ -185,7 +187,8 @@ class CudaBackend:
 
     transport: "peer" (symm.py: peer pointers, every rank of the group on one host) or "a2a" (a2a.py:
     NVSHMEM all-to-alls with split sizes on the device, across hosts too; on one host it runs 2 GPUs as
-    virtual domains through the same path as real RDMA)."""
+    virtual domains through the same path as real RDMA); "gloo" runs the same logic on CPU processes (a2a.py
+    over gloo, torch references for the kernels): the CPU tests' harness."""
 
     name = "cuda"
     # the forward fetch, the backward reload and the gradient return wait on the stream (a side-stream fetch
@@ -194,7 +197,7 @@ class CudaBackend:
     host_splits = False
 
     def __init__(self, group=None, max_tokens: int | None = None, transport: str = "peer"):
-        if not torch.cuda.is_available():
+        if transport != "gloo" and not torch.cuda.is_available():
             raise ValueError("backend 'cuda' needs a CUDA GPU; use backend='torch' on the CPU")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("backend 'cuda' needs torch.distributed initialised (init_process_group('nccl') with "
@@ -216,6 +219,13 @@ class CudaBackend:
         self._exchange = None
         if transport == "a2a":  # NVSHMEM initialises collectively: here, where every rank builds its layers
             self.exchange(torch.device("cuda", torch.cuda.current_device()))
+        if transport == "gloo":
+            from topoep.runtime.a2a import GlooExchange
+
+            if dist.get_backend(group) != "gloo":
+                raise ValueError("transport 'gloo' (backend cuda's CPU test harness) needs a gloo process group, got "
+                                 f"{dist.get_backend(group)!r}")
+            self._exchange = GlooExchange.shared(group)
 
     def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device):
         """The process-wide symmetric buffers for calls of this shape (created on first use: collective)."""
@@ -229,7 +239,7 @@ class CudaBackend:
                              "call's T): pass max_tokens=<the largest T> to ExpertParallelMoE")
         E_loc = num_experts // self.world_size
         G = E_loc + num_slots
-        if self.transport == "a2a":
+        if self.transport in ("a2a", "gloo"):
             from topoep.runtime.a2a import A2AWorkspace
 
             return A2AWorkspace.shared(self.exchange(device), G, E_loc, self._max_rows, hidden, dtype)
@@ -241,7 +251,7 @@ class CudaBackend:
 
         if not num_slots:
             return None
-        if self.transport == "a2a":
+        if self.transport in ("a2a", "gloo"):
             from topoep.runtime.a2a import A2AReplicaPool
 
             return A2AReplicaPool.shared(self.exchange(device), num_slots, hidden, ffn_hidden, dtype)

@@ -31,7 +31,9 @@ import torch
 from topoep.plan import Plan
 from topoep.runtime.symm import swiglu_act, swiglu_act_grad
 from topoep.runtime.timing import PhaseTimer, phase
-from topoep.runtime.weighting import row_dots, sum_choices, weighted_sum
+from topoep.runtime.experts import _act_grads, swiglu_act_reference
+from topoep.runtime.weighting import (row_dots, row_dots_reference, sum_choices, sum_choices_reference, weighted_sum,
+                                      weighted_sum_reference)
 
 
 @dataclass
@@ -73,20 +75,46 @@ def stack_experts(ws: list[torch.Tensor]) -> torch.Tensor:
 # read n on the device) and never read. w1 [G, 2F, H], w2 [G, H, F].
 # References: experts.swiglu_act_reference, experts._act_grads.
 
+# On the CPU (transport "gloo", the test harness) the Triton kernels' torch references stand in for them.
+
+def _act(h, n):
+    return swiglu_act(h, n) if h.is_cuda else swiglu_act_reference(h)
+
+
+def _act_grad(grad_act, h, n):
+    return swiglu_act_grad(grad_act, h, n) if h.is_cuda else _act_grads(grad_act, h)
+
+
+def _weighted_sum(rows, w, save):
+    if rows.is_cuda:
+        return weighted_sum(rows, w, save=save)
+    if save is not None:
+        save.copy_(rows[:save.shape[0]])
+    return weighted_sum_reference(rows, w)
+
+
+def _row_dots(g, rows, k):
+    return row_dots(g, rows, k) if g.is_cuda else row_dots_reference(g, rows, k)
+
+
+def _sum_choices(rows, k, T):
+    return sum_choices(rows, k, T) if rows.is_cuda else sum_choices_reference(rows, k, T)
+
+
 def grouped_swiglu(x, w1, w2, offs, n):
     h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(swiglu_act(h, n), w2.transpose(1, 2), offs=offs), h
+    return torch._grouped_mm(_act(h, n), w2.transpose(1, 2), offs=offs), h
 
 
 def grouped_swiglu_dgrad(gy, h, w1, w2, offs, n):
-    gh = swiglu_act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
+    gh = _act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
     return torch._grouped_mm(gh, w1, offs=offs), gh
 
 
 def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
     """The weight gradients of every group, (g1 [G, 2F, H], g2 [G, H, F]), written once by the GEMMs (no
     zero fill, no accumulation pass); a group with no rows gets zeros."""
-    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), swiglu_act(h, n), offs=offs)
+    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), _act(h, n), offs=offs)
 
 
 _SIDE_STREAMS: dict = {}
@@ -208,7 +236,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             rows = ws.combine(ym, ys, n_main, n_slot, T * k, copy=False)
             # the expert outputs stay for the weights' gradient: copied in the same pass as the weighted sum
             kept = rows.new_empty(T * k, rows.shape[1]) if ctx.needs_input_grad[1] else None
-            y = weighted_sum(rows, wq, save=kept)
+            y = _weighted_sum(rows, wq, kept)
         ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
         ctx.save_for_backward(wq, kept, *weights, xm, hm, *((xs, hs) if pool is not None else ()))
@@ -222,7 +250,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         weights, (xm, hm), rest = t[:2 * n], t[2 * n:2 * n + 2], t[2 * n + 2:]
         T, k = wq.shape
         grad_y = grad_out.contiguous()
-        grad_w = row_dots(grad_y, kept, k).to(ctx.w_dtype) if kept is not None else None
+        grad_w = _row_dots(grad_y, kept, k).to(ctx.w_dtype) if kept is not None else None
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
         # reload this layer's replicas unless the slots still hold them (start_fetch)
@@ -240,7 +268,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
         with phase(tm, "dispatch_combine", collective=True):
             grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
-            grad_x = sum_choices(grad_assign, k, T)
+            grad_x = _sum_choices(grad_assign, k, T)
 
         def main_wgrad():
             return grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main)

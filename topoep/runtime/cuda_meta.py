@@ -32,7 +32,7 @@ class MetadataGraphs:
     def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple:
         """fn(topk_idx, *inputs) -> tuple of tensors, through the graph when possible. Every input is a device
         tensor whose shape is fixed by topk_idx's (the graph copies it into its own before each replay)."""
-        if not self.enabled or torch.cuda.is_current_stream_capturing():
+        if not self.enabled or not topk_idx.is_cuda or torch.cuda.is_current_stream_capturing():
             return fn(topk_idx, *inputs)
         key = (tuple(topk_idx.shape), topk_idx.device)
         entry = self._graphs.get(key)

@@ -73,7 +73,8 @@ class ExpertParallelMoE(nn.Module):
         max_tokens: backend "cuda" only: the most tokens per rank of one call (its worst-case buffers hold
             EP size x max_tokens x k rows); default the first call's T.
         transport: backend "cuda" only: "peer" (peer pointers; the EP group on one host) or "a2a" (NVSHMEM
-            all-to-alls with device-side splits; any hosts, `a2a.py`).
+            all-to-alls with device-side splits; any hosts, `a2a.py`); "gloo": the same logic on CPU processes
+            over gloo with torch references for the kernels (a test harness).
 
     Attributes:
         timer: a `PhaseTimer` to time the phases of every call (benchmarks; serialises the pipeline),
@@ -254,8 +255,10 @@ class ExpertParallelMoE(nn.Module):
         T, k = topk_idx.shape
         N, E_loc = self.num_slots, self.experts_per_rank
         be, tm = self.backend, self.timer
-        if not x.is_cuda or x.dtype != torch.bfloat16:
-            raise ValueError(f"backend 'cuda' runs bf16 tensors on a GPU, got x {x.dtype} on {x.device}")
+        cpu_harness = getattr(be, "transport", None) == "gloo"
+        if x.is_cuda == cpu_harness or x.dtype != torch.bfloat16:
+            where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
+            raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
         ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device)
         # static never uses a slot, and neither does a call whose guard will fire (slot_hint): no fetch, no
         # slot GEMMs, no gradient return

@@ -1,0 +1,112 @@
+"""Backend cuda's logic on the CPU (transport "gloo"): 4 processes over gloo as 2 domains of 2, the a2a workspace
+and replica pool on a gloo exchange, torch references in place of the Triton kernels. Everything else is the GPU
+path's code: the metadata (counts, plan, guard, statistics, receive layout), the autograd function with its
+top-k weighting, the slot GEMMs, the replica fetch, the backward reload (and when it is left out) and the
+gradient return. Checked against backend torch and an fp64 reference as the GPU tests do
+(tests/test_cuda_backend_gpu.py): every policy's output and gradients (x, top-k weights, expert weights) within
+2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not)."""
+
+import torch
+
+from distributed import run_ranks
+from test_cuda_backend_gpu import E_LOC, FD, H, K, T, _dense, _routing
+
+WORLD, RPD = 4, 2
+
+
+def _layer(E, policy, backend, fc1, fc2, lo, hi):
+    from topoep import ExpertParallelMoE, Topology
+
+    layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                              topology=Topology(num_domains=WORLD // RPD, ranks_per_domain=RPD), num_slots=2,
+                              policy=policy, backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
+                              transport="gloo" if backend == "cuda" else "peer")
+    with torch.no_grad():
+        layer.fc1.copy_(fc1[lo:hi])
+        layer.fc2.copy_(fc2[lo:hi])
+    return layer
+
+
+def _errors(got, ref, lo, hi):
+    """Max abs error of (x grad, w grad, fc1 grad, fc2 grad[, y]) against the fp64 reference."""
+    return [float((a.double() - (b if i < 2 else b[lo:hi])).abs().max()) for i, (a, b) in enumerate(zip(got, ref))]
+
+
+def _policies(rank, world, policies):
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    g = torch.Generator().manual_seed(3)
+    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+    data = _routing(world, 11, 3.0, "cpu")
+    refs = [_dense(*d[:3], fc1, fc2, d[3]) for d in data]
+    ref = [refs[rank][1], refs[rank][2], sum(r[3] for r in refs), sum(r[4] for r in refs)]
+    x, idx, w, gy = data[rank]
+    out = {}
+    for policy in policies:
+        for backend in ("torch", "cuda"):
+            layer = _layer(E, policy, backend, fc1, fc2, lo, hi)
+            ys = []
+            for _ in range(2):
+                layer.zero_grad(set_to_none=True)
+                xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
+                y = layer(xr, idx, wr)
+                (y * gy.to(torch.bfloat16)).sum().backward()
+                ys.append(y.detach())
+            errs = _errors([xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad], ref, lo, hi)
+            errs.append(float((ys[-1].double() - refs[rank][0]).abs().max()))
+            out[(policy, backend)] = (errs, layer.stats_dict()["replica_fraction"], torch.equal(ys[0], ys[1]))
+    return out
+
+
+def test_every_policy_matches_backend_torch_within_bf16_error():
+    from topoep import POLICIES
+
+    for out in run_ranks(_policies, WORLD, list(POLICIES)):
+        for policy in POLICIES:
+            errs_t, rep_t, _ = out[(policy, "torch")]
+            errs_c, rep_c, repeatable = out[(policy, "cuda")]
+            assert rep_c == rep_t and repeatable  # the same plan; two calls give the same output
+            for what, ec, et in zip(("grad x", "grad w", "grad fc1", "grad fc2", "y"), errs_c, errs_t):
+                assert ec <= 2 * et + 1e-6, f"{policy} {what}: error {ec:.3g} > 2 x torch's {et:.3g}"
+        assert out[("topoep", "cuda")][1] > 0 and out[("deepseek", "cuda")][1] > 0  # replicas served tokens
+
+
+def _two_layers(rank, world):
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    weights, data, refs = [], [], []
+    for seed in (7, 8):  # layers A and B: other weights and routing, so other replicas
+        g = torch.Generator().manual_seed(seed)
+        fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+        d = _routing(world, 30 + seed, 3.0, "cpu")
+        r = [_dense(*q[:3], fc1, fc2, q[3]) for q in d]
+        weights.append((fc1, fc2))
+        data.append(d[rank])
+        refs.append([r[rank][1], r[rank][2], sum(q[3] for q in r), sum(q[4] for q in r)])
+    out = {}
+    for backend in ("torch", "cuda"):
+        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi) for fc1, fc2 in weights]
+        losses, leaves = [], []
+        for layer, (x, idx, w, gy) in zip(layers, data):
+            xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
+            losses.append((layer(xr, idx, wr) * gy.to(torch.bfloat16)).sum())
+            leaves.append((xr, wr))
+        losses[1].backward()  # B, then A
+        losses[0].backward()
+        errs = []
+        for layer, (xr, wr), ref in zip(layers, leaves, refs):
+            errs += _errors([xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad], ref, lo, hi)
+        pool = layers[0].pool
+        out[backend] = (errs, [layer.stats_dict()["replica_fraction"] for layer in layers],
+                        (pool.fills, pool.reloads_skipped) if backend == "cuda" else None)
+    return out
+
+
+def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
+    for out in run_ranks(_two_layers, WORLD):
+        (errs_t, reps_t, _), (errs_c, reps_c, counts) = out["torch"], out["cuda"]
+        assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)
+        assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
+        names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
+        for what, ec, et in zip(names, errs_c, errs_t):
+            assert ec <= 2 * et + 1e-6, f"{what}: error {ec:.3g} > 2 x torch's {et:.3g}"
