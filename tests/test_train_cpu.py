@@ -71,6 +71,18 @@ def test_topoep_follows_megatron_baseline(runs):
     assert a[0]["moe/imbalance_before"] == pytest.approx(b[0]["moe/imbalance_before"])
 
 
+def test_backend_cuda_logic_trains_on_the_cpu_like_backend_torch(tmp_path):
+    """eplb.backend=cuda with eplb.transport=gloo (backend cuda's code on CPU processes, torch references for its
+    kernels; bf16 as on the GPU) trains like backend torch: the same losses up to bf16 rounding."""
+    steps = ("trainer.steps=3", "trainer.bf16=true", "logger=none")
+    train(tmp_path / "cuda", "eplb=topoep", "eplb.backend=cuda", "eplb.transport=gloo", *steps)
+    train(tmp_path / "torch", "eplb=topoep", *steps)
+    a, b = metrics(tmp_path / "cuda"), metrics(tmp_path / "torch")
+    assert [r["step"] for r in a] == [1, 2, 3]
+    assert all(abs(x["loss"] - y["loss"]) < 2e-3 * abs(y["loss"]) for x, y in zip(a, b)), (a, b)
+    assert all(r["moe/replica_fraction"] > 0 for r in a)
+
+
 def test_guard_on_cpu_executes_the_static_plan(runs, tmp_path):
     """eplb.guard=true on a CPU with the guard's GPU constants: at the tiny model's size no saving pays for
     the planning estimate, so every call executes the static plan: no replicas, the baseline's losses."""
