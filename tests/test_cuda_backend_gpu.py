@@ -242,9 +242,11 @@ def _two_layers(rank, world):
     out = {}
     from topoep.runtime import cuda_function
 
-    for name in ("torch", "cuda", "cuda-return-on-stream"):  # the last: TOPOEP_RETURN_SIDE_STREAM=0's path
+    # the last two: TOPOEP_RETURN_SIDE_STREAM=0's path, TOPOEP_COMBINE_SIDE_STREAM=1's
+    for name in ("torch", "cuda", "cuda-return-on-stream", "cuda-combine-side"):
         backend = name.split("-")[0]
         cuda_function.SIDE_STREAM_RETURN = name != "cuda-return-on-stream"
+        cuda_function.SIDE_STREAM_COMBINE = name == "cuda-combine-side"
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
@@ -271,11 +273,13 @@ def _two_layers(rank, world):
             grads += got
         reps = [layer.stats_dict()["replica_fraction"] for layer in layers]
         pool = layers[0].pool if backend == "cuda" else None
-        counts = (pool.fills - (out["cuda"][2][0] if name == "cuda-return-on-stream" else 0),
-                  pool.reloads_skipped - (out["cuda"][2][1] if name == "cuda-return-on-stream" else 0)) \
-            if pool is not None else None  # the cuda runs share the process's pool: this run's own counts
+        # the cuda runs share the process's pool: this run's own counts
+        before = getattr(pool, "_counted", (0, 0)) if pool is not None else None
+        counts = (pool.fills - before[0], pool.reloads_skipped - before[1]) if pool is not None else None
+        if pool is not None:
+            pool._counted = (pool.fills, pool.reloads_skipped)
         out[name] = (errs, reps, counts, grads)
-    cuda_function.SIDE_STREAM_RETURN = True
+    cuda_function.SIDE_STREAM_RETURN, cuda_function.SIDE_STREAM_COMBINE = True, False
     return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),)
             for k, v in out.items()}
 
@@ -284,14 +288,14 @@ def _two_layers(rank, world):
 def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
         errs_t, reps_t, _, _ = out["torch"]
-        for name in ("cuda", "cuda-return-on-stream"):
+        for name in ("cuda", "cuda-return-on-stream", "cuda-combine-side"):
             errs_c, reps_c, counts, same_as_cuda = out[name]
             assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # both layers use replicas
             assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
             names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
             for what, ec, et in zip(names, errs_c, errs_t):
                 assert ec <= 2 * et + 1e-6, f"{name} {what}: error {ec:.3g} > 2 x torch's {et:.3g}"
-            # the gradient return on the layer's stream or on a side stream: the same sums in the same order
+            # the gradient return or the combine on the layer's stream or a side stream: the same sums, same order
             assert same_as_cuda, f"{name}: gradients differ from the side-stream return's"
 
 

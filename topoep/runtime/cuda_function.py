@@ -138,6 +138,9 @@ SIDE_STREAM_RETURN = env_switch("TOPOEP_RETURN_SIDE_STREAM", True)
 # MoE layer but the last does in a model with several of them): benchmarks of a single layer use it to
 # show what such a layer costs
 RELOAD_ALWAYS = env_switch("TOPOEP_RELOAD_ALWAYS", False)
+# TOPOEP_COMBINE_SIDE_STREAM=1 runs the backward combine (the token gradients going home) on a side stream beside
+# the weight-gradient GEMMs (peer transport). Off by default until measured (tools/gpu_session.sh combine_ab)
+SIDE_STREAM_COMBINE = env_switch("TOPOEP_COMBINE_SIDE_STREAM", False)
 
 
 def side_stream(device) -> torch.cuda.Stream:
@@ -266,9 +269,17 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             if pool is not None:
                 xs, hs = rest
                 gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
-        with phase(tm, "dispatch_combine", collective=True):
-            grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
-            grad_x = _sum_choices(grad_assign, k, T)
+        # the token gradients go home: on a side stream beside the weight gradients (TOPOEP_COMBINE_SIDE_STREAM=1,
+        # peer transport, no timer), joined before their sum over choices; else here
+        side = None
+        if tm is None and SIDE_STREAM_COMBINE and getattr(ws, "async_combine", False):
+            main, side = torch.cuda.current_stream(gxm.device), side_stream(gxm.device)
+            side.wait_stream(main)  # the data gradients are made; gxm, gxs stay referenced until the join
+            with torch.cuda.stream(side):
+                grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
+        else:
+            with phase(tm, "dispatch_combine", collective=True):
+                grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
 
         def main_wgrad():
             return grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main)
@@ -280,6 +291,10 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with phase(tm, "experts"):
                 s1, s2 = grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot)
             g1, g2 = return_grads(call, s1, s2, main_wgrad)
+        if side is not None:
+            main.wait_stream(side)
+        with phase(tm, "dispatch_combine"):
+            grad_x = _sum_choices(grad_assign, k, T)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves
             return grad_x, grad_w, None, g1, g2
         return (grad_x, grad_w, None, *g1.unbind(0), *g2.unbind(0))

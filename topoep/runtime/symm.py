@@ -234,6 +234,8 @@ class SymmWorkspace:
     shared by every layer. Creating one is collective: every rank of the group must do it at the same
     point (the first forward)."""
 
+    async_combine = True  # combine may run on a side stream (its barrier is on its own stream; no host work)
+
     _shared: dict = {}
 
     def __init__(self, group, num_groups: int, experts_per_rank: int, count_width: int, a_cap: int, hidden: int,
