@@ -1,4 +1,4 @@
-"""CPU test of backend cuda's fused top-k weighting (topoep/runtime/weighting.py): its three Triton kernels
+"""CPU test of backend cuda's fused top-k weighting (topoep/runtime/weighting.py): its Triton kernels
 against their torch references under Triton's interpreter (tests/weighting_check.py in a subprocess: the
 interpreter must be chosen before triton is imported). tests/test_cuda_backend_gpu.py runs the same check
 with the compiled kernels on the GPU."""
