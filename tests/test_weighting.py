@@ -1,7 +1,7 @@
 """CPU test of backend cuda's fused top-k weighting (topoep/runtime/weighting.py): its Triton kernels
 against their torch references under Triton's interpreter (tests/weighting_check.py in a subprocess: the
-interpreter must be chosen before triton is imported). tests/test_cuda_backend_gpu.py runs the same check
-with the compiled kernels on the GPU."""
+interpreter must be chosen before triton is imported), and the same check with the compiled kernels on a GPU
+(skipped without one)."""
 
 import os
 import subprocess
