@@ -29,6 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.moe_layer import across_ranks_max, time_iterations  # noqa: E402
 
 HIDDEN, FFN = 2048, 768
 
@@ -67,22 +68,10 @@ def _weights(rank: int, e_loc: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _timed(fn, runs: int, warmup: int) -> float:
-    """Median ms of fn over runs (CUDA events), the slowest rank's."""
+    """Median ms of fn over runs (CUDA events, each after a barrier), the slowest rank's."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(runs):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return statistics.median(across_ranks_max(time_iterations(fn, runs, cuda=True), torch.device("cuda")))
 
 
 def main(argv=None) -> int:
