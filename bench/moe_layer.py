@@ -533,7 +533,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
         f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
-        f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; megatron experts: "
+        f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; backend cuda's token chunks: "
+        f"{os.environ.get('TOPOEP_CUDA_CHUNKS', '1')}; megatron experts: "
         f"{experts_module or 'not run'}",
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
         "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "

@@ -4,8 +4,11 @@ path's code: the metadata (counts, plan, guard, statistics, receive layout), the
 top-k weighting, the slot GEMMs, the replica fetch, the backward reload (and when it is left out) and the
 gradient return. Checked against backend torch and an fp64 reference as the GPU tests do
 (tests/test_cuda_backend_gpu.py): every policy's output and gradients (x, top-k weights, expert weights) within
-2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not)."""
+2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not).
+Each with the tokens in one chunk and in two (TOPOEP_CUDA_CHUNKS=2: a route split at the boundary, two regions
+of the receive buffers)."""
 
+import pytest
 import torch
 
 from distributed import run_ranks
@@ -14,7 +17,7 @@ from test_cuda_backend_gpu import E_LOC, FD, H, K, T, _dense, _routing
 WORLD, RPD = 4, 2
 
 
-def _layer(E, policy, backend, fc1, fc2, lo, hi):
+def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1):
     from topoep import ExpertParallelMoE, Topology
 
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
@@ -24,6 +27,7 @@ def _layer(E, policy, backend, fc1, fc2, lo, hi):
     with torch.no_grad():
         layer.fc1.copy_(fc1[lo:hi])
         layer.fc2.copy_(fc2[lo:hi])
+    layer.cuda_chunks = chunks  # backend cuda's token chunks (TOPOEP_CUDA_CHUNKS)
     return layer
 
 
@@ -32,7 +36,7 @@ def _errors(got, ref, lo, hi):
     return [float((a.double() - (b if i < 2 else b[lo:hi])).abs().max()) for i, (a, b) in enumerate(zip(got, ref))]
 
 
-def _policies(rank, world, policies):
+def _policies(rank, world, policies, chunks):
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     g = torch.Generator().manual_seed(3)
@@ -44,7 +48,7 @@ def _policies(rank, world, policies):
     out = {}
     for policy in policies:
         for backend in ("torch", "cuda"):
-            layer = _layer(E, policy, backend, fc1, fc2, lo, hi)
+            layer = _layer(E, policy, backend, fc1, fc2, lo, hi, chunks)
             ys = []
             for _ in range(2):
                 layer.zero_grad(set_to_none=True)
@@ -58,10 +62,11 @@ def _policies(rank, world, policies):
     return out
 
 
-def test_every_policy_matches_backend_torch_within_bf16_error():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_every_policy_matches_backend_torch_within_bf16_error(chunks):
     from topoep import POLICIES
 
-    for out in run_ranks(_policies, WORLD, list(POLICIES)):
+    for out in run_ranks(_policies, WORLD, list(POLICIES), chunks):
         for policy in POLICIES:
             errs_t, rep_t, _ = out[(policy, "torch")]
             errs_c, rep_c, repeatable = out[(policy, "cuda")]
@@ -71,7 +76,7 @@ def test_every_policy_matches_backend_torch_within_bf16_error():
         assert out[("topoep", "cuda")][1] > 0 and out[("deepseek", "cuda")][1] > 0  # replicas served tokens
 
 
-def _two_layers(rank, world):
+def _two_layers(rank, world, chunks):
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     weights, data, refs = [], [], []
@@ -85,7 +90,7 @@ def _two_layers(rank, world):
         refs.append([r[rank][1], r[rank][2], sum(q[3] for q in r), sum(q[4] for q in r)])
     out = {}
     for backend in ("torch", "cuda"):
-        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi) for fc1, fc2 in weights]
+        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks) for fc1, fc2 in weights]
         losses, leaves = [], []
         for layer, (x, idx, w, gy) in zip(layers, data):
             xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
@@ -102,11 +107,45 @@ def _two_layers(rank, world):
     return out
 
 
-def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
-    for out in run_ranks(_two_layers, WORLD):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_two_layers_share_the_slots_and_the_earlier_one_reloads(chunks):
+    for out in run_ranks(_two_layers, WORLD, chunks):
         (errs_t, reps_t, _), (errs_c, reps_c, counts) = out["torch"], out["cuda"]
         assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)
         assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
         names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
         for what, ec, et in zip(names, errs_c, errs_t):
             assert ec <= 2 * et + 1e-6, f"{what}: error {ec:.3g} > 2 x torch's {et:.3g}"
+
+
+def _uneven(rank, world):
+    """Ranks with different token counts (1, 8, 5, 8; max_tokens 8) in two chunks: every rank must make the same
+    collectives (a rank with one token still runs both chunks) and the results match backend torch."""
+    from topoep import ExpertParallelMoE, Topology
+
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    g = torch.Generator().manual_seed(4)
+    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+    x, idx, w, gy = (t[:(1, 8, 5, 8)[rank]] for t in _routing(world, 12, 3.0, "cpu")[rank])
+    out = {}
+    for backend in ("torch", "cuda"):
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                  topology=Topology(num_domains=WORLD // RPD, ranks_per_domain=RPD), num_slots=2,
+                                  policy="topoep", backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
+                                  transport="gloo" if backend == "cuda" else "peer", max_tokens=8 if backend == "cuda"
+                                  else None)
+        with torch.no_grad():
+            layer.fc1.copy_(fc1[lo:hi])
+            layer.fc2.copy_(fc2[lo:hi])
+        layer.cuda_chunks = 2
+        xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
+        y = layer(xr, idx, wr)
+        (y * gy.to(torch.bfloat16)).sum().backward()
+        out[backend] = [t.float() for t in (y.detach(), xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad)]
+    return [float((a - b).abs().max()) / (float(b.abs().max()) + 1e-6) for a, b in zip(out["cuda"], out["torch"])]
+
+
+def test_two_chunks_with_uneven_token_counts():
+    for rel in run_ranks(_uneven, WORLD):
+        assert max(rel) < 0.05, rel  # bf16: the two backends round differently

@@ -151,3 +151,34 @@ def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
     # plans that do not route this rank's assignments of every expert, or route one to an empty slot
     assert "rejected (" in lines[12] and "rejected (" in lines[13], out.stdout
     assert any("(0 replicas)" not in ln for ln in lines)  # replicas exercised
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_chunks_send_every_assignment_to_the_instance_of_the_whole_call(seed):
+    """Backend cuda's two chunks (TOPOEP_CUDA_CHUNKS=2): each rank's route row split at the token boundary
+    (layout.chunk_route_row) gives each chunk's assignments the very instances the whole call's route gives
+    them, and the two chunk routes add up to the call's."""
+    import dataclasses
+
+    from topoep import Topology, solve
+    from topoep.runtime.layout import assignment_instances, chunk_route_row
+    from topoep.workloads import biased_topk
+
+    R, E, N, T, k = 4, 32, 3, 37 + seed, 4
+    idx = list(biased_topk(R, E, T, k, -3.0, seed=seed, layout="concentrated" if seed % 2 else "random").unbind(0))
+    omega = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idx])
+    plan = solve(omega, Topology(num_domains=2, ranks_per_domain=2), num_slots=N, policy="topoep",
+                 expert_bytes=1000, token_bytes=100)
+    assert (plan.slot_expert >= 0).any()
+    T1 = (T + 1) // 2
+    route1 = torch.stack([chunk_route_row(plan.route[r], plan.instance_expert, count_keys(idx[r][:T1], E))
+                          for r in range(R)])
+    assert (route1 >= 0).all() and (route1 <= plan.route).all()
+    for r in range(R):
+        whole = assignment_instances(idx[r], plan, r)
+        parts = []
+        for rows, route in ((idx[r][:T1], route1), (idx[r][T1:], plan.route - route1)):
+            omega_c = torch.zeros_like(plan.omega).index_add_(1, plan.instance_expert.clamp(min=0), route)
+            assert torch.equal(omega_c[r], torch.bincount(rows.reshape(-1), minlength=E))
+            parts.append(assignment_instances(rows, dataclasses.replace(plan, route=route, omega=omega_c), r))
+        assert torch.equal(torch.cat(parts), whole)

@@ -25,8 +25,7 @@ class _Pool:
 
 def _call(pool, tag):
     plan = types.SimpleNamespace(slot_expert=torch.full((1, 1), tag))
-    return cf.CudaLayerCall(plan=plan, workspace=None, pool=pool, order=None, dest=None, pos=None, is_slot=None,
-                            offs_main=None, offs_slot=None, n_main=None, n_slot=None, num_tokens=0, top_k=1,
+    return cf.CudaLayerCall(plan=plan, workspace=None, pool=pool, chunks=[], num_tokens=0, top_k=1,
                             experts_per_rank=1)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab chunks replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -88,6 +88,20 @@ step_return_ab() {  # the replica gradient return on the layer's stream (=0) or 
 
 step_combine_ab() {  # the backward combine on the layer's stream (=0, the default) or beside the weight gradients (=1)
   ab_layer TOPOEP_COMBINE_SIDE_STREAM moe_layer_combine_side 8 --skews 0 -4 --layouts concentrated
+}
+
+step_chunks() {  # backend cuda with its tokens in two chunks (TOPOEP_CUDA_CHUNKS=2: dispatch and combine on the
+  # comm stream beside the GEMMs): the GPU tests, then one layer with 1 and 2 chunks, interleaved twice
+  TOPOEP_CUDA_CHUNKS=2 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
+    | tail -15 | tee "$OUT/cuda_backend_chunks2_tests.log"
+  for rep in 1 2; do
+    for c in 1 2; do
+      TOPOEP_CUDA_CHUNKS=$c timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        bench/moe_layer.py --name moe_layer_chunks${c}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots 8 \
+        --tokens 4096 16384 --skews 0 -4 --layouts concentrated --profile-iters 0 2>&1 \
+        | grep -E "^  [0-9]|Error|error" | sed "s/^/chunks=$c rep=$rep /"
+    done
+  done
 }
 
 step_replica_copy() {  # the replica fetch and gradient push kernels' bandwidth for copy chunk sizes and warps, beside

@@ -235,18 +235,22 @@ class A2AWorkspace:
         return self.recv_main[:self.cap], (self.recv_slot[:self.cap] if self.recv_slot is not None else None)
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
-                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True) -> torch.Tensor:
+                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True, base: int = 0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """The reverse of the last dispatch: row pos of the main / slot results goes back to the source
-        that sent it, at its assignment index. Returns a new [num_rows, H] tensor (`copy` is the peer
-        workspace's switch; the rows here are always new)."""
+        that sent it, at its assignment index. base: the first row of the last dispatch's region (y_main and
+        y_slot hold that region). Returns a new [num_rows, H] tensor, or `out` with these rows written into it
+        (a chunk's; `copy` is the peer workspace's switch)."""
         slot, p, source = self._arrived
+        p = (p - base).clamp(0, y_main.shape[0] - 1)  # rows that did not arrive (padding) are not used
         rows = y_main.index_select(0, p)
         if y_slot is not None:
             rows = torch.where(slot[:, None], y_slot.index_select(0, p), rows)
         self.back_send.copy_(rows)
         # every arrived row goes back, padding included, so each source gets its padded send layout back
         self.exchange.all_to_all(self.back_send, self.back_recv, count_keys(source, self.R + 1)[:self.R])
-        out = y_main.new_empty(num_rows, y_main.shape[1])
+        if out is None:
+            out = y_main.new_empty(num_rows, y_main.shape[1])
         out.index_copy_(0, self._order, self.back_recv.index_select(0, self._send_pos))
         return out
 

@@ -14,6 +14,10 @@ never by the routing:
                 the last offset are never read)
     combine     one kernel stores every result row into its source's buffer at its assignment index; one
                 more (weighting.py) sums each token's k rows with its top-k weights
+With TOPOEP_CUDA_CHUNKS=2 the tokens are split in two halves, each with its own route (the plan's route row
+split at the boundary), layout and region of the receive buffers; on a GPU with the peer transport, dispatch and
+combine then run on a comm stream, the second half's dispatch beside the first half's GEMMs and the first half's
+combine beside the second's (paper 3.3's two-chunk pipeline; not yet run on a GPU).
 Backward runs the same steps for the token gradients (the dispatch scales each row by its top-k weight as it
 sends it; the weights' gradient is one kernel over the kept expert outputs), computes every data gradient before the weight
 gradients, and returns the replica weight gradients to their main ranks (summed there in source, slot
@@ -23,6 +27,7 @@ order). Memory: the received rows and the pre-activations kept for backward are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -37,25 +42,45 @@ from topoep.runtime.weighting import (row_dots, row_dots_reference, sum_choices,
 
 
 @dataclass
+class CudaChunk:
+    """One chunk of a call's tokens: its send and receive layout (device tensors), in its own region of the
+    receive buffers. order holds assignment indices within the chunk; `first` turns them into the call's."""
+
+    order: torch.Tensor  # int64[A_c]: the chunk's assignment index of send row i
+    dest: torch.Tensor  # int64[A_c]: destination rank of send row i
+    pos: torch.Tensor  # int64[A_c]: its row in the destination's region
+    is_slot: torch.Tensor  # bool[A_c]: main buffer or slot buffer
+    offs_main: torch.Tensor  # int32[E_loc]: end row of each main expert's group (grouped GEMM offsets)
+    offs_slot: torch.Tensor  # int32[N]: end row of each slot's group
+    n_main: torch.Tensor  # int64[1]: rows received for the main experts
+    n_slot: torch.Tensor  # int64[1]: rows received for the slots
+    first: int = 0  # the call's index of the chunk's first assignment (its first token x top_k)
+    base: int = 0  # the region's first row in the receive buffers
+    cap: int | None = None  # the region's rows (None: to the buffers' end)
+
+
+@dataclass
 class CudaLayerCall:
     """One call's device-side layout (all tensors on the GPU) and the shared buffers."""
 
     plan: Plan
     workspace: object  # symm.SymmWorkspace
     pool: object | None  # symm.SymmReplicaPool, None without slots
-    order: torch.Tensor  # int64[A]: assignment index of send row i
-    dest: torch.Tensor  # int64[A]: destination rank of send row i
-    pos: torch.Tensor  # int64[A]: its row in the destination's buffer
-    is_slot: torch.Tensor  # bool[A]: main buffer or slot buffer
-    offs_main: torch.Tensor  # int32[E_loc]: end row of each main expert's group (grouped GEMM offsets)
-    offs_slot: torch.Tensor  # int32[N]: end row of each slot's group
-    n_main: torch.Tensor  # int64[1]: rows received for the main experts
-    n_slot: torch.Tensor  # int64[1]: rows received for the slots
+    chunks: list  # [CudaChunk]: one, or two (tokens split in halves)
     num_tokens: int
     top_k: int
     experts_per_rank: int
     timer: PhaseTimer | None = None
     fill: int = -1  # which fill of the pool holds this call's replicas (start_fetch)
+
+
+def _send(ch: CudaChunk) -> torch.Tensor:
+    """The chunk's send order as the call's assignment indices."""
+    return ch.order + ch.first if ch.first else ch.order
+
+
+def _region(buf: torch.Tensor | None, ch: CudaChunk) -> torch.Tensor | None:
+    return None if buf is None else buf[ch.base: None if ch.cap is None else ch.base + ch.cap]
 
 
 def stack_experts(ws: list[torch.Tensor]) -> torch.Tensor:
@@ -214,35 +239,101 @@ def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main
     return g1, g2
 
 
+_COMM_STREAMS: dict = {}
+
+
+def _comm(call: "CudaLayerCall", t: torch.Tensor, wanted: bool):
+    """The comm stream of the device (created once) when dispatch and combine should run there: `wanted`,
+    on a GPU, without a timer (which serialises the phases), with a workspace whose dispatch and combine keep
+    no host state between them (the peer-pointer one); else None. Joins the layer's stream first."""
+    if not (wanted and t.is_cuda and call.timer is None and getattr(call.workspace, "async_combine", False)):
+        return None
+    if t.device not in _COMM_STREAMS:
+        _COMM_STREAMS[t.device] = torch.cuda.Stream(t.device)
+    comm = _COMM_STREAMS[t.device]
+    comm.wait_stream(torch.cuda.current_stream(t.device))
+    return comm
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record(stream):
+    """An event recorded on `stream` now (None for None)."""
+    if not stream:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def _wait(ev, device) -> None:
+    """The device's current stream waits for the event (None: nothing to wait for)."""
+    if ev is not None:
+        torch.cuda.current_stream(device).wait_event(ev)
+
+
 class CudaExpertParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor, call: CudaLayerCall,
                 *weights: torch.Tensor) -> torch.Tensor:
-        """y [T, H] = sum over the k choices of topk_weights [T, k] times the expert's output (weighting.py)."""
+        """y [T, H] = sum over the k choices of topk_weights [T, k] times the expert's output (weighting.py).
+        With two chunks (and the peer transport, no timer), dispatch and combine run on the comm stream: the
+        second chunk's dispatch beside the first chunk's GEMMs, the first chunk's combine beside the second's."""
         n = len(weights) // 2
         T, k = topk_weights.shape
         wq = topk_weights.to(x.dtype).contiguous()  # the weights in the layer's dtype, as a torch layer multiplies
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
-        with phase(tm, "dispatch_combine", collective=True):
-            rm, rs = ws.dispatch(x, call.order, call.top_k, call.dest, call.pos, call.is_slot, join=fetched)
-            n_main, n_slot = call.n_main, call.n_slot
-            xm = ws.copy_rows(rm, n_main)  # kept for backward: the receive buffers are reused
-            xs = ws.copy_rows(rs, n_slot) if pool is not None else None
-        with phase(tm, "experts"):
-            ym, hm = grouped_swiglu(xm, W1, W2, call.offs_main, n_main)
-            ys = hs = None
-            if pool is not None:
-                ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, call.offs_slot, n_slot)
-        with phase(tm, "dispatch_combine", collective=True):
-            rows = ws.combine(ym, ys, n_main, n_slot, T * k, copy=False)
+        comm = _comm(call, x, len(call.chunks) > 1)
+
+        def dispatch(i, ch):
+            with _on(comm), phase(tm, "dispatch_combine", collective=True):
+                rm, rs = ws.dispatch(x, _send(ch), k, ch.dest, ch.pos + ch.base if ch.base else ch.pos, ch.is_slot,
+                                     join=fetched if i == 0 else None)
+                return _region(rm, ch), _region(rs, ch), _record(comm)
+
+        def compute(ch, rm, rs, ready):
+            _wait(ready, x.device)
+            with phase(tm, "dispatch_combine", collective=True):  # kept for backward: the buffers are reused
+                xm = ws.copy_rows(rm, ch.n_main)
+                xs = ws.copy_rows(rs, ch.n_slot) if pool is not None else None
+            with phase(tm, "experts"):
+                ym, hm = grouped_swiglu(xm, W1, W2, ch.offs_main, ch.n_main)
+                ys = hs = None
+                if pool is not None:
+                    ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, ch.offs_slot, ch.n_slot)
+            return (xm, hm, xs, hs), (ym, ys), _record(comm and torch.cuda.current_stream(x.device))
+
+        def combine(ch, ym, ys, done, rows):
+            with _on(comm), phase(tm, "dispatch_combine", collective=True):
+                _wait(done, x.device)
+                return ws.combine(ym, ys, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base, out=rows)
+
+        rows, saved, outputs = None, [], []  # outputs: every chunk's expert outputs, alive until the join
+        if comm is None:  # in turn: each chunk dispatched, computed and combined before the next
+            for i, ch in enumerate(call.chunks):
+                keep, ys_, done = compute(ch, *dispatch(i, ch))
+                rows = combine(ch, *ys_, done, rows)
+                saved.append(keep)
+        else:
+            received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)]
+            for ch, got in zip(call.chunks, received):
+                keep, ys_, done = compute(ch, *got)
+                rows = combine(ch, *ys_, done, rows)
+                saved.append(keep)
+                outputs.append(ys_)
+            torch.cuda.current_stream(x.device).wait_stream(comm)
+        del outputs
+        with phase(tm, "dispatch_combine"):
             # the expert outputs stay for the weights' gradient: copied in the same pass as the weighted sum
             kept = rows.new_empty(T * k, rows.shape[1]) if ctx.needs_input_grad[1] else None
             y = _weighted_sum(rows, wq, kept)
         ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
-        ctx.save_for_backward(wq, kept, *weights, xm, hm, *((xs, hs) if pool is not None else ()))
+        ctx.save_for_backward(wq, kept, *weights, *(t for keep in saved for t in keep if t is not None))
         return y
 
     @staticmethod
@@ -250,49 +341,67 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         call: CudaLayerCall = ctx.call
         n = ctx.num_weights
         wq, kept, *t = ctx.saved_tensors
-        weights, (xm, hm), rest = t[:2 * n], t[2 * n:2 * n + 2], t[2 * n + 2:]
+        weights, saved = t[:2 * n], t[2 * n:]
         T, k = wq.shape
         grad_y = grad_out.contiguous()
         grad_w = _row_dots(grad_y, kept, k).to(ctx.w_dtype) if kept is not None else None
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         ws, pool, tm = call.workspace, call.pool, call.timer
+        per = 4 if pool is not None else 2
         # reload this layer's replicas unless the slots still hold them (start_fetch)
         fetched = start_fetch(call, W1, W2, reload=True)
-        with phase(tm, "dispatch_combine", collective=True):
-            # the gradient of each choice's output, w[t, j] grad_y[t], made as the rows are sent
-            gm, gs = ws.dispatch(grad_y, call.order, k, call.dest, call.pos, call.is_slot, join=fetched,
-                                 scale=wq.view(-1))
-        n_main, n_slot, offs_m, offs_s = call.n_main, call.n_slot, call.offs_main, call.offs_slot
-        with phase(tm, "experts"):  # data gradients first: token gradients leave early
-            gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, offs_m, n_main)
-            gxs = ghs = None
-            if pool is not None:
-                xs, hs = rest
-                gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, offs_s, n_slot)
-        # the token gradients go home: on a side stream beside the weight gradients (TOPOEP_COMBINE_SIDE_STREAM=1,
-        # peer transport, no timer), joined before their sum over choices; else here
-        side = None
-        if tm is None and SIDE_STREAM_COMBINE and getattr(ws, "async_combine", False):
-            main, side = torch.cuda.current_stream(gxm.device), side_stream(gxm.device)
-            side.wait_stream(main)  # the data gradients are made; gxm, gxs stay referenced until the join
-            with torch.cuda.stream(side):
-                grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
-        else:
-            with phase(tm, "dispatch_combine", collective=True):
-                grad_assign = ws.combine(gxm, gxs, n_main, n_slot, T * k, copy=False)
+        # dispatch and combine on the comm stream: with two chunks, or TOPOEP_COMBINE_SIDE_STREAM=1 (the token
+        # gradients go home beside the weight-gradient GEMMs)
+        comm = _comm(call, grad_y, len(call.chunks) > 1 or SIDE_STREAM_COMBINE)
+
+        def dispatch(i, ch):
+            with _on(comm), phase(tm, "dispatch_combine", collective=True):
+                # the gradient of each choice's output, w[t, j] grad_y[t], made as the rows are sent
+                gm, gs = ws.dispatch(grad_y, _send(ch), k, ch.dest, ch.pos + ch.base if ch.base else ch.pos,
+                                     ch.is_slot, join=fetched if i == 0 else None, scale=wq.view(-1))
+                return _region(gm, ch), _region(gs, ch), _record(comm)
+
+        received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)] if comm is not None else None
+        grad_assign, wgrad_inputs, data_grads = None, [], []  # data_grads: alive until the comm stream's join
+        for i, ch in enumerate(call.chunks):
+            xm, hm, *rest = saved[i * per:(i + 1) * per]
+            gm, gs, ready = received[i] if comm is not None else dispatch(i, ch)
+            _wait(ready, grad_y.device)
+            with phase(tm, "experts"):  # data gradients first: token gradients leave early
+                gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, ch.offs_main, ch.n_main)
+                gxs = ghs = None
+                if pool is not None:
+                    xs, hs = rest
+                    gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, ch.offs_slot, ch.n_slot)
+            done = _record(comm and torch.cuda.current_stream(grad_y.device))
+            with _on(comm), phase(tm, "dispatch_combine", collective=True):
+                _wait(done, grad_y.device)
+                grad_assign = ws.combine(gxm, gxs, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base,
+                                         out=grad_assign)
+            data_grads.append((gxm, gxs))  # the comm stream reads them: kept until it is joined below
+            # gm, gs stay valid for the weight gradients: the next chunk's rows land in another region
+            wgrad_inputs.append((xm, hm, gm, ghm, ch.offs_main, ch.n_main) + (
+                (rest[0], rest[1], gs, ghs, ch.offs_slot, ch.n_slot) if pool is not None else ()))
+
+        def summed(parts):  # the chunks' weight gradients (one chunk: no addition)
+            g1, g2 = parts[0]
+            for a, b in parts[1:]:
+                g1, g2 = g1.add_(a), g2.add_(b)
+            return g1, g2
 
         def main_wgrad():
-            return grouped_swiglu_wgrad(xm, hm, gm, ghm, offs_m, n_main)
+            return summed([grouped_swiglu_wgrad(*w[:6]) for w in wgrad_inputs])
 
         if pool is None:
             with phase(tm, "experts"):
                 g1, g2 = main_wgrad()
         else:  # the replicas' weight gradients first: they travel home while the main ones are computed
             with phase(tm, "experts"):
-                s1, s2 = grouped_swiglu_wgrad(xs, hs, gs, ghs, offs_s, n_slot)
+                s1, s2 = summed([grouped_swiglu_wgrad(*w[6:]) for w in wgrad_inputs])
             g1, g2 = return_grads(call, s1, s2, main_wgrad)
-        if side is not None:
-            main.wait_stream(side)
+        if comm is not None:
+            torch.cuda.current_stream(grad_y.device).wait_stream(comm)
+        del data_grads
         with phase(tm, "dispatch_combine"):
             grad_x = _sum_choices(grad_assign, k, T)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves

@@ -57,6 +57,16 @@ def _instances(topk_idx: torch.Tensor, plan: Plan, rank: int):
     return order[idx], ordinal, start
 
 
+def chunk_route_row(route_row: torch.Tensor, inst_expert: torch.Tensor, counts_first: torch.Tensor) -> torch.Tensor:
+    """int64[P]: the part of this rank's route row that serves the first chunk of its assignments, when the
+    assignments are split in two at a token boundary; counts_first int64[E]: the first chunk's assignments of
+    each expert. The instances of e serve consecutive ordinals of e in instance order (`_instances`), and the
+    first chunk holds e's first counts_first[e] ordinals; the rest of the row serves the second chunk."""
+    start = group_exclusive_cumsum(route_row, inst_expert)
+    n = counts_first.index_select(0, inst_expert.clamp(min=0))
+    return torch.where(inst_expert >= 0, torch.minimum((n - start).clamp(min=0), route_row), 0)
+
+
 def group_counts(plan: Plan) -> torch.Tensor:
     """int64[R, R, G]: C[s, d, g] = rows source s sends to local group g of rank d, read off the plan's
     route (the same on every rank, so no exchange is needed). Assumes the default placement."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import os
 import math
 import time
 from typing import Callable
@@ -26,10 +28,11 @@ from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
-from topoep.runtime.cuda_function import CudaExpertParallelFunction, CudaLayerCall, side_stream
+from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
-from topoep.runtime.layout import (assignment_instances, chunk_layouts, copy_splits_to_host, count_keys,
-                                   group_counts, local_group, receive_positions, received_sizes, send_layout)
+from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
+                                   count_keys, group_counts, local_group, receive_positions, received_sizes,
+                                   send_layout)
 from topoep.runtime import layout_triton
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.timing import PhaseTimer, phase
@@ -133,6 +136,13 @@ class ExpertParallelMoE(nn.Module):
         self._meta_graphs = MetadataGraphs(enabled=policy in CUDA_POLICIES)
         # backend cuda: leave out the replica machinery of calls whose guard will fire (guard.py, skip_lag)
         lag = self.guard.skip_lag if self.guard is not None else None
+        # backend cuda: tokens in this many chunks, each dispatched, computed and combined in turn (1 or 2;
+        # TOPOEP_CUDA_CHUNKS, default 1: the two-chunk path is not yet measured on GPUs)
+        # (fixed after the first call: the metadata CUDA graph captures the layout of that many chunks)
+        chunks = os.environ.get("TOPOEP_CUDA_CHUNKS") or "1"
+        if chunks not in ("1", "2"):
+            raise ValueError(f"TOPOEP_CUDA_CHUNKS={chunks!r}: backend cuda splits its tokens in 1 or 2 chunks")
+        self.cuda_chunks = int(chunks)
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
                           and policy != "static" else None)
         self._allow_flags: dict = {}  # device -> (True, False) 0-d bool tensors: the metadata graph's input
@@ -283,18 +293,21 @@ class ExpertParallelMoE(nn.Module):
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
             self._record(plan, stats, 1e3 * (time.perf_counter() - t0),
                          slot_skipped=self.slot_hint is not None and not use_slots)
-        order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = layout
-        call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, order=order, dest=dest, pos=pos, is_slot=is_slot,
-                             offs_main=offs_main, offs_slot=offs_slot, n_main=n_main, n_slot=n_slot, num_tokens=T,
-                             top_k=k, experts_per_rank=E_loc, timer=tm)
+        chunks = [CudaChunk(*layout[i:i + 8]) for i in range(0, len(layout), 8)]
+        if self._two_chunks(ws, k):  # regions fixed by the workspace's capacity, so that every rank agrees on them
+            R = self.topology.num_ranks
+            chunks[0].cap = chunks[1].base = R * ((ws.a_cap // k + 1) // 2) * k
+            chunks[1].first = ((T + 1) // 2) * k
+        call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
+                             experts_per_rank=E_loc, timer=tm)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
-        (graph-capturable): (omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main,
-        offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); the
+        (graph-capturable): (omega, slot_expert, route, stats, wanted, then per chunk order, dest, pos, is_slot,
+        offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); the
         grouped-GEMM offsets and row counts are made here once for forward and backward."""
-        E, E_loc = self.num_experts, self.experts_per_rank
+        E = self.num_experts
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         plan, guard_stats, wanted = self._guarded_plan(omega, token_bytes, allow)
         if wanted is None:
@@ -310,7 +323,32 @@ class ExpertParallelMoE(nn.Module):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
             stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats]))
-        if omega.is_cuda and layout_triton.ENABLED:  # two Triton kernels instead of about 60 small torch ones
+        T = topk_idx.shape[0]
+        if not self._two_chunks(ws, topk_idx.shape[1]):
+            layouts = self._cuda_layout(topk_idx, plan)
+        else:  # two chunks of tokens (cuda_function.py): the route row split at the boundary, one all-gather
+            T1 = (T + 1) // 2
+            inst_expert = plan.instance_expert
+            first = chunk_route_row(plan.route[self.rank], inst_expert, count_keys(topk_idx[:T1], E))
+            route1 = ws.all_gather(first, 1)
+            layouts = ()
+            for rows, route in ((topk_idx[:T1], route1), (topk_idx[T1:], plan.route - route1)):
+                omega_c = torch.zeros_like(plan.omega).index_add_(1, inst_expert.clamp(min=0), route)
+                layouts += self._cuda_layout(rows, dataclasses.replace(plan, route=route, omega=omega_c))
+        if side is not None:
+            main.wait_stream(side)
+        return (plan.omega, plan.slot_expert, plan.route, stats, wanted, *layouts)
+
+    def _two_chunks(self, ws, k: int) -> bool:
+        """Whether backend cuda splits this call's tokens in two: decided alike on every rank (from the
+        workspace's capacity, not from this rank's T), and only when each half-region has rows."""
+        return self.cuda_chunks == 2 and ws.a_cap // k >= 2
+
+    def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan) -> tuple:
+        """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot) of these assignments under a plan
+        whose route is theirs."""
+        E_loc = self.experts_per_rank
+        if topk_idx.is_cuda and layout_triton.ENABLED:  # two Triton kernels instead of about 60 small torch ones
             C = group_counts(plan)  # from the plan's route: no exchange
             key, order, dest, pos, is_slot = layout_triton.fused_layout(topk_idx, plan, self.rank, C)
         else:
@@ -318,10 +356,7 @@ class ExpertParallelMoE(nn.Module):
             dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
         offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
-        if side is not None:
-            main.wait_stream(side)
-        return (plan.omega, plan.slot_expert, plan.route, stats, wanted, order, dest, pos, is_slot, offs_main,
-                offs_slot, sizes_main.sum().view(1), sizes_slot.sum().view(1))
+        return (order, dest, pos, is_slot, offs_main, offs_slot, sizes_main.sum().view(1), sizes_slot.sum().view(1))
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then

@@ -306,16 +306,18 @@ class SymmWorkspace:
         return self.recv_main.tensor, (self.recv_slot.tensor if self.recv_slot is not None else None)
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
-                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True) -> torch.Tensor:
+                n_slot: torch.Tensor | None, num_rows: int, copy: bool = True, base: int = 0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """The reverse of dispatch: every received row goes back to its source's assignment index.
-        n_main, n_slot: int64[1] rows received (device); y_slot None without slots. Returns a new
+        n_main, n_slot: int64[1] rows received (device); y_slot None without slots; base: the first row of
+        the rows' region in the receive buffers (a chunk's: y_main and y_slot hold that region). Returns a new
         [num_rows, H] tensor, or with copy=False the workspace's own rows (read them before this stream's
-        next dispatch or combine)."""
+        next dispatch or combine: the rows of every chunk combined since). `out` is the a2a workspace's."""
         for y, meta, n in ((y_main, self.meta_main, n_main), (y_slot, self.meta_slot, n_slot)):
             if y is None:
                 continue
-            _combine_kernel[(self.row_grid,)](y, meta.tensor, n, self.back.ptrs, self.a_cap, self.cap, H=self.H,
-                                              BLOCK_H=self.block_h)
+            _combine_kernel[(self.row_grid,)](y, meta.tensor[base:], n, self.back.ptrs, self.a_cap, self.cap - base,
+                                              H=self.H, BLOCK_H=self.block_h)
         self.back.barrier(channel=0)
         rows = self.back.tensor[:num_rows]
         return rows.clone() if copy else rows
