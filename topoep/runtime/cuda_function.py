@@ -297,7 +297,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
 
         def compute(ch, rm, rs, ready):
             _wait(ready, x.device)
-            with phase(tm, "dispatch_combine", collective=True):  # kept for backward: the buffers are reused
+            with phase(tm, "dispatch_combine"):  # kept for backward: the buffers are reused
                 xm = ws.copy_rows(rm, ch.n_main)
                 xs = ws.copy_rows(rs, ch.n_slot) if pool is not None else None
             with phase(tm, "experts"):
