@@ -74,9 +74,9 @@ class CudaLayerCall:
     fill: int = -1  # which fill of the pool holds this call's replicas (start_fetch)
 
 
-def _send(ch: CudaChunk) -> torch.Tensor:
-    """The chunk's send order as the call's assignment indices."""
-    return ch.order + ch.first if ch.first else ch.order
+def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the chunk's send order as the call's assignment indices, its receive positions in the buffers)."""
+    return ch.order + ch.first if ch.first else ch.order, ch.pos + ch.base if ch.base else ch.pos
 
 
 def _region(buf: torch.Tensor | None, ch: CudaChunk) -> torch.Tensor | None:
@@ -145,14 +145,18 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
 _SIDE_STREAMS: dict = {}
 # TOPOEP_FETCH_SIDE_STREAM=1 runs the replica fetch on a side stream beside the dispatch. Off by default: on
 # 2 x H200 it saved nothing measurable and was up to 7 % slower (results/moe_layer_fetch_ab.md)
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """An environment setting among `choices` (unset or empty: `default`); any other value raises and names
+    the variable."""
+    v = os.environ.get(name) or default
+    if v not in choices:
+        raise ValueError(f"{name}={v!r}: set it to {' or '.join(choices)} (or leave it unset for {default})")
+    return v
+
+
 def env_switch(name: str, default: bool) -> bool:
-    """A 0/1 environment switch; any other value raises and names the variable."""
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    if v not in ("0", "1"):
-        raise ValueError(f"{name}={v!r}: set it to 0 or 1 (or leave it unset for {int(default)})")
-    return v == "1"
+    """A 0/1 environment switch."""
+    return env_choice(name, ("0", "1"), str(int(default))) == "1"
 
 
 SIDE_STREAM_FETCH = env_switch("TOPOEP_FETCH_SIDE_STREAM", False)
@@ -168,12 +172,13 @@ RELOAD_ALWAYS = env_switch("TOPOEP_RELOAD_ALWAYS", False)
 SIDE_STREAM_COMBINE = env_switch("TOPOEP_COMBINE_SIDE_STREAM", False)
 
 
-def side_stream(device) -> torch.cuda.Stream:
-    """The layer's second stream on a device (replica fetch, plan statistics), created once."""
-    device = torch.device(device)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def side_stream(device, role: str = "side") -> torch.cuda.Stream:
+    """A stream of the layer's on a device, created once per role: "side" (replica fetch and gradient push,
+    plan statistics) or "comm" (dispatch and combine beside the GEMMs)."""
+    key = (torch.device(device), role)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(key[0])
+    return _SIDE_STREAMS[key]
 
 
 def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
@@ -239,18 +244,13 @@ def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main
     return g1, g2
 
 
-_COMM_STREAMS: dict = {}
-
-
 def _comm(call: "CudaLayerCall", t: torch.Tensor, wanted: bool):
     """The comm stream of the device (created once) when dispatch and combine should run there: `wanted`,
     on a GPU, without a timer (which serialises the phases), with a workspace whose dispatch and combine keep
     no host state between them (the peer-pointer one); else None. Joins the layer's stream first."""
     if not (wanted and t.is_cuda and call.timer is None and getattr(call.workspace, "async_combine", False)):
         return None
-    if t.device not in _COMM_STREAMS:
-        _COMM_STREAMS[t.device] = torch.cuda.Stream(t.device)
-    comm = _COMM_STREAMS[t.device]
+    comm = side_stream(t.device, "comm")
     comm.wait_stream(torch.cuda.current_stream(t.device))
     return comm
 
@@ -291,8 +291,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
 
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
-                rm, rs = ws.dispatch(x, _send(ch), k, ch.dest, ch.pos + ch.base if ch.base else ch.pos, ch.is_slot,
-                                     join=fetched if i == 0 else None)
+                order, pos = _send(ch)
+                rm, rs = ws.dispatch(x, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None)
                 return _region(rm, ch), _region(rs, ch), _record(comm)
 
         def compute(ch, rm, rs, ready):
@@ -357,8 +357,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 # the gradient of each choice's output, w[t, j] grad_y[t], made as the rows are sent
-                gm, gs = ws.dispatch(grad_y, _send(ch), k, ch.dest, ch.pos + ch.base if ch.base else ch.pos,
-                                     ch.is_slot, join=fetched if i == 0 else None, scale=wq.view(-1))
+                order, pos = _send(ch)
+                gm, gs = ws.dispatch(grad_y, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None,
+                                     scale=wq.view(-1))
                 return _region(gm, ch), _region(gs, ch), _record(comm)
 
         received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)] if comm is not None else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import math
 import time
 from typing import Callable
@@ -28,7 +27,8 @@ from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
-from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
+from topoep.runtime.cuda_function import (CudaChunk, CudaExpertParallelFunction, CudaLayerCall, env_choice,
+                                           side_stream)
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
                                    count_keys, group_counts, local_group, receive_positions, received_sizes,
@@ -139,10 +139,7 @@ class ExpertParallelMoE(nn.Module):
         # backend cuda: tokens in this many chunks, each dispatched, computed and combined in turn (1 or 2;
         # TOPOEP_CUDA_CHUNKS, default 1: the two-chunk path is not yet measured on GPUs)
         # (fixed after the first call: the metadata CUDA graph captures the layout of that many chunks)
-        chunks = os.environ.get("TOPOEP_CUDA_CHUNKS") or "1"
-        if chunks not in ("1", "2"):
-            raise ValueError(f"TOPOEP_CUDA_CHUNKS={chunks!r}: backend cuda splits its tokens in 1 or 2 chunks")
-        self.cuda_chunks = int(chunks)
+        self.cuda_chunks = int(env_choice("TOPOEP_CUDA_CHUNKS", ("1", "2"), "1"))
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
                           and policy != "static" else None)
         self._allow_flags: dict = {}  # device -> (True, False) 0-d bool tensors: the metadata graph's input
