@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: run test setup plan-quality
 .DEFAULT_GOAL := run
 
+# --no-cache-dir: torch's CUDA wheels are ~3.5 GB; caching them would need that much disk again.
 $(STAMP): pyproject.toml
 	@if [ ! -x $(PY) ]; then py=$$(tools/find-python.sh) || exit 1; echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV) || exit 1; fi
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir -e '.[test]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
