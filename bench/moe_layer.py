@@ -232,7 +232,8 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
         case.topoep.pop_stats()
     hint = case.topoep.slot_hint if case.topoep is not None else None
     before = (hint.calls, hint.skipped) if hint is not None else None
-    ms = statistics.median(across_ranks_max(time_iterations(case.run, args.iters, cuda), dev))
+    depth = args.depth if case.topoep is not None else 1
+    ms = statistics.median(across_ranks_max(time_iterations(case.run, args.iters, cuda), dev)) / depth
     row = dict(ms=ms, guard_fired=None, imbalance_after=None, guard_saved_ms=None, guard_cost_ms=None, slot_skip=None)
     if hint is not None and hint.calls > before[0]:  # share of timed calls without the replica machinery
         row["slot_skip"] = (hint.skipped - before[1]) / (hint.calls - before[0])
@@ -257,7 +258,7 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
                         per_phase[p, d].append(got.get(p, (0.0, 0.0))[d])
         finally:
             case.timer_owner.timer = None
-        med = torch.tensor([[statistics.median(per_phase[p, d]) for d in (0, 1)] for p in PHASES],
+        med = torch.tensor([[statistics.median(per_phase[p, d]) / depth for d in (0, 1)] for p in PHASES],
                            dtype=torch.float64, device=dev)
         every = [torch.empty_like(med) for _ in range(dist.get_world_size())]
         dist.all_gather(every, med)
@@ -315,6 +316,10 @@ def parse_args(argv):
                     help="backend cuda's replica reload in backward: auto leaves it out when the slots still hold "
                          "the layer's replicas (a lone layer, the last of a model); always reloads, as every MoE "
                          "layer but the last of a deeper model does (TOPOEP_RELOAD_ALWAYS=1)")
+    ap.add_argument("--depth", type=int, default=1,
+                    help="MoE layers per case, chained (the layer's output is the next call's input), so that the "
+                         "backward runs them in reverse as a model does (reloads, TOPOEP_PREFETCH); every time is "
+                         "reported per layer (the case's time / depth)")
     ap.add_argument("--ranks-per-domain", type=int, default=None, help="virtual NVLink domain size (default: all)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 20; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up iterations per case (default 3; tiny 1)")
@@ -338,6 +343,9 @@ def parse_args(argv):
                          f"({args.profile_iters}) >= 0")
     if args.slots < 0:
         raise ValueError(f"--slots must be >= 0, got {args.slots}")
+    if args.depth < 1 or (args.depth > 1 and not args.no_megatron):
+        raise ValueError(f"--depth must be >= 1, and > 1 only with --no-megatron (megatron's layer is timed alone); "
+                         f"got --depth {args.depth}")
     if args.reload == "always":
         from topoep.runtime import cuda_function
 
@@ -395,14 +403,17 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
     return layers, (mlayer, MegatronTiming(mlayer), experts_module)
 
 
-def make_cases(layers, megatron, x, w, gy, idx) -> list[Case]:
-    """Every layer on this rank's routing idx int64[T, k] with input x, weights w and output gradient gy."""
+def make_cases(layers, megatron, x, w, gy, idx, depth: int = 1) -> list[Case]:
+    """Every layer on this rank's routing idx int64[T, k] with input x, weights w and output gradient gy; with
+    depth > 1 the layer is called depth times in a chain (megatron's layer once)."""
     cases = []
     for name, layer in layers.items():
         def run(layer=layer):
             x.grad = w.grad = None
             layer.zero_grad(set_to_none=True)
-            y = layer(x, idx, w)
+            y = x
+            for _ in range(depth):
+                y = layer(y, idx, w)
             y.backward(gy)
             return y.detach()
         cases.append(Case(name, run, layer, layer))
@@ -453,7 +464,7 @@ def main(argv=None) -> int:
             idx_all = routing(world, E, T, k, skew, layout, args.seed)
             before = static_imbalance(routing_counts(idx_all, E))
             outputs, case_rows = {}, []
-            for case in make_cases(layers, megatron, x, w, gy, idx_all[rank].to(dev)):
+            for case in make_cases(layers, megatron, x, w, gy, idx_all[rank].to(dev), args.depth):
                 row, outputs[case.name] = measure(case, args, cuda, dev)
                 row.update(tokens=T, workload=wname, router_skew=skew, layout=layout, layer=case.name,
                            imbalance_before=before, ran=True)
@@ -515,6 +526,12 @@ def _reload_text(args) -> str:
             "MoE layer; `--reload always` shows the others)")
 
 
+def _prefetch_on() -> bool:
+    from topoep.runtime import cuda_function
+
+    return cuda_function.PREFETCH
+
+
 def report(args, rows, world, topo, dtype, experts_module) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                     | {"world": world, "topology": repr(topo), "dtype": str(dtype), "megatron_experts": experts_module})
@@ -534,8 +551,10 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
         f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
         f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; backend cuda's token chunks: "
-        f"{os.environ.get('TOPOEP_CUDA_CHUNKS', '1')}; megatron experts: "
-        f"{experts_module or 'not run'}",
+        f"{os.environ.get('TOPOEP_CUDA_CHUNKS', '1')}; backward prefetch (TOPOEP_PREFETCH): "
+        f"{int(_prefetch_on())}; megatron experts: {experts_module or 'not run'}"
+        + (f"; each case is {args.depth} layers in a chain, every time per layer (the case's / {args.depth})"
+           if args.depth > 1 else ""),
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
         "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "
         "balanced routing (every rank exactly the mean load); rank imbalance: max / mean rank load before -> "

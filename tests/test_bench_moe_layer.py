@@ -44,3 +44,33 @@ def test_tiny_bench_measures_every_case(tmp_path):
     conc, rand = rows[("skew -4 concentrated", "torch/static")], rows[("skew -4 random", "torch/static")]
     assert conc["imbalance_before"] > rand["imbalance_before"]
     assert rows[("skew 0 (uniform)", "torch/static")]["imbalance_before"] < 1.2
+
+
+def _bench_depth(rank, world, out):
+    from bench.moe_layer import main
+
+    return main(["--tiny", "--out", out, "--name", "deep", "--depth", "3", "--no-megatron", "--skews", "-4",
+                 "--layouts", "concentrated", "--profile-iters", "1"])
+
+
+def test_depth_chains_the_layer_and_reports_per_layer_times(tmp_path):
+    assert run_ranks(_bench_depth, 2, str(tmp_path)) == [0, 0]
+    data = json.loads((tmp_path / "deep.json").read_text())
+    assert data["config"]["depth"] == 3
+    rows = {(r["workload"], r["layer"]): r for r in data["rows"]}
+    assert set(rows) == {(w, layer) for w in ("skew -4 concentrated", "balanced (bound)")
+                         for layer in ("torch/static", "torch/topoep")}
+    for r in rows.values():
+        assert r["ms"] > 0 and r["max_diff"] < 1e-4 and r["experts_ms"] > 0
+    assert "each case is 3 layers in a chain, every time per layer" in (tmp_path / "deep.md").read_text()
+
+
+def test_depth_needs_no_megatron():
+    import pytest
+
+    from bench.moe_layer import parse_args
+
+    with pytest.raises(ValueError, match="--depth must be >= 1, and > 1 only with --no-megatron"):
+        parse_args(["--tiny", "--depth", "2"])
+    with pytest.raises(ValueError, match="got --depth 0"):
+        parse_args(["--tiny", "--depth", "0", "--no-megatron"])

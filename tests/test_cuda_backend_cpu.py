@@ -4,7 +4,8 @@ path's code: the metadata (counts, plan, guard, statistics, receive layout), the
 top-k weighting, the slot GEMMs, the replica fetch, the backward reload (and when it is left out) and the
 gradient return. Checked against backend torch and an fp64 reference as the GPU tests do
 (tests/test_cuda_backend_gpu.py): every policy's output and gradients (x, top-k weights, expert weights) within
-2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not).
+2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not);
+four layers with the backward prefetch (TOPOEP_PREFETCH=1: two banks, no reload left).
 Each with the tokens in one chunk and in two (TOPOEP_CUDA_CHUNKS=2: a route split at the boundary, two regions
 of the receive buffers)."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_cuda_backend_gpu import E_LOC, FD, H, K, T, _dense, _routing
+from test_cuda_backend_gpu import E_LOC, FD, H, _dense, _routing
 
 WORLD, RPD = 4, 2
 
@@ -76,11 +77,17 @@ def test_every_policy_matches_backend_torch_within_bf16_error(chunks):
         assert out[("topoep", "cuda")][1] > 0 and out[("deepseek", "cuda")][1] > 0  # replicas served tokens
 
 
-def _two_layers(rank, world, chunks):
+def _layers(rank, world, chunks, n_layers, prefetch):
+    """n_layers layers sharing the slots, each with its own weights and routing (so other replicas), forward in
+    order, then backward in reverse (as autograd runs a model's layers); backend torch, then backend cuda
+    (with TOPOEP_PREFETCH off and, when `prefetch`, on). Per run: the errors, the replica fractions, the pool's
+    (fills, reloads left out, prefetches) and the gradients themselves."""
+    from topoep.runtime import cuda_function
+
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     weights, data, refs = [], [], []
-    for seed in (7, 8):  # layers A and B: other weights and routing, so other replicas
+    for seed in range(7, 7 + n_layers):
         g = torch.Generator().manual_seed(seed)
         fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
         d = _routing(world, 30 + seed, 3.0, "cpu")
@@ -89,33 +96,59 @@ def _two_layers(rank, world, chunks):
         data.append(d[rank])
         refs.append([r[rank][1], r[rank][2], sum(q[3] for q in r), sum(q[4] for q in r)])
     out = {}
-    for backend in ("torch", "cuda"):
+    for run in ("torch", "cuda") + (("cuda+prefetch",) if prefetch else ()):
+        cuda_function.PREFETCH = run == "cuda+prefetch"
+        backend = run.split("+")[0]
         layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks) for fc1, fc2 in weights]
         losses, leaves = [], []
         for layer, (x, idx, w, gy) in zip(layers, data):
             xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
             losses.append((layer(xr, idx, wr) * gy.to(torch.bfloat16)).sum())
             leaves.append((xr, wr))
-        losses[1].backward()  # B, then A
-        losses[0].backward()
-        errs = []
+        for loss in reversed(losses):
+            loss.backward()
+        errs, grads = [], []
         for layer, (xr, wr), ref in zip(layers, leaves, refs):
-            errs += _errors([xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad], ref, lo, hi)
+            got = [xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad]
+            errs += _errors(got, ref, lo, hi)
+            grads += got
         pool = layers[0].pool
-        out[backend] = (errs, [layer.stats_dict()["replica_fraction"] for layer in layers],
-                        (pool.fills, pool.reloads_skipped) if backend == "cuda" else None)
+        out[run] = (errs, [layer.stats_dict()["replica_fraction"] for layer in layers],
+                    (pool.fills, pool.reloads_skipped, pool.prefetches, pool.banks) if backend == "cuda" else None,
+                    grads)
+    cuda_function.PREFETCH = False
     return out
+
+
+def _check_errors(errs_c, errs_t, n_layers):
+    names = [f"layer {i} grad {what}" for i in range(n_layers) for what in ("x", "w", "fc1", "fc2")]
+    for what, ec, et in zip(names, errs_c, errs_t):
+        assert ec <= 2 * et + 1e-6, f"{what}: error {ec:.3g} > 2 x torch's {et:.3g}"
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_two_layers_share_the_slots_and_the_earlier_one_reloads(chunks):
-    for out in run_ranks(_two_layers, WORLD, chunks):
-        (errs_t, reps_t, _), (errs_c, reps_c, counts) = out["torch"], out["cuda"]
+    for out in run_ranks(_layers, WORLD, chunks, 2, False):
+        (errs_t, reps_t, _, _), (errs_c, reps_c, counts, _) = out["torch"], out["cuda"]
         assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)
-        assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
-        names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
-        for what, ec, et in zip(names, errs_c, errs_t):
-            assert ec <= 2 * et + 1e-6, f"{what}: error {ec:.3g} > 2 x torch's {et:.3g}"
+        assert counts == (3, 1, 0, 1), counts  # fetches: A, B, A's reload; B's reload left out
+        _check_errors(errs_c, errs_t, 2)
+
+
+def test_prefetch_refills_a_released_bank_for_a_later_backward():
+    """Four layers A-D with TOPOEP_PREFETCH=1 (two banks): forward fills A, B, C, D alternate between the banks; D's
+    and C's backward find their replicas in place; the end of D's backward refills its bank with B's replicas and
+    the end of C's with A's, so no backward reloads. The gradients are bit for bit those of one bank (which
+    reloads A, B and C)."""
+    for out in run_ranks(_layers, WORLD, 1, 4, True):
+        (errs_t, reps_t, _, _), (_, reps_1, counts_1, grads_1) = out["torch"], out["cuda"]
+        errs_2, reps_2, counts_2, grads_2 = out["cuda+prefetch"]
+        assert reps_1 == reps_2 == reps_t and all(r > 0 for r in reps_t), (reps_1, reps_2, reps_t)
+        assert counts_1 == (7, 1, 0, 1), counts_1  # 4 forward fills, 3 reloads; D's reload left out
+        assert counts_2 == (6, 4, 2, 2), counts_2  # 4 forward fills, 2 prefetches; every reload left out
+        for i, (a, b) in enumerate(zip(grads_1, grads_2)):
+            assert torch.equal(a, b), f"layer {i // 4} gradient {i % 4}: two banks differ from one"
+        _check_errors(errs_2, errs_t, 4)
 
 
 def _uneven(rank, world):

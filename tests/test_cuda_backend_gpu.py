@@ -220,10 +220,12 @@ def test_layer_matches_torch_backend_within_bf16_error(num_slots):
                 assert out[("topoep", "cuda")][1] > 0
 
 
-def _two_layers(rank, world):
-    """Two layers share the replica slots: forward A, forward B, then backward (B first, then A). B's backward
-    finds its replicas still in the slots and leaves the reload out; A's must reload (B's replicas and weights
-    are in the slots). Both against backend torch and the fp64 reference, as in _layer_errors."""
+def _two_layers(rank, world, n_layers=4):
+    """Layers A-D share the replica slots: forward in order, then backward in reverse. With one bank, D's
+    backward finds its replicas still in the slots and leaves the reload out; the others must reload. With
+    TOPOEP_PREFETCH=1 (two banks, run "cuda-prefetch") D and C find theirs, and the ends of D's and C's backward
+    refill their banks, on a side stream, with B's and A's replicas: no reload. All against backend torch and the
+    fp64 reference, as in _layer_errors, and bit for bit against run "cuda"."""
     from topoep import ExpertParallelMoE
 
     dev = _setup(rank)
@@ -231,7 +233,7 @@ def _two_layers(rank, world):
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     policy = "topoep" if RPD > 1 else "flexmoe"  # across domains of 1 rank topoep and deepseek place no replica
     weights, data, refs = [], [], []
-    for seed in (7, 8):  # layer A, layer B: other weights, other routing, so other replicas
+    for seed in range(7, 7 + n_layers):  # other weights, other routing, so other replicas
         g = torch.Generator().manual_seed(seed)
         fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
         d = _routing(world, 30 + seed, 3.0, dev)
@@ -242,11 +244,12 @@ def _two_layers(rank, world):
     out = {}
     from topoep.runtime import cuda_function
 
-    # the last two: TOPOEP_RETURN_SIDE_STREAM=0's path, TOPOEP_COMBINE_SIDE_STREAM=1's
-    for name in ("torch", "cuda", "cuda-return-on-stream", "cuda-combine-side"):
+    # the last three: TOPOEP_RETURN_SIDE_STREAM=0's path, TOPOEP_COMBINE_SIDE_STREAM=1's, TOPOEP_PREFETCH=1's
+    for name in ("torch", "cuda", "cuda-return-on-stream", "cuda-combine-side", "cuda-prefetch"):
         backend = name.split("-")[0]
         cuda_function.SIDE_STREAM_RETURN = name != "cuda-return-on-stream"
         cuda_function.SIDE_STREAM_COMBINE = name == "cuda-combine-side"
+        cuda_function.PREFETCH = name == "cuda-prefetch"
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
@@ -263,8 +266,8 @@ def _two_layers(rank, world):
             losses.append((layer(xr, idx, wr) * gy.to(torch.bfloat16)).sum())
             xs.append(xr)
             ws.append(wr)
-        losses[1].backward()  # B, then A: the order of a model's backward
-        losses[0].backward()
+        for loss in reversed(losses):  # the order of a model's backward
+            loss.backward()
         errs, grads = [], []
         for layer, xr, wr, ref in zip(layers, xs, ws, refs):
             got = [xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad]
@@ -274,28 +277,31 @@ def _two_layers(rank, world):
         reps = [layer.stats_dict()["replica_fraction"] for layer in layers]
         pool = layers[0].pool if backend == "cuda" else None
         # the cuda runs share the process's pool: this run's own counts
-        before = getattr(pool, "_counted", (0, 0)) if pool is not None else None
-        counts = (pool.fills - before[0], pool.reloads_skipped - before[1]) if pool is not None else None
+        now = (pool.fills, pool.reloads_skipped, pool.prefetches) if pool is not None else None
+        before = getattr(pool, "_counted", (0, 0, 0)) if pool is not None else None
+        counts = tuple(a - b for a, b in zip(now, before)) if pool is not None else None
         if pool is not None:
-            pool._counted = (pool.fills, pool.reloads_skipped)
+            pool._counted = now
         out[name] = (errs, reps, counts, grads)
-    cuda_function.SIDE_STREAM_RETURN, cuda_function.SIDE_STREAM_COMBINE = True, False
+    cuda_function.SIDE_STREAM_RETURN, cuda_function.SIDE_STREAM_COMBINE, cuda_function.PREFETCH = True, False, False
     return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),)
             for k, v in out.items()}
 
 
 @pytest.mark.skipif(WORLD < 2, reason="a replica needs a second rank")
-def test_two_layers_share_the_slots_and_the_earlier_one_reloads():
+def test_layers_share_the_slots_and_reload_or_prefetch():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
         errs_t, reps_t, _, _ = out["torch"]
-        for name in ("cuda", "cuda-return-on-stream", "cuda-combine-side"):
+        for name in ("cuda", "cuda-return-on-stream", "cuda-combine-side", "cuda-prefetch"):
             errs_c, reps_c, counts, same_as_cuda = out[name]
-            assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # both layers use replicas
-            assert counts == (3, 1), counts  # fetches: A, B, A's reload; B's reload left out
-            names = [f"{layer} grad {what}" for layer in "AB" for what in ("x", "w", "fc1", "fc2")]
+            assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # every layer uses replicas
+            # fetches: 4 forward fills, then one bank: 3 reloads (D's left out); two banks: 2 prefetches, no reload
+            assert counts == ((6, 4, 2) if name == "cuda-prefetch" else (7, 1, 0)), (name, counts)
+            names = [f"{layer} grad {what}" for layer in "ABCD" for what in ("x", "w", "fc1", "fc2")]
             for what, ec, et in zip(names, errs_c, errs_t):
                 assert ec <= 2 * et + 1e-6, f"{name} {what}: error {ec:.3g} > 2 x torch's {et:.3g}"
-            # the gradient return or the combine on the layer's stream or a side stream: the same sums, same order
+            # the gradient return or the combine on the layer's stream or a side stream, replicas reloaded or
+            # prefetched: the same sums in the same order
             assert same_as_cuda, f"{name}: gradients differ from the side-stream return's"
 
 

@@ -1,8 +1,11 @@
-"""CPU test of backend cuda's bookkeeping for the backward reload (cuda_function.start_fetch): the pool counts its
-fills on the host; a backward leaves the reload out only when no other fetch happened since its forward, never
-after a fetch was captured in a CUDA graph, and never with TOPOEP_RELOAD_ALWAYS. A stand-in pool records the
-fetches (the copies themselves run on the GPU: tests/test_cuda_backend_gpu.py)."""
+"""CPU test of backend cuda's bookkeeping for the backward reload and prefetch (cuda_function.start_fetch,
+prefetch_after_backward, pool.SlotBanks): the pool counts its fills on the host; a backward leaves the reload out
+only when its bank still holds its replicas, never after a fetch was captured in a CUDA graph, and never with
+TOPOEP_RELOAD_ALWAYS; with two banks, the end of a backward refills the bank it releases for the backward after the
+next. A stand-in pool records the fetches and what each bank holds (the copies themselves run in
+tests/test_cuda_backend_cpu.py over gloo and on the GPU in tests/test_cuda_backend_gpu.py)."""
 
+import random
 import types
 
 import pytest
@@ -10,17 +13,23 @@ import pytest
 import torch
 
 from topoep.runtime import cuda_function as cf
+from topoep.runtime.pool import SlotBanks
 
 
-class _Pool:
+class _Pool(SlotBanks):
     async_fetch = False
 
-    def __init__(self):
-        self.fills, self.filled, self.reloads_skipped, self.graphed = 0, None, 0, False
+    def __init__(self, banks=1):
+        self.init_banks(banks)
         self.log = []
+        self.content = [None] * banks  # the layer whose replicas each bank holds
 
-    def fetch(self, se, W1, W2, e_loc):
+    def fetch(self, se, W1, W2, e_loc, bank=0):
         self.log.append(int(se[0, 0]))
+        self.content[bank] = int(se[0, 0])
+
+    def publish(self):
+        raise AssertionError("a CPU pool never has a prefetch in flight")
 
 
 def _call(pool, tag):
@@ -30,11 +39,19 @@ def _call(pool, tag):
 
 
 def _run(pool, script):
+    """"fwd": a layer's forward fetch (and, as the autograd function does, the call is kept for a prefetch);
+    "bwd": its backward: the reload, the slots used (they must hold the layer's replicas), then the prefetch."""
     calls = {}
-    for step, tag in script:  # "fwd": a layer's forward fetch; "bwd": its backward reload
+    for step, tag in script:
         if step == "fwd":
             calls[tag] = _call(pool, tag)
-        cf.start_fetch(calls[tag], None, None, reload=step == "bwd")
+        call = calls[tag]
+        cf.start_fetch(call, None, None, reload=step == "bwd")
+        assert pool.content[call.bank] == tag, (step, tag, pool.content)
+        if step == "fwd":
+            cf.keep_for_prefetch(call, None, None)
+        else:
+            cf.prefetch_after_backward(call)
     return pool.log
 
 
@@ -72,3 +89,55 @@ def test_switches_take_0_or_1(monkeypatch):
     assert cf.env_switch("TOPOEP_RELOAD_ALWAYS", False)
     monkeypatch.delenv("TOPOEP_RELOAD_ALWAYS")
     assert not cf.env_switch("TOPOEP_RELOAD_ALWAYS", False) and cf.env_switch("TOPOEP_RELOAD_ALWAYS", True)
+
+
+def test_two_banks_prefetch_every_reload_of_a_model_away():
+    pool = _Pool(banks=2)
+    fwd = [("fwd", i) for i in range(1, 6)]
+    bwd = [("bwd", i) for i in range(5, 0, -1)]
+    # 5 layers: fills 1-5 alternate banks; 5 and 4 find their replicas; the end of 5's backward refills its bank
+    # with 3's replicas, 4's with 2's, 3's with 1's
+    assert _run(pool, fwd + bwd) == [1, 2, 3, 4, 5, 3, 2, 1]
+    assert (pool.fills, pool.reloads_skipped, pool.prefetches) == (8, 5, 3)
+    one = _Pool(banks=1)
+    assert _run(one, fwd + bwd) == [1, 2, 3, 4, 5, 4, 3, 2, 1] and one.reloads_skipped == 1
+
+
+def test_two_banks_never_use_stale_slots_in_any_order():
+    """Random interleavings of forwards and backwards (micro-batches overlapping as in 1F1B, backwards out of the
+    forward order, recomputed forwards): every backward computes with a bank that holds its own replicas (the
+    check in _run), with one bank or two, and each reload left out is one fetch less."""
+    rng = random.Random(0)
+    for trial in range(300):
+        banks = 1 + trial % 2
+        pool = _Pool(banks=banks)
+        script, alive, nxt = [], [], 0
+        for _ in range(rng.randrange(2, 24)):
+            if alive and (rng.random() < 0.5 or nxt >= 12):
+                # usually the latest forward's backward (autograd's order), sometimes another one
+                tag = alive[-1] if rng.random() < 0.7 else rng.choice(alive)
+                alive.remove(tag)
+                script.append(("bwd", tag))
+            else:
+                script.append(("fwd", nxt))
+                alive.append(nxt)
+                nxt += 1
+        log = _run(pool, script)
+        assert len(log) == pool.fills == len(script) - pool.reloads_skipped + pool.prefetches
+        if banks == 1:
+            assert pool.prefetches == 0
+
+
+def test_prefetch_stays_off_in_graphs_and_with_reload_always(monkeypatch):
+    script = [("fwd", i) for i in range(1, 5)] + [("bwd", i) for i in range(4, 0, -1)]
+    pool = _Pool(banks=2)
+    pool.graphed = True
+    assert _run(pool, script) == [1, 2, 3, 4, 4, 3, 2, 1] and pool.prefetches == 0 and pool.reloads_skipped == 0
+    monkeypatch.setattr(cf, "RELOAD_ALWAYS", True)
+    pool = _Pool(banks=2)
+    assert _run(pool, script) == [1, 2, 3, 4, 4, 3, 2, 1] and pool.prefetches == 0
+
+
+def test_a_pool_has_one_or_two_banks():
+    with pytest.raises(ValueError, match="1 or 2 banks"):
+        _Pool(banks=3)

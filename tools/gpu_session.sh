@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab chunks replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -84,6 +84,12 @@ step_reload_ab() {  # what the backward reload costs: a lone layer leaves it out
 
 step_return_ab() {  # the replica gradient return on the layer's stream (=0) or beside the main weight gradients (=1)
   ab_layer TOPOEP_RETURN_SIDE_STREAM moe_layer_return_side 8 --skews 0 -4 --layouts concentrated
+}
+
+step_prefetch_ab() {  # the backward prefetch: 4 chained layers (times per layer), one bank (=0: every layer but the
+  # last reloads in backward) or two (=1: the last two keep their replicas, the others are prefetched beside the
+  # next layer's backward); 8 slots
+  ab_layer TOPOEP_PREFETCH moe_layer_prefetch 8 --depth 4 --skews 0 -4 --layouts concentrated
 }
 
 step_combine_ab() {  # the backward combine on the layer's stream (=0, the default) or beside the weight gradients (=1)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from topoep.runtime.layout import count_keys
+from topoep.runtime.pool import SlotBanks
 
 
 class GlooExchange:
@@ -264,31 +265,36 @@ def _owner(se: torch.Tensor, e_loc: int) -> torch.Tensor:
     return torch.where(se >= 0, se.div(e_loc, rounding_mode="floor"), -1)
 
 
-class A2AReplicaPool:
-    """`symm.SymmReplicaPool`'s operations over an exchange: slots fc1 [N, 2F, H], fc2 [N, H, F]."""
+class A2AReplicaPool(SlotBanks):
+    """`symm.SymmReplicaPool`'s operations over an exchange: per bank b (`pool.SlotBanks`), `bank_weights(b)`
+    = slots fc1 [N, 2F, H], fc2 [N, H, F]. Its fetch is a collective, so the layer runs it on its own stream."""
 
     _shared: dict = {}
 
-    def __init__(self, exchange, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype):
+    def __init__(self, exchange, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype, banks: int = 1):
+        self.init_banks(banks)
         ex = self.exchange = exchange
         self.R, self.rank, self.num_slots = ex.R, ex.rank, num_slots
         H, F, N, RN = hidden_size, ffn_hidden_size, num_slots, ex.R * num_slots
-        self.fc1 = torch.zeros(N, 2 * F, H, dtype=dtype, device=ex.device)
-        self.fc2 = torch.zeros(N, H, F, dtype=dtype, device=ex.device)
-        # which fill of the slots they hold, host counters; graphed: a fetch was captured (cuda_function.start_fetch)
-        self.fills, self.filled, self.reloads_skipped, self.graphed = 0, None, 0, False
+        self._banked = (torch.zeros(banks, N, 2 * F, H, dtype=dtype, device=ex.device),
+                        torch.zeros(banks, N, H, F, dtype=dtype, device=ex.device))
+        self.fc1, self.fc2 = self.bank_weights(0)
         step = 8 * ex.blocks_per_peer  # a weight row's length: whole 8-element pieces for every block of the op
         cols = [-(-w[0].numel() // step) * step for w in (self.fc1, self.fc2)]
         self._bufs = [dict(send=ex.buffer((RN, c), dtype), recv=ex.buffer((N, c), dtype),
                            gsend=ex.buffer((N, c), dtype), grecv=ex.buffer((RN, c), dtype)) for c in cols]
 
     @classmethod
-    def shared(cls, exchange, num_slots, hidden_size, ffn_hidden_size, dtype):
-        key = (id(exchange), num_slots, hidden_size, ffn_hidden_size, dtype)
+    def shared(cls, exchange, num_slots, hidden_size, ffn_hidden_size, dtype, banks: int = 1):
+        key = (id(exchange), num_slots, hidden_size, ffn_hidden_size, dtype, banks)
         pool = cls._shared.get(key)
         if pool is None:
-            pool = cls._shared[key] = cls(exchange, num_slots, hidden_size, ffn_hidden_size, dtype)
+            pool = cls._shared[key] = cls(exchange, num_slots, hidden_size, ffn_hidden_size, dtype, banks)
         return pool
+
+    def bank_weights(self, bank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [N, 2F, H], fc2 [N, H, F]) of one bank of slots."""
+        return self._banked[0][bank], self._banked[1][bank]
 
     def slot_weights(self):
         return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
@@ -296,11 +302,11 @@ class A2AReplicaPool:
     @property
     def nbytes(self) -> int:
         """The slots and the exchange buffers of the replica transfers."""
-        return sum(t.numel() * t.element_size() for t in (self.fc1, self.fc2, *(v for b in self._bufs for v in b.values())))
+        return sum(t.numel() * t.element_size() for t in (*self._banked, *(v for b in self._bufs for v in b.values())))
 
-    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0) -> None:
         """Every main rank sends the weights of its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F])
-        to the slots the plan gives them."""
+        to the slots of `bank` the plan gives them."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
         f = torch.arange(R * N, device=se.device)
@@ -313,11 +319,14 @@ class A2AReplicaPool:
         j = torch.arange(N, device=se.device)
         key = torch.where(se_me >= 0, _owner(se_me, e_loc) * N + j, R * N + j)
         row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
-        for W, slots, b in ((W1, self.fc1, self._bufs[0]), (W2, self.fc2, self._bufs[1])):
+        for W, slots, b in zip((W1, W2), self.bank_weights(bank), self._bufs):
             n = slots[0].numel()
             b["send"][:, :n].copy_(W.reshape(e_loc, -1).index_select(0, local))
             self.exchange.all_to_all(b["send"], b["recv"], splits)
             slots.view(N, -1).copy_(b["recv"][:, :n].index_select(0, row_of))
+
+    def publish(self) -> None:
+        """Nothing to do: the fetch is a collective on the layer's stream, ordered with everything else."""
 
     def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
                      src: tuple[torch.Tensor, torch.Tensor]) -> None:

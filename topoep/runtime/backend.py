@@ -247,15 +247,19 @@ class CudaBackend:
                                     hidden, dtype, device)
 
     def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device):
+        """The process's replica pool for this group and shape: two banks of slots with TOPOEP_PREFETCH=1
+        (cuda_function.PREFETCH), else one."""
+        from topoep.runtime import cuda_function
         from topoep.runtime.symm import SymmReplicaPool
 
         if not num_slots:
             return None
+        banks = 2 if cuda_function.PREFETCH else 1
         if self.transport in ("a2a", "gloo"):
             from topoep.runtime.a2a import A2AReplicaPool
 
-            return A2AReplicaPool.shared(self.exchange(device), num_slots, hidden, ffn_hidden, dtype)
-        return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device)
+            return A2AReplicaPool.shared(self.exchange(device), num_slots, hidden, ffn_hidden, dtype, banks)
+        return SymmReplicaPool.shared(self.group, num_slots, hidden, ffn_hidden, dtype, device, banks)
 
     def exchange(self, device):
         """transport 'a2a': the process's NVSHMEM exchange of this group (created by the constructor, where

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class CudaLayerCall:
     experts_per_rank: int
     timer: PhaseTimer | None = None
     fill: int = -1  # which fill of the pool holds this call's replicas (start_fetch)
+    bank: int = 0  # which bank of the pool's slots (pool.SlotBanks)
+    prefetched: object = None  # event of a prefetch of this call's replicas on a side stream (prefetch_after_backward)
+    weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
 
 
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +174,11 @@ RELOAD_ALWAYS = env_switch("TOPOEP_RELOAD_ALWAYS", False)
 # TOPOEP_COMBINE_SIDE_STREAM=1 runs the backward combine (the token gradients going home) on a side stream beside
 # the weight-gradient GEMMs (peer transport). Off by default until measured (tools/gpu_session.sh combine_ab)
 SIDE_STREAM_COMBINE = env_switch("TOPOEP_COMBINE_SIDE_STREAM", False)
+# TOPOEP_PREFETCH=1 gives the replica pool two banks of slots (twice the slot memory): forward fills alternate
+# between them, and each backward refills the bank it releases with the replicas of the layer whose backward comes
+# after the next one, beside that next backward (pool.SlotBanks, prefetch_after_backward). Off by default until
+# measured on GPUs (tools/gpu_session.sh prefetch_ab)
+PREFETCH = env_switch("TOPOEP_PREFETCH", False)
 
 
 def side_stream(device, role: str = "side") -> torch.cuda.Stream:
@@ -181,6 +190,20 @@ def side_stream(device, role: str = "side") -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
+def _fill(call: "CudaLayerCall", bank: int) -> None:
+    """Host bookkeeping of a fetch of call's replicas into `bank`; first, a prefetch into that bank that no
+    barrier has published yet is waited for and published (its pushes must not race with this fill's)."""
+    pool = call.pool
+    ev = pool.unpublished[bank]
+    if ev is not None:
+        torch.cuda.current_stream(call.plan.slot_expert.device).wait_event(ev)
+        pool.publish()
+        pool.unpublished[bank] = None
+    pool.fills += 1
+    call.fill, call.bank = pool.fills, bank
+    pool.holds[bank] = call.fill
+
+
 def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
     """Fill the replica slots for this call. With TOPOEP_FETCH_SIDE_STREAM=1, a pool that allows it
     (`async_fetch`: the peer-pointer pool, whose pushes need no collective of their own) and no timer, the
@@ -189,12 +212,14 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     keep their order with the dispatch's) the fetch runs here and None is returned; without a pool (no
     slots, or policy static) there is nothing to fetch.
 
-    The pool remembers which fetch filled it last (`pool.filled`, a host counter: every rank issues the same
-    calls in the same order, so every rank decides alike). A backward `reload` is left out when the slots still
-    hold this call's replicas: no fetch happened since this call's forward (the last MoE layer of a model, or
-    a lone layer), and nothing else writes the slots (the gradients return from separate buffers). A pool
-    whose fetch was ever captured in a CUDA graph always reloads (a replay refills the slots without the host
-    knowing); TOPOEP_RELOAD_ALWAYS=1 always reloads."""
+    The pool remembers which fill each bank of slots holds (`pool.SlotBanks`: host counters; every rank issues
+    the same calls in the same order, so every rank decides alike). A forward fills the bank it did not fill last
+    (one bank: always the same). A backward `reload` is left out when the call's bank still holds its replicas:
+    no fetch into that bank happened since its forward (the last MoE layer of a model, or a lone layer; with two
+    banks the last two), or a prefetch at the end of an earlier backward refilled it (then the prefetch's event is
+    returned for the dispatch to wait for). Nothing else writes the slots (the gradients return from separate
+    buffers). A pool whose fetch was ever captured in a CUDA graph always reloads (a replay refills the slots
+    without the host knowing); TOPOEP_RELOAD_ALWAYS=1 always reloads."""
     pool, se, tm = call.pool, call.plan.slot_expert, call.timer
     if pool is None:
         return None
@@ -202,24 +227,81 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     # pool has been captured, nothing is ever left out again
     if se.is_cuda and torch.cuda.is_current_stream_capturing():
         pool.graphed = True
-    if reload and not RELOAD_ALWAYS and not pool.graphed and pool.filled == call.fill:
+    if reload and not RELOAD_ALWAYS and not pool.graphed and pool.holds[call.bank] == call.fill:
         pool.reloads_skipped += 1
-        return None
-    pool.fills += 1
-    call.fill = pool.fills
-    pool.filled = call.fill
+        ev, call.prefetched = call.prefetched, None
+        if ev is not None:  # the dispatch waits for it before its closing barrier, which publishes it
+            pool.unpublished[call.bank] = None
+        return ev
+    if reload:
+        _fill(call, call.bank)
+    else:
+        pool.last = (pool.last + 1) % pool.banks
+        _fill(call, pool.last)
+    call.prefetched = None
     e_loc = call.experts_per_rank
     if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
         with phase(tm, "fetch", collective=True):
-            pool.fetch(se, W1, W2, e_loc)
+            pool.fetch(se, W1, W2, e_loc, call.bank)
         return None
     main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
     side.wait_stream(main)  # the plan (slot_expert) and every earlier use of the slots are before this point
     with torch.cuda.stream(side):
-        pool.fetch(se, W1, W2, e_loc)
+        pool.fetch(se, W1, W2, e_loc, call.bank)
         done = torch.cuda.Event()
         done.record(side)
     return done
+
+
+def keep_for_prefetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor) -> None:
+    """A forward call whose backward will come: with two banks, remembered (weakly: a graph that is dropped
+    frees it) for `prefetch_after_backward`, with its stacked weights."""
+    pool = call.pool
+    if pool is None or pool.banks < 2:
+        return
+    call.weights = (W1, W2)
+    if len(pool.pending) >= 256:  # forwards whose graph was dropped without a backward: forget them
+        pool.pending[:] = [r for r in pool.pending if r() is not None]
+    pool.pending.append(weakref.ref(call))
+
+
+def prefetch_after_backward(call: "CudaLayerCall") -> None:
+    """The end of call's backward (after its gradient return, whose barrier every rank passed after its last
+    use of call's bank): call leaves the pool's pending list (with any later forward whose backward never came),
+    and its bank is refilled with the replicas of the pending call whose backward comes after the next one, when
+    that call's forward used this bank and the bank no longer holds them. On the peer-pointer pool without a timer
+    the pushes run on a side stream beside the next backward, whose own bank they do not touch; the prefetched
+    call's dispatch waits for them (start_fetch). Otherwise the fetch runs here, on the layer's stream.
+    Nothing happens with one bank, after a CUDA-graph capture of a fetch, or with TOPOEP_RELOAD_ALWAYS=1."""
+    pool = call.pool
+    if pool is None or pool.banks < 2:
+        return
+    pending = pool.pending
+    at = next((i for i in range(len(pending) - 1, -1, -1) if pending[i]() is call), None)
+    if at is None:  # not a call this pool waits for (a recomputed forward, say): nothing to predict
+        return
+    del pending[at:]
+    while pending and pending[-1]() is None:
+        pending.pop()
+    later = pending[-2]() if len(pending) >= 2 else None
+    if (later is None or later.weights is None or RELOAD_ALWAYS or pool.graphed or later.bank != call.bank
+            or pool.holds[call.bank] == later.fill):
+        return
+    se, tm = later.plan.slot_expert, call.timer
+    _fill(later, call.bank)
+    pool.prefetches += 1
+    W1, W2 = later.weights
+    if tm is not None or not getattr(pool, "async_fetch", False) or not se.is_cuda:
+        with phase(tm, "fetch", collective=True):
+            pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
+        return
+    main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
+    side.wait_stream(main)  # after this rank's gradient-return barrier: every rank is done with the bank
+    with torch.cuda.stream(side):
+        pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
+        later.prefetched = torch.cuda.Event()
+        later.prefetched.record(side)
+    pool.unpublished[later.bank] = later.prefetched
 
 
 def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main_wgrad) -> tuple:
@@ -287,6 +369,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
+        if any(ctx.needs_input_grad):
+            keep_for_prefetch(call, W1, W2)
+        slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
 
         def dispatch(i, ch):
@@ -304,7 +389,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 ym, hm = grouped_swiglu(xm, W1, W2, ch.offs_main, ch.n_main)
                 ys = hs = None
                 if pool is not None:
-                    ys, hs = grouped_swiglu(xs, pool.fc1, pool.fc2, ch.offs_slot, ch.n_slot)
+                    ys, hs = grouped_swiglu(xs, *slot_w, ch.offs_slot, ch.n_slot)
             return (xm, hm, xs, hs), (ym, ys), _record(comm and torch.cuda.current_stream(x.device))
 
         def combine(ch, ym, ys, done, rows):
@@ -350,6 +435,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         per = 4 if pool is not None else 2
         # reload this layer's replicas unless the slots still hold them (start_fetch)
         fetched = start_fetch(call, W1, W2, reload=True)
+        slot_w = pool.bank_weights(call.bank) if pool is not None else None
         # dispatch and combine on the comm stream: with two chunks, or TOPOEP_COMBINE_SIDE_STREAM=1 (the token
         # gradients go home beside the weight-gradient GEMMs)
         comm = _comm(call, grad_y, len(call.chunks) > 1 or SIDE_STREAM_COMBINE)
@@ -373,7 +459,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 gxs = ghs = None
                 if pool is not None:
                     xs, hs = rest
-                    gxs, ghs = grouped_swiglu_dgrad(gs, hs, pool.fc1, pool.fc2, ch.offs_slot, ch.n_slot)
+                    gxs, ghs = grouped_swiglu_dgrad(gs, hs, *slot_w, ch.offs_slot, ch.n_slot)
             done = _record(comm and torch.cuda.current_stream(grad_y.device))
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 _wait(done, grad_y.device)
@@ -400,6 +486,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with phase(tm, "experts"):
                 s1, s2 = summed([grouped_swiglu_wgrad(*w[6:]) for w in wgrad_inputs])
             g1, g2 = return_grads(call, s1, s2, main_wgrad)
+            prefetch_after_backward(call)
         if comm is not None:
             torch.cuda.current_stream(grad_y.device).wait_stream(comm)
         del data_grads

@@ -38,3 +38,30 @@ class ReplicaPool:
     @property
     def nbytes(self) -> int:
         return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+
+
+class SlotBanks:
+    """Host bookkeeping of backend cuda's replica pools (symm.SymmReplicaPool, a2a.A2AReplicaPool): which fill
+    each bank of slots holds, and the forward calls whose backward is still to come.
+
+    With one bank (the default) every fetch overwrites the slots. With two (TOPOEP_PREFETCH=1;
+    cuda_function.start_fetch, prefetch_after_backward), forward fills alternate between the banks, so the
+    last two MoE layers of a model find their replicas still in place when their backward comes, and at the
+    end of a layer's backward the bank it releases is refilled, beside the next layer's backward, with the
+    replicas of the layer whose backward comes after that one (autograd runs the layers in reverse).
+
+    Everything here is a host int, changed only by calls that every rank makes in the same order, so every
+    rank takes the same decisions (and makes the same collectives) without reading the device."""
+
+    def init_banks(self, banks: int) -> None:
+        if banks not in (1, 2):
+            raise ValueError(f"a replica pool has 1 or 2 banks of slots, got {banks}")
+        self.banks = banks
+        self.holds: list = [None] * banks  # the fill (a number from `fills`) each bank holds
+        self.fills = 0  # fetches issued, forward, reload and prefetch
+        self.reloads_skipped = 0  # backward reloads left out: the bank still held the call's replicas
+        self.prefetches = 0  # fills issued at the end of a backward for a later one
+        self.graphed = False  # a fetch was captured in a CUDA graph: never leave a reload out again
+        self.last = banks - 1  # bank of the latest forward fill (the next one goes to the other)
+        self.pending: list = []  # weak references to forward calls whose backward has not run, oldest first
+        self.unpublished: list = [None] * banks  # per bank: event of a prefetch no barrier has published yet

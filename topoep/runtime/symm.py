@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from topoep.runtime.pool import SlotBanks
+
 try:
     import triton
     import triton.language as tl
@@ -336,59 +338,73 @@ def _expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
         + stacked.data_ptr()
 
 
-class SymmReplicaPool:
+class SymmReplicaPool(SlotBanks):
     """A `ReplicaPool` whose slots live in symmetric memory, with the gradient-return regions beside
-    it (module docstring). fc1 [N, 2F, H], fc2 [N, H, F]; ret1 [R * N, 2F * H], ret2 [R * N, H * F]."""
+    it (module docstring). Per bank b (`pool.SlotBanks`: 1, or 2 with the backward prefetch):
+    `bank_weights(b)` = fc1 [N, 2F, H], fc2 [N, H, F]; ret1 [R * N, 2F * H], ret2 [R * N, H * F]."""
 
     _shared: dict = {}
     async_fetch = True  # fetch may run on a side stream beside the dispatch (no collective inside)
 
-    def __init__(self, group, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype, device):
+    def __init__(self, group, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype, device, banks: int = 1):
         if dtype != torch.bfloat16:
             raise ValueError(f"backend 'cuda' moves bf16 expert weights; got {dtype} (run the model in bf16)")
+        self.init_banks(banks)
         self.group = group or dist.group.WORLD
         R = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_slots = num_slots
         H, F = hidden_size, ffn_hidden_size
-        self._fc1 = SymmBuffer((num_slots, 2 * F, H), dtype, device, self.group)
-        self._fc2 = SymmBuffer((num_slots, H, F), dtype, device, self.group)
+        self._fc1 = SymmBuffer((banks * num_slots, 2 * F, H), dtype, device, self.group)
+        self._fc2 = SymmBuffer((banks * num_slots, H, F), dtype, device, self.group)
         self.ret1 = SymmBuffer((R * num_slots, 2 * F * H), dtype, device, self.group)
         self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
-        self.fc1, self.fc2 = self._fc1.tensor, self._fc2.tensor
-        # which fill of the slots they hold, host counters; graphed: a fetch was captured (cuda_function.start_fetch)
-        self.fills, self.filled, self.reloads_skipped, self.graphed = 0, None, 0, False
+        self._banked = [b.tensor.view(banks, num_slots, *b.tensor.shape[1:]) for b in (self._fc1, self._fc2)]
+        self.fc1, self.fc2 = self.bank_weights(0)
+        # the peers' addresses of each bank (made once: a fetch adds no tensor op)
+        self._bank_ptrs = [[buf.ptrs + b * num_slots * buf.tensor[0].numel() * buf.tensor.element_size()
+                            for b in range(banks)] for buf in (self._fc1, self._fc2)]
 
     @classmethod
-    def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device):
+    def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device, banks: int = 1):
         name = (group or dist.group.WORLD).group_name
-        key = (name, num_slots, hidden_size, ffn_hidden_size, dtype, torch.device(device))
+        key = (name, num_slots, hidden_size, ffn_hidden_size, dtype, torch.device(device), banks)
         pool = cls._shared.get(key)
         if pool is None:
-            pool = cls._shared[key] = cls(group, num_slots, hidden_size, ffn_hidden_size, dtype, device)
+            pool = cls._shared[key] = cls(group, num_slots, hidden_size, ffn_hidden_size, dtype, device, banks)
         return pool
+
+    def bank_weights(self, bank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [N, 2F, H], fc2 [N, H, F]) of one bank of slots."""
+        return self._banked[0][bank], self._banked[1][bank]
 
     def slot_weights(self):
         return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
 
     @property
     def nbytes(self) -> int:
-        return self.fc1.numel() * self.fc1.element_size() + self.fc2.numel() * self.fc2.element_size()
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in (self._fc1, self._fc2))
 
-    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int) -> None:
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0) -> None:
         """Every main rank pushes its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F], stacked)
-        into the slots the plan gives them. No barrier of its own: the layer calls it right before a
+        into the slots of `bank` the plan gives them. No barrier of its own: the layer calls it right before a
         dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when
         the fetch runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a
-        barrier after its last use of its slots (this call's count all-gathers in forward, the previous
-        gradient return in backward)."""
+        barrier after its last use of the bank (this call's count all-gathers in forward, the gradient
+        return of the bank's last user in backward; `publish` where nothing else would)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
         for ptrs, buf in ((_expert_ptrs(W1), self._fc1), (_expert_ptrs(W2), self._fc2)):
             numel = buf.tensor[0].numel()
-            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, buf.ptrs, self.rank, e_loc,
+            bases = self._bank_ptrs[0 if buf is self._fc1 else 1][bank]
+            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, bases, self.rank, e_loc,
                                                                       self.num_slots, numel, CHUNK=COPY_CHUNK,
                                                                       num_warps=COPY_WARPS)
+
+    def publish(self) -> None:
+        """A barrier of the group on this stream: every rank's earlier work on its stream (a prefetch it
+        waited for) is complete everywhere after it."""
+        self._fc1.barrier(channel=0)
 
     def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int) -> None:
         """First half of the gradient return: my slots' weight gradients src1 [N, 2F, H] / src2 [N, H, F]
