@@ -566,7 +566,7 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "(plan+fetch) / ms: the serialised plan and fetch over the timed layer, both blocking (target <= 10 %; "
         "with TOPOEP_FETCH_SIDE_STREAM=1 backend cuda's peer transport fetches beside the dispatch in the timed "
         "runs, and this over-states what the fetch exposes)",
-        f"- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
+        "- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",
         f"- net-benefit guard: `{NetBenefitGuard()}`, t_ffn {1e9 * ffn_time_per_assignment(args.hidden, args.ffn):.3g} "
