@@ -1,4 +1,5 @@
-"""Backend cuda's logic on the CPU (transport "gloo"): 4 processes over gloo as 2 domains of 2, the a2a workspace
+"""Backend cuda's logic on the CPU (transport "gloo"): 4 processes over gloo as 2 domains of 2 (and, for every
+policy once, 8 processes as 2 domains of 4: issue 10's EP-8 layout), the a2a workspace
 and replica pool on a gloo exchange, torch references in place of the Triton kernels. Everything else is the GPU
 path's code: the metadata (counts, plan, guard, statistics, receive layout), the autograd function with its
 top-k weighting, the slot GEMMs, the replica fetch, the backward reload (and when it is left out) and the
@@ -15,14 +16,19 @@ import torch
 from distributed import run_ranks
 from test_cuda_backend_gpu import E_LOC, FD, H, _dense, _routing
 
-WORLD, RPD = 4, 2
+WORLD = 4  # as 2 domains of 2; one test runs 8 processes as 2 domains of 4 (issue 10's layout, on the CPU)
+
+
+def _topology(world):
+    from topoep import Topology
+
+    return Topology(num_domains=2, ranks_per_domain=world // 2)
 
 
 def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1):
-    from topoep import ExpertParallelMoE, Topology
+    from topoep import ExpertParallelMoE
 
-    layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                              topology=Topology(num_domains=WORLD // RPD, ranks_per_domain=RPD), num_slots=2,
+    layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(E // E_LOC), num_slots=2,
                               policy=policy, backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
                               transport="gloo" if backend == "cuda" else "peer")
     with torch.no_grad():
@@ -63,11 +69,11 @@ def _policies(rank, world, policies, chunks):
     return out
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_every_policy_matches_backend_torch_within_bf16_error(chunks):
+@pytest.mark.parametrize("world, chunks", [(4, 1), (4, 2), pytest.param(8, 1, marks=pytest.mark.slow)])
+def test_every_policy_matches_backend_torch_within_bf16_error(world, chunks):
     from topoep import POLICIES
 
-    for out in run_ranks(_policies, WORLD, list(POLICIES), chunks):
+    for out in run_ranks(_policies, world, list(POLICIES), chunks):
         for policy in POLICIES:
             errs_t, rep_t, _ = out[(policy, "torch")]
             errs_c, rep_c, repeatable = out[(policy, "cuda")]
@@ -154,7 +160,7 @@ def test_prefetch_refills_a_released_bank_for_a_later_backward():
 def _uneven(rank, world):
     """Ranks with different token counts (1, 8, 5, 8; max_tokens 8) in two chunks: every rank must make the same
     collectives (a rank with one token still runs both chunks) and the results match backend torch."""
-    from topoep import ExpertParallelMoE, Topology
+    from topoep import ExpertParallelMoE
 
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
@@ -164,7 +170,7 @@ def _uneven(rank, world):
     out = {}
     for backend in ("torch", "cuda"):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                                  topology=Topology(num_domains=WORLD // RPD, ranks_per_domain=RPD), num_slots=2,
+                                  topology=_topology(world), num_slots=2,
                                   policy="topoep", backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
                                   transport="gloo" if backend == "cuda" else "peer", max_tokens=8 if backend == "cuda"
                                   else None)
