@@ -74,9 +74,9 @@ from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
-QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=[4096, 8192, 16384], iters=20, warmup=3,
+QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=[4096, 8192, 16384], iters=20, rounds=4, warmup=3,
              profile_iters=3)
-TINY = dict(hidden=32, ffn=16, experts_per_rank=4, topk=2, tokens=[64], iters=3, warmup=1, profile_iters=1)
+TINY = dict(hidden=32, ffn=16, experts_per_rank=4, topk=2, tokens=[64], iters=3, rounds=2, warmup=1, profile_iters=1)
 
 
 # -- routing --------------------------------------------------------------------------------------
@@ -223,17 +223,35 @@ def across_ranks_max(values: list[float], dev) -> list[float]:
     return t.tolist()
 
 
-def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
-    """(row of measurements, the layer's output for the cross-check)."""
-    ys = case.run()  # warm-up 1 (allocates)
+def warm_up(case: Case, args) -> tuple[torch.Tensor, tuple | None]:
+    """Warm-up calls (the first allocates); returns (the layer's output for the cross-check, the slot hint's
+    counters before the timed calls)."""
+    ys = case.run()
     for _ in range(args.warmup - 1):
         case.run()
     if case.topoep is not None:
         case.topoep.pop_stats()
     hint = case.topoep.slot_hint if case.topoep is not None else None
-    before = (hint.calls, hint.skipped) if hint is not None else None
+    return ys, ((hint.calls, hint.skipped) if hint is not None else None)
+
+
+def timed_rounds(cases: list[Case], args, cuda: bool) -> dict[str, list[float]]:
+    """This rank's ms of every timed call of every case: args.iters calls per case, in args.rounds rounds that
+    take the cases in turn, so that a drift of the machine (clocks, neighbours) reaches every case alike and the
+    ratios between cases stay fair."""
+    times = {c.name: [] for c in cases}
+    for r in range(args.rounds):
+        n = args.iters // args.rounds + (r < args.iters % args.rounds)
+        for c in cases:
+            times[c.name] += time_iterations(c.run, n, cuda)
+    return times
+
+
+def measure(case: Case, args, cuda: bool, dev, times: list[float], before: tuple | None) -> dict:
+    """The row of a case from its timed calls (this rank's ms), then its statistics and profile."""
+    hint = case.topoep.slot_hint if case.topoep is not None else None
     depth = args.depth if case.topoep is not None else 1
-    ms = statistics.median(across_ranks_max(time_iterations(case.run, args.iters, cuda), dev)) / depth
+    ms = statistics.median(across_ranks_max(times, dev)) / depth
     row = dict(ms=ms, guard_fired=None, imbalance_after=None, guard_saved_ms=None, guard_cost_ms=None, slot_skip=None)
     if hint is not None and hint.calls > before[0]:  # share of timed calls without the replica machinery
         row["slot_skip"] = (hint.skipped - before[1]) / (hint.calls - before[0])
@@ -269,7 +287,7 @@ def measure(case: Case, args, cuda: bool, dev) -> tuple[dict, torch.Tensor]:
         row["experts_ms_per_rank"] = every[:, PHASES.index("experts")].sum(-1).tolist()
     if args.torch_profile:
         row["torch_profile"] = torch_profile(case, cuda)
-    return row, ys
+    return row
 
 
 def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
@@ -322,6 +340,9 @@ def parse_args(argv):
                          "reported per layer (the case's time / depth)")
     ap.add_argument("--ranks-per-domain", type=int, default=None, help="virtual NVLink domain size (default: all)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 20; tiny 3)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="the timed iterations are taken in this many rounds over all cases of a routing, in turn "
+                         "(default 4; tiny 2): a drift of the machine reaches every case alike")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up iterations per case (default 3; tiny 1)")
     ap.add_argument("--profile-iters", type=int, default=None,
                     help="extra iterations with the phase timer (default 3; tiny 1; 0: no breakdown)")
@@ -335,12 +356,12 @@ def parse_args(argv):
     argv = without_options(sys.argv[1:] if argv is None else argv, "--out")
     args.command = " ".join(["bench/moe_layer.py", *argv])
     shape = TINY if args.tiny else QWEN3
-    for name in ("iters", "warmup", "profile_iters"):
+    for name in ("iters", "rounds", "warmup", "profile_iters"):
         if getattr(args, name) is None:
             setattr(args, name, shape[name])
-    if args.iters < 1 or args.warmup < 1 or args.profile_iters < 0:
-        raise ValueError(f"--iters ({args.iters}) and --warmup ({args.warmup}) must be >= 1 and --profile-iters "
-                         f"({args.profile_iters}) >= 0")
+    if args.iters < 1 or args.warmup < 1 or args.profile_iters < 0 or not 1 <= args.rounds <= args.iters:
+        raise ValueError(f"--iters ({args.iters}) and --warmup ({args.warmup}) must be >= 1, --rounds ({args.rounds}) "
+                         f"from 1 to --iters, and --profile-iters ({args.profile_iters}) >= 0")
     if args.slots < 0:
         raise ValueError(f"--slots must be >= 0, got {args.slots}")
     if args.depth < 1 or (args.depth > 1 and not args.no_megatron):
@@ -463,9 +484,13 @@ def main(argv=None) -> int:
         for wname, skew, layout in workloads(args):
             idx_all = routing(world, E, T, k, skew, layout, args.seed)
             before = static_imbalance(routing_counts(idx_all, E))
-            outputs, case_rows = {}, []
-            for case in make_cases(layers, megatron, x, w, gy, idx_all[rank].to(dev), args.depth):
-                row, outputs[case.name] = measure(case, args, cuda, dev)
+            outputs, case_rows, counters = {}, [], {}
+            cases = make_cases(layers, megatron, x, w, gy, idx_all[rank].to(dev), args.depth)
+            for case in cases:
+                outputs[case.name], counters[case.name] = warm_up(case, args)
+            times = timed_rounds(cases, args, cuda)
+            for case in cases:
+                row = measure(case, args, cuda, dev, times[case.name], counters[case.name])
                 row.update(tokens=T, workload=wname, router_skew=skew, layout=layout, layer=case.name,
                            imbalance_before=before, ran=True)
                 if row["imbalance_after"] is None:
@@ -555,8 +580,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"{int(_prefetch_on())}; megatron experts: {experts_module or 'not run'}"
         + (f"; each case is {args.depth} layers in a chain, every time per layer (the case's / {args.depth})"
            if args.depth > 1 else ""),
-        f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's "
-        "forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "
+        f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up; taken in {args.rounds} rounds over the "
+        "cases of each routing in turn) of the slowest rank's forward + backward; vs static: / the static layer on the same routing; vs bound: / the same layer on "
         "balanced routing (every rank exactly the mean load); rank imbalance: max / mean rank load before -> "
         "after balancing; guard: share of calls where the net-benefit guard executed the static plan (skip: "
         "share of timed calls whose replica machinery was left out because the guard had fired `skip_lag` calls "

@@ -21,6 +21,7 @@ def test_tiny_bench_measures_every_case(tmp_path):
     assert run_ranks(_bench, 2, str(tmp_path)) == [0, 0]
     data = json.loads((tmp_path / "moe_layer.json").read_text())
     assert data["commit"] and data["hardware"] and data["config"]["tiny"] is True
+    assert data["config"]["rounds"] == 2 and data["config"]["iters"] == 3  # timed calls taken in 2 rounds over the cases
     rows = {(r["workload"], r["layer"]): r for r in data["rows"]}
     assert set(rows) == {(w, layer) for w in ROUTINGS for layer in LAYERS}
     md = (tmp_path / "moe_layer.md").read_text()
@@ -74,3 +75,28 @@ def test_depth_needs_no_megatron():
         parse_args(["--tiny", "--depth", "2"])
     with pytest.raises(ValueError, match="got --depth 0"):
         parse_args(["--tiny", "--depth", "0", "--no-megatron"])
+
+
+def test_rounds_split_the_timed_calls():
+    import pytest
+
+    from bench.moe_layer import parse_args, timed_rounds
+
+    with pytest.raises(ValueError, match=r"--rounds \(4\) from 1 to --iters"):
+        parse_args(["--tiny", "--rounds", "4"])  # tiny: 3 iterations
+
+    class _Case:
+        def __init__(self, name, log):
+            self.name, self.run = name, lambda: log.append(name)
+
+    log = []
+    args = parse_args(["--tiny", "--iters", "5", "--rounds", "2"])
+    import bench.moe_layer as ml
+
+    orig, ml.time_iterations = ml.time_iterations, lambda run, n, cuda: [run() or 1.0 for _ in range(n)]
+    try:
+        times = timed_rounds([_Case("a", log), _Case("b", log)], args, False)
+    finally:
+        ml.time_iterations = orig
+    assert log == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2  # 5 calls each, in 2 rounds taken in turn
+    assert times == {"a": [1.0] * 5, "b": [1.0] * 5}
