@@ -220,11 +220,31 @@ def test_layer_matches_torch_backend_within_bf16_error(num_slots):
                 assert out[("topoep", "cuda")][1] > 0
 
 
+def _slow_prefetch(cuda_function):
+    """Every pool's fetch, when it runs on the prefetch stream, first spins the GPU for ~10 ms."""
+    from topoep.runtime.a2a import A2AReplicaPool
+    from topoep.runtime.symm import SymmReplicaPool
+
+    for cls in (SymmReplicaPool, A2AReplicaPool):
+        if getattr(cls.fetch, "slowed", False):
+            continue
+        orig = cls.fetch
+
+        def fetch(self, *args, _orig=orig, **kw):
+            dev = torch.cuda.current_device()
+            if torch.cuda.current_stream(dev) == cuda_function.side_stream(dev, "prefetch"):
+                torch.cuda._sleep(20_000_000)
+            return _orig(self, *args, **kw)
+
+        fetch.slowed = True
+        cls.fetch = fetch
+
+
 def _two_layers(rank, world, n_layers=4):
     """Layers A-D share the replica slots: forward in order, then backward in reverse. With one bank, D's
     backward finds its replicas still in the slots and leaves the reload out; the others must reload. With
     TOPOEP_PREFETCH=1 (two banks, run "cuda-prefetch") D and C find theirs, and the ends of D's and C's backward
-    refill their banks, on a side stream, with B's and A's replicas: no reload. All against backend torch and the
+    refill their banks, on the prefetch stream (made ~10 ms late on purpose), with B's and A's replicas: no reload. All against backend torch and the
     fp64 reference, as in _layer_errors, and bit for bit against run "cuda"."""
     from topoep import ExpertParallelMoE
 
@@ -250,6 +270,8 @@ def _two_layers(rank, world, n_layers=4):
         cuda_function.SIDE_STREAM_RETURN = name != "cuda-return-on-stream"
         cuda_function.SIDE_STREAM_COMBINE = name == "cuda-combine-side"
         cuda_function.PREFETCH = name == "cuda-prefetch"
+        if name == "cuda-prefetch":  # the prefetch stream starts late: a dispatch that did not wait would read old slots
+            _slow_prefetch(cuda_function)
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),

@@ -5,6 +5,7 @@ TOPOEP_RELOAD_ALWAYS; with two banks, the end of a backward refills the bank it 
 next. A stand-in pool records the fetches and what each bank holds (the copies themselves run in
 tests/test_cuda_backend_cpu.py over gloo and on the GPU in tests/test_cuda_backend_gpu.py)."""
 
+import contextlib
 import random
 import types
 
@@ -32,10 +33,10 @@ class _Pool(SlotBanks):
         raise AssertionError("a CPU pool never has a prefetch in flight")
 
 
-def _call(pool, tag):
-    plan = types.SimpleNamespace(slot_expert=torch.full((1, 1), tag))
+def _call(pool, tag, se=None, grad=True):
+    plan = types.SimpleNamespace(slot_expert=torch.full((1, 1), tag) if se is None else se)
     return cf.CudaLayerCall(plan=plan, workspace=None, pool=pool, chunks=[], num_tokens=0, top_k=1,
-                            experts_per_rank=1)
+                            experts_per_rank=1, grad=grad)
 
 
 def _run(pool, script):
@@ -141,3 +142,116 @@ def test_prefetch_stays_off_in_graphs_and_with_reload_always(monkeypatch):
 def test_a_pool_has_one_or_two_banks():
     with pytest.raises(ValueError, match="1 or 2 banks"):
         _Pool(banks=3)
+
+
+def test_the_pending_list_is_bounded_and_skips_calls_without_grad(monkeypatch):
+    monkeypatch.setattr(cf, "PENDING_MAX", 3)
+    pool = _Pool(banks=2)
+    script = [("fwd", i) for i in range(1, 6)] + [("bwd", i) for i in range(5, 0, -1)]
+    # only 3, 4, 5 are kept: 5's backward prefetches 3; 2 and 1 (pushed out) reload
+    assert _run(pool, script) == [1, 2, 3, 4, 5, 3, 2, 1]
+    assert (pool.reloads_skipped, pool.prefetches, pool.pending) == (3, 1, [])
+    pool = _Pool(banks=2)
+    cf.keep_for_prefetch(_call(pool, 7, grad=False), None, None)  # made with grad mode off: no backward comes
+    assert pool.pending == []
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, ev):
+        self.log.append(("wait_event", self.name, ev.tag))
+
+
+class _SE:
+    """A slot table that says it is on a GPU (the prefetch's side-stream path), holding one tag."""
+    is_cuda, device = True, "cuda:0"
+
+    def __init__(self, tag, log):
+        self.tag, self.log = tag, log
+
+    def __getitem__(self, i):
+        return self.tag
+
+    def record_stream(self, stream):
+        self.log.append(("record_stream", stream.name))
+
+
+class _W(_SE):
+    """A stacked weight (only its record_stream is used)."""
+
+    def __init__(self, log):
+        super().__init__(None, log)
+
+
+def test_the_side_stream_prefetch_is_waited_for_and_published(monkeypatch):
+    """The GPU path of the prefetch with stand-in streams and events: the prefetched call's reload is left out and
+    hands the prefetch's event to its dispatch; a fill into a bank that a prefetch is still writing waits for it and
+    publishes it (a barrier) first; nothing else publishes."""
+    log, events = [], []
+    streams = {}
+
+    def stream(name):
+        return streams.setdefault(name, _FakeStream(name, log))
+
+    class _Event:
+        def __init__(self):
+            self.tag = len(events)
+            events.append(self)
+
+        def record(self, s):
+            log.append(("record", s.name, self.tag))
+
+    monkeypatch.setattr(cf, "side_stream", lambda dev, role="side": stream(role))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: stream("main"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class _AsyncPool(_Pool):
+        async_fetch = True
+
+        def publish(self):
+            log.append(("publish",))
+
+    pool = _AsyncPool(banks=2)
+    calls = {t: _call(pool, t, se=_SE(t, log)) for t in (1, 2, 3, 4)}
+    for t in (1, 2, 3, 4):
+        cf.start_fetch(calls[t], None, None)
+        cf.keep_for_prefetch(calls[t], _W(log), _W(log))
+    assert [c.bank for c in calls.values()] == [0, 1, 0, 1]
+    log.clear()
+    # layer 4's backward: its replicas are in place; its end refills bank 1 with layer 2's on the prefetch stream
+    assert cf.start_fetch(calls[4], None, None, reload=True) is None
+    cf.prefetch_after_backward(calls[4])
+    assert log == [("wait_stream", "prefetch", "main")] + [("record_stream", "prefetch")] * 3 + [("record", "prefetch", 0)]
+    assert pool.unpublished == [None, events[0]] and calls[2].prefetched is events[0] and pool.content == [3, 2]
+    # layer 3 (bank 0, in place); then layer 2's reload is left out and returns the prefetch's event
+    assert cf.start_fetch(calls[3], None, None, reload=True) is None
+    assert cf.start_fetch(calls[2], None, None, reload=True) is events[0]
+    assert pool.unpublished == [None, None] and calls[2].prefetched is None
+    # a prefetch that nobody consumed: the next fill into its bank waits for it and publishes it first
+    calls[1].weights = (_W(log), _W(log))
+    pool.pending = [calls[1], calls[3], calls[4]]  # as if 4's backward came again with 1 and 3 pending
+    calls[4].bank = calls[1].bank = 0
+    pool.holds[0] = -1
+    cf.prefetch_after_backward(calls[4])  # 1's replicas into bank 0
+    assert pool.unpublished[0] is events[1]
+    log.clear()
+    new = _call(pool, 5, se=_SE(5, log))
+    pool.last = 1  # the next forward fill goes to bank 0
+    cf.start_fetch(new, None, None)
+    assert log[:2] == [("wait_event", "main", 1), ("publish",)] and pool.unpublished == [None, None]
+    assert pool.content[0] == 5 and pool.holds[0] == new.fill
+
+
+def test_a_capture_cannot_wait_for_a_prefetch_in_flight(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    pool = _Pool(banks=2)
+    pool.unpublished[0] = object()
+    with pytest.raises(RuntimeError, match="capture with TOPOEP_PREFETCH=0"):
+        cf._fill(_call(pool, 1), 0)

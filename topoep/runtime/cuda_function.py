@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +75,7 @@ class CudaLayerCall:
     bank: int = 0  # which bank of the pool's slots (pool.SlotBanks)
     prefetched: object = None  # event of a prefetch of this call's replicas on a side stream (prefetch_after_backward)
     weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
+    grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
 
 
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +183,8 @@ PREFETCH = env_switch("TOPOEP_PREFETCH", False)
 
 def side_stream(device, role: str = "side") -> torch.cuda.Stream:
     """A stream of the layer's on a device, created once per role: "side" (replica fetch and gradient push,
-    plan statistics) or "comm" (dispatch and combine beside the GEMMs)."""
+    plan statistics), "comm" (dispatch and combine beside the GEMMs) or "prefetch" (the backward prefetch, which
+    nothing on the other streams waits for but the prefetched layer)."""
     key = (torch.device(device), role)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(key[0])
@@ -196,6 +197,11 @@ def _fill(call: "CudaLayerCall", bank: int) -> None:
     pool = call.pool
     ev = pool.unpublished[bank]
     if ev is not None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a replica prefetch (TOPOEP_PREFETCH=1) into the slots this captured fetch writes is still in flight: "
+                "a CUDA graph cannot wait for it. Run the backward of every layer before capturing a forward, or "
+                "capture with TOPOEP_PREFETCH=0")
         torch.cuda.current_stream(call.plan.slot_expert.device).wait_event(ev)
         pool.publish()
         pool.unpublished[bank] = None
@@ -253,38 +259,44 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     return done
 
 
+# forward calls a pool keeps for a prefetch at most: beyond it the oldest is forgotten (a forward whose backward
+# never came, say); a count every rank keeps alike, so every rank forgets the same calls
+PENDING_MAX = 512
+
+
 def keep_for_prefetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor) -> None:
-    """A forward call whose backward will come: with two banks, remembered (weakly: a graph that is dropped
-    frees it) for `prefetch_after_backward`, with its stacked weights."""
+    """A forward call made with grad mode on: with two banks, kept (with its stacked weights) for
+    `prefetch_after_backward`, until its backward comes or PENDING_MAX newer calls push it out. Strong references:
+    what a rank decides must never depend on when its garbage collector runs."""
     pool = call.pool
-    if pool is None or pool.banks < 2:
+    if pool is None or pool.banks < 2 or not call.grad:
         return
     call.weights = (W1, W2)
-    if len(pool.pending) >= 256:  # forwards whose graph was dropped without a backward: forget them
-        pool.pending[:] = [r for r in pool.pending if r() is not None]
-    pool.pending.append(weakref.ref(call))
+    pool.pending.append(call)
+    if len(pool.pending) > PENDING_MAX:
+        pool.pending.pop(0).weights = None
 
 
 def prefetch_after_backward(call: "CudaLayerCall") -> None:
     """The end of call's backward (after its gradient return, whose barrier every rank passed after its last
-    use of call's bank): call leaves the pool's pending list (with any later forward whose backward never came),
-    and its bank is refilled with the replicas of the pending call whose backward comes after the next one, when
-    that call's forward used this bank and the bank no longer holds them. On the peer-pointer pool without a timer
-    the pushes run on a side stream beside the next backward, whose own bank they do not touch; the prefetched
-    call's dispatch waits for them (start_fetch). Otherwise the fetch runs here, on the layer's stream.
-    Nothing happens with one bank, after a CUDA-graph capture of a fetch, or with TOPOEP_RELOAD_ALWAYS=1."""
+    use of call's bank): call leaves the pool's pending list, and its bank is refilled with the replicas of the call
+    two places before it there, whose backward comes after the next one when autograd runs this micro-batch's layers
+    in reverse, when that call's forward used this bank and the bank no longer holds them. On the peer-pointer
+    pool without a timer the pushes run on a stream of their own beside the next backward, whose bank they do not
+    touch; the prefetched call's dispatch waits for them (start_fetch). Otherwise the fetch runs here, on the
+    layer's stream. Nothing happens with one bank, after a CUDA-graph capture of a fetch, or with
+    TOPOEP_RELOAD_ALWAYS=1. Other orders stay correct: a call whose bank lost its replicas reloads."""
     pool = call.pool
     if pool is None or pool.banks < 2:
         return
     pending = pool.pending
-    at = next((i for i in range(len(pending) - 1, -1, -1) if pending[i]() is call), None)
-    if at is None:  # not a call this pool waits for (a recomputed forward, say): nothing to predict
+    at = next((i for i in range(len(pending) - 1, -1, -1) if pending[i] is call), None)
+    if at is None:  # not a call this pool keeps (one pushed out, or made with grad mode off)
         return
-    del pending[at:]
-    while pending and pending[-1]() is None:
-        pending.pop()
-    later = pending[-2]() if len(pending) >= 2 else None
-    if (later is None or later.weights is None or RELOAD_ALWAYS or pool.graphed or later.bank != call.bank
+    del pending[at]
+    call.weights = None
+    later = pending[at - 2] if at >= 2 else None
+    if (later is None or RELOAD_ALWAYS or pool.graphed or later.bank != call.bank
             or pool.holds[call.bank] == later.fill):
         return
     se, tm = later.plan.slot_expert, call.timer
@@ -295,12 +307,14 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
         with phase(tm, "fetch", collective=True):
             pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
         return
-    main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
-    side.wait_stream(main)  # after this rank's gradient-return barrier: every rank is done with the bank
-    with torch.cuda.stream(side):
+    main, stream = torch.cuda.current_stream(se.device), side_stream(se.device, "prefetch")
+    stream.wait_stream(main)  # after this rank's gradient-return barrier: every rank is done with the bank
+    for t in (se, W1, W2):  # made on the layer's stream, read here: not reused before the pushes are done
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
         pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
         later.prefetched = torch.cuda.Event()
-        later.prefetched.record(side)
+        later.prefetched.record(stream)
     pool.unpublished[later.bank] = later.prefetched
 
 
@@ -369,8 +383,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
-        if any(ctx.needs_input_grad):
-            keep_for_prefetch(call, W1, W2)
+        keep_for_prefetch(call, W1, W2)
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
 

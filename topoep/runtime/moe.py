@@ -296,7 +296,7 @@ class ExpertParallelMoE(nn.Module):
             chunks[0].cap = chunks[1].base = R * ((ws.a_cap // k + 1) // 2) * k
             chunks[1].first = ((T + 1) // 2) * k
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
-                             experts_per_rank=E_loc, timer=tm)
+                             experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled())
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:

@@ -63,5 +63,5 @@ class SlotBanks:
         self.prefetches = 0  # fills issued at the end of a backward for a later one
         self.graphed = False  # a fetch was captured in a CUDA graph: never leave a reload out again
         self.last = banks - 1  # bank of the latest forward fill (the next one goes to the other)
-        self.pending: list = []  # weak references to forward calls whose backward has not run, oldest first
+        self.pending: list = []  # forward calls whose backward has not run, oldest first (cuda_function.PENDING_MAX)
         self.unpublished: list = [None] * banks  # per bank: event of a prefetch no barrier has published yet
