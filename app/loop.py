@@ -189,6 +189,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
                 metrics[f"moe/{c}"] = m[:, j].sum().item() if c in ("planner_ms", "slot_waits") else m[:, j].mean().item()
                 for li in range(m.shape[0]):
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
+            metrics.update({f"moe/{k}": v for k, v in stats.pool_counts().items()})
         if is_logger and step % tr.log_interval == 0:
             logger.log(step, metrics, _line(step, tr.steps, metrics, ec.enabled))
         history.append(metrics)

@@ -35,6 +35,7 @@ class MoEStats:
         self.index = [layer.layer_number - 1 - first_k_dense for layer in layers]  # global MoE-layer index
         self.counts = torch.zeros(len(layers), E, dtype=torch.int64, device=device)
         self._waits: dict[int, int] = {}  # layer -> its slot hint's waits at the last collect
+        self._pools: dict[int, tuple] = {}  # id of a backend cuda pool -> its counters at the last pool_counts
         for i, layer in enumerate(layers):
             layer.router.register_forward_hook(self._hook(i))
 
@@ -43,6 +44,24 @@ class MoEStats:
             with torch.no_grad():
                 self.counts[i] += output[1].sum(0).to(torch.int64)
         return hook
+
+    def pool_counts(self) -> dict[str, int]:
+        """Backend cuda's replica fetches since the last call, summed over this stage's pools (host counters, alike
+        on every rank of the stage): `replica_fetches` (forward fills, backward reloads and prefetches),
+        `reloads_skipped` (backward reloads left out: the slots still held the replicas) and `prefetches`
+        (TOPOEP_PREFETCH=1). Empty when no layer has such a pool (backend torch, or no slots)."""
+        pools = {}
+        for layer in self.layers:
+            pool = getattr(getattr(layer, "balancer", None), "pool", None)
+            if pool is not None and hasattr(pool, "fills"):
+                pools[id(pool)] = pool
+        out = dict(replica_fetches=0, reloads_skipped=0, prefetches=0) if pools else {}
+        for key, pool in pools.items():
+            now = (pool.fills, pool.reloads_skipped, pool.prefetches)
+            for name, a, b in zip(out, now, self._pools.get(key, (0, 0, 0))):
+                out[name] += a - b
+            self._pools[key] = now
+        return out
 
     @torch.no_grad()
     def collect(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,6 +81,9 @@ def test_backend_cuda_logic_trains_on_the_cpu_like_backend_torch(tmp_path):
     assert [r["step"] for r in a] == [1, 2, 3]
     assert all(abs(x["loss"] - y["loss"]) < 2e-3 * abs(y["loss"]) for x, y in zip(a, b)), (a, b)
     assert all(r["moe/replica_fraction"] > 0 for r in a)
+    # the pool's fetches per step (2 MoE layers): 2 forward fills and layer 1's reload; layer 2's reload left out
+    assert [(r["moe/replica_fetches"], r["moe/reloads_skipped"], r["moe/prefetches"]) for r in a] == [(3, 1, 0)] * 3
+    assert "moe/replica_fetches" not in b[0]  # backend torch has no such pool
 
 
 def test_guard_on_cpu_executes_the_static_plan(runs, tmp_path):
