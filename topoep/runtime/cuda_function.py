@@ -245,17 +245,28 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
         pool.last = (pool.last + 1) % pool.banks
         _fill(call, pool.last)
     call.prefetched = None
-    e_loc = call.experts_per_rank
-    if tm is not None or not getattr(pool, "async_fetch", False) or not SIDE_STREAM_FETCH:
+    # on the side stream: the plan (slot_expert) and every earlier use of the slots are before this point
+    return _fetch(call, W1, W2, "side" if SIDE_STREAM_FETCH else None, tm)
+
+
+def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str | None, tm: PhaseTimer | None):
+    """pool.fetch of call's replicas into call.bank: on the device's stream of `role` after the layer's stream,
+    returning the event of its end, where a role is given and the pool allows it (`async_fetch`: the peer-pointer
+    pool, whose pushes need no collective of their own) on a GPU without a timer `tm`; otherwise here, in phase
+    "fetch" of `tm` (None)."""
+    pool, se = call.pool, call.plan.slot_expert
+    if role is None or tm is not None or not getattr(pool, "async_fetch", False) or not se.is_cuda:
         with phase(tm, "fetch", collective=True):
-            pool.fetch(se, W1, W2, e_loc, call.bank)
+            pool.fetch(se, W1, W2, call.experts_per_rank, call.bank)
         return None
-    main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
-    side.wait_stream(main)  # the plan (slot_expert) and every earlier use of the slots are before this point
-    with torch.cuda.stream(side):
-        pool.fetch(se, W1, W2, e_loc, call.bank)
+    main, stream = torch.cuda.current_stream(se.device), side_stream(se.device, role)
+    stream.wait_stream(main)
+    for t in (se, W1, W2):  # made on the layer's stream, read there: not reused before the pushes are done
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        pool.fetch(se, W1, W2, call.experts_per_rank, call.bank)
         done = torch.cuda.Event()
-        done.record(side)
+        done.record(stream)
     return done
 
 
@@ -299,23 +310,11 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
     if (later is None or RELOAD_ALWAYS or pool.graphed or later.bank != call.bank
             or pool.holds[call.bank] == later.fill):
         return
-    se, tm = later.plan.slot_expert, call.timer
     _fill(later, call.bank)
     pool.prefetches += 1
-    W1, W2 = later.weights
-    if tm is not None or not getattr(pool, "async_fetch", False) or not se.is_cuda:
-        with phase(tm, "fetch", collective=True):
-            pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
-        return
-    main, stream = torch.cuda.current_stream(se.device), side_stream(se.device, "prefetch")
-    stream.wait_stream(main)  # after this rank's gradient-return barrier: every rank is done with the bank
-    for t in (se, W1, W2):  # made on the layer's stream, read here: not reused before the pushes are done
-        t.record_stream(stream)
-    with torch.cuda.stream(stream):
-        pool.fetch(se, W1, W2, later.experts_per_rank, later.bank)
-        later.prefetched = torch.cuda.Event()
-        later.prefetched.record(stream)
-    pool.unpublished[later.bank] = later.prefetched
+    # timed with this call's phases; on the prefetch stream after this rank's gradient-return barrier, when every
+    # rank is done with the bank
+    later.prefetched = pool.unpublished[later.bank] = _fetch(later, *later.weights, "prefetch", call.timer)
 
 
 def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main_wgrad) -> tuple:

@@ -394,10 +394,9 @@ class SymmReplicaPool(SlotBanks):
         return of the bank's last user in backward; `publish` where nothing else would)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
-        for ptrs, buf in ((_expert_ptrs(W1), self._fc1), (_expert_ptrs(W2), self._fc2)):
+        for ptrs, buf, bases in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2), self._bank_ptrs):
             numel = buf.tensor[0].numel()
-            bases = self._bank_ptrs[0 if buf is self._fc1 else 1][bank]
-            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, bases, self.rank, e_loc,
+            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, bases[bank], self.rank, e_loc,
                                                                       self.num_slots, numel, CHUNK=COPY_CHUNK,
                                                                       num_warps=COPY_WARPS)
 
