@@ -182,6 +182,8 @@ def small_study(args) -> list[dict]:
             row[f"{name}_s"] = time.perf_counter() - t0
             row[f"{name}_gap_pct"] = 100 * (metrics(plan, t_ffn=args.t_ffn)["t_total"] / ref - 1)
         row["topoep_gap_pct"] = 100 * (tp["t_total"] / ref - 1)
+        tpp = metrics(solve(om, topo, num_slots=N, policy="topoep_plus", expert_bytes=W, token_bytes=S), t_ffn=args.t_ffn)
+        row["topoep_plus_gap_pct"] = 100 * (tpp["t_total"] / ref - 1)
         # is the exact optimum itself worse than topoep in both max load and inter-node share?
         row["optimum_dominated_by_topoep"] = bool(
             om_plan is not None and topo.num_domains > 1 and om_plan["max_load"] > tp["max_load"]
@@ -439,14 +441,15 @@ def small_report(small) -> str:
     if not small:
         return ""
     n_opt = sum(r["optimal"] for r in small)
-    dist = {k: distribution([r[k] for r in small]) for k in ("joint_gap_pct", "joint_unguarded_gap_pct", "topoep_gap_pct")}
+    dist = {k: distribution([r[k] for r in small])
+            for k in ("joint_gap_pct", "joint_unguarded_gap_pct", "topoep_gap_pct", "topoep_plus_gap_pct")}
     fmt = lambda d: [f"{d['mean']:.2f}", f"{d['median']:.2f}", f"{d['p90']:.2f}", f"{d['p95']:.2f}",  # noqa: E731
                      f"{d['p99']:.2f}", f"{d['max']:.2f}", f"{100 * d['within_1pct']:.1f} %", f"{100 * d['within_2pct']:.1f} %",
                      f"{100 * d['within_5pct']:.1f} %"]
     head = ["plan", "mean %", "median %", "p90 %", "p95 %", "p99 %", "max %", "<= 1 %", "<= 2 %", "<= 5 %"]
     body = [["joint (as shipped)"] + fmt(dist["joint_gap_pct"]),
             ["joint, eq. 8 only (pareto_guard=False)"] + fmt(dist["joint_unguarded_gap_pct"]),
-            ["topoep"] + fmt(dist["topoep_gap_pct"])]
+            ["topoep"] + fmt(dist["topoep_gap_pct"]), ["topoep_plus"] + fmt(dist["topoep_plus_gap_pct"])]
     groups = []
     for label, sel in (("one domain", lambda r: r["domains"] == 1), ("two domains", lambda r: r["domains"] == 2),
                        ("1 slot", lambda r: r["slots"] == 1), ("2 slots", lambda r: r["slots"] == 2),
@@ -610,7 +613,7 @@ def main(argv=None) -> int:
     extra = [dict(kind="milp_gap", **g) for g in gaps] + small + od
     if small:
         extra += [dict(kind="small_summary", plan=k, **distribution([r[f"{k}_gap_pct"] for r in small]))
-                  for k in ("joint", "joint_unguarded", "topoep")]
+                  for k in ("joint", "joint_unguarded", "topoep", "topoep_plus")]
     if calib:
         extra.append(dict(kind="t_ffn_calibration", **calib))
     write_json(args.out / "plan_quality.json", info, rows + extra)

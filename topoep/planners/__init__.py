@@ -15,11 +15,12 @@ QWEN3_TOKEN_BYTES = 2048 * 2
 
 
 def _policies():
-    from topoep.planners import baselines, joint, reference
+    from topoep.planners import baselines, joint, plus, reference
 
     return {
         "static": reference.solve_static,
         "topoep": reference.solve_topoep,
+        "topoep_plus": plus.solve_topoep_plus,
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
@@ -28,7 +29,7 @@ def _policies():
 
 
 # Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
-POLICIES = ("static", "topoep", "deepseek", "fastermoe", "flexmoe")
+POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
 # Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. "joint" takes
 # seconds per plan on the CPU reference at EP 32 and its search needs K x R^3 tensors (topoep.planners.joint).
 OFFLINE_POLICIES = ("joint",)
@@ -49,7 +50,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             (the all-gathered routing counts; every rank passes the same tensor and gets the same plan).
         topology: the EP group's domains and per-byte costs; must have R ranks.
         num_slots: N, replica slots per rank besides its main experts (>= 0).
-        policy: one of POLICIES or OFFLINE_POLICIES. "joint" (topoep.planners.joint, offline: seconds
+        policy: one of POLICIES or OFFLINE_POLICIES. "topoep_plus" (topoep.planners.plus) is `topoep`
+            with its own-rank-first route and free load moves across domains: never worse in any term
+            of eq. 8. "joint" (topoep.planners.joint, offline: seconds
             per plan) chooses placement and split together to minimise the modelled time
             t_ffn L_max + T_token + T_replica of eq. 5-8.
         expert_bytes: W, bytes of one expert's parameters as transferred (default: Qwen3-30B-A3B, BF16).

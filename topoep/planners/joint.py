@@ -327,6 +327,7 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
     the costs are exactly two-level, the work left, and "fallback" when static or topoep was better.
     Raises ValueError when the modelled times could overflow int64 (`check_fs_range`).
     """
+    from topoep.planners.plus import solve_topoep_plus
     from topoep.planners.reference import solve_static, solve_topoep
 
     R, E = omega.shape
@@ -424,8 +425,13 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
         fill = fill_to_cap(omega, topology, N, main_rank, common, rule)
         if allowed(fill):
             cands.append((modelled_fs(fill, d.t), 3 + k, fill))
+    # topoep_plus: the paper's plan, routed own rank first, with free moves across domains (its L_max is never
+    # larger than the paper's, so the Pareto guard never rejects it)
+    plus = solve_topoep_plus(omega, topology, num_slots=N, main_rank=main_rank, **common)
+    if allowed(plus):
+        cands.append((modelled_fs(plus, d.t), 5, plus))
     _, which, out = min(cands, key=lambda c: (c[0], c[1]))
     if which:
         out.policy = "joint"
-        out.info = {**info, "fallback": ("static", "topoep", "fill_to_cap", "fill_to_cap_a")[which - 1]}
+        out.info = {**info, "fallback": ("static", "topoep", "fill_to_cap", "fill_to_cap_a", "topoep_plus")[which - 1]}
     return out
