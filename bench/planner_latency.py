@@ -1,5 +1,6 @@
 """Planner latency, paper Fig. 11, on one GPU: the whole `topoep.solve(..., backend="cuda")` call (eager)
-and the planner replayed from a CUDA graph, beside the CPU reference planner's time.
+and the planner replayed from a CUDA graph, beside the CPU reference planner's time; `topoep` and
+`topoep_plus` (topoep.planners.plus).
 
     python bench/planner_latency.py            # (a) E=640, EP 8..128 (8 ranks per domain); (b) EP=32, E 40..640
 
@@ -92,11 +93,62 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
         ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
         cpu_times.append(time.perf_counter() - t0)
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "CUDA plan != reference"
-    return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
+    plus = measure_plus(omega, omega_cpu, topo, slots, planner, runs, warmup)
+    return dict(**plus, ep=ep, experts=experts, slots=slots, domains=topo.num_domains, eager_us=eager, graph_us=graphed,
                 eager_busy_us=eager_busy, graph_busy_us=graphed_busy,
                 reference_ms=1e3 * statistics.median(cpu_times), device=torch.cuda.get_device_name(0),
                 phases_us=phases, refine_domain0=refine, variants_graph_us=variants,
                 refine_iters=list(ref.info.get("refine_iters", [])))
+
+
+def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs: int, warmup: int) -> dict:
+    """topoep_plus (topoep, then free moves and the own-rank-first route): eager solve, graph replay on an idle
+    and a busy stream, the reference's time, and its plan checked against the reference's."""
+    ep, experts = omega.shape
+    eager = _events_median(lambda: solve(omega, topo, num_slots=slots, policy="topoep_plus", backend="cuda"), runs,
+                           warmup)
+    se = torch.empty(ep, slots, dtype=torch.int64, device="cuda")
+    rt = torch.empty(ep, experts + ep * slots, dtype=torch.int64, device="cuda")
+    args = (omega, topo, "topoep_plus", 9_437_184, 4096, se, rt)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        planner.plan(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planner.plan(*args)
+    graphed = _events_median(graph.replay, runs, warmup)
+    graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
+    samples = []
+    for _ in range(min(runs, 50)):
+        graph.replay()
+        samples.append(planner.plus_phase_ns())
+    phases = {k: statistics.median(x[k] for x in samples) / 1e3 for k in samples[0]}
+    t0 = time.perf_counter()
+    ref = solve(omega_cpu, topo, num_slots=slots, policy="topoep_plus", backend="reference")
+    ref_ms = 1e3 * (time.perf_counter() - t0)
+    assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
+    return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
+                plus_moves=planner.moves(), plus_phases_us=phases)
+
+
+def plus_table(rows: list[dict]) -> str:
+    return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group (one block) and the own-rank-first "
+            "route (`topoep/planners/plus.py`; csrc/planner.cu phases 7-10), same workload and timing; every plan equals "
+            "the reference's.\n\n" + markdown_table(
+                ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",
+                 "topoep_plus graph, busy us", "extra over topoep us", "moves", "reference ms"],
+                [[r["sweep"], r["ep"], r["experts"], f"{r['graph_busy_us']:.1f}", f"{r['plus_eager_us']:.1f}",
+                  f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
+                  f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
+                 for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
+            "stamps of block 0 after each grid barrier): the guard and the free moves (block 0 alone), the route's "
+            "passes 9a (a thread per (expert, domain) group), 9b (prefixes across domains) and 10 (a thread per "
+            "(source, instance)):\n\n" + markdown_table(
+                ["sweep", "EP", "experts"] + list(rows[0]["plus_phases_us"]),
+                [[r["sweep"], r["ep"], r["experts"]] + [f"{v:.1f}" for v in r["plus_phases_us"].values()]
+                 for r in rows]) + "\n")
 
 
 # graph replay of the planner with stages left out (csrc/planner.h kSkip*)
@@ -216,9 +268,10 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
               f"busy: eager {r['eager_busy_us']:.1f} graph {r['graph_busy_us']:.1f}  "
-              f"reference {r['reference_ms']:8.2f} ms  " + "  ".join(f"{k} {v:.1f}" for k, v in
+              f"reference {r['reference_ms']:8.2f} ms  topoep_plus graph busy {r['plus_graph_busy_us']:.1f}  "
+              + "  ".join(f"{k} {v:.1f}" for k, v in
                                                                       r["variants_graph_us"].items()), flush=True)
-    breakdown = (target_table(rows) + variant_table(rows) + phase_table(rows)
+    breakdown = (target_table(rows) + plus_table(rows) + variant_table(rows) + phase_table(rows)
                  + (kernel_breakdown(args.slots, args.tokens) if args.profile else ""))
     info = run_info(vars(args) | {"out": str(args.out)})
     paper = {(8, 640): 131, (128, 640): 510}

@@ -27,9 +27,9 @@ void check_outputs(const at::Tensor& omega, int64_t N, const at::Tensor& slot_ex
   TORCH_CHECK(route.dim() == 2 && route.size(0) == R && route.size(1) == E + R * N, "route must be int64[R, E + R*N]");
 }
 
-void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
-                 int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route,
-                 at::Tensor workspace) {
+void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
+          int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route, at::Tensor workspace,
+          const topoep::PlusArgs* plus) {
   check_i64_cuda(omega, "omega");
   check_i64_cuda(cost_fs, "cost_fs");
   check_i64_cuda(workspace, "workspace");
@@ -53,7 +53,23 @@ void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num
   C10_CUDA_CHECK(topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E,
                                      (int)num_domains, (int)num_slots, expert_bytes, token_bytes,
                                      slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
-                                     workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
+                                     workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream(), plus));
+}
+
+void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
+                 int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route,
+                 at::Tensor workspace) {
+  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, nullptr);
+}
+
+// topoep_plus: a2 and bb from common.two_level_costs of an exactly two-level cost matrix (checked by the caller)
+void plan_topoep_plus(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
+                      int64_t expert_bytes, int64_t token_bytes, int64_t a2, int64_t bb, int64_t max_moves,
+                      at::Tensor slot_expert, at::Tensor route, at::Tensor workspace) {
+  TORCH_CHECK(a2 >= 0 && bb >= 0, "a2 and bb must be >= 0");
+  TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
+  const topoep::PlusArgs plus{(int)max_moves, a2, bb};
+  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, &plus);
 }
 
 void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_expert, at::Tensor route) {
@@ -66,10 +82,12 @@ void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_exp
                                      c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-// [workspace int64 elements, offset of the phase timestamps (ns) in it] for (R, E, domains, slots)
+// [workspace int64 elements, offset of the phase timestamps (ns) in it, offset of topoep_plus's move count] for
+// (R, E, domains, slots)
 std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains, int64_t num_slots) {
   return {(int64_t)topoep::workspace_elems((int)R, (int)E, (int)num_domains, (int)num_slots),
-          (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
+          (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots),
+          (int64_t)topoep::plus_moves_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
 }
 
 // Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out
@@ -84,6 +102,9 @@ void set_skip_stages(int64_t mask) {
 TORCH_LIBRARY(topoep, m) {
   m.def("plan_topoep(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace) -> ()");
+  m.def("plan_topoep_plus(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
+        "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
+        "Tensor(c!) workspace) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
   m.def("set_skip_stages(int mask) -> ()", &set_skip_stages);
@@ -91,5 +112,6 @@ TORCH_LIBRARY(topoep, m) {
 
 TORCH_LIBRARY_IMPL(topoep, CUDA, m) {
   m.impl("plan_topoep", &plan_topoep);
+  m.impl("plan_topoep_plus", &plan_topoep_plus);
   m.impl("plan_static", &plan_static);
 }

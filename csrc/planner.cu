@@ -1,4 +1,5 @@
-// GPU planner: the `static` and `topoep` policies of topoep/planners/reference.py, bit for bit.
+// GPU planner: the `static` and `topoep` policies of topoep/planners/reference.py and `topoep_plus` of
+// topoep/planners/plus.py, bit for bit.
 //
 // Every decision is integer and breaks ties by the lowest index, exactly as the reference (its module
 // docstring is the spec). No host synchronisation: sizes come from the tensor shapes, data never leaves
@@ -24,8 +25,16 @@
 //                per instance the interval mapping of its (expert, domain) group's sources. Static plans,
 //                empty slots and experts that keep one loaded instance take the short path (omega's column,
 //                a thread per instance and run of sources); the rest a lane group per instance, a shuffle scan
+// `topoep_plus` runs phases 1-5 and the guard as above, then instead of phase 6's route (when the guard did not
+// fire):
+//   7 moves      one block: the free load moves of plus.py (the busiest rank; candidate pairs filtered on the
+//                slot table in shared memory; the best move by a block reduction), until none is left
+//   8-10 route   common.hierarchical_route: 9a a thread per (expert, domain) group (own-rank loads, the
+//                domain's sources, the group's matched amount m and its instances), 9b the prefixes across
+//                domains, 10 a thread per (source, instance)
 // Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset); the route's
-// end, with no grid barrier after it, is the latest block's.
+// end, with no grid barrier after it, is the latest block's. topoep_plus stamps its own phases after the
+// refinement (plus_moves_offset).
 //
 // Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
 // is slot j of rank r. Default placement main(e) = e / (E / R) only.
@@ -845,14 +854,327 @@ __device__ void route_phase(const Dims& d, const Work& w, const int* se0, const 
 }
 
 // ---------------------------------------------------------------------------------------------------
+// `topoep_plus` (topoep/planners/plus.py): after the refinement, free load moves across the EP group
+// (phase 7, one block), then the own-rank-first route of common.hierarchical_route (phases 8-10) instead of
+// phase 6's interval route. Its state follows the topoep state in the workspace (plus_elems).
+struct Plus {
+  int on;                   // 0: the `topoep` policy (phase 6's route)
+  int max_moves;            // the loop's bound, 4 R (E / R + N)
+  i64 a2, bb;               // 2 S_tok a and 2 S_tok (b - a) in fs per assignment (common.two_level_costs)
+  i64 *Ud, *Cap, *Mg;       // [M*E] per (domain, expert) group: its w2 total, its slots' u2 total, its m
+  i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
+  i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
+  i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
+  i64* pst;                 // [4] %globaltimer stamps: after phase 7, 9a, 9b; the route's end (latest block)
+  i64* moves;               // [1] the number of moves made (info["global_moves"])
+};
+
+__host__ __device__ inline size_t plus_elems(const Dims& d) {
+  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + 4 + 1;
+}
+
+__host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
+  const size_t ME = (size_t)d.M * d.E, RE = (size_t)d.R * d.E;
+  pl.Ud = base; pl.Cap = pl.Ud + ME; pl.Mg = pl.Cap + ME;
+  pl.loc = pl.Mg + ME; pl.u1 = pl.loc + d.P; pl.c = pl.u1 + d.P; pl.cumc = pl.c + d.P; pl.u2 = pl.cumc + d.P;
+  pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
+  pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
+  pl.pst = pl.w2cum + RE;
+  pl.moves = pl.pst + 4;
+}
+
+__device__ __forceinline__ void plus_stamp(const Plus& pl, int i) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    pl.pst[i] = (i64)t;
+  }
+}
+
+// The largest delta in [0, cap] with Delta(delta) <= 0 (plus.py free_amount): the breakpoints in ascending
+// order, then the crossing segment solved in integers.
+__device__ i64 free_amount(i64 cap, i64 f1, i64 g2, i64 F1, i64 G2, i64 a2, i64 bb) {
+  const auto cost = [&](i64 x) {
+    return a2 * (max(x - f1, (i64)0) - min(x, g2)) + bb * (max(x - F1, (i64)0) - min(x, G2));
+  };
+  i64 lo = 0;
+  while (true) {
+    i64 hi = cap;  // the smallest breakpoint in (lo, cap), else cap
+    if (f1 > lo && f1 < hi) hi = f1;
+    if (g2 > lo && g2 < hi) hi = g2;
+    if (F1 > lo && F1 < hi) hi = F1;
+    if (G2 > lo && G2 < hi) hi = G2;
+    if (cost(hi) <= 0) {
+      lo = hi;
+      if (hi == cap) return cap;
+      continue;
+    }
+    const i64 s = a2 * ((lo >= f1) - (lo < g2)) + bb * ((lo >= F1) - (lo < G2));  // > 0 here
+    return lo + (-cost(lo)) / s;
+  }
+}
+
+// instance p of the refined plan: expert (-1 for none) and rank; a replica counts only with load (the
+// reference drops replicas that serve nothing before the moves)
+__device__ __forceinline__ int plus_instance(int p, const int* se1, const Dims& d, const Work& w, int* rank) {
+  int e;
+  instance_of(p, se1, d, &e, rank);
+  return (e >= 0 && (p < d.E || w.U[p] > 0)) ? e : -1;
+}
+
+struct Move {
+  i64 delta, lt;
+  int rt, e, ps, pt;
+};
+
+__device__ __forceinline__ bool better_move(const Move& x, const Move& y) {
+  if (x.delta != y.delta) return x.delta > y.delta;
+  if (x.lt != y.lt) return x.lt < y.lt;
+  if (x.rt != y.rt) return x.rt < y.rt;
+  return x.e < y.e;
+}
+
+__device__ __forceinline__ Move shfl_move(const Move& m, int src) {
+  Move o;
+  o.delta = __shfl_xor_sync(kFull, m.delta, src);
+  o.lt = __shfl_xor_sync(kFull, m.lt, src);
+  o.rt = __shfl_xor_sync(kFull, m.rt, src);
+  o.e = __shfl_xor_sync(kFull, m.e, src);
+  o.ps = __shfl_xor_sync(kFull, m.ps, src);
+  o.pt = __shfl_xor_sync(kFull, m.pt, src);
+  return o;
+}
+
+// The block's best move (every thread gets it); delta 0: none
+__device__ Move block_best_move(Move m) {
+  __shared__ Move part[kWarps];
+  for (int off = 16; off > 0; off >>= 1) {
+    const Move o = shfl_move(m, off);
+    if (better_move(o, m)) m = o;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // part[] may still be read from the previous call
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  m = part[0];
+  for (int i = 1; i < kWarps; ++i) if (better_move(part[i], m)) m = part[i];
+  return m;
+}
+
+// The busiest rank (ties: the lowest id), every thread gets it
+__device__ int block_busiest(const Dims& d, const Work& w) {
+  __shared__ i64 pl_[kWarps];
+  __shared__ int pr_[kWarps];
+  i64 bl = -1;
+  int br = INT_MAX;
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) if (w.L[r] > bl) { bl = w.L[r]; br = r; }
+  for (int off = 16; off > 0; off >>= 1) {
+    const i64 ol = __shfl_xor_sync(kFull, bl, off);
+    const int orr = __shfl_xor_sync(kFull, br, off);
+    if (ol > bl || (ol == bl && orr < br)) { bl = ol; br = orr; }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) { pl_[warp] = bl; pr_[warp] = br; }
+  __syncthreads();
+  bl = pl_[0]; br = pr_[0];
+  for (int i = 1; i < kWarps; ++i) if (pl_[i] > bl || (pl_[i] == bl && pr_[i] < br)) { bl = pl_[i]; br = pr_[i]; }
+  return br;
+}
+
+// U_d[e] of plus.py: the load of e's hosts in domain m (its main if it lies there, then the domain's slots)
+__device__ i64 domain_load(int m, int e, const Dims& d, const Work& w, const Plus& pl, const int* se1) {
+  i64 acc = dom_of_rank(main_rank_of(e, d), d) == m ? w.U[e] : 0;
+  for (int q = m * d.rpd * d.N; q < (m + 1) * d.rpd * d.N; ++q)
+    if (se1[q] == e && pl.host[d.E + q]) acc += w.U[d.E + q];
+  return acc;
+}
+
+// phase 7 (one block): the free moves of plus.py global_moves, on w.U and w.L in place. Candidate pairs are
+// filtered on the slot table (shared memory) before any load from global memory; U_d comes from the hosts'
+// loads when a pair needs it.
+__device__ void global_moves(const Dims& d, const Work& w, const Plus& pl, const int* se1) {
+  const int RN = d.R * d.N, P = d.P;
+  // the hosts are fixed before the first move: a replica a move empties still receives load later
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    int r;
+    pl.host[p] = plus_instance(p, se1, d, w, &r) >= 0;
+  }
+  __syncthreads();
+  int moves = 0;
+  while (moves < pl.max_moves) {
+    const int rb = block_busiest(d, w), d1 = dom_of_rank(rb, d);
+    const i64 lb = w.L[rb];
+    Move best;
+    best.delta = 0; best.lt = 0; best.rt = INT_MAX; best.e = INT_MAX; best.ps = -1; best.pt = -1;
+    // pairs (instance g of rb, target t: 0 = e's main, 1 + q = slot q)
+    const int pairs = d.G * (1 + RN);
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+      const int g = i / (1 + RN), t = i - g * (1 + RN);
+      const int ps = g < d.Eloc ? rb * d.Eloc + g : d.E + rb * d.N + (g - d.Eloc);
+      const int e = ps < d.E ? ps : se1[ps - d.E];
+      if (e < 0) continue;
+      int pt, rt;
+      if (t == 0) { pt = e; rt = main_rank_of(e, d); }
+      else {
+        if (se1[t - 1] != e) continue;
+        pt = d.E + t - 1;
+        rt = (t - 1) / d.N;
+      }
+      if (rt == rb || !pl.host[ps] || !pl.host[pt]) continue;
+      const i64 u = w.U[ps];
+      if (u <= 0) continue;
+      const i64 lt = w.L[rt], half = (lb - lt) >> 1;
+      if (half <= 0) continue;
+      const int d2 = dom_of_rank(rt, d);
+      const bool cross = d2 != d1;
+      const i64 f1 = max(u - w.om[(i64)rb * d.E + e], (i64)0);
+      const i64 g2 = max(w.om[(i64)rt * d.E + e] - w.U[pt], (i64)0);
+      i64 F1 = 0, G2 = 0;
+      if (cross) {
+        F1 = max(domain_load(d1, e, d, w, pl, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
+        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, w, pl, se1), (i64)0);
+      }
+      i64 cap = min(u, half);
+      if (cross) cap = min(cap, F1 + G2);
+      Move m;
+      m.delta = free_amount(cap, f1, g2, F1, G2, pl.a2, cross ? pl.bb : 0);
+      if (m.delta <= 0) continue;
+      m.lt = lt; m.rt = rt; m.e = e; m.ps = ps; m.pt = pt;
+      if (better_move(m, best)) best = m;
+    }
+    best = block_best_move(best);
+    if (best.delta <= 0) break;
+    if (threadIdx.x == 0) {
+      w.U[best.ps] -= best.delta;
+      w.U[best.pt] += best.delta;
+      w.L[rb] -= best.delta;
+      w.L[best.rt] += best.delta;
+    }
+    ++moves;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *pl.moves = moves;
+}
+
+// phases 8-10: common.hierarchical_route of the moved loads (9 in two passes, 9a and 9b). Per instance p (valid: a main, or a replica
+// with load): loc = min(omega[rank, e], U) served on its own rank, u1 = U - loc. Per (source s, expert e):
+// A = omega - s's own loc, acum its exclusive prefix over the sources of s's domain. Group (e, domain):
+// m = min(capacity sum u1, sum A); its instances in index order take c = min((m - cum u1)^+, u1) and
+// cumc = min(cum u1, m); u2 = u1 - c and cumu2 its prefix over all of e's instances; the sources keep
+// w2 = A - min((m - acum)^+, A), prefix w2cum over all sources. route[s, p] = [s == rank] loc + (same
+// domain) overlap([min(acum, m), min(acum + A, m)), [cumc, cumc + c)) + overlap([w2cum, w2cum + w2),
+// [cumu2, cumu2 + u2)), exactly the reference's three steps.
+__device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const int* se1,
+                           i64* __restrict__ slot_expert, i64* __restrict__ route) {
+  const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
+  // 8 (no barrier of its own): the final slot table
+  for (int q = tid; q < d.R * d.N; q += threads) slot_expert[q] = (se1[q] >= 0 && w.U[d.E + q] > 0) ? se1[q] : -1;
+  // 9a: a thread per group (expert e, domain m), coalesced over e. It owns e's instances in m (the main when it
+  // lies in m, the domain's slots that hold e): their loc and u1; the domain's sources (A, acum, then w2 and
+  // its prefix inside the domain); the group's m; and its instances in index order: c, cumc, u2 and the prefix
+  // of the slots' u2 inside the domain. Group totals of w2 and of the slots' u2 go to Ud and Cap (both free by
+  // now) for 9b.
+  for (int gi = tid; gi < d.M * d.E; gi += threads) {
+    const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
+    i64 acc = 0;
+#pragma unroll 4
+    for (int s = s0; s < s0 + d.rpd; ++s) {
+      const i64 x = w.om[(i64)s * d.E + e];
+      int p = -1;  // e's instance on s, if any
+      if (main_rank_of(e, d) == s) p = e;
+      else for (int j = 0; j < d.N; ++j) if (se1[s * d.N + j] == e && w.U[d.E + s * d.N + j] > 0) p = d.E + s * d.N + j;
+      i64 loc = 0;
+      if (p >= 0) {
+        const i64 u = w.U[p];
+        loc = min(x, u);
+        pl.loc[p] = loc;
+        pl.u1[p] = u - loc;
+      }
+      pl.A[(i64)s * d.E + e] = x - loc;
+      pl.acum[(i64)s * d.E + e] = acc;
+      acc += x - loc;
+    }
+    const bool main_here = dom_of_rank(main_rank_of(e, d), d) == m;
+    const int q0 = s0 * d.N, q1 = (s0 + d.rpd) * d.N;
+    i64 cap = main_here ? pl.u1[e] : 0;
+    for (int q = q0; q < q1; ++q) if (se1[q] == e && w.U[d.E + q] > 0) cap += pl.u1[d.E + q];
+    const i64 mg = min(acc, cap);
+    pl.Mg[gi] = mg;
+    i64 cum = 0, slots_u2 = 0;
+    for (int q = main_here ? q0 - 1 : q0; q < q1; ++q) {  // q0 - 1: the main
+      int p = e;
+      if (q >= q0) {
+        if (se1[q] != e || w.U[d.E + q] <= 0) continue;
+        p = d.E + q;
+      }
+      const i64 u1 = pl.u1[p], c = min(max(mg - cum, (i64)0), u1);
+      pl.c[p] = c;
+      pl.cumc[p] = min(cum, mg);
+      pl.u2[p] = u1 - c;
+      cum += u1;
+      if (p < d.E) { pl.cumu2[p] = 0; continue; }  // the main is the first of e's instances
+      pl.cumu2[p] = slots_u2;  // 9b adds the main's u2 and the slots of the domains before m
+      slots_u2 += u1 - c;
+    }
+    i64 acc2 = 0;
+    for (int s = s0; s < s0 + d.rpd; ++s) {
+      const i64 i = (i64)s * d.E + e, a = pl.A[i];
+      const i64 w2 = a - min(max(mg - pl.acum[i], (i64)0), a);
+      pl.w2[i] = w2;
+      pl.w2cum[i] = acc2;  // 9b adds the sources of the domains before m
+      acc2 += w2;
+    }
+    pl.Ud[gi] = acc2;
+    pl.Cap[gi] = slots_u2;
+  }
+  grid_sync();
+  plus_stamp(pl, 1);
+  // 9b: a thread per group: the prefixes over e's instances and over all sources
+  for (int gi = tid; gi < d.M * d.E; gi += threads) {
+    const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
+    i64 off_w2 = 0, off_u2 = pl.u2[e];
+    for (int m2 = 0; m2 < m; ++m2) { off_w2 += pl.Ud[(i64)m2 * d.E + e]; off_u2 += pl.Cap[(i64)m2 * d.E + e]; }
+    for (int s = s0; s < s0 + d.rpd; ++s) pl.w2cum[(i64)s * d.E + e] += off_w2;
+    for (int q = s0 * d.N; q < (s0 + d.rpd) * d.N; ++q)
+      if (se1[q] == e && w.U[d.E + q] > 0) pl.cumu2[d.E + q] += off_u2;
+  }
+  grid_sync();
+  plus_stamp(pl, 2);
+  // 10: a thread per (source, instance)
+  for (i64 i = tid; i < (i64)d.R * d.P; i += threads) {
+    const int s = (int)(i / d.P), p = (int)(i - (i64)s * d.P);
+    int r;
+    const int e = plus_instance(p, se1, d, w, &r);
+    i64 v = 0;
+    if (e >= 0) {
+      const i64 si = (i64)s * d.E + e;
+      if (s == r) v += pl.loc[p];
+      if (dom_of_rank(s, d) == dom_of_rank(r, d)) {
+        const i64 mg = pl.Mg[(i64)dom_of_rank(r, d) * d.E + e];
+        const i64 lo = min(pl.acum[si], mg), hi = min(pl.acum[si] + pl.A[si], mg);
+        const i64 ov = min(hi, pl.cumc[p] + pl.c[p]) - max(lo, pl.cumc[p]);
+        if (ov > 0) v += ov;
+      }
+      const i64 ov = min(pl.w2cum[si] + pl.w2[si], pl.cumu2[p] + pl.u2[p]) - max(pl.w2cum[si], pl.cumu2[p]);
+      if (ov > 0) v += ov;
+    }
+    route[i] = v;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restrict__ omega, const i64* __restrict__ cost_fs,
-                                                            Dims d, Work w, i64* __restrict__ slot_expert,
+                                                            Dims d, Work w, Plus pl, i64* __restrict__ slot_expert,
                                                             i64* __restrict__ route) {
   extern __shared__ i64 smem[];
   __shared__ int num_listed;
   stamp(w, 0);
-  if (blockIdx.x == 0 && threadIdx.x == 0) w.stamps[6] = 0;  // the route's end: a max over blocks, below
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    w.stamps[6] = 0;  // the route's end: a max over blocks, below
+    if (pl.on) pl.pst[3] = 0;
+  }
   if (d.skip & kSkipAll) return;
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
   const ListState ls = {(int*)scratch + 2 * d.R * d.N, &num_listed};  // after the two slot tables
@@ -900,7 +1222,21 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   se0 = se1 + d.R * d.N;
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
-  if (!(d.skip & kSkipRoute)) route_phase(d, w, se0, se1, fb, slot_expert, route, ls);
+  if (pl.on && !fb) {  // topoep_plus: 7 free moves (one block), 8-10 the own-rank-first route
+    if (blockIdx.x == 0) global_moves(d, w, pl, se1);
+    grid_sync();
+    plus_stamp(pl, 0);
+    route_plus(d, w, pl, se1, slot_expert, route);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      atomicMax((unsigned long long*)&pl.pst[3], t);
+    }
+  } else {
+    if (pl.on && blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = 0;
+    if (!(d.skip & kSkipRoute)) route_phase(d, w, se0, se1, fb, slot_expert, route, ls);
+  }
   // no grid barrier follows the route: its end is the last block's, a max of every block's clock
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -935,9 +1271,17 @@ static Dims make_dims(int R, int E, int M, int N) {
   return d;
 }
 
-size_t workspace_elems(int R, int E, int M, int N) { return kNumStamps + state_elems(make_dims(R, E, M, N)); }
+size_t workspace_elems(int R, int E, int M, int N) {
+  const Dims d = make_dims(R, E, M, N);
+  return kNumStamps + state_elems(d) + plus_elems(d);
+}
 
 size_t phase_ns_offset(int, int, int, int) { return 0; }
+
+size_t plus_moves_offset(int R, int E, int M, int N) {
+  const Dims d = make_dims(R, E, M, N);
+  return kNumStamps + state_elems(d) + plus_elems(d) - 1;  // the last element (carve_plus)
+}
 
 static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
 void set_skip_stages(int mask) { g_skip_stages = mask; }
@@ -959,9 +1303,16 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem) {
 }
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
-                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream) {
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
+                        const PlusArgs* plus) {
   Dims d = make_dims(R, E, M, N);
   d.W = W; d.S = S; d.skip = g_skip_stages;
+  Plus pl = {};
+  carve_plus(pl, ws + kNumStamps + state_elems(d), d);
+  if (plus != nullptr) { pl.on = 1; pl.max_moves = plus->max_moves; pl.a2 = plus->a2; pl.bb = plus->bb; }
+  if (plus != nullptr && N == 0) {  // no slots: the static plan, no move
+    cudaMemsetAsync(pl.moves, 0, sizeof(i64), stream);
+  }
   if (N == 0) {
     static_kernel<<<blocks_for((long long)R * d.P, 256), 256, 0, stream>>>(omega, d, slot_expert, route);
     return cudaGetLastError();
@@ -980,7 +1331,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   int blocks = grid_blocks(d, sms_of[dev], &smem);
   if (blocks == 0) { d.local = 1; blocks = 1; }
   // the refinement's slot loops are unrolled for 1-4 slots
-  void (*kernel)(const i64*, const i64*, Dims, Work, i64*, i64*) =
+  void (*kernel)(const i64*, const i64*, Dims, Work, Plus, i64*, i64*) =
       N == 1 ? topoep_kernel<1> : N == 2 ? topoep_kernel<2> : N == 3 ? topoep_kernel<3> : N == 4 ? topoep_kernel<4>
                                                                                            : topoep_kernel<0>;
   static int max_smem_set[5] = {0, 0, 0, 0, 0};  // allow more than 48 KiB of dynamic shared memory
@@ -1000,7 +1351,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = blocks > 1 ? 1 : 0;  // one block synchronises with block barriers: a plain launch
-  return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, slot_expert, route);
+  return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, pl, slot_expert, route);
 }
 
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,

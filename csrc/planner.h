@@ -28,10 +28,22 @@ void set_skip_stages(int mask);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
 
-// The `topoep` policy. omega int64[R, E]; cost_fs int64[R, R]; outputs slot_expert int64[R, N] and
-// route int64[R, E + R*N]; ws: workspace_elems() int64. All device pointers, enqueued on `stream`.
+// The `topoep_plus` policy's constants (topoep/planners/plus.py): the move loop's bound and the two-level costs
+// a2 = 2 S_tok a, bb = 2 S_tok (b - a) in fs per assignment (common.two_level_costs; exact two-level only).
+struct PlusArgs {
+  int max_moves;
+  int64_t a2, bb;
+};
+
+// The `topoep` policy, or `topoep_plus` when plus is given. omega int64[R, E]; cost_fs int64[R, R]; outputs
+// slot_expert int64[R, N] and route int64[R, E + R*N]; ws: workspace_elems() int64 (topoep_plus also leaves
+// its move count at ws[plus_moves_offset()]). All device pointers, enqueued on `stream`.
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
-                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream);
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
+                        const PlusArgs* plus = nullptr);
+// Offset (int64 elements) of topoep_plus's move count in the workspace; its 4 phase stamps (ns: after the
+// moves, after route passes 9a and 9b, the route's end) are the 4 elements before it.
+size_t plus_moves_offset(int R, int E, int M, int N);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
                         cudaStream_t stream);

@@ -1,6 +1,6 @@
 """The random planner cases of tests/test_planner_cuda.py, and stored digests of their reference plans.
 
-The CUDA planner's GPU test compares 2400 random plans (and both policies) with the CPU reference, which
+The CUDA planner's GPU test compares 2400 random plans (and all three policies) with the CPU reference, which
 is the slow side: about 6 CPU-minutes, and with the serial dense-view checks most of the 151 s that the test took
 on the GPU machine before. `python
 tools/planner_ref_digests.py` computes the reference once, on any CPU machine, and stores a 128-bit BLAKE2b
@@ -35,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DIGESTS = ROOT / "tests" / "data" / "planner_ref_digests.json"
 # what the cases and the reference plans depend on
 SOURCES = ("topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
-           "topoep/planners/__init__.py", "topoep/planners/common.py", "topoep/planners/reference.py")
+           "topoep/planners/__init__.py", "topoep/planners/common.py", "topoep/planners/reference.py",
+           "topoep/planners/plus.py", "topoep/planners/joint.py", "topoep/planners/joint_search.py")
 W_CHOICES = (200_000, 9_437_184, 4096)
 CHUNKS, CASES_PER_CHUNK = 4, 600  # 2400 cases
-POLICIES = ("topoep", "static")
+POLICIES = ("topoep", "static", "topoep_plus")
 TOKEN_BYTES = 4096
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _check_against_reference(chunk) -> None:
-    """Both policies' slot_expert and route (and the dense view of every tenth case) of a chunk's cases equal
+    """Every policy's slot_expert and route (and the dense view of every tenth case) of a chunk's cases equal
     the reference's, compared by digest (tests/planner_cases.py)."""
     workers = max(1, min(8, (os.cpu_count() or 2) // 2))
     cases = pc.cases_of(chunk, workers)
@@ -54,20 +54,21 @@ def test_no_host_synchronisation():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for policy in ("topoep", "static"):
+        for policy in ("topoep", "static", "topoep_plus"):
             solve(omega, topo, num_slots=2, policy=policy, backend="cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("policy", ["topoep", "topoep_plus"])
+def test_graph_replay_equals_eager(policy):
     R, E, N = 32, 640, 2
     topo = Topology(num_domains=4, ranks_per_domain=8)
     planner = CudaPlanner(R, E, topo.num_domains, N, "cuda")
     omega_buf = torch.zeros(R, E, dtype=torch.int64, device="cuda")
     se = torch.empty(R, N, dtype=torch.int64, device="cuda")
     rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
-    args = (topo, "topoep", 9_437_184, 4096, se, rt)
+    args = (topo, policy, 9_437_184, 4096, se, rt)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -81,8 +82,8 @@ def test_graph_replay_equals_eager():
         omega_buf.copy_(omega)
         graph.replay()
         replayed = (se.clone(), rt.clone())
-        eager = solve(omega, topo, num_slots=N, backend="cuda")
-        ref = solve(omega.cpu(), topo, num_slots=N, backend="reference")
+        eager = solve(omega, topo, num_slots=N, policy=policy, backend="cuda")
+        ref = solve(omega.cpu(), topo, num_slots=N, policy=policy, backend="reference")
         assert torch.equal(replayed[0], eager.slot_expert) and torch.equal(replayed[1], eager.route)
         assert torch.equal(replayed[0].cpu(), ref.slot_expert) and torch.equal(replayed[1].cpu(), ref.route)
 
@@ -133,3 +134,29 @@ def test_skip_stages_time_a_valid_plan_and_reset():
     planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
     ref = solve(omega.cpu(), topo, num_slots=N, backend="reference")
     assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
+
+
+def test_topoep_plus_moves_and_its_two_level_rule():
+    """The Fig. 10 workload with 1 slot makes free moves (3 when written): the GPU counts the same as the
+    reference and returns its plan; a cost matrix that is not two-level is refused by backend cuda and planned
+    by the reference under backend auto."""
+    from topoep.workloads import fig10_workload
+
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    omega = fig10_workload(layout="random")
+    ref = solve(omega, topo, num_slots=1, policy="topoep_plus", backend="reference")
+    planner = CudaPlanner(32, 640, 4, 1, "cuda")
+    se = torch.empty(32, 1, dtype=torch.int64, device="cuda")
+    rt = torch.empty(32, 640 + 32, dtype=torch.int64, device="cuda")
+    planner.plan(omega.cuda(), topo, "topoep_plus", ref.expert_bytes, ref.token_bytes, se, rt)
+    assert ref.info["global_moves"] > 0 and planner.moves() == ref.info["global_moves"]
+    assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
+    cost = topo.cost.clone()
+    cost[0, 1] = cost[1, 0] = cost[0, 1] * 2
+    odd = Topology(num_domains=4, ranks_per_domain=8, cost=cost)
+    with pytest.raises(ValueError, match="two-level"):
+        solve(omega.cuda(), odd, num_slots=1, policy="topoep_plus", backend="cuda")
+    auto = solve(omega.cuda(), odd, num_slots=1, policy="topoep_plus")
+    assert auto.info.get("backend") != "cuda"
+    want = solve(omega, odd, num_slots=1, policy="topoep_plus", backend="reference")
+    assert torch.equal(auto.route.cpu(), want.route)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,6 +41,14 @@ T_FFN_POLICIES = ("fastermoe", "joint")
 BACKENDS = ("auto", "reference", "cuda")
 
 
+@functools.lru_cache(maxsize=64)
+def _two_level(topology: Topology) -> bool:
+    """Whether the topology's cost matrix is exactly two-level (the CUDA planner's topoep_plus needs it)."""
+    from topoep.planners.common import two_level_costs
+
+    return two_level_costs(topology)[2]
+
+
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto") -> Plan:
@@ -65,8 +74,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             rank against its assignments); for joint it sets the price of one assignment of L_max
             against the bytes moved, so a larger t_ffn buys balance with more traffic.
         backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
-            static and topoep, default placement, CUDA omega; no host synchronisation, so the values of
-            omega are not checked), or "auto": cuda when omega is on a GPU and the policy has a kernel.
+            static, topoep and topoep_plus (the latter on exactly two-level costs), default placement, CUDA
+            omega; no host synchronisation, so the values of omega are not checked), or "auto": cuda when
+            omega is on a GPU and the policy has a kernel for this input.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -78,7 +88,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         from topoep.planners.cuda import CUDA_POLICIES
 
         use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and policy in CUDA_POLICIES
-                    and main_rank is None)
+                    and main_rank is None and (policy != "topoep_plus" or _two_level(topology)))
     else:
         use_cuda = backend == "cuda"
     omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank,

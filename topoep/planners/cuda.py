@@ -1,8 +1,8 @@
-"""The GPU planner (csrc/planner.cu): `static` and `topoep`, bit-equal to the reference planners.
+"""The GPU planner (csrc/planner.cu): `static`, `topoep` and `topoep_plus`, bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_static` (mutating ops with fake implementations, so
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` (mutating ops with fake implementations, so
 torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the workspace once per
 (device, R, E, domains, slots) and never synchronises the host.
 """
@@ -20,7 +20,7 @@ from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 SOURCES = ("bindings.cpp", "planner.cu")
-CUDA_POLICIES = ("static", "topoep")
+CUDA_POLICIES = ("static", "topoep", "topoep_plus")
 _loaded = False
 
 
@@ -83,6 +83,11 @@ def _register_fakes() -> None:
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace):
         return None
 
+    @torch.library.register_fake("topoep::plan_topoep_plus")
+    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, a2, bb, max_moves, slot_expert, route,
+          workspace):
+        return None
+
     @torch.library.register_fake("topoep::plan_static")
     def _(omega, num_slots, slot_expert, route):
         return None
@@ -101,18 +106,49 @@ class CudaPlanner:
         load_extension()
         self.R, self.E, self.M, self.N = num_ranks, num_experts, num_domains, num_slots
         self.device = torch.device(device)
-        elems, self._stamps_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
+        elems, self._stamps_at, self._moves_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
         self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
+        self._plus_costs = (None, 0, 0)  # (topology, a2, bb) of the last topoep_plus plan
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
         """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync)."""
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
+        elif policy == "topoep_plus":
+            a2, bb = self.plus_costs(topology, token_bytes)
+            torch.ops.topoep.plan_topoep_plus(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
+                                              token_bytes, a2, bb, 4 * self.R * (self.E // self.R + self.N),
+                                              slot_expert, route, self.workspace)
         else:
             torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes, token_bytes,
                                          slot_expert, route, self.workspace)
 
+
+    def plus_costs(self, topology, token_bytes: int) -> tuple[int, int]:
+        """(a2, bb) of topoep_plus for this topology (host only: its cost matrix lives on the CPU); raises
+        ValueError unless the costs are exactly two-level (the kernel's route is optimal only there)."""
+        topo, a, b = self._plus_costs
+        if topo is not topology:
+            from topoep.planners.common import two_level_costs
+
+            a, b, exact = two_level_costs(topology)
+            if not exact:
+                raise ValueError("the CUDA planner runs topoep_plus on an exactly two-level cost matrix only (one "
+                                 "intra-domain and one inter-domain cost); use backend='reference' for this topology")
+            self._plus_costs = (topology, a, b)
+        return 2 * token_bytes * a, 2 * token_bytes * (b - a)
+
+    def moves(self) -> int:
+        """The free moves of the last topoep_plus plan (synchronises the host: for tests and benchmarks)."""
+        return int(self.workspace[self._moves_at])
+
+    def plus_phase_ns(self) -> dict[str, int]:
+        """GPU time (ns) of topoep_plus's phases after the refinement in the last topoep_plus plan: the guard and
+        the free moves (one block), the route's passes 9a, 9b and 10 (csrc/planner.cu; synchronises the host)."""
+        t = self.workspace[self._moves_at - 4:self._moves_at].tolist()
+        refined = int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])
+        return {"moves": t[0] - refined, "route 9a": t[1] - t[0], "route 9b": t[2] - t[1], "route 10": t[3] - t[2]}
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
