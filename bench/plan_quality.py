@@ -558,7 +558,7 @@ def main(argv=None) -> int:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                     | {"fig10": FIG10, "router_skew": FIG10_ROUTER_SKEW, "seed": FIG10_SEED})
 
-    md = [f"# Plan quality (paper Fig. 10 and Fig. 16)\n",
+    md = ["# Plan quality (paper Fig. 10 and Fig. 16)\n",
           f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
           f"- workload: {FIG10['num_ranks']} ranks = {FIG10['num_ranks'] // FIG10['ranks_per_domain']} domains x "
           f"{FIG10['ranks_per_domain']}, {FIG10['num_experts']} experts, top-{FIG10['top_k']}, "

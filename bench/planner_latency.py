@@ -54,17 +54,13 @@ def _events_median(fn, runs: int, warmup: int, busy: bool = False) -> float:
     return statistics.median(times)
 
 
-def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
-    topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
-    omega_cpu = biased_routing(ep, experts, tokens, 8, -2.5, seed=13)
-    omega = omega_cpu.cuda()
-    eager_fn = lambda: solve(omega, topo, num_slots=slots, backend="cuda")  # noqa: E731
-    eager = _events_median(eager_fn, runs, warmup)
-    eager_busy = _events_median(eager_fn, runs, warmup, busy=True)
-    planner = CudaPlanner(ep, experts, topo.num_domains, slots, "cuda")
+def _captured(planner: CudaPlanner, omega, topo, policy: str, slots: int):
+    """(a CUDA graph of one plan of `policy`, the plan call's arguments: omega, topology, policy, expert and
+    token bytes, the slot_expert and route buffers the graph writes). Warmed up on a side stream first."""
+    ep, experts = omega.shape
     se = torch.empty(ep, slots, dtype=torch.int64, device="cuda")
     rt = torch.empty(ep, experts + ep * slots, dtype=torch.int64, device="cuda")
-    args = (omega, topo, "topoep", 9_437_184, 4096, se, rt)
+    args = (omega, topo, policy, 9_437_184, 4096, se, rt)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -73,6 +69,19 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         planner.plan(*args)
+    return graph, args
+
+
+def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
+    topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
+    omega_cpu = biased_routing(ep, experts, tokens, 8, -2.5, seed=13)
+    omega = omega_cpu.cuda()
+    eager_fn = lambda: solve(omega, topo, num_slots=slots, backend="cuda")  # noqa: E731
+    eager = _events_median(eager_fn, runs, warmup)
+    eager_busy = _events_median(eager_fn, runs, warmup, busy=True)
+    planner = CudaPlanner(ep, experts, topo.num_domains, slots, "cuda")
+    graph, args = _captured(planner, omega, topo, "topoep", slots)
+    se, rt = args[-2:]
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
     phases = _phase_medians(planner, graph, runs)
@@ -104,20 +113,10 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
 def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs: int, warmup: int) -> dict:
     """topoep_plus (topoep, then free moves and the own-rank-first route): eager solve, graph replay on an idle
     and a busy stream, the reference's time, and its plan checked against the reference's."""
-    ep, experts = omega.shape
     eager = _events_median(lambda: solve(omega, topo, num_slots=slots, policy="topoep_plus", backend="cuda"), runs,
                            warmup)
-    se = torch.empty(ep, slots, dtype=torch.int64, device="cuda")
-    rt = torch.empty(ep, experts + ep * slots, dtype=torch.int64, device="cuda")
-    args = (omega, topo, "topoep_plus", 9_437_184, 4096, se, rt)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        planner.plan(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        planner.plan(*args)
+    graph, args = _captured(planner, omega, topo, "topoep_plus", slots)
+    se, rt = args[-2:]
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
     samples = []

@@ -107,3 +107,17 @@ def test_fig10_random_one_slot():
     assert plus["imbalance"] < 0.9 * paper["imbalance"]  # 2.78 -> 2.37 when written
     assert plus["internode_fraction"] <= paper["internode_fraction"]
     assert plus["t_total"] < paper["t_total"]
+
+
+def test_cuda_kernel_only_on_two_level_costs():
+    """backend "auto" and the runtime's metadata graphs use the GPU planner for topoep_plus only where its route
+    is the reference's (an exactly two-level cost matrix); elsewhere the reference plans it."""
+    from topoep.planners import has_cuda_kernel
+
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    cost = topo.cost.clone()
+    cost[0, 1] = cost[1, 0] = 2 * cost[0, 1]
+    odd = Topology(num_domains=2, ranks_per_domain=4, cost=cost)
+    assert has_cuda_kernel("topoep_plus", topo) and not has_cuda_kernel("topoep_plus", odd)
+    assert has_cuda_kernel("topoep", odd) and has_cuda_kernel("static", odd)
+    assert not has_cuda_kernel("flexmoe", topo) and not has_cuda_kernel("joint", topo)

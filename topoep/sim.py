@@ -260,6 +260,8 @@ class Execution:
 # Interpolated in log2(EP); beyond EP 128 extrapolated linearly in EP with the last segment's slope
 # (conservative: not measured).
 GPU_PLANNER_US = ((8, 49.1), (16, 46.3), (32, 54.9), (64, 53.8), (128, 61.1))
+# the same for topoep_plus (eager, results/planner_latency.md at 71e6e9f, 1 x H200)
+GPU_PLANNER_PLUS_US = ((8, 79.6), (16, 80.1), (32, 72.0), (64, 80.4), (128, 83.8))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # of commit 75d7c67 (measured at c3e64ae; 2 x H200, EP 2, Qwen3 expert shape), backend cuda (the fast path:
@@ -529,9 +531,9 @@ class SimResult:
         return out
 
 
-def gpu_planner_s(num_ranks: int) -> float:
-    """GPU planner latency (GPU_PLANNER_US)."""
-    pts = GPU_PLANNER_US
+def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
+    """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus)."""
+    pts = GPU_PLANNER_PLUS_US if policy == "topoep_plus" else GPU_PLANNER_US
     if num_ranks <= pts[0][0]:
         return pts[0][1] * 1e-6
     for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
@@ -750,7 +752,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         if plan_s is not None:
             solve_s = plan_s
         elif plan.policy in CUDA_POLICIES:
-            solve_s = gpu_planner_s(R)
+            solve_s = gpu_planner_s(R, plan.policy)
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host

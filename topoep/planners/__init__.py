@@ -49,6 +49,14 @@ def _two_level(topology: Topology) -> bool:
     return two_level_costs(topology)[2]
 
 
+def has_cuda_kernel(policy: str, topology: Topology) -> bool:
+    """Whether the CUDA planner plans `policy` on this topology (default placement): what backend "auto" uses
+    for CUDA omega, and what the runtime may capture in a CUDA graph (the reference synchronises the host)."""
+    from topoep.planners.cuda import CUDA_POLICIES
+
+    return policy in CUDA_POLICIES and (policy != "topoep_plus" or _two_level(topology))
+
+
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto") -> Plan:
@@ -85,10 +93,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
-        from topoep.planners.cuda import CUDA_POLICIES
-
-        use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and policy in CUDA_POLICIES
-                    and main_rank is None and (policy != "topoep_plus" or _two_level(topology)))
+        use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and main_rank is None
+                    and isinstance(topology, Topology) and has_cuda_kernel(policy, topology))
     else:
         use_cuda = backend == "cuda"
     omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank,

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
-from topoep.planners import OFFLINE_POLICIES, POLICIES, solve
-from topoep.planners.cuda import CUDA_POLICIES
+from topoep.planners import OFFLINE_POLICIES, POLICIES, has_cuda_kernel, solve
 from topoep.topology import Topology
 from topoep.runtime.backend import make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
@@ -133,7 +132,7 @@ class ExpertParallelMoE(nn.Module):
         self._stats_sum, self._stats_calls = None, 0
         # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
         # the host, so its metadata runs eagerly
-        self._meta_graphs = MetadataGraphs(enabled=policy in CUDA_POLICIES)
+        self._meta_graphs = MetadataGraphs(enabled=has_cuda_kernel(policy, topology))
         # backend cuda: leave out the replica machinery of calls whose guard will fire (guard.py, skip_lag)
         lag = self.guard.skip_lag if self.guard is not None else None
         # backend cuda: tokens in this many chunks, each dispatched, computed and combined in turn (1 or 2;
