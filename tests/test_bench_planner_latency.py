@@ -4,7 +4,8 @@ the best of the four timings and the variant without refinement, and says met / 
 import pytest
 import torch
 
-from bench.planner_latency import TARGETS, VARIANTS, main, refine_iters_table, target_table, variant_table
+from bench.planner_latency import (TARGETS, VARIANTS, main, plus_table, refine_iters_table, target_table,
+                                   variant_table)
 
 
 def _row(ep, graph, eager=90.0, without_refine=14.0):
@@ -41,3 +42,14 @@ def test_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a GPU"):
         main([])
+
+
+def test_plus_table_states_the_extra_time_and_the_phases():
+    row = _row(128, 48.0) | dict(plus_eager_us=84.0, plus_graph_us=68.0, plus_graph_busy_us=66.5, plus_moves=2,
+                                 plus_reference_ms=38.0,
+                                 plus_phases_us={"moves": 8.8, "route 9a": 8.4, "route 9b": 5.9, "route 10": 6.3})
+    text = plus_table([row])
+    line = next(ln for ln in text.splitlines() if ln.startswith("| a | 128 |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[3] == "48.0" and cells[6] == "66.5" and cells[7] == "+18.5" and cells[8] == "2"
+    assert "| moves | route 9a | route 9b | route 10 |" in text and "| 8.8 | 8.4 | 5.9 | 6.3 |" in text

@@ -26,9 +26,11 @@ demand of domain d's sources):
    Loop: rb = the busiest rank (ties: lowest id). For every instance of an expert e on rb with load and
    every other rank rt hosting e with L[rt] < L[rb]: delta = the free amount, at most U[e, rb] and
    floor((L[rb] - L[rt]) / 2), and across domains at most F1 + G2, where the bb part of Delta is <= 0 (the
-   move adds no inter-domain assignment: a cheaper intra-domain route alone never buys fabric traffic). The largest delta wins (ties: lower L[rt], then lower rt, then lower e);
-   stop when it is 0 or after `max_moves` moves (default 4 R (E / R + N), the loop's fixed bound; the
-   Fig. 10 plans need 0-3). Only existing instances receive load: no slot changes, no new transfer.
+   move adds no inter-domain assignment: a cheaper intra-domain route alone never buys fabric traffic).
+   The largest delta wins (ties: lower L[rt], then lower rt, then lower e); stop when it is 0 or after
+   `max_moves` moves (default 4 R (E / R + N), the loop's fixed bound; the Fig. 10 plans need 0-3). The
+   hosts are the plan's instances when the loop starts (a replica a move empties may receive load later).
+   Only existing instances receive load: no slot changes, no new transfer.
 3. Replicas left with no load are dropped; the route is `common.hierarchical_route` (each instance
    serves its own rank first, then its domain, then any source): the cheapest route of these loads on a
    two-level topology.
