@@ -2,9 +2,9 @@
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` (mutating ops with fake implementations, so
-torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the workspace once per
-(device, R, E, domains, slots) and never synchronises the host.
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` (mutating ops with fake
+implementations, so torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the
+workspace once per (device, R, E, domains, slots) and never synchronises the host.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CudaPlanner:
         self.device = torch.device(device)
         elems, self._stamps_at, self._moves_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
         self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
-        self._plus_costs = (None, 0, 0)  # (topology, a2, bb) of the last topoep_plus plan
+        self._plus_costs = (None, 0, 0)  # (topology, a, b) of the last topoep_plus plan (common.two_level_costs)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
