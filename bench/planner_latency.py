@@ -84,7 +84,7 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     se, rt = args[-2:]
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
-    phases = _phase_medians(planner, graph, runs)
+    phases = _phase_medians(planner.phase_ns, graph, runs)
     refine = planner.refine_profile(*args[:2], *args[3:5])  # omega, topology, expert and token bytes
     variants = {}
     for name, mask in VARIANTS.items():  # each variant is its own graph: the skip mask is a kernel argument
@@ -119,11 +119,7 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     se, rt = args[-2:]
     graphed = _events_median(graph.replay, runs, warmup)
     graphed_busy = _events_median(graph.replay, runs, warmup, busy=True)
-    samples = []
-    for _ in range(min(runs, 50)):
-        graph.replay()
-        samples.append(planner.plus_phase_ns())
-    phases = {k: statistics.median(x[k] for x in samples) / 1e3 for k in samples[0]}
+    phases = _phase_medians(planner.plus_phase_ns, graph, runs)
     t0 = time.perf_counter()
     ref = solve(omega_cpu, topo, num_slots=slots, policy="topoep_plus", backend="reference")
     ref_ms = 1e3 * (time.perf_counter() - t0)
@@ -184,12 +180,13 @@ def target_table(rows: list[dict]) -> str:
          "graph without refine, busy stream us", "met without refine"], out) + "\n")
 
 
-def _phase_medians(planner: CudaPlanner, graph, runs: int) -> dict[str, float]:
-    """Median GPU time of each planner phase (us), from the kernel's own %globaltimer stamps."""
+def _phase_medians(read, graph, runs: int) -> dict[str, float]:
+    """Median GPU time of each planner phase (us) over graph replays, from the kernel's own %globaltimer stamps
+    as `read()` returns them in ns (CudaPlanner.phase_ns, or plus_phase_ns for topoep_plus's own phases)."""
     samples = []
     for _ in range(min(runs, 50)):
         graph.replay()
-        samples.append(planner.phase_ns())
+        samples.append(read())
     return {k: statistics.median(s[k] for s in samples) / 1e3 for k in samples[0]}
 
 

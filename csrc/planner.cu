@@ -861,7 +861,7 @@ struct Plus {
   int on;                   // 0: the `topoep` policy (phase 6's route)
   int max_moves;            // the loop's bound, 4 R (E / R + N)
   i64 a2, bb;               // 2 S_tok a and 2 S_tok (b - a) in fs per assignment (common.two_level_costs)
-  i64 *Ud, *Cap, *Mg;       // [M*E] per (domain, expert) group: its w2 total, its slots' u2 total, its m
+  i64 *w2tot, *u2tot, *Mg;  // [M*E] per (domain, expert) group: its w2 total, its slots' u2 total, its m
   i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
   i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
   i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
@@ -875,7 +875,7 @@ __host__ __device__ inline size_t plus_elems(const Dims& d) {
 
 __host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
   const size_t ME = (size_t)d.M * d.E, RE = (size_t)d.R * d.E;
-  pl.Ud = base; pl.Cap = pl.Ud + ME; pl.Mg = pl.Cap + ME;
+  pl.w2tot = base; pl.u2tot = pl.w2tot + ME; pl.Mg = pl.u2tot + ME;
   pl.loc = pl.Mg + ME; pl.u1 = pl.loc + d.P; pl.c = pl.u1 + d.P; pl.cumc = pl.c + d.P; pl.u2 = pl.cumc + d.P;
   pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
   pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
@@ -920,6 +920,11 @@ __device__ __forceinline__ int plus_instance(int p, const int* se1, const Dims& 
   int e;
   instance_of(p, se1, d, &e, rank);
   return (e >= 0 && (p < d.E || w.U[p] > 0)) ? e : -1;
+}
+
+// whether slot q holds an instance of e that counts (plus_instance: a replica with load)
+__device__ __forceinline__ bool slot_holds(int q, int e, const int* se1, const Dims& d, const Work& w) {
+  return se1[q] == e && w.U[d.E + q] > 0;
 }
 
 struct Move {
@@ -1057,9 +1062,9 @@ __device__ void global_moves(const Dims& d, const Work& w, const Plus& pl, const
   if (threadIdx.x == 0) *pl.moves = moves;
 }
 
-// phases 8-10: common.hierarchical_route of the moved loads (9 in two passes, 9a and 9b). Per instance p (valid: a main, or a replica
-// with load): loc = min(omega[rank, e], U) served on its own rank, u1 = U - loc. Per (source s, expert e):
-// A = omega - s's own loc, acum its exclusive prefix over the sources of s's domain. Group (e, domain):
+// phases 8-10: common.hierarchical_route of the moved loads (9 in two passes, 9a and 9b). Per instance p
+// (valid: a main, or a replica with load): loc = min(omega[rank, e], U) served on its own rank, u1 = U - loc.
+// Per (source s, expert e): A = omega - s's own loc, acum its exclusive prefix over the sources of s's domain. Group (e, domain):
 // m = min(capacity sum u1, sum A); its instances in index order take c = min((m - cum u1)^+, u1) and
 // cumc = min(cum u1, m); u2 = u1 - c and cumu2 its prefix over all of e's instances; the sources keep
 // w2 = A - min((m - acum)^+, A), prefix w2cum over all sources. route[s, p] = [s == rank] loc + (same
@@ -1069,12 +1074,14 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
                            i64* __restrict__ slot_expert, i64* __restrict__ route) {
   const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
   // 8 (no barrier of its own): the final slot table
-  for (int q = tid; q < d.R * d.N; q += threads) slot_expert[q] = (se1[q] >= 0 && w.U[d.E + q] > 0) ? se1[q] : -1;
+  for (int q = tid; q < d.R * d.N; q += threads) {
+    int r;
+    slot_expert[q] = plus_instance(d.E + q, se1, d, w, &r);
+  }
   // 9a: a thread per group (expert e, domain m), coalesced over e. It owns e's instances in m (the main when it
   // lies in m, the domain's slots that hold e): their loc and u1; the domain's sources (A, acum, then w2 and
   // its prefix inside the domain); the group's m; and its instances in index order: c, cumc, u2 and the prefix
-  // of the slots' u2 inside the domain. Group totals of w2 and of the slots' u2 go to Ud and Cap (both free by
-  // now) for 9b.
+  // of the slots' u2 inside the domain. Group totals of w2 and of the slots' u2 go to w2tot and u2tot for 9b.
   for (int gi = tid; gi < d.M * d.E; gi += threads) {
     const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
     i64 acc = 0;
@@ -1083,7 +1090,7 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
       const i64 x = w.om[(i64)s * d.E + e];
       int p = -1;  // e's instance on s, if any
       if (main_rank_of(e, d) == s) p = e;
-      else for (int j = 0; j < d.N; ++j) if (se1[s * d.N + j] == e && w.U[d.E + s * d.N + j] > 0) p = d.E + s * d.N + j;
+      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, w)) p = d.E + s * d.N + j;
       i64 loc = 0;
       if (p >= 0) {
         const i64 u = w.U[p];
@@ -1098,14 +1105,14 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
     const bool main_here = dom_of_rank(main_rank_of(e, d), d) == m;
     const int q0 = s0 * d.N, q1 = (s0 + d.rpd) * d.N;
     i64 cap = main_here ? pl.u1[e] : 0;
-    for (int q = q0; q < q1; ++q) if (se1[q] == e && w.U[d.E + q] > 0) cap += pl.u1[d.E + q];
+    for (int q = q0; q < q1; ++q) if (slot_holds(q, e, se1, d, w)) cap += pl.u1[d.E + q];
     const i64 mg = min(acc, cap);
     pl.Mg[gi] = mg;
     i64 cum = 0, slots_u2 = 0;
     for (int q = main_here ? q0 - 1 : q0; q < q1; ++q) {  // q0 - 1: the main
       int p = e;
       if (q >= q0) {
-        if (se1[q] != e || w.U[d.E + q] <= 0) continue;
+        if (!slot_holds(q, e, se1, d, w)) continue;
         p = d.E + q;
       }
       const i64 u1 = pl.u1[p], c = min(max(mg - cum, (i64)0), u1);
@@ -1125,8 +1132,8 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
       pl.w2cum[i] = acc2;  // 9b adds the sources of the domains before m
       acc2 += w2;
     }
-    pl.Ud[gi] = acc2;
-    pl.Cap[gi] = slots_u2;
+    pl.w2tot[gi] = acc2;
+    pl.u2tot[gi] = slots_u2;
   }
   grid_sync();
   plus_stamp(pl, 1);
@@ -1134,10 +1141,10 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
   for (int gi = tid; gi < d.M * d.E; gi += threads) {
     const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
     i64 off_w2 = 0, off_u2 = pl.u2[e];
-    for (int m2 = 0; m2 < m; ++m2) { off_w2 += pl.Ud[(i64)m2 * d.E + e]; off_u2 += pl.Cap[(i64)m2 * d.E + e]; }
+    for (int m2 = 0; m2 < m; ++m2) { off_w2 += pl.w2tot[(i64)m2 * d.E + e]; off_u2 += pl.u2tot[(i64)m2 * d.E + e]; }
     for (int s = s0; s < s0 + d.rpd; ++s) pl.w2cum[(i64)s * d.E + e] += off_w2;
     for (int q = s0 * d.N; q < (s0 + d.rpd) * d.N; ++q)
-      if (se1[q] == e && w.U[d.E + q] > 0) pl.cumu2[d.E + q] += off_u2;
+      if (slot_holds(q, e, se1, d, w)) pl.cumu2[d.E + q] += off_u2;
   }
   grid_sync();
   plus_stamp(pl, 2);

@@ -42,11 +42,12 @@ BACKENDS = ("auto", "reference", "cuda")
 
 
 @functools.lru_cache(maxsize=64)
-def _two_level(topology: Topology) -> bool:
-    """Whether the topology's cost matrix is exactly two-level (the CUDA planner's topoep_plus needs it)."""
+def cached_two_level_costs(topology: Topology) -> tuple[int, int, bool]:
+    """`common.two_level_costs(topology)`, computed once per topology: the per-call checks of backend "auto"
+    and the CUDA planner's topoep_plus costs read it (the cost matrix is on the host; no device work)."""
     from topoep.planners.common import two_level_costs
 
-    return two_level_costs(topology)[2]
+    return two_level_costs(topology)
 
 
 def has_cuda_kernel(policy: str, topology: Topology) -> bool:
@@ -54,7 +55,7 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
     for CUDA omega, and what the runtime may capture in a CUDA graph (the reference synchronises the host)."""
     from topoep.planners.cuda import CUDA_POLICIES
 
-    return policy in CUDA_POLICIES and (policy != "topoep_plus" or _two_level(topology))
+    return policy in CUDA_POLICIES and (policy != "topoep_plus" or cached_two_level_costs(topology)[2])
 
 
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",

@@ -108,7 +108,6 @@ class CudaPlanner:
         self.device = torch.device(device)
         elems, self._stamps_at, self._moves_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
         self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
-        self._plus_costs = (None, 0, 0)  # (topology, a, b) of the last topoep_plus plan (common.two_level_costs)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
@@ -128,15 +127,12 @@ class CudaPlanner:
     def plus_costs(self, topology, token_bytes: int) -> tuple[int, int]:
         """(a2, bb) of topoep_plus for this topology (host only: its cost matrix lives on the CPU); raises
         ValueError unless the costs are exactly two-level (the kernel's route is optimal only there)."""
-        topo, a, b = self._plus_costs
-        if topo is not topology:
-            from topoep.planners.common import two_level_costs
+        from topoep.planners import cached_two_level_costs
 
-            a, b, exact = two_level_costs(topology)
-            if not exact:
-                raise ValueError("the CUDA planner runs topoep_plus on an exactly two-level cost matrix only (one "
-                                 "intra-domain and one inter-domain cost); use backend='reference' for this topology")
-            self._plus_costs = (topology, a, b)
+        a, b, exact = cached_two_level_costs(topology)
+        if not exact:
+            raise ValueError("the CUDA planner runs topoep_plus on an exactly two-level cost matrix only (one "
+                             "intra-domain and one inter-domain cost); use backend='reference' for this topology")
         return 2 * token_bytes * a, 2 * token_bytes * (b - a)
 
     def moves(self) -> int:
