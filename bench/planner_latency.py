@@ -125,12 +125,47 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     ref_ms = 1e3 * (time.perf_counter() - t0)
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
     return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
-                plus_moves=planner.moves(), plus_phases_us=phases)
+                plus_moves=planner.moves(), plus_phases_us=phases,
+                grid_us={pol: grid_sweep(planner, omega, topo, pol, slots, runs, warmup, ref if pol == "topoep_plus"
+                                         else solve(omega_cpu, topo, num_slots=slots, backend="reference"))
+                         for pol in ("topoep", "topoep_plus")})
+
+
+GRID_BLOCKS = (16, 32, 64, 132)  # multi-block grids tried beside the default (at most one block per SM)
+
+
+def grid_sweep(planner: CudaPlanner, omega, topo, policy: str, slots: int, runs: int, warmup: int, ref) -> dict:
+    """Graph replay on a busy stream (us) of `policy` with the planner's grid set to each of GRID_BLOCKS
+    (torch.ops.topoep.set_grid_blocks; one-block plans keep their one block); every plan checked against the
+    reference's. The key "default" is the planner's own choice."""
+    out = {}
+    for blocks in (0,) + GRID_BLOCKS:
+        torch.ops.topoep.set_grid_blocks(blocks)
+        try:
+            graph, args = _captured(planner, omega, topo, policy, slots)
+        finally:
+            torch.ops.topoep.set_grid_blocks(0)
+        se, rt = args[-2:]
+        out["default" if blocks == 0 else str(blocks)] = _events_median(graph.replay, runs, warmup, busy=True)
+        assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), \
+            f"{policy} CUDA plan with {blocks} blocks != reference"
+    return out
+
+
+def grid_table(rows: list[dict]) -> str:
+    """The planner's time against the size of its cooperative grid."""
+    names = list(rows[0]["grid_us"]["topoep"])
+    return ("\n## Grid size\n\nGraph replay on a busy stream (us, median as above) with the planner's grid set to "
+            "a number of blocks (`torch.ops.topoep.set_grid_blocks`, at most one per SM; a one-block plan keeps "
+            "its single block), beside the default choice; every plan equals the reference's.\n\n" + markdown_table(
+                ["sweep", "EP", "experts", "policy"] + [f"{n} blocks" if n != "default" else "default" for n in names],
+                [[r["sweep"], r["ep"], r["experts"], pol] + [f"{r['grid_us'][pol][n]:.1f}" for n in names]
+                 for r in rows for pol in r["grid_us"]]) + "\n")
 
 
 def plus_table(rows: list[dict]) -> str:
     return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group (one block) and the own-rank-first "
-            "route (`topoep/planners/plus.py`; csrc/planner.cu phases 7-10), same workload and timing; every plan equals "
+            "route (`topoep/planners/plus.py`; csrc/planner.cu phases 7-9), same workload and timing; every plan equals "
             "the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",
                  "topoep_plus graph, busy us", "extra over topoep us", "moves", "reference ms"],
@@ -138,9 +173,9 @@ def plus_table(rows: list[dict]) -> str:
                   f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
                   f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
                  for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
-            "stamps of block 0 after each grid barrier): the guard and the free moves (block 0 alone), the route's "
-            "passes 9a (a thread per (expert, domain) group), 9b (prefixes across domains) and 10 (a thread per "
-            "(source, instance)):\n\n" + markdown_table(
+            "stamps of block 0): the guard and the free moves (every block makes the same moves on its own copy of "
+            "the loads), the route's pass A (a lane group per (expert, domain) group, and the grid barrier after it) "
+            "and pass B (a thread per (source, instance); its end is the latest block's):\n\n" + markdown_table(
                 ["sweep", "EP", "experts"] + list(rows[0]["plus_phases_us"]),
                 [[r["sweep"], r["ep"], r["experts"]] + [f"{v:.1f}" for v in r["plus_phases_us"].values()]
                  for r in rows]) + "\n")
@@ -267,7 +302,7 @@ def main(argv=None) -> int:
               f"reference {r['reference_ms']:8.2f} ms  topoep_plus graph busy {r['plus_graph_busy_us']:.1f}  "
               + "  ".join(f"{k} {v:.1f}" for k, v in
                                                                       r["variants_graph_us"].items()), flush=True)
-    breakdown = (target_table(rows) + plus_table(rows) + variant_table(rows) + phase_table(rows)
+    breakdown = (target_table(rows) + plus_table(rows) + grid_table(rows) + variant_table(rows) + phase_table(rows)
                  + (kernel_breakdown(args.slots, args.tokens) if args.profile else ""))
     info = run_info(vars(args) | {"out": str(args.out)})
     paper = {(8, 640): 131, (128, 640): 510}

@@ -92,9 +92,15 @@ std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains,
 
 // Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out
 void set_skip_stages(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < 16, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all), ",
-              "8 (profile the refinement)");
+  TORCH_CHECK(mask >= 0 && mask < 32, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all), ",
+              "8 (profile the refinement), 16 (topoep_plus's moves on the global loads)");
   topoep::set_skip_stages((int)mask);
+}
+
+// Tuning only (tools/planner_blocks.py): the grid of multi-block plans, 0 the default
+void set_grid_blocks(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= 4096, "grid blocks must be in [0, 4096] (0: the default), got ", n);
+  topoep::set_grid_blocks((int)n);
 }
 
 }  // namespace
@@ -108,6 +114,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
   m.def("set_skip_stages(int mask) -> ()", &set_skip_stages);
+  m.def("set_grid_blocks(int n) -> ()", &set_grid_blocks);
 }
 
 TORCH_LIBRARY_IMPL(topoep, CUDA, m) {

@@ -27,11 +27,13 @@
 //                a thread per instance and run of sources); the rest a lane group per instance, a shuffle scan
 // `topoep_plus` runs phases 1-5 and the guard as above, then instead of phase 6's route (when the guard did not
 // fire):
-//   7 moves      one block: the free load moves of plus.py (the busiest rank; candidate pairs filtered on the
-//                slot table in shared memory; the best move by a block reduction), until none is left
-//   8-10 route   common.hierarchical_route: 9a a thread per (expert, domain) group (own-rank loads, the
-//                domain's sources, the group's matched amount m and its instances), 9b the prefixes across
-//                domains, 10 a thread per (source, instance)
+//   7 moves      the free load moves of plus.py (the busiest rank; candidate pairs filtered on the slot table
+//                in shared memory; the best move by a block reduction), until none is left. Every block makes
+//                the same moves on its own copy of the loads in shared memory, so no grid barrier follows
+//   8-9 route    common.hierarchical_route in two passes and one grid barrier: A per (expert, domain) group
+//                (a lane per source of the domain and shuffle scans; own-rank loads, the domain's sources, the
+//                group's matched amount m and its instances), B a thread per (source, instance), which adds
+//                the prefixes across domains only where a cross-domain share can be nonzero
 // Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset); the route's
 // end, with no grid barrier after it, is the latest block's. topoep_plus stamps its own phases after the
 // refinement (plus_moves_offset).
@@ -58,6 +60,9 @@ constexpr unsigned kFull = 0xffffffffu;
 struct Dims {
   int R, E, M, rpd, N, P, Eloc, G;  // G: instances a rank can hold (its mains, then its slots)
   int gw;                            // lanes per instance in phases 4 and 6 (a power of two <= 32)
+  int rw;                            // lanes per (expert, domain) group in topoep_plus's route: the power of two
+                                     // >= rpd, or 0 for rpd > 32 (a thread per group)
+  int plus_smem;                     // 1: topoep_plus's moves on a copy of the loads per block (Loads)
   int local;                         // 1: one block, omega and the whole state in shared memory
   int skip;                          // kSkip* bits: stages left out, for latency measurements only
   unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
@@ -855,8 +860,8 @@ __device__ void route_phase(const Dims& d, const Work& w, const int* se0, const 
 
 // ---------------------------------------------------------------------------------------------------
 // `topoep_plus` (topoep/planners/plus.py): after the refinement, free load moves across the EP group
-// (phase 7, one block), then the own-rank-first route of common.hierarchical_route (phases 8-10) instead of
-// phase 6's interval route. Its state follows the topoep state in the workspace (plus_elems).
+// (phase 7), then the own-rank-first route of common.hierarchical_route (phases 8-9) instead of phase 6's
+// interval route. Its state follows the topoep state in the workspace (plus_elems).
 struct Plus {
   int on;                   // 0: the `topoep` policy (phase 6's route)
   int max_moves;            // the loop's bound, 4 R (E / R + N)
@@ -865,12 +870,12 @@ struct Plus {
   i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
   i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
   i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
-  i64* pst;                 // [4] %globaltimer stamps: after phase 7, 9a, 9b; the route's end (latest block)
+  i64* pst;                 // [3] %globaltimer stamps: after phase 7, after the route's pass A; its end (latest block)
   i64* moves;               // [1] the number of moves made (info["global_moves"])
 };
 
 __host__ __device__ inline size_t plus_elems(const Dims& d) {
-  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + 4 + 1;
+  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + 3 + 1;
 }
 
 __host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
@@ -880,7 +885,7 @@ __host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
   pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
   pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
   pl.pst = pl.w2cum + RE;
-  pl.moves = pl.pst + 4;
+  pl.moves = pl.pst + 3;
 }
 
 __device__ __forceinline__ void plus_stamp(const Plus& pl, int i) {
@@ -914,17 +919,25 @@ __device__ i64 free_amount(i64 cap, i64 f1, i64 g2, i64 F1, i64 G2, i64 a2, i64 
   }
 }
 
+// topoep_plus's instance loads U[P] and rank loads L[R] from the refinement on, and host[P] (1: the instance
+// takes part in the moves). With d.plus_smem every block keeps its own copy in shared memory and makes the
+// same moves (deterministic, so the copies agree), and the route's first pass follows with no grid barrier;
+// otherwise (a plan too large for it) block 0 moves the global state and a grid barrier publishes it.
+struct Loads {
+  i64 *U, *L, *host;
+};
+
 // instance p of the refined plan: expert (-1 for none) and rank; a replica counts only with load (the
 // reference drops replicas that serve nothing before the moves)
-__device__ __forceinline__ int plus_instance(int p, const int* se1, const Dims& d, const Work& w, int* rank) {
+__device__ __forceinline__ int plus_instance(int p, const int* se1, const Dims& d, const i64* U, int* rank) {
   int e;
   instance_of(p, se1, d, &e, rank);
-  return (e >= 0 && (p < d.E || w.U[p] > 0)) ? e : -1;
+  return (e >= 0 && (p < d.E || U[p] > 0)) ? e : -1;
 }
 
 // whether slot q holds an instance of e that counts (plus_instance: a replica with load)
-__device__ __forceinline__ bool slot_holds(int q, int e, const int* se1, const Dims& d, const Work& w) {
-  return se1[q] == e && w.U[d.E + q] > 0;
+__device__ __forceinline__ bool slot_holds(int q, int e, const int* se1, const Dims& d, const i64* U) {
+  return se1[q] == e && U[d.E + q] > 0;
 }
 
 struct Move {
@@ -967,12 +980,12 @@ __device__ Move block_best_move(Move m) {
 }
 
 // The busiest rank (ties: the lowest id), every thread gets it
-__device__ int block_busiest(const Dims& d, const Work& w) {
+__device__ int block_busiest(const Dims& d, const i64* L) {
   __shared__ i64 pl_[kWarps];
   __shared__ int pr_[kWarps];
   i64 bl = -1;
   int br = INT_MAX;
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) if (w.L[r] > bl) { bl = w.L[r]; br = r; }
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) if (L[r] > bl) { bl = L[r]; br = r; }
   for (int off = 16; off > 0; off >>= 1) {
     const i64 ol = __shfl_xor_sync(kFull, bl, off);
     const int orr = __shfl_xor_sync(kFull, br, off);
@@ -988,28 +1001,28 @@ __device__ int block_busiest(const Dims& d, const Work& w) {
 }
 
 // U_d[e] of plus.py: the load of e's hosts in domain m (its main if it lies there, then the domain's slots)
-__device__ i64 domain_load(int m, int e, const Dims& d, const Work& w, const Plus& pl, const int* se1) {
-  i64 acc = dom_of_rank(main_rank_of(e, d), d) == m ? w.U[e] : 0;
+__device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const int* se1) {
+  i64 acc = dom_of_rank(main_rank_of(e, d), d) == m ? s.U[e] : 0;
   for (int q = m * d.rpd * d.N; q < (m + 1) * d.rpd * d.N; ++q)
-    if (se1[q] == e && pl.host[d.E + q]) acc += w.U[d.E + q];
+    if (se1[q] == e && s.host[d.E + q]) acc += s.U[d.E + q];
   return acc;
 }
 
-// phase 7 (one block): the free moves of plus.py global_moves, on w.U and w.L in place. Candidate pairs are
-// filtered on the slot table (shared memory) before any load from global memory; U_d comes from the hosts'
-// loads when a pair needs it.
-__device__ void global_moves(const Dims& d, const Work& w, const Plus& pl, const int* se1) {
+// phase 7 (one block's work): the free moves of plus.py global_moves, on s.U and s.L in place. Candidate
+// pairs are filtered on the slot table (shared memory) before any other load; U_d comes from the hosts'
+// loads when a pair needs it. Returns the number of moves.
+__device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1) {
   const int RN = d.R * d.N, P = d.P;
   // the hosts are fixed before the first move: a replica a move empties still receives load later
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     int r;
-    pl.host[p] = plus_instance(p, se1, d, w, &r) >= 0;
+    s.host[p] = plus_instance(p, se1, d, s.U, &r) >= 0;
   }
   __syncthreads();
   int moves = 0;
   while (moves < pl.max_moves) {
-    const int rb = block_busiest(d, w), d1 = dom_of_rank(rb, d);
-    const i64 lb = w.L[rb];
+    const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
+    const i64 lb = s.L[rb];
     Move best;
     best.delta = 0; best.lt = 0; best.rt = INT_MAX; best.e = INT_MAX; best.ps = -1; best.pt = -1;
     // pairs (instance g of rb, target t: 0 = e's main, 1 + q = slot q)
@@ -1026,19 +1039,19 @@ __device__ void global_moves(const Dims& d, const Work& w, const Plus& pl, const
         pt = d.E + t - 1;
         rt = (t - 1) / d.N;
       }
-      if (rt == rb || !pl.host[ps] || !pl.host[pt]) continue;
-      const i64 u = w.U[ps];
+      if (rt == rb || !s.host[ps] || !s.host[pt]) continue;
+      const i64 u = s.U[ps];
       if (u <= 0) continue;
-      const i64 lt = w.L[rt], half = (lb - lt) >> 1;
+      const i64 lt = s.L[rt], half = (lb - lt) >> 1;
       if (half <= 0) continue;
       const int d2 = dom_of_rank(rt, d);
       const bool cross = d2 != d1;
       const i64 f1 = max(u - w.om[(i64)rb * d.E + e], (i64)0);
-      const i64 g2 = max(w.om[(i64)rt * d.E + e] - w.U[pt], (i64)0);
+      const i64 g2 = max(w.om[(i64)rt * d.E + e] - s.U[pt], (i64)0);
       i64 F1 = 0, G2 = 0;
       if (cross) {
-        F1 = max(domain_load(d1, e, d, w, pl, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
-        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, w, pl, se1), (i64)0);
+        F1 = max(domain_load(d1, e, d, s, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
+        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, s, se1), (i64)0);
       }
       i64 cap = min(u, half);
       if (cross) cap = min(cap, F1 + G2);
@@ -1051,49 +1064,99 @@ __device__ void global_moves(const Dims& d, const Work& w, const Plus& pl, const
     best = block_best_move(best);
     if (best.delta <= 0) break;
     if (threadIdx.x == 0) {
-      w.U[best.ps] -= best.delta;
-      w.U[best.pt] += best.delta;
-      w.L[rb] -= best.delta;
-      w.L[best.rt] += best.delta;
+      s.U[best.ps] -= best.delta;
+      s.U[best.pt] += best.delta;
+      s.L[rb] -= best.delta;
+      s.L[best.rt] += best.delta;
     }
     ++moves;
     __syncthreads();
   }
-  if (threadIdx.x == 0) *pl.moves = moves;
+  return moves;
 }
 
-// phases 8-10: common.hierarchical_route of the moved loads (9 in two passes, 9a and 9b). Per instance p
-// (valid: a main, or a replica with load): loc = min(omega[rank, e], U) served on its own rank, u1 = U - loc.
-// Per (source s, expert e): A = omega - s's own loc, acum its exclusive prefix over the sources of s's domain. Group (e, domain):
-// m = min(capacity sum u1, sum A); its instances in index order take c = min((m - cum u1)^+, u1) and
-// cumc = min(cum u1, m); u2 = u1 - c and cumu2 its prefix over all of e's instances; the sources keep
-// w2 = A - min((m - acum)^+, A), prefix w2cum over all sources. route[s, p] = [s == rank] loc + (same
-// domain) overlap([min(acum, m), min(acum + A, m)), [cumc, cumc + c)) + overlap([w2cum, w2cum + w2),
-// [cumu2, cumu2 + u2)), exactly the reference's three steps.
-__device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const int* se1,
-                           i64* __restrict__ slot_expert, i64* __restrict__ route) {
-  const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
-  // 8 (no barrier of its own): the final slot table
-  for (int q = tid; q < d.R * d.N; q += threads) {
-    int r;
-    slot_expert[q] = plus_instance(d.E + q, se1, d, w, &r);
+// Sums and exclusive scans over the gw lanes of a lane group (gw a power of two <= 32, groups aligned in
+// the warp); every lane of the warp calls them.
+__device__ __forceinline__ i64 group_sum(i64 v, int gw) {
+  for (int off = gw >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off, gw);
+  return v;
+}
+
+__device__ __forceinline__ i64 group_excl_scan(i64 v, int sub, int gw) {
+  i64 x = v;
+  for (int off = 1; off < gw; off <<= 1) {
+    const i64 y = __shfl_up_sync(kFull, x, off, gw);
+    if (sub >= off) x += y;
   }
-  // 9a: a thread per group (expert e, domain m), coalesced over e. It owns e's instances in m (the main when it
-  // lies in m, the domain's slots that hold e): their loc and u1; the domain's sources (A, acum, then w2 and
-  // its prefix inside the domain); the group's m; and its instances in index order: c, cumc, u2 and the prefix
-  // of the slots' u2 inside the domain. Group totals of w2 and of the slots' u2 go to w2tot and u2tot for 9b.
+  return x - v;
+}
+
+// The route of topoep_plus, common.hierarchical_route of the moved loads, in two passes with one grid barrier.
+// Pass A, per group (expert e, domain m) and its sources s in m, with p(s) e's instance on s if any (valid:
+// a main, or a replica with load): loc = min(omega[s, e], U[p(s)]) served on its own rank, u1 = U - loc;
+// A = omega - loc and acum its exclusive prefix over the domain's sources; the group's m = min(sum u1, sum A);
+// the group's instances in index order (the main first, then the slots: rank order) take c = min((m - cum
+// u1)^+, u1), cumc = min(cum u1, m), u2 = u1 - c; the slots' u2 prefix inside the domain goes to cumu2; the
+// sources keep w2 = A - min((m - acum)^+, A) and its prefix inside the domain in w2cum; the group's totals
+// of w2 and of the slots' u2 go to w2tot and u2tot. Pass B, per (source s, instance p): route[s, p] =
+// [s == rank] loc + (same domain) overlap([min(acum, m), min(acum + A, m)), [cumc, cumc + c)) + overlap of
+// s's w2 and p's u2 intervals in the order over all domains, whose offsets (the totals of the domains
+// before, and the main's u2 ahead of every slot) it sums only where both are nonzero. Exactly the
+// reference's three steps.
+
+// Pass A with a group of d.rw lanes (rpd <= 32; a lane per source, shuffle scans)
+__device__ void route_groups_lanes(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1) {
+  const int gw = d.rw, lane = threadIdx.x & 31, sub = lane & (gw - 1), per_warp = 32 / gw;
+  const int warps = gridDim.x * kWarps, warp = blockIdx.x * kWarps + (threadIdx.x >> 5), groups = d.M * d.E;
+  for (int g0 = warp * per_warp; g0 < groups; g0 += warps * per_warp) {  // uniform over the warp
+    const int gi = g0 + lane / gw;
+    const bool on = gi < groups && sub < d.rpd;
+    int e = 0, s = 0, p = -1;
+    i64 x = 0;
+    if (on) {
+      const int m = gi / d.E;
+      e = gi - m * d.E;
+      s = m * d.rpd + sub;
+      x = w.om[(i64)s * d.E + e];
+      if (main_rank_of(e, d) == s) p = e;
+      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+    }
+    const i64 u = p >= 0 ? U[p] : 0, loc = min(x, u), u1 = u - loc, a = x - loc;
+    const bool is_main = p >= 0 && p < d.E, is_slot = p >= d.E;
+    const i64 acum = group_excl_scan(a, sub, gw);
+    const i64 mg = min(group_sum(a, gw), group_sum(u1, gw));
+    const i64 main_u1 = group_sum(is_main ? u1 : 0, gw);                     // 0 when the main is elsewhere
+    const i64 slot_cum = group_excl_scan(is_slot ? u1 : 0, sub, gw);
+    const i64 cum = is_slot ? main_u1 + slot_cum : 0;                        // the main comes first
+    const i64 c = min(max(mg - cum, (i64)0), u1), u2 = u1 - c, slot_u2 = is_slot ? u2 : 0;
+    const i64 cumu2 = group_excl_scan(slot_u2, sub, gw), u2tot = group_sum(slot_u2, gw);
+    const i64 w2 = a - min(max(mg - acum, (i64)0), a);
+    const i64 w2cum = group_excl_scan(w2, sub, gw), w2tot = group_sum(w2, gw);
+    if (p >= 0) {
+      pl.loc[p] = loc; pl.c[p] = c; pl.cumc[p] = min(cum, mg); pl.u2[p] = u2; pl.cumu2[p] = cumu2;
+    }
+    if (on) {
+      const i64 i = (i64)s * d.E + e;
+      pl.A[i] = a; pl.acum[i] = acum; pl.w2[i] = w2; pl.w2cum[i] = w2cum;
+      if (sub == 0) { pl.Mg[gi] = mg; pl.w2tot[gi] = w2tot; pl.u2tot[gi] = u2tot; }
+    }
+  }
+}
+
+// Pass A with a thread per group (rpd > 32), serial over the domain's sources and slots
+__device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1) {
+  const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
   for (int gi = tid; gi < d.M * d.E; gi += threads) {
     const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
     i64 acc = 0;
-#pragma unroll 4
     for (int s = s0; s < s0 + d.rpd; ++s) {
       const i64 x = w.om[(i64)s * d.E + e];
       int p = -1;  // e's instance on s, if any
       if (main_rank_of(e, d) == s) p = e;
-      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, w)) p = d.E + s * d.N + j;
+      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
       i64 loc = 0;
       if (p >= 0) {
-        const i64 u = w.U[p];
+        const i64 u = U[p];
         loc = min(x, u);
         pl.loc[p] = loc;
         pl.u1[p] = u - loc;
@@ -1105,14 +1168,14 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
     const bool main_here = dom_of_rank(main_rank_of(e, d), d) == m;
     const int q0 = s0 * d.N, q1 = (s0 + d.rpd) * d.N;
     i64 cap = main_here ? pl.u1[e] : 0;
-    for (int q = q0; q < q1; ++q) if (slot_holds(q, e, se1, d, w)) cap += pl.u1[d.E + q];
+    for (int q = q0; q < q1; ++q) if (slot_holds(q, e, se1, d, U)) cap += pl.u1[d.E + q];
     const i64 mg = min(acc, cap);
     pl.Mg[gi] = mg;
     i64 cum = 0, slots_u2 = 0;
     for (int q = main_here ? q0 - 1 : q0; q < q1; ++q) {  // q0 - 1: the main
       int p = e;
       if (q >= q0) {
-        if (!slot_holds(q, e, se1, d, w)) continue;
+        if (!slot_holds(q, e, se1, d, U)) continue;
         p = d.E + q;
       }
       const i64 u1 = pl.u1[p], c = min(max(mg - cum, (i64)0), u1);
@@ -1120,8 +1183,8 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
       pl.cumc[p] = min(cum, mg);
       pl.u2[p] = u1 - c;
       cum += u1;
-      if (p < d.E) { pl.cumu2[p] = 0; continue; }  // the main is the first of e's instances
-      pl.cumu2[p] = slots_u2;  // 9b adds the main's u2 and the slots of the domains before m
+      if (p < d.E) { pl.cumu2[p] = 0; continue; }
+      pl.cumu2[p] = slots_u2;
       slots_u2 += u1 - c;
     }
     i64 acc2 = 0;
@@ -1129,42 +1192,53 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
       const i64 i = (i64)s * d.E + e, a = pl.A[i];
       const i64 w2 = a - min(max(mg - pl.acum[i], (i64)0), a);
       pl.w2[i] = w2;
-      pl.w2cum[i] = acc2;  // 9b adds the sources of the domains before m
+      pl.w2cum[i] = acc2;
       acc2 += w2;
     }
     pl.w2tot[gi] = acc2;
     pl.u2tot[gi] = slots_u2;
   }
+}
+
+__device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1,
+                           i64* __restrict__ slot_expert, i64* __restrict__ route) {
+  const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
+  // the final slot table
+  for (int q = tid; q < d.R * d.N; q += threads) {
+    int r;
+    slot_expert[q] = plus_instance(d.E + q, se1, d, U, &r);
+  }
+  if (d.rw > 0) route_groups_lanes(d, w, pl, U, se1);
+  else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 1);
-  // 9b: a thread per group: the prefixes over e's instances and over all sources
-  for (int gi = tid; gi < d.M * d.E; gi += threads) {
-    const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
-    i64 off_w2 = 0, off_u2 = pl.u2[e];
-    for (int m2 = 0; m2 < m; ++m2) { off_w2 += pl.w2tot[(i64)m2 * d.E + e]; off_u2 += pl.u2tot[(i64)m2 * d.E + e]; }
-    for (int s = s0; s < s0 + d.rpd; ++s) pl.w2cum[(i64)s * d.E + e] += off_w2;
-    for (int q = s0 * d.N; q < (s0 + d.rpd) * d.N; ++q)
-      if (slot_holds(q, e, se1, d, w)) pl.cumu2[d.E + q] += off_u2;
-  }
-  grid_sync();
-  plus_stamp(pl, 2);
-  // 10: a thread per (source, instance)
+  // pass B: a thread per (source, instance)
   for (i64 i = tid; i < (i64)d.R * d.P; i += threads) {
     const int s = (int)(i / d.P), p = (int)(i - (i64)s * d.P);
     int r;
-    const int e = plus_instance(p, se1, d, w, &r);
+    const int e = plus_instance(p, se1, d, U, &r);
     i64 v = 0;
     if (e >= 0) {
       const i64 si = (i64)s * d.E + e;
+      const int ds = dom_of_rank(s, d), dr = dom_of_rank(r, d);
       if (s == r) v += pl.loc[p];
-      if (dom_of_rank(s, d) == dom_of_rank(r, d)) {
-        const i64 mg = pl.Mg[(i64)dom_of_rank(r, d) * d.E + e];
+      if (ds == dr) {
+        const i64 mg = pl.Mg[(i64)dr * d.E + e];
         const i64 lo = min(pl.acum[si], mg), hi = min(pl.acum[si] + pl.A[si], mg);
         const i64 ov = min(hi, pl.cumc[p] + pl.c[p]) - max(lo, pl.cumc[p]);
         if (ov > 0) v += ov;
       }
-      const i64 ov = min(pl.w2cum[si] + pl.w2[si], pl.cumu2[p] + pl.u2[p]) - max(pl.w2cum[si], pl.cumu2[p]);
-      if (ov > 0) v += ov;
+      const i64 w2 = pl.w2[si], u2 = pl.u2[p];
+      if (w2 > 0 && u2 > 0) {
+        i64 w2cum = pl.w2cum[si], cumu2 = pl.cumu2[p];
+        for (int m2 = 0; m2 < ds; ++m2) w2cum += pl.w2tot[(i64)m2 * d.E + e];
+        if (p >= d.E) {  // a slot: after the main and the slots of the domains before its own
+          cumu2 += pl.u2[e];
+          for (int m2 = 0; m2 < dr; ++m2) cumu2 += pl.u2tot[(i64)m2 * d.E + e];
+        }
+        const i64 ov = min(w2cum + w2, cumu2 + u2) - max(w2cum, cumu2);
+        if (ov > 0) v += ov;
+      }
     }
     route[i] = v;
   }
@@ -1180,7 +1254,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   stamp(w, 0);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     w.stamps[6] = 0;  // the route's end: a max over blocks, below
-    if (pl.on) pl.pst[3] = 0;
+    if (pl.on) pl.pst[2] = 0;
   }
   if (d.skip & kSkipAll) return;
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
@@ -1229,16 +1303,30 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   se0 = se1 + d.R * d.N;
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
-  if (pl.on && !fb) {  // topoep_plus: 7 free moves (one block), 8-10 the own-rank-first route
-    if (blockIdx.x == 0) global_moves(d, w, pl, se1);
-    grid_sync();
+  if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
+    Loads s = {w.U, w.L, pl.host};
+    if (d.plus_smem) {  // every block moves its own copy (see Loads)
+      i64* base = smem + scratch_elems(d);
+      s = {base, base + d.P, base + d.P + d.R};
+      for (int p = threadIdx.x; p < d.P; p += blockDim.x) s.U[p] = w.U[p];
+      for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
+      __syncthreads();
+      const int moves = global_moves(d, w, pl, s, se1);
+      if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
+    } else {
+      if (blockIdx.x == 0) {
+        const int moves = global_moves(d, w, pl, s, se1);
+        if (threadIdx.x == 0) *pl.moves = moves;
+      }
+      grid_sync();
+    }
     plus_stamp(pl, 0);
-    route_plus(d, w, pl, se1, slot_expert, route);
+    route_plus(d, w, pl, s.U, se1, slot_expert, route);
     __syncthreads();
     if (threadIdx.x == 0) {
       unsigned long long t;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      atomicMax((unsigned long long*)&pl.pst[3], t);
+      atomicMax((unsigned long long*)&pl.pst[2], t);
     }
   } else {
     if (pl.on && blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = 0;
@@ -1270,11 +1358,14 @@ static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t)
 static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
   d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
-  d.W = 0; d.S = 0; d.local = 0; d.skip = 0;
+  d.W = 0; d.S = 0; d.local = 0; d.skip = 0; d.plus_smem = 0;
   d.inv_eloc = ((1ull << 32) + d.Eloc - 1) / d.Eloc;
   d.inv_rpd = ((1ull << 32) + d.rpd - 1) / d.rpd;
   d.gw = 1;
   while (d.gw < R && d.gw < 32) d.gw <<= 1;
+  d.rw = 1;
+  while (d.rw < d.rpd) d.rw <<= 1;
+  if (d.rw > 32) d.rw = 0;
   return d;
 }
 
@@ -1292,6 +1383,8 @@ size_t plus_moves_offset(int R, int E, int M, int N) {
 
 static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
 void set_skip_stages(int mask) { g_skip_stages = mask; }
+static int g_grid_blocks = 0;  // set_grid_blocks: 0 the default below, else the grid of multi-block plans (tuning)
+void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
@@ -1337,6 +1430,12 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   size_t smem = 0;
   int blocks = grid_blocks(d, sms_of[dev], &smem);
   if (blocks == 0) { d.local = 1; blocks = 1; }
+  else if (g_grid_blocks > 0) blocks = max(min(g_grid_blocks, sms_of[dev]), 1);
+  const size_t plus_smem = sizeof(i64) * (2 * (size_t)d.P + d.R);  // Loads: U, L, host
+  if (plus != nullptr && !d.local && !(d.skip & kPlusGlobal) && smem + plus_smem <= kLocalSmemBytes) {
+    d.plus_smem = 1;
+    smem += plus_smem;
+  }
   // the refinement's slot loops are unrolled for 1-4 slots
   void (*kernel)(const i64*, const i64*, Dims, Work, Plus, i64*, i64*) =
       N == 1 ? topoep_kernel<1> : N == 2 ? topoep_kernel<2> : N == 3 ? topoep_kernel<3> : N == 4 ? topoep_kernel<4>

@@ -16,7 +16,9 @@ constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and t
 // plan is then not the policy's): the refinement (the stage-1/2 plan is routed), the route phase (the
 // route is not written), or everything (the launch alone). kProfile (the plan is the policy's) also counts
 // the refinement's SM cycles per step (the counters after the stamps; the clock reads slow it down).
-constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4, kProfile = 8;
+// kPlusGlobal (the plan is the policy's) makes topoep_plus take the path of plans too large for a copy of the
+// loads per block: block 0 moves the global state (tests).
+constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4, kProfile = 8, kPlusGlobal = 16;
 
 // int64 elements of the workspace plan_topoep needs for (R, E, M domains, N slots); mirrored by
 // topoep/planners/cuda.py:workspace_elems.
@@ -25,6 +27,9 @@ size_t workspace_elems(int R, int E, int M, int N);
 size_t phase_ns_offset(int R, int E, int M, int N);
 // Leave stages out of every later plan_topoep launch (kSkip* bits; 0 restores the policy).
 void set_skip_stages(int mask);
+// The grid of every later multi-block plan_topoep launch (at most one block per SM; 0 restores the default).
+// Tuning only: the plan does not depend on it.
+void set_grid_blocks(int n);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
 
@@ -41,8 +46,8 @@ struct PlusArgs {
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
                         int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
                         const PlusArgs* plus = nullptr);
-// Offset (int64 elements) of topoep_plus's move count in the workspace; its 4 phase stamps (ns: after the
-// moves, after route passes 9a and 9b, the route's end) are the 4 elements before it.
+// Offset (int64 elements) of topoep_plus's move count in the workspace; its 3 phase stamps (ns: after the
+// moves, after the route's pass A, the route's end) are the 3 elements before it.
 size_t plus_moves_offset(int R, int E, int M, int N);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,

@@ -4,7 +4,7 @@ the best of the four timings and the variant without refinement, and says met / 
 import pytest
 import torch
 
-from bench.planner_latency import (TARGETS, VARIANTS, main, plus_table, refine_iters_table, target_table,
+from bench.planner_latency import (TARGETS, VARIANTS, grid_table, main, plus_table, refine_iters_table, target_table,
                                    variant_table)
 
 
@@ -47,9 +47,19 @@ def test_needs_a_gpu(monkeypatch):
 def test_plus_table_states_the_extra_time_and_the_phases():
     row = _row(128, 48.0) | dict(plus_eager_us=84.0, plus_graph_us=68.0, plus_graph_busy_us=66.5, plus_moves=2,
                                  plus_reference_ms=38.0,
-                                 plus_phases_us={"moves": 8.8, "route 9a": 8.4, "route 9b": 5.9, "route 10": 6.3})
+                                 plus_phases_us={"moves": 8.8, "route A": 8.4, "route B": 5.9})
     text = plus_table([row])
     line = next(ln for ln in text.splitlines() if ln.startswith("| a | 128 |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[3] == "48.0" and cells[6] == "66.5" and cells[7] == "+18.5" and cells[8] == "2"
-    assert "| moves | route 9a | route 9b | route 10 |" in text and "| 8.8 | 8.4 | 5.9 | 6.3 |" in text
+    assert "| moves | route A | route B |" in text and "| 8.8 | 8.4 | 5.9 |" in text
+
+
+def test_grid_table_has_a_row_per_policy_and_a_column_per_grid():
+    grid = {"default": 48.1, "16": 50.2, "32": 47.0, "64": 45.5, "132": 44.9}
+    row = _row(128, 48.1) | dict(grid_us={"topoep": grid, "topoep_plus": {k: v + 10 for k, v in grid.items()}})
+    text = grid_table([row])
+    assert "| default | 16 blocks | 32 blocks | 64 blocks | 132 blocks |" in text
+    lines = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| a | 128 |")]
+    assert lines == [["a", "128", "640", "topoep", "48.1", "50.2", "47.0", "45.5", "44.9"],
+                     ["a", "128", "640", "topoep_plus", "58.1", "60.2", "57.0", "55.5", "54.9"]]

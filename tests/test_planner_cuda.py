@@ -160,3 +160,35 @@ def test_topoep_plus_moves_and_its_two_level_rule():
     assert auto.info.get("backend") != "cuda"
     want = solve(omega, odd, num_slots=1, policy="topoep_plus", backend="reference")
     assert torch.equal(auto.route.cpu(), want.route)
+
+
+# (R, E, domains, slots, router skew, layout): domains of 6, 12 and 24 ranks (a lane group wider than the domain
+# in the route's pass A), 48 (more than a warp: a thread per group), and one domain of 40 ranks
+ODD_DOMAIN_CASES = [(24, 96, 4, 2, -3.0, "random"), (24, 240, 2, 4, -4.0, "clustered"), (48, 96, 2, 1, -2.0, "random"),
+                    (96, 192, 2, 3, -4.0, "scattered"), (96, 384, 4, 2, -3.0, "clustered"), (40, 320, 1, 2, -4.0, "random"),
+                    (72, 144, 6, 2, -8.0, "random")]
+
+
+@pytest.mark.parametrize("case", ODD_DOMAIN_CASES, ids=lambda c: f"R{c[0]}-E{c[1]}-M{c[2]}-N{c[3]}")
+def test_plans_for_any_domain_size_grid_and_move_path(case):
+    """Domains whose size is not a power of two (the random cases have only powers of two), each planned with
+    the default grid, with 3 and 132 blocks (set_grid_blocks), and for topoep_plus with its moves on the global
+    loads (kPlusGlobal = 16, the path of plans too large for a copy per block): every plan equals the reference's."""
+    R, E, M, N, skew, layout = case
+    topo = Topology(num_domains=M, ranks_per_domain=R // M)
+    omega = biased_routing(R, E, 512, 8, skew, seed=R + E + N, layout=layout)
+    planner = CudaPlanner(R, E, M, N, "cuda")
+    se = torch.empty(R, N, dtype=torch.int64, device="cuda")
+    rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
+    for policy in ("topoep", "topoep_plus"):
+        ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
+                    backend="reference")
+        for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16)]:
+            torch.ops.topoep.set_grid_blocks(blocks)
+            torch.ops.topoep.set_skip_stages(mask)
+            try:
+                planner.plan(omega.cuda(), topo, policy, 9_437_184, 4096, se, rt)
+            finally:
+                torch.ops.topoep.set_grid_blocks(0)
+                torch.ops.topoep.set_skip_stages(0)
+            assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (policy, blocks, mask)

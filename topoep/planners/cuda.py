@@ -141,10 +141,11 @@ class CudaPlanner:
 
     def plus_phase_ns(self) -> dict[str, int]:
         """GPU time (ns) of topoep_plus's phases after the refinement in the last topoep_plus plan: the guard and
-        the free moves (one block), the route's passes 9a, 9b and 10 (csrc/planner.cu; synchronises the host)."""
-        t = self.workspace[self._moves_at - 4:self._moves_at].tolist()
+        the free moves, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B
+        (per (source, instance)) (csrc/planner.cu; synchronises the host)."""
+        t = self.workspace[self._moves_at - 3:self._moves_at].tolist()
         refined = int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])
-        return {"moves": t[0] - refined, "route 9a": t[1] - t[0], "route 9b": t[2] - t[1], "route 10": t[3] - t[2]}
+        return {"moves": t[0] - refined, "route A": t[1] - t[0], "route B": t[2] - t[1]}
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
