@@ -1133,7 +1133,7 @@ __device__ void route_groups_lanes(const Dims& d, const Work& w, const Plus& pl,
     const i64 w2 = a - min(max(mg - acum, (i64)0), a);
     const i64 w2cum = group_excl_scan(w2, sub, gw), w2tot = group_sum(w2, gw);
     if (p >= 0) {
-      pl.loc[p] = loc; pl.c[p] = c; pl.cumc[p] = min(cum, mg); pl.u2[p] = u2; pl.cumu2[p] = cumu2;
+      pl.loc[p] = loc; pl.c[p] = c; pl.cumc[p] = min(cum, mg); pl.u2[p] = u2; pl.cumu2[p] = is_slot ? cumu2 : 0;
     }
     if (on) {
       const i64 i = (i64)s * d.E + e;
