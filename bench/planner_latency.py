@@ -126,9 +126,25 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
     return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
                 plus_moves=planner.moves(), plus_phases_us=phases,
-                grid_us={pol: grid_sweep(planner, omega, topo, pol, slots, runs, warmup, ref if pol == "topoep_plus"
-                                         else solve(omega_cpu, topo, num_slots=slots, backend="reference"))
-                         for pol in ("topoep", "topoep_plus")})
+                grid_us=grid_sweeps(planner, omega, omega_cpu, topo, slots, runs, warmup, ref))
+
+
+# topoep_plus's route pass A forced to one path (csrc/planner.h kRouteSerial, kRouteLanes), beside its default
+PASS_A = {"topoep_plus, pass A serial": 32, "topoep_plus, pass A lanes": 64}
+
+
+def grid_sweeps(planner: CudaPlanner, omega, omega_cpu, topo, slots: int, runs: int, warmup: int, plus_ref) -> dict:
+    """grid_sweep of topoep, of topoep_plus, and of topoep_plus with each forced pass A path."""
+    ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
+    out = {"topoep": grid_sweep(planner, omega, topo, "topoep", slots, runs, warmup, ref),
+           "topoep_plus": grid_sweep(planner, omega, topo, "topoep_plus", slots, runs, warmup, plus_ref)}
+    for name, mask in PASS_A.items():
+        torch.ops.topoep.set_skip_stages(mask)
+        try:
+            out[name] = grid_sweep(planner, omega, topo, "topoep_plus", slots, runs, warmup, plus_ref)
+        finally:
+            torch.ops.topoep.set_skip_stages(0)
+    return out
 
 
 GRID_BLOCKS = (16, 32, 64, 132)  # multi-block grids tried beside the default (at most one block per SM)
@@ -157,7 +173,8 @@ def grid_table(rows: list[dict]) -> str:
     names = list(rows[0]["grid_us"]["topoep"])
     return ("\n## Grid size\n\nGraph replay on a busy stream (us, median as above) with the planner's grid set to "
             "a number of blocks (`torch.ops.topoep.set_grid_blocks`, at most one per SM; a one-block plan keeps "
-            "its single block), beside the default choice; every plan equals the reference's.\n\n" + markdown_table(
+            "its single block), beside the default choice, and topoep_plus with its route's pass A forced to a thread "
+            "per (expert, domain) group or to a lane group per group; every plan equals the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "policy"] + [f"{n} blocks" if n != "default" else "default" for n in names],
                 [[r["sweep"], r["ep"], r["experts"], pol] + [f"{r['grid_us'][pol][n]:.1f}" for n in names]
                  for r in rows for pol in r["grid_us"]]) + "\n")

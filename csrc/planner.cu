@@ -1143,14 +1143,17 @@ __device__ void route_groups_lanes(const Dims& d, const Work& w, const Plus& pl,
   }
 }
 
-// Pass A with a thread per group (rpd > 32), serial over the domain's sources and slots
+// Pass A with a thread per group (rpd > 32, or more lanes than the grid has threads), serial over the domain's
+// sources and slots
 __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1) {
   const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const i64* __restrict__ om = w.om;
   for (int gi = tid; gi < d.M * d.E; gi += threads) {
     const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd;
     i64 acc = 0;
+#pragma unroll 4
     for (int s = s0; s < s0 + d.rpd; ++s) {
-      const i64 x = w.om[(i64)s * d.E + e];
+      const i64 x = om[(i64)s * d.E + e];
       int p = -1;  // e's instance on s, if any
       if (main_rank_of(e, d) == s) p = e;
       else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
@@ -1208,7 +1211,10 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
     int r;
     slot_expert[q] = plus_instance(d.E + q, se1, d, U, &r);
   }
-  if (d.rw > 0) route_groups_lanes(d, w, pl, U, se1);
+  const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= (long long)threads;  // one round
+  if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) {
+    route_groups_lanes(d, w, pl, U, se1);
+  }
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 1);
@@ -1388,8 +1394,8 @@ void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
-// One block (everything in shared memory) when the plan is small: about 4k (source, instance) pairs of
-// phases 4 and 6 per block; at least one block per domain; at most one per SM.
+// One block (everything in shared memory) when the plan is small; else one block per domain for small plans, and
+// every SM for the rest.
 static int grid_blocks(const Dims& d, int sms, size_t* smem) {
   const long long pairs = (long long)d.R * d.P;
   const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
@@ -1398,8 +1404,9 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem) {
     *smem += local;
     return 0;  // local
   }
-  const int blocks = pairs <= 16384 ? 1 : (int)min((long long)sms, (pairs + 4095) / 4096);
-  return min(max(blocks, d.M), sms);  // domains beyond the grid are looped over
+  // a grid of every SM (results/planner_latency.md, "Grid size": 2-4 us faster than one block per 4096 pairs
+  // for topoep, up to 17 us for topoep_plus at EP 128); domains beyond the grid are looped over
+  return pairs <= 16384 ? min(max(1, d.M), sms) : sms;
 }
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
