@@ -1010,15 +1010,18 @@ __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const in
 
 // phase 7 (one block's work): the free moves of plus.py global_moves, on s.U and s.L in place. Candidate
 // pairs are filtered on the slot table (shared memory) before any other load; U_d comes from the hosts'
-// loads when a pair needs it. Returns the number of moves.
-__device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1) {
+// loads when a pair needs it. The hosts are fixed before the first move (a replica a move empties still receives
+// load later): marked here when mark_hosts, else already in s.host. Returns the number of moves.
+__device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1,
+                            bool mark_hosts) {
   const int RN = d.R * d.N, P = d.P;
-  // the hosts are fixed before the first move: a replica a move empties still receives load later
-  for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    int r;
-    s.host[p] = plus_instance(p, se1, d, s.U, &r) >= 0;
+  if (mark_hosts) {
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      int r;
+      s.host[p] = plus_instance(p, se1, d, s.U, &r) >= 0;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   int moves = 0;
   while (moves < pl.max_moves) {
     const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
@@ -1143,8 +1146,8 @@ __device__ void route_groups_lanes(const Dims& d, const Work& w, const Plus& pl,
   }
 }
 
-// Pass A with a thread per group (rpd > 32, or more lanes than the grid has threads), serial over the domain's
-// sources and slots
+// Pass A with a thread per group (rpd > 32, or more than two rounds of lane groups on the grid), serial over the
+// domain's sources and slots
 __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1) {
   const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
   const i64* __restrict__ om = w.om;
@@ -1211,7 +1214,7 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
     int r;
     slot_expert[q] = plus_instance(d.E + q, se1, d, U, &r);
   }
-  const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= (long long)threads;  // one round
+  const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= 2ll * threads;  // at most two rounds
   if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) {
     route_groups_lanes(d, w, pl, U, se1);
   }
@@ -1308,20 +1311,25 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   int* se1 = (int*)scratch;
   se0 = se1 + d.R * d.N;
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
+  Loads s = {w.U, w.L, pl.host};
+  if (pl.on && d.plus_smem) {  // topoep_plus: every block moves its own copy of the loads (see Loads), staged here
+    i64* base = smem + scratch_elems(d);
+    s = {base, base + d.P, base + d.P + d.R};
+    for (int p = threadIdx.x; p < d.P; p += blockDim.x) {
+      const i64 u = w.U[p];
+      s.U[p] = u;
+      s.host[p] = p < d.E || (w.slot1[p - d.E] >= 0 && u > 0);  // plus_instance(p) >= 0
+    }
+    for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
+  }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
   if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
-    Loads s = {w.U, w.L, pl.host};
-    if (d.plus_smem) {  // every block moves its own copy (see Loads)
-      i64* base = smem + scratch_elems(d);
-      s = {base, base + d.P, base + d.P + d.R};
-      for (int p = threadIdx.x; p < d.P; p += blockDim.x) s.U[p] = w.U[p];
-      for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
-      __syncthreads();
-      const int moves = global_moves(d, w, pl, s, se1);
+    if (d.plus_smem) {
+      const int moves = global_moves(d, w, pl, s, se1, false);
       if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
     } else {
       if (blockIdx.x == 0) {
-        const int moves = global_moves(d, w, pl, s, se1);
+        const int moves = global_moves(d, w, pl, s, se1, true);
         if (threadIdx.x == 0) *pl.moves = moves;
       }
       grid_sync();
@@ -1394,8 +1402,7 @@ void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
-// One block (everything in shared memory) when the plan is small; else one block per domain for small plans, and
-// every SM for the rest.
+// One block (everything in shared memory) when the plan is small and has one domain; else every SM.
 static int grid_blocks(const Dims& d, int sms, size_t* smem) {
   const long long pairs = (long long)d.R * d.P;
   const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
@@ -1404,9 +1411,9 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem) {
     *smem += local;
     return 0;  // local
   }
-  // a grid of every SM (results/planner_latency.md, "Grid size": 2-4 us faster than one block per 4096 pairs
-  // for topoep, up to 17 us for topoep_plus at EP 128); domains beyond the grid are looped over
-  return pairs <= 16384 ? min(max(1, d.M), sms) : sms;
+  // a grid of every SM (results/planner_latency.md, "Grid size": up to 3 us faster than one block per domain or
+  // per 4096 pairs for topoep, up to 18 us for topoep_plus); domains beyond the grid are looped over
+  return sms;
 }
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
