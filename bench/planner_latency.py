@@ -129,19 +129,25 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
                 grid_us=grid_sweeps(planner, omega, omega_cpu, topo, slots, runs, warmup, ref))
 
 
-# topoep_plus's route pass A forced to one path (csrc/planner.h kRouteSerial, kRouteLanes), beside its default
-PASS_A = {"topoep_plus, pass A serial": 32, "topoep_plus, pass A lanes": 64}
+# the plans of the grid table beside the two policies' defaults: (name, policy, csrc/planner.h tuning bits):
+# topoep_plus's route pass A forced to one path (kRouteSerial, kRouteLanes), and both policies without the
+# one-block plan (kNoLocal; only one-domain plans of at most 16384 (source, instance) pairs have one)
+FORCED = [("topoep_plus, pass A serial", "topoep_plus", 32), ("topoep_plus, pass A lanes", "topoep_plus", 64),
+          ("topoep, no one-block plan", "topoep", 128), ("topoep_plus, no one-block plan", "topoep_plus", 128)]
 
 
 def grid_sweeps(planner: CudaPlanner, omega, omega_cpu, topo, slots: int, runs: int, warmup: int, plus_ref) -> dict:
-    """grid_sweep of topoep, of topoep_plus, and of topoep_plus with each forced pass A path."""
-    ref = solve(omega_cpu, topo, num_slots=slots, backend="reference")
-    out = {"topoep": grid_sweep(planner, omega, topo, "topoep", slots, runs, warmup, ref),
-           "topoep_plus": grid_sweep(planner, omega, topo, "topoep_plus", slots, runs, warmup, plus_ref)}
-    for name, mask in PASS_A.items():
+    """grid_sweep of topoep and topoep_plus, and of the FORCED variants (the no-one-block rows only where the
+    default is a one-block plan)."""
+    refs = {"topoep": solve(omega_cpu, topo, num_slots=slots, backend="reference"), "topoep_plus": plus_ref}
+    out = {pol: grid_sweep(planner, omega, topo, pol, slots, runs, warmup, ref) for pol, ref in refs.items()}
+    one_block = topo.num_domains == 1 and omega.shape[0] * (omega.shape[1] + omega.shape[0] * slots) <= 16384
+    for name, pol, mask in FORCED:
+        if mask == 128 and not one_block:
+            continue
         torch.ops.topoep.set_skip_stages(mask)
         try:
-            out[name] = grid_sweep(planner, omega, topo, "topoep_plus", slots, runs, warmup, plus_ref)
+            out[name] = grid_sweep(planner, omega, topo, pol, slots, runs, warmup, refs[pol])
         finally:
             torch.ops.topoep.set_skip_stages(0)
     return out
@@ -173,15 +179,16 @@ def grid_table(rows: list[dict]) -> str:
     names = list(rows[0]["grid_us"]["topoep"])
     return ("\n## Grid size\n\nGraph replay on a busy stream (us, median as above) with the planner's grid set to "
             "a number of blocks (`torch.ops.topoep.set_grid_blocks`, at most one per SM; a one-block plan keeps "
-            "its single block), beside the default choice, and topoep_plus with its route's pass A forced to a thread "
-            "per (expert, domain) group or to a lane group per group; every plan equals the reference's.\n\n" + markdown_table(
+            "its single block), beside the default choice; topoep_plus with its route's pass A forced to a thread "
+            "per (expert, domain) group or to a lane group per group; and, where the default is a one-block plan, "
+            "both policies on a grid instead. Every plan equals the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "policy"] + [f"{n} blocks" if n != "default" else "default" for n in names],
                 [[r["sweep"], r["ep"], r["experts"], pol] + [f"{r['grid_us'][pol][n]:.1f}" for n in names]
                  for r in rows for pol in r["grid_us"]]) + "\n")
 
 
 def plus_table(rows: list[dict]) -> str:
-    return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group (one block) and the own-rank-first "
+    return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group and the own-rank-first "
             "route (`topoep/planners/plus.py`; csrc/planner.cu phases 7-9), same workload and timing; every plan equals "
             "the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",

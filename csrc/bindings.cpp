@@ -92,9 +92,9 @@ std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains,
 
 // Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out
 void set_skip_stages(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < 128, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all), ",
+  TORCH_CHECK(mask >= 0 && mask < 256, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all), ",
               "8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its route's pass A "
-              "a thread / a lane group per group)");
+              "a thread / a lane group per group), 128 (no one-block plan)");
   topoep::set_skip_stages((int)mask);
 }
 

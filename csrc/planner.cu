@@ -1407,7 +1407,7 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem) {
   const long long pairs = (long long)d.R * d.P;
   const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
   *smem = sizeof(i64) * scratch_elems(d);
-  if (d.M == 1 && pairs <= 16384 && *smem + local <= kLocalSmemBytes) {
+  if (!(d.skip & kNoLocal) && d.M == 1 && pairs <= 16384 && *smem + local <= kLocalSmemBytes) {
     *smem += local;
     return 0;  // local
   }

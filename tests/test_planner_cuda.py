@@ -174,7 +174,8 @@ def test_plans_for_any_domain_size_grid_and_move_path(case):
     """Domains whose size is not a power of two (the random cases have only powers of two), each planned with
     the default grid, with 3 and 132 blocks (set_grid_blocks), and for topoep_plus with its moves on the global
     loads (kPlusGlobal = 16, the path of plans too large for a copy per block) and with its route's pass A forced
-    to a thread (32) or a lane group (64) per group: every plan equals the reference's."""
+    to a thread (32) or a lane group (64) per group, and the one-domain case on a grid instead of its one block
+    (kNoLocal = 128): every plan equals the reference's."""
     R, E, M, N, skew, layout = case
     topo = Topology(num_domains=M, ranks_per_domain=R // M)
     omega = biased_routing(R, E, 512, 8, skew, seed=R + E + N, layout=layout)
@@ -184,7 +185,7 @@ def test_plans_for_any_domain_size_grid_and_move_path(case):
     for policy in ("topoep", "topoep_plus"):
         ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
                     backend="reference")
-        for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64)]:
+        for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64), (0, 128), (5, 144)]:
             torch.ops.topoep.set_grid_blocks(blocks)
             torch.ops.topoep.set_skip_stages(mask)
             try:

@@ -12,8 +12,9 @@ from topoep import Topology, metrics, solve
 from topoep.metrics import DEFAULT_T_FFN, fit_t_ffn
 from topoep.plan import default_main_rank
 from topoep.planners.bound import lp_lower_bound, makespan_lower_bound
-from topoep.planners.common import hierarchical_route, top_k, two_level_costs
-from topoep.planners.joint import _locality_candidates, even_caps, modelled_fs, thresholds
+from topoep.planners.common import (hierarchical_route, max_load_and_inter, modelled_fs, top_k,
+                                    two_level_costs)
+from topoep.planners.joint import _locality_candidates, even_caps, thresholds
 from topoep.planners.joint_search import Data
 from topoep.topology import FEMTO
 from topoep.planners.milp import solve_milp
@@ -228,7 +229,7 @@ def test_dense_cap_portfolio_is_never_worse_and_helps():
 def test_fill_to_cap_keeps_the_contract_and_the_inter_domain_traffic(inst, rule):
     """The fill-to-cap candidates are valid plans (C1-C5, C4 for joint), place replicas only inside their
     main's domain (so no assignment leaves its domain that static keeps in it), and never raise L_max."""
-    from topoep.planners.joint import _max_and_inter, fill_to_cap
+    from topoep.planners.joint import fill_to_cap
 
     R, M, E, N, W, skew, layout, seed = inst
     topo = Topology(num_domains=M, ranks_per_domain=R // M)
@@ -240,8 +241,8 @@ def test_fill_to_cap_keeps_the_contract_and_the_inter_domain_traffic(inst, rule)
     occ = se >= 0
     assert bool((dom[main[se[occ]]] == dom[torch.arange(R)[:, None].expand(R, N)[occ]]).all())
     static = solve(om, topo, num_slots=N, policy="static", expert_bytes=W, token_bytes=S)
-    assert _max_and_inter(plan)[0] <= _max_and_inter(static)[0]
-    assert _max_and_inter(plan)[1] <= _max_and_inter(static)[1]
+    assert max_load_and_inter(plan)[0] <= max_load_and_inter(static)[0]
+    assert max_load_and_inter(plan)[1] <= max_load_and_inter(static)[1]
 
 
 def test_pure_balance_reaches_the_optimum_where_the_move_search_stalled():

@@ -1,6 +1,7 @@
 """Building blocks shared by all policies: instance tables, the token split, the group-wise interval
-routing, a top-k with lowest-index ties, and the two-level cost model (`two_level_costs`,
-`hierarchical_route`) that the `joint` policy and the compact MILP share. Pure PyTorch, integer
+routing, a top-k with lowest-index ties, the two-level cost model (`two_level_costs`,
+`hierarchical_route`) that the `joint` policy and the compact MILP share, and the integer measures that the
+`joint` and `topoep_plus` guards compare (`modelled_fs`, `max_load_and_inter`). Pure PyTorch, integer
 arithmetic only, every tie broken by the lowest index.
 
 Shapes: R ranks, E experts, N slots per rank, P = E + R * N physical instances (see `topoep.plan`).
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from topoep.topology import Topology
+
+if TYPE_CHECKING:
+    from topoep.plan import Plan
 
 LOCALITIES = ("none", "domain", "rank")
 
@@ -184,3 +190,21 @@ def hierarchical_route(omega: torch.Tensor, topology: Topology, main_rank: torch
     u = u - c
     # 3. any source: groups e
     return route + interval_route(w, torch.where(valid, e_p, -1), u)
+
+
+def modelled_fs(plan: Plan, t_fs: int) -> int:
+    """Modelled time of eq. 8 in integer fs: t_fs L_max + 2 S_tok sum_{s,p} route[s, p] c_fs[s, rank(p)]
+    + W sum over replicas c_fs[main(e), r] (int64 sums; `metrics` gives it in float seconds)."""
+    dev = plan.route.device
+    c = plan.topology.cost_fs.to(dev)
+    tok = (plan.route * c[:, plan.instance_rank]).sum()
+    occ = plan.slot_expert >= 0
+    rep_main = plan.main_rank[plan.slot_expert.clamp(min=0)]
+    rep = torch.where(occ, c[rep_main, torch.arange(plan.num_ranks, device=dev)[:, None]], 0).sum()
+    return t_fs * int(plan.rank_load.max()) + 2 * plan.token_bytes * int(tok) + plan.expert_bytes * int(rep)
+
+
+def max_load_and_inter(plan: Plan) -> tuple[int, int]:
+    """(L_max, assignments executed outside their source's domain)."""
+    dom = plan.topology.domain_of.to(plan.route.device)
+    return int(plan.rank_load.max()), int((plan.route * (dom[:, None] != dom[plan.instance_rank][None, :])).sum())

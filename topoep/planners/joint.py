@@ -71,7 +71,7 @@ import torch
 
 from topoep.metrics import DEFAULT_T_FFN
 from topoep.plan import Plan
-from topoep.planners.common import hierarchical_route, top_k
+from topoep.planners.common import hierarchical_route, max_load_and_inter, modelled_fs, top_k
 from topoep.planners.joint_search import (BIG, EXCLUDED, Data, State, breakpoints, dominated, lns, move_cost,
                                           search)
 from topoep.topology import FEMTO, Topology
@@ -102,24 +102,6 @@ def check_fs_range(omega: torch.Tensor, topology: Topology, num_slots: int, expe
             f"token_bytes={token_bytes}, expert_bytes={expert_bytes}, {num_slots} slots, up to {c_max} fs per "
             "byte). t_ffn is seconds of expert time per assignment (topoep.metrics.DEFAULT_T_FFN is "
             f"{DEFAULT_T_FFN:.3g}): check its unit, or plan fewer assignments at once")
-
-
-def modelled_fs(plan: Plan, t_fs: int) -> int:
-    """Modelled time of eq. 8 in integer fs: t_fs L_max + 2 S_tok sum_{s,p} route[s, p] c_fs[s, rank(p)]
-    + W sum over replicas c_fs[main(e), r] (int64 sums; `metrics` gives it in float seconds)."""
-    dev = plan.route.device
-    c = plan.topology.cost_fs.to(dev)
-    tok = (plan.route * c[:, plan.instance_rank]).sum()
-    occ = plan.slot_expert >= 0
-    rep_main = plan.main_rank[plan.slot_expert.clamp(min=0)]
-    rep = torch.where(occ, c[rep_main, torch.arange(plan.num_ranks, device=dev)[:, None]], 0).sum()
-    return t_fs * int(plan.rank_load.max()) + 2 * plan.token_bytes * int(tok) + plan.expert_bytes * int(rep)
-
-
-def _max_and_inter(plan: Plan) -> tuple[int, int]:
-    """(L_max, assignments executed outside their source's domain)."""
-    dom = plan.topology.domain_of.to(plan.route.device)
-    return int(plan.rank_load.max()), int((plan.route * (dom[:, None] != dom[plan.instance_rank][None, :])).sum())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,7 +349,7 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
 
     # the paper's plan is a start at every cap, and no plan worse than it in both L_max and inter-domain
     # assignments is chosen (the two numbers users watch; T_replica can make such a plan cheaper)
-    paper_max, paper_inter = _max_and_inter(paper)
+    paper_max, paper_inter = max_load_and_inter(paper)
     ref = (paper_max, paper_inter) if pareto_guard else (EXCLUDED, EXCLUDED)
     if lns_rounds > 0:
         val = torch.maximum(gdom, grank).flatten()  # [E * R]
@@ -414,7 +396,7 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
     # guard: never worse than static or the paper's plan in modelled time (integer fs, full cost
     # matrix; ties to the earlier candidate), and static only if the Pareto guard allows it
     def allowed(p: Plan) -> bool:  # the Pareto guard
-        p_max, p_inter = _max_and_inter(p)
+        p_max, p_inter = max_load_and_inter(p)
         return not (pareto_guard and p_max > paper_max and p_inter > paper_inter)
 
     cands = [(modelled_fs(plan, d.t), 0, plan), (modelled_fs(paper, d.t), 2, paper)]
@@ -427,7 +409,7 @@ def solve_joint(omega, topology, *, num_slots, main_rank, expert_bytes, token_by
             cands.append((modelled_fs(fill, d.t), 3 + k, fill))
     # topoep_plus: the paper's plan, routed own rank first, with free moves across domains (its L_max is never
     # larger than the paper's, so the Pareto guard never rejects it)
-    plus = solve_topoep_plus(omega, topology, num_slots=N, main_rank=main_rank, **common)
+    plus = solve_topoep_plus(omega, topology, num_slots=N, main_rank=main_rank, paper=paper, **common)
     if allowed(plus):
         cands.append((modelled_fs(plus, d.t), 5, plus))
     _, which, out = min(cands, key=lambda c: (c[0], c[1]))

@@ -42,16 +42,18 @@ demand of domain d's sources):
 
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES binds it like `topoep`: step 2 adds no
 replica), no duplicate instance, integer decisions, lowest-index ties. The CUDA planner (csrc/planner.cu,
-phases 7-10 after topoep's refinement) returns the same plan bit for bit on exactly two-level cost matrices
+phases 7-9 after topoep's refinement) returns the same plan bit for bit on exactly two-level cost matrices
 (where step 4 never fires), without host synchronisation; `topoep.solve` uses it for CUDA omega there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from topoep.plan import Plan, domain_demand
-from topoep.planners.common import hierarchical_route, two_level_costs
+from topoep.planners.common import hierarchical_route, max_load_and_inter, modelled_fs, two_level_costs
 
 
 def free_amount(cap: int, f1: int, g2: int, F1: int, G2: int, a2: int, bb: int) -> int:
@@ -129,16 +131,19 @@ def global_moves(omega: list, U: list[dict], D: list, rpd: int, a2: int, bb: int
 
 
 def solve_topoep_plus(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes,
-                      max_moves: int | None = None, **kw) -> Plan:
+                      max_moves: int | None = None, paper: Plan | None = None, **kw) -> Plan:
     """The `topoep_plus` policy (module docstring). info: topoep's, plus "global_moves" and, when the guard
-    kept the paper's plan, "fallback" = "topoep"."""
-    from topoep.planners.joint import _max_and_inter, modelled_fs  # modelled_fs with t = 0: T_token + T_replica
+    kept the paper's plan, "fallback" = "topoep". `paper`: the `topoep` plan of the same inputs when the caller
+    has it (joint does), else it is solved here; it is not modified."""
     from topoep.planners.reference import solve_topoep
 
     R, E = omega.shape
     N = num_slots
-    paper = solve_topoep(omega, topology, num_slots=N, main_rank=main_rank, expert_bytes=expert_bytes,
-                         token_bytes=token_bytes, **kw)
+    if paper is None:
+        paper = solve_topoep(omega, topology, num_slots=N, main_rank=main_rank, expert_bytes=expert_bytes,
+                             token_bytes=token_bytes, **kw)
+    else:
+        paper = dataclasses.replace(paper, info=dict(paper.info))
     paper.policy = "topoep_plus"
     if N == 0 or paper.info.get("fallback"):
         # no slots: static; topoep's own guard chose static (its plan was worse in L_max): keep it
@@ -162,7 +167,8 @@ def solve_topoep_plus(omega, topology, *, num_slots, main_rank, expert_bytes, to
     info = {**paper.info, "global_moves": moves}
     plan = Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy="topoep_plus", expert_bytes=expert_bytes, token_bytes=token_bytes, info=info, **kw)
-    (plan_max, plan_inter), (paper_max, paper_inter) = _max_and_inter(plan), _max_and_inter(paper)
+    (plan_max, plan_inter), (paper_max, paper_inter) = max_load_and_inter(plan), max_load_and_inter(paper)
+    # modelled_fs with t = 0: T_token + T_replica
     if plan_max > paper_max or plan_inter > paper_inter or modelled_fs(plan, 0) > modelled_fs(paper, 0):
         paper.info = {**info, "fallback": "topoep"}
         return paper
