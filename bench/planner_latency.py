@@ -130,10 +130,10 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
 
 
 # the plans of the grid table beside the two policies' defaults: (name, policy, csrc/planner.h tuning bits):
-# topoep_plus's route pass A forced to one path (kRouteSerial, kRouteLanes), and both policies without the
-# one-block plan (kNoLocal; only one-domain plans of at most 16384 (source, instance) pairs have one)
+# topoep_plus's route pass A forced to one path (kRouteSerial, kRouteLanes), and topoep without its one-block
+# plan (kNoLocal; only one-domain topoep plans of at most 16384 (source, instance) pairs have one)
 FORCED = [("topoep_plus, pass A serial", "topoep_plus", 32), ("topoep_plus, pass A lanes", "topoep_plus", 64),
-          ("topoep, no one-block plan", "topoep", 128), ("topoep_plus, no one-block plan", "topoep_plus", 128)]
+          ("topoep, no one-block plan", "topoep", 128)]
 
 
 def grid_sweeps(planner: CudaPlanner, omega, omega_cpu, topo, slots: int, runs: int, warmup: int, plus_ref) -> dict:
@@ -180,8 +180,9 @@ def grid_table(rows: list[dict]) -> str:
     return ("\n## Grid size\n\nGraph replay on a busy stream (us, median as above) with the planner's grid set to "
             "a number of blocks (`torch.ops.topoep.set_grid_blocks`, at most one per SM; a one-block plan keeps "
             "its single block), beside the default choice; topoep_plus with its route's pass A forced to a thread "
-            "per (expert, domain) group or to a lane group per group; and, where the default is a one-block plan, "
-            "both policies on a grid instead. Every plan equals the reference's.\n\n" + markdown_table(
+            "per (expert, domain) group or to a lane group per group; and, where topoep's default is a one-block "
+            "plan, topoep on a grid instead (topoep_plus always plans on a grid). Every plan equals the "
+            "reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "policy"] + [f"{n} blocks" if n != "default" else "default" for n in names],
                 [[r["sweep"], r["ep"], r["experts"], pol] + [f"{r['grid_us'][pol][n]:.1f}" for n in names]
                  for r in rows for pol in r["grid_us"]]) + "\n")

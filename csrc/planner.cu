@@ -1402,12 +1402,14 @@ void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
-// One block (everything in shared memory) when the plan is small and has one domain; else every SM.
-static int grid_blocks(const Dims& d, int sms, size_t* smem) {
+// One block (everything in shared memory) when a `topoep` plan is small and has one domain; else every SM.
+static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
   const long long pairs = (long long)d.R * d.P;
   const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
   *smem = sizeof(i64) * scratch_elems(d);
-  if (!(d.skip & kNoLocal) && d.M == 1 && pairs <= 16384 && *smem + local <= kLocalSmemBytes) {
+  // topoep_plus never: its route passes want the grid's threads (results/planner_latency.md, "Grid size": at EP 8
+  // 48 us on the grid against 59 us in one block; topoep 41 against 37)
+  if (!plus && !(d.skip & kNoLocal) && d.M == 1 && pairs <= 16384 && *smem + local <= kLocalSmemBytes) {
     *smem += local;
     return 0;  // local
   }
@@ -1442,7 +1444,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   if (dev >= 64) return cudaErrorInvalidDevice;
   if (sms_of[dev] == 0) cudaDeviceGetAttribute(&sms_of[dev], cudaDevAttrMultiProcessorCount, dev);
   size_t smem = 0;
-  int blocks = grid_blocks(d, sms_of[dev], &smem);
+  int blocks = grid_blocks(d, sms_of[dev], &smem, plus != nullptr);
   if (blocks == 0) { d.local = 1; blocks = 1; }
   else if (g_grid_blocks > 0) blocks = max(min(g_grid_blocks, sms_of[dev]), 1);
   const size_t plus_smem = sizeof(i64) * (2 * (size_t)d.P + d.R);  // Loads: U, L, host
