@@ -98,7 +98,7 @@ void set_skip_stages(int64_t mask) {
   topoep::set_skip_stages((int)mask);
 }
 
-// Tuning only (tools/planner_blocks.py): the grid of multi-block plans, 0 the default
+// The grid of multi-block plans (bench/planner_latency.py sweeps it; a user may cap it), 0 the default
 void set_grid_blocks(int64_t n) {
   TORCH_CHECK(n >= 0 && n <= 4096, "grid blocks must be in [0, 4096] (0: the default), got ", n);
   topoep::set_grid_blocks((int)n);

@@ -1402,7 +1402,7 @@ void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
-// One block (everything in shared memory) when a `topoep` plan is small and has one domain; else every SM.
+// One block (everything in shared memory) when a `topoep` plan is small and has one domain; else half the SMs.
 static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
   const long long pairs = (long long)d.R * d.P;
   const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
@@ -1413,9 +1413,13 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
     *smem += local;
     return 0;  // local
   }
-  // a grid of every SM (results/planner_latency.md, "Grid size": up to 3 us faster than one block per domain or
-  // per 4096 pairs for topoep, up to 18 us for topoep_plus); domains beyond the grid are looped over
-  return sms;
+  // Half the SMs. A block holds almost all of an SM's registers (about 116 per thread), and a cooperative grid
+  // starts only when every block has its SM: a grid of every SM would wait for any kernel that runs beside it
+  // (a collective on another stream, a side-stream combine) to end, half leaves room for them. Measured alone
+  // (results/planner_latency.md, "Grid size"), every SM would save at most 4 us at EP 128 against 64 blocks; one
+  // block per domain or per 4096 (source, instance) pairs, the earlier choice, cost up to 10 us more for
+  // topoep_plus. Domains beyond the grid are looped over.
+  return max(1, sms / 2);
 }
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,

@@ -31,8 +31,8 @@ size_t workspace_elems(int R, int E, int M, int N);
 size_t phase_ns_offset(int R, int E, int M, int N);
 // Leave stages out of every later plan_topoep launch (kSkip* bits; 0 restores the policy).
 void set_skip_stages(int mask);
-// The grid of every later multi-block plan_topoep launch (at most one block per SM; 0 restores the default).
-// Tuning only: the plan does not depend on it.
+// The grid of every later multi-block plan_topoep launch (at most one block per SM; 0 restores the default, half
+// the SMs). The plan does not depend on it.
 void set_grid_blocks(int n);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
