@@ -1416,9 +1416,9 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
   // Half the SMs. A block holds almost all of an SM's registers (about 116 per thread), and a cooperative grid
   // starts only when every block has its SM: a grid of every SM would wait for any kernel that runs beside it
   // (a collective on another stream, a side-stream combine) to end, half leaves room for them. Measured alone
-  // (results/planner_latency.md, "Grid size"), every SM would save at most 4 us at EP 128 against 64 blocks; one
-  // block per domain or per 4096 (source, instance) pairs, the earlier choice, cost up to 10 us more for
-  // topoep_plus. Domains beyond the grid are looped over.
+  // (results/planner_latency.md, "Grid size"), every SM saves about 4.5 us for topoep_plus at EP 128 and 1 us or
+  // less elsewhere; fewer blocks cost more (at EP 128, 32 blocks 4 us, 16 blocks 20 us). Domains beyond the grid
+  // are looped over.
   return max(1, sms / 2);
 }
 
