@@ -99,6 +99,10 @@ class EplbConfig:
     """Net-benefit guard (paper eq. 2): execute the static plan when balancing is predicted not to pay
     (saving of straggler expert time <= planning + replica transfer time). Its constants model GPUs
     (topoep.runtime.NetBenefitGuard), so trainer=cpu turns it off."""
+    planner_blocks: int = 0
+    """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the
+    grid starts only when every block has one, so lower it where collectives on other streams hold many SMs.
+    The plans do not depend on it."""
 
     def __post_init__(self):
         if self.name != "none":
@@ -123,6 +127,8 @@ class EplbConfig:
         if self.transport != "peer" and self.backend != "cuda":
             raise ValueError(f"eplb.transport={self.transport} applies to eplb.backend=cuda (got backend "
                              f"{self.backend}): set eplb.backend=cuda, or leave eplb.transport=peer")
+        if not isinstance(self.planner_blocks, int) or isinstance(self.planner_blocks, bool) or self.planner_blocks < 0:
+            raise ValueError(f"eplb.planner_blocks must be an integer >= 0 (0: half the SMs), got {self.planner_blocks!r}")
         if not isinstance(self.guard, bool):
             raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")

@@ -13,7 +13,8 @@ from topoep.planners.cuda import cuda_home
 CHECK = ("import torch; from topoep.planners.cuda import load_extension; lib = load_extension(); "
          "assert lib.exists() and lib.stat().st_size > 0; "
          "assert hasattr(torch.ops.topoep, 'plan_topoep') and hasattr(torch.ops.topoep, 'plan_static'); "
-         "assert hasattr(torch.ops.topoep, 'set_skip_stages'); print(lib)")
+         "assert hasattr(torch.ops.topoep, 'set_skip_stages'); "
+         "from topoep.planners.cuda import set_grid_blocks; set_grid_blocks(7); set_grid_blocks(0); print(lib)")
 
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")

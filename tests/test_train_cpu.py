@@ -133,6 +133,7 @@ def compose(*overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["eplb.num_slots=-1"], "eplb.num_slots must be an integer >= 0"),
+    (["eplb.planner_blocks=-4"], "eplb.planner_blocks must be an integer >= 0"),
     (["eplb.policy=greedy"], "eplb.policy='greedy' is unknown"),
     (["eplb.policy=joint"], "eplb.policy='joint' is an offline planner"),
     (["eplb.backend=nccl"], "eplb.backend='nccl' is unknown; choose one of torch, cuda"),
