@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -63,6 +63,16 @@ step_ep1() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 (every pa
   timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/moe_layer.py --name moe_layer_ep1 \
     --out "$OUT" --backends cuda --no-megatron --slots 2 --tokens 4096 16384 --skews 0 --layouts random \
     --profile-iters 2 --torch-profile 2>&1 | grep -E "^  [0-9]|Error|error" | tail -10
+}
+
+step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 with the two-chunk pipeline
+  # (TOPOEP_CUDA_CHUNKS=2; its sync audit too) and with the second bank of replica slots (TOPOEP_PREFETCH=1):
+  # their streams, events and layouts run, though at EP 1 nothing crosses GPUs and no replica is placed
+  TOPOEP_CUDA_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_chunks2_tests.log"
+  TOPOEP_CUDA_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error"
+  TOPOEP_PREFETCH=1 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_prefetch_tests.log"
 }
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
