@@ -255,13 +255,14 @@ class Execution:
         return 1 + (not self.reload_hidden) + (not self.grad_return_hidden)
 
 
-# GPU planner latency (us, `topoep.solve(backend="cuda")` eager, 640 experts, 2 slots) on one H200,
-# results/planner_latency.md (commit 5750e1c = main's 127124b kernel, idle stream: the whole Python call).
+# GPU planner latency (us, 640 experts, 2 slots) on one H200, results/planner_latency.md at commit f829e86: the
+# planner replayed from a CUDA graph on a busy stream, as backend cuda's metadata graph runs it in a layer (the
+# host, which runs ahead, adds nothing; the eager call's host time, 15-30 us more, varies from run to run).
 # Interpolated in log2(EP); beyond EP 128 extrapolated linearly in EP with the last segment's slope
 # (conservative: not measured).
-GPU_PLANNER_US = ((8, 49.1), (16, 46.3), (32, 54.9), (64, 53.8), (128, 61.1))
-# the same for topoep_plus (eager, results/planner_latency.md at 71e6e9f, 1 x H200)
-GPU_PLANNER_PLUS_US = ((8, 79.6), (16, 80.1), (32, 72.0), (64, 80.4), (128, 83.8))
+GPU_PLANNER_US = ((8, 36.5), (16, 29.4), (32, 32.6), (64, 39.4), (128, 46.3))
+# the same for topoep_plus (same run)
+GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # of commit 75d7c67 (measured at c3e64ae; 2 x H200, EP 2, Qwen3 expert shape), backend cuda (the fast path:
