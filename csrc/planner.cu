@@ -1189,8 +1189,8 @@ __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl
       pl.cumc[p] = min(cum, mg);
       pl.u2[p] = u1 - c;
       cum += u1;
-      if (p < d.E) { pl.cumu2[p] = 0; continue; }
-      pl.cumu2[p] = slots_u2;
+      if (p < d.E) { pl.cumu2[p] = 0; continue; }  // the main is the first of e's instances
+      pl.cumu2[p] = slots_u2;  // pass B adds the main's u2 and the slots of the domains before m
       slots_u2 += u1 - c;
     }
     i64 acc2 = 0;
@@ -1198,7 +1198,7 @@ __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl
       const i64 i = (i64)s * d.E + e, a = pl.A[i];
       const i64 w2 = a - min(max(mg - pl.acum[i], (i64)0), a);
       pl.w2[i] = w2;
-      pl.w2cum[i] = acc2;
+      pl.w2cum[i] = acc2;  // pass B adds the sources of the domains before m
       acc2 += w2;
     }
     pl.w2tot[gi] = acc2;
@@ -1214,10 +1214,9 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
     int r;
     slot_expert[q] = plus_instance(d.E + q, se1, d, U, &r);
   }
-  const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= 2ll * threads;  // at most two rounds
-  if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) {
-    route_groups_lanes(d, w, pl, U, se1);
-  }
+  // lane groups where they take at most two rounds of the grid (results/planner_latency.md, "Grid size")
+  const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= 2ll * threads;
+  if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) route_groups_lanes(d, w, pl, U, se1);
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 1);
@@ -1397,7 +1396,7 @@ size_t plus_moves_offset(int R, int E, int M, int N) {
 
 static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
 void set_skip_stages(int mask) { g_skip_stages = mask; }
-static int g_grid_blocks = 0;  // set_grid_blocks: 0 the default below, else the grid of multi-block plans (tuning)
+static int g_grid_blocks = 0;  // set_grid_blocks: 0 the default (grid_blocks), else the grid of multi-block plans
 void set_grid_blocks(int n) { g_grid_blocks = n; }
 
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
