@@ -68,3 +68,13 @@ def test_offline_policies_are_solved_but_not_runtime_policies():
 
     assert "joint" in OFFLINE_POLICIES and not set(OFFLINE_POLICIES) & set(POLICIES)
     assert solve(OM, TOPO, num_slots=1, policy="joint").check().policy == "joint"
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "8"])
+def test_planner_grid_setting_names_the_value(bad):
+    """topoep.planners.cuda.set_grid_blocks (eplb.planner_blocks) checks its argument before it loads the CUDA
+    extension, so a wrong value fails the same way on any machine."""
+    from topoep.planners.cuda import set_grid_blocks
+
+    with pytest.raises(ValueError, match=r"num_blocks must be an integer >= 0 \(0: half the SMs\), got " + repr(bad)):
+        set_grid_blocks(bad)
