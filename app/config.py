@@ -127,8 +127,9 @@ class EplbConfig:
         if self.transport != "peer" and self.backend != "cuda":
             raise ValueError(f"eplb.transport={self.transport} applies to eplb.backend=cuda (got backend "
                              f"{self.backend}): set eplb.backend=cuda, or leave eplb.transport=peer")
-        if not isinstance(self.planner_blocks, int) or isinstance(self.planner_blocks, bool) or self.planner_blocks < 0:
-            raise ValueError(f"eplb.planner_blocks must be an integer >= 0 (0: half the SMs), got {self.planner_blocks!r}")
+        from topoep.planners.cuda import check_grid_blocks
+
+        check_grid_blocks(self.planner_blocks, "eplb.planner_blocks")
         if not isinstance(self.guard, bool):
             raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")

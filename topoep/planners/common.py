@@ -9,9 +9,9 @@ Shapes: R ranks, E experts, N slots per rank, P = E + R * N physical instances (
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from topoep.topology import Topology
 

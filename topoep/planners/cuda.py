@@ -99,13 +99,19 @@ REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cy
                    "move_cycles", "loop_cycles")
 
 
+def check_grid_blocks(num_blocks, name: str = "num_blocks") -> None:
+    """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0 (set_grid_blocks'
+    argument; the trainer checks eplb.planner_blocks with it before any GPU work)."""
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: half the SMs), got {num_blocks!r}")
+
+
 def set_grid_blocks(num_blocks: int) -> None:
     """The cooperative grid of every later multi-block CUDA plan in this process: num_blocks blocks (at most one
     per SM; more are capped), 0 for the default, half the SMs. A block takes a whole SM (its registers) and the
     grid starts only when every block has one, so a smaller grid waits less for kernels that run beside it (a
     collective on another stream). The plans do not depend on it; CUDA graphs keep the grid they captured."""
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-        raise ValueError(f"num_blocks must be an integer >= 0 (0: half the SMs), got {num_blocks!r}")
+    check_grid_blocks(num_blocks)
     load_extension()
     torch.ops.topoep.set_grid_blocks(num_blocks)
 

@@ -48,7 +48,7 @@ phases 7-9 after topoep's refinement) returns the same plan bit for bit on exact
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import torch
 
@@ -143,7 +143,7 @@ def solve_topoep_plus(omega, topology, *, num_slots, main_rank, expert_bytes, to
         paper = solve_topoep(omega, topology, num_slots=N, main_rank=main_rank, expert_bytes=expert_bytes,
                              token_bytes=token_bytes, **kw)
     else:
-        paper = dataclasses.replace(paper, info=dict(paper.info))
+        paper = copy.copy(paper)  # policy and info are reassigned below, never changed in place
     paper.policy = "topoep_plus"
     if N == 0 or paper.info.get("fallback"):
         # no slots: static; topoep's own guard chose static (its plan was worse in L_max): keep it
