@@ -198,9 +198,11 @@ def plus_table(rows: list[dict]) -> str:
                   f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
                   f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
                  for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
-            "stamps of block 0): the guard and the free moves (every block makes the same moves on its own copy of "
-            "the loads), the route's pass A (a lane group per (expert, domain) group, and the grid barrier after it) "
-            "and pass B (a thread per (source, instance); its end is the latest block's):\n\n" + markdown_table(
+            "stamps of block 0; `CudaPlanner.plus_phase_ns`): the staging of the loads and the guard; the free moves "
+            "(every block makes the same moves on its own copy of the loads): the first iteration's busiest rank, its "
+            "best move (pair scan and block reduction), the iterations after it; the route's pass A (per (expert, "
+            "domain) group, and the grid barrier after it) and pass B (a thread per (source, instance); its end is "
+            "the latest block's):\n\n" + markdown_table(
                 ["sweep", "EP", "experts"] + list(rows[0]["plus_phases_us"]),
                 [[r["sweep"], r["ep"], r["experts"]] + [f"{v:.1f}" for v in r["plus_phases_us"].values()]
                  for r in rows]) + "\n")

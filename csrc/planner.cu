@@ -870,12 +870,13 @@ struct Plus {
   i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
   i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
   i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
-  i64* pst;                 // [3] %globaltimer stamps: after phase 7, after the route's pass A; its end (latest block)
+  i64* pst;                 // [kPlusStamps] %globaltimer stamps of block 0 (planner.h kPlusStamps); the route's end is the
+                            // latest block's
   i64* moves;               // [1] the number of moves made (info["global_moves"])
 };
 
 __host__ __device__ inline size_t plus_elems(const Dims& d) {
-  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + 3 + 1;
+  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + kPlusStamps + 1;
 }
 
 __host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
@@ -885,7 +886,7 @@ __host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
   pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
   pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
   pl.pst = pl.w2cum + RE;
-  pl.moves = pl.pst + 3;
+  pl.moves = pl.pst + kPlusStamps;
 }
 
 __device__ __forceinline__ void plus_stamp(const Plus& pl, int i) {
@@ -1025,6 +1026,7 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
   int moves = 0;
   while (moves < pl.max_moves) {
     const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
+    if (moves == 0) plus_stamp(pl, 1);
     const i64 lb = s.L[rb];
     Move best;
     best.delta = 0; best.lt = 0; best.rt = INT_MAX; best.e = INT_MAX; best.ps = -1; best.pt = -1;
@@ -1065,6 +1067,7 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
       if (better_move(m, best)) best = m;
     }
     best = block_best_move(best);
+    if (moves == 0) plus_stamp(pl, 2);
     if (best.delta <= 0) break;
     if (threadIdx.x == 0) {
       s.U[best.ps] -= best.delta;
@@ -1219,7 +1222,7 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
   if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) route_groups_lanes(d, w, pl, U, se1);
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
-  plus_stamp(pl, 1);
+  plus_stamp(pl, 4);
   // pass B: a thread per (source, instance)
   for (i64 i = tid; i < (i64)d.R * d.P; i += threads) {
     const int s = (int)(i / d.P), p = (int)(i - (i64)s * d.P);
@@ -1262,7 +1265,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   stamp(w, 0);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     w.stamps[6] = 0;  // the route's end: a max over blocks, below
-    if (pl.on) pl.pst[2] = 0;
+    if (pl.on) for (int i = 0; i < kPlusStamps; ++i) pl.pst[i] = 0;
   }
   if (d.skip & kSkipAll) return;
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
@@ -1323,6 +1326,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
   if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
+    plus_stamp(pl, 0);
     if (d.plus_smem) {
       const int moves = global_moves(d, w, pl, s, se1, false);
       if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
@@ -1333,13 +1337,13 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
       }
       grid_sync();
     }
-    plus_stamp(pl, 0);
+    plus_stamp(pl, 3);
     route_plus(d, w, pl, s.U, se1, slot_expert, route);
     __syncthreads();
     if (threadIdx.x == 0) {
       unsigned long long t;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      atomicMax((unsigned long long*)&pl.pst[2], t);
+      atomicMax((unsigned long long*)&pl.pst[kPlusStamps - 1], t);
     }
   } else {
     if (pl.on && blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = 0;

@@ -50,8 +50,12 @@ struct PlusArgs {
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
                         int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
                         const PlusArgs* plus = nullptr);
-// Offset (int64 elements) of topoep_plus's move count in the workspace; its 3 phase stamps (ns: after the
-// moves, after the route's pass A, the route's end) are the 3 elements before it.
+// topoep_plus's %globaltimer stamps (ns), in this order: after the staging of the loads and the guard, after the
+// first move iteration's busiest rank, after its best move (the pair scan and the block reduction), after the
+// moves, after the route's pass A (and its grid barrier), the route's end (the latest block's).
+constexpr int kPlusStamps = 6;
+// Offset (int64 elements) of topoep_plus's move count in the workspace; its kPlusStamps stamps are the elements
+// before it.
 size_t plus_moves_offset(int R, int E, int M, int N);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,

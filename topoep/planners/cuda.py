@@ -95,6 +95,8 @@ def _register_fakes() -> None:
 
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
 PROFILE = 8  # set_skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
+PLUS_PHASES = ("guard", "busiest", "best move", "more moves", "route A", "route B")
+PLUS_STAMPS = len(PLUS_PHASES)  # csrc/planner.h kPlusStamps
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
                    "move_cycles", "loop_cycles")
 
@@ -157,12 +159,15 @@ class CudaPlanner:
         return int(self.workspace[self._moves_at])
 
     def plus_phase_ns(self) -> dict[str, int]:
-        """GPU time (ns) of topoep_plus's phases after the refinement in the last topoep_plus plan: the guard and
-        the free moves, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B
-        (per (source, instance)) (csrc/planner.cu; synchronises the host)."""
-        t = self.workspace[self._moves_at - 3:self._moves_at].tolist()
-        refined = int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])
-        return {"moves": t[0] - refined, "route A": t[1] - t[0], "route B": t[2] - t[1]}
+        """GPU time (ns, %globaltimer of block 0) of topoep_plus's phases after the refinement in the last
+        topoep_plus plan (csrc/planner.h kPlusStamps; synchronises the host): the staging of the loads and the
+        guard, the first move iteration's busiest rank and best move (pair scan and block reduction), the moves
+        after it, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B (per
+        (source, instance); its end is the latest block's). Zeros are stamps the plan did not reach (the guard
+        fired)."""
+        t = self.workspace[self._moves_at - PLUS_STAMPS:self._moves_at].tolist()
+        t = [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t
+        return {name: t[i + 1] - t[i] for i, name in enumerate(PLUS_PHASES)}
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
