@@ -743,23 +743,36 @@ __device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w
 // the route. Instance p's group is (expert e, domain of p's rank); the group's sources send A[s] (what
 // stage 2 sent to the group's initial instances), filled in source order into the group's instances in
 // p order (cu = load of the group's instances before p). se0 / se1: slot tables before / after refinement.
-__device__ bool guard_fires(const Dims& d, const Work& w) {
+// busiest (optional): the busiest rank after the refinement (ties: the lowest id), from the same reduction
+__device__ bool guard_fires(const Dims& d, const Work& w, int* busiest = nullptr) {
   __shared__ i64 red_l[kWarps], red_s[kWarps];
-  __shared__ int fb;
-  i64 ml = 0, ms = 0;
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) { ml = max(ml, w.L[r]); ms = max(ms, w.L0[r]); }
+  __shared__ int red_r[kWarps], fb, rb;
+  i64 ml = -1, ms = 0;
+  int mr = INT_MAX;
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) {
+    const i64 l = w.L[r];
+    if (l > ml) { ml = l; mr = r; }
+    ms = max(ms, w.L0[r]);
+  }
   for (int off = 16; off > 0; off >>= 1) {
-    ml = max(ml, __shfl_xor_sync(kFull, ml, off));
+    const i64 ol = __shfl_xor_sync(kFull, ml, off);
+    const int orr = __shfl_xor_sync(kFull, mr, off);
+    if (ol > ml || (ol == ml && orr < mr)) { ml = ol; mr = orr; }
     ms = max(ms, __shfl_xor_sync(kFull, ms, off));
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) { red_l[warp] = ml; red_s[warp] = ms; }
+  if (lane == 0) { red_l[warp] = ml; red_s[warp] = ms; red_r[warp] = mr; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kWarps; ++i) { ml = max(ml, red_l[i]); ms = max(ms, red_s[i]); }
+    for (int i = 1; i < kWarps; ++i) {
+      if (red_l[i] > ml || (red_l[i] == ml && red_r[i] < mr)) { ml = red_l[i]; mr = red_r[i]; }
+      ms = max(ms, red_s[i]);
+    }
     fb = ml > ms;
+    rb = mr;
   }
   __syncthreads();
+  if (busiest != nullptr) *busiest = rb;
   return fb;
 }
 
@@ -1009,13 +1022,17 @@ __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const in
   return acc;
 }
 
-// phase 7 (one block's work): the free moves of plus.py global_moves, on s.U and s.L in place. Candidate
-// pairs are filtered on the slot table (shared memory) before any other load; U_d comes from the hosts'
-// loads when a pair needs it. The hosts are fixed before the first move (a replica a move empties still receives
-// load later): marked here when mark_hosts, else already in s.host. Returns the number of moves.
+// phase 7 (one block's work): the free moves of plus.py global_moves, on s.U and s.L in place. The candidate
+// pairs (source instance on the busiest rank rb, target instance of the same expert) are listed from the
+// target's side, a thread each: slot q and rb's instance of q's expert (rb hosts an expert at most once), then
+// rb's slots and their experts' mains; candidates are filtered on the slot table (shared memory) before any
+// other load, and U_d comes from the hosts' loads when a pair needs it. A pair is (rt, e), so the best move is
+// the same in any listing order (better_move). The hosts are fixed before the first move (a replica a move
+// empties still receives load later): marked here when mark_hosts, else already in s.host. rb0: the busiest
+// rank before the first move (guard_fires). Returns the number of moves.
 __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1,
-                            bool mark_hosts) {
-  const int RN = d.R * d.N, P = d.P;
+                            bool mark_hosts, int rb0) {
+  const int N = d.N, RN = d.R * N, P = d.P;
   if (mark_hosts) {
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
       int r;
@@ -1025,24 +1042,28 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
   }
   int moves = 0;
   while (moves < pl.max_moves) {
-    const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
+    const int rb = moves == 0 ? rb0 : block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
     if (moves == 0) plus_stamp(pl, 1);
     const i64 lb = s.L[rb];
     Move best;
     best.delta = 0; best.lt = 0; best.rt = INT_MAX; best.e = INT_MAX; best.ps = -1; best.pt = -1;
-    // pairs (instance g of rb, target t: 0 = e's main, 1 + q = slot q)
-    const int pairs = d.G * (1 + RN);
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-      const int g = i / (1 + RN), t = i - g * (1 + RN);
-      const int ps = g < d.Eloc ? rb * d.Eloc + g : d.E + rb * d.N + (g - d.Eloc);
-      const int e = ps < d.E ? ps : se1[ps - d.E];
-      if (e < 0) continue;
-      int pt, rt;
-      if (t == 0) { pt = e; rt = main_rank_of(e, d); }
-      else {
-        if (se1[t - 1] != e) continue;
-        pt = d.E + t - 1;
-        rt = (t - 1) / d.N;
+    for (int i = threadIdx.x; i < RN + N; i += blockDim.x) {
+      int e, ps, pt, rt;
+      if (i < RN) {  // target: slot i; source: rb's instance of its expert
+        e = se1[i];
+        if (e < 0) continue;
+        pt = d.E + i;
+        rt = i / N;
+        ps = -1;
+        if (main_rank_of(e, d) == rb) ps = e;
+        else for (int j = 0; j < N; ++j) if (se1[rb * N + j] == e) ps = d.E + rb * N + j;
+        if (ps < 0) continue;
+      } else {  // source: rb's slot i - RN; target: its expert's main
+        ps = d.E + rb * N + (i - RN);
+        e = se1[ps - d.E];
+        if (e < 0) continue;
+        pt = e;
+        rt = main_rank_of(e, d);
       }
       if (rt == rb || !s.host[ps] || !s.host[pt]) continue;
       const i64 u = s.U[ps];
@@ -1317,22 +1338,24 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   if (pl.on && d.plus_smem) {  // topoep_plus: every block moves its own copy of the loads (see Loads), staged here
     i64* base = smem + scratch_elems(d);
     s = {base, base + d.P, base + d.P + d.R};
+    __syncthreads();  // se1
     for (int p = threadIdx.x; p < d.P; p += blockDim.x) {
-      const i64 u = w.U[p];
-      s.U[p] = u;
-      s.host[p] = p < d.E || (w.slot1[p - d.E] >= 0 && u > 0);  // plus_instance(p) >= 0
+      int r;
+      s.U[p] = w.U[p];
+      s.host[p] = plus_instance(p, se1, d, w.U, &r) >= 0;
     }
     for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
   }
-  const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
+  int rb0;
+  const bool fb = guard_fires(d, w, &rb0);  // contains block barriers (orders the staging above)
   if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
     plus_stamp(pl, 0);
     if (d.plus_smem) {
-      const int moves = global_moves(d, w, pl, s, se1, false);
+      const int moves = global_moves(d, w, pl, s, se1, false, rb0);
       if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
     } else {
       if (blockIdx.x == 0) {
-        const int moves = global_moves(d, w, pl, s, se1, true);
+        const int moves = global_moves(d, w, pl, s, se1, true, rb0);
         if (threadIdx.x == 0) *pl.moves = moves;
       }
       grid_sync();
