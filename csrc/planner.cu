@@ -1017,8 +1017,10 @@ __device__ int block_busiest(const Dims& d, const i64* L) {
 // U_d[e] of plus.py: the load of e's hosts in domain m (its main if it lies there, then the domain's slots)
 __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const int* se1) {
   i64 acc = dom_of_rank(main_rank_of(e, d), d) == m ? s.U[e] : 0;
-  for (int q = m * d.rpd * d.N; q < (m + 1) * d.rpd * d.N; ++q)
-    if (se1[q] == e && s.host[d.E + q]) acc += s.U[d.E + q];
+  const int q0 = m * d.rpd * d.N, q1 = q0 + d.rpd * d.N;
+#pragma unroll 8
+  for (int q = q0; q < q1; ++q)  // the slot table's loads first (unrolled), the loads only for e's slots
+    if (se1[q] == e) acc += s.host[d.E + q] ? s.U[d.E + q] : 0;
   return acc;
 }
 
@@ -1076,8 +1078,9 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
       const i64 g2 = max(w.om[(i64)rt * d.E + e] - s.U[pt], (i64)0);
       i64 F1 = 0, G2 = 0;
       if (cross) {
-        F1 = max(domain_load(d1, e, d, s, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
-        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, s, se1), (i64)0);
+        const i64 D1 = w.D[(i64)d1 * d.E + e], D2 = w.D[(i64)d2 * d.E + e];  // issued before the slot scans
+        F1 = max(domain_load(d1, e, d, s, se1) - D1, (i64)0);
+        G2 = max(D2 - domain_load(d2, e, d, s, se1), (i64)0);
       }
       i64 cap = min(u, half);
       if (cross) cap = min(cap, F1 + G2);
