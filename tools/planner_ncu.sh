@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Where the CUDA planner kernel's warps stall, per CUDA source line (Nsight Compute's PC sampling), for one
+# plan: bash tools/planner_ncu.sh [policy] [EP] [E]   (defaults: topoep_plus 128 640; 8 ranks per domain,
+# 2 slots, the bench/planner_latency.py workload). Writes $OUT (or results/gpu/ncu) planner.ncu-rep, the
+# per-line CSV and planner_ncu_top.txt (the 40 source lines with the most stall samples). Needs ncu and the
+# GPU's performance counters.
+set -euo pipefail
+POLICY=${1:-topoep_plus}; EP=${2:-128}; E=${3:-640}
+OUT=${OUT:-results/gpu/ncu}
+mkdir -p "$OUT"
+cat > "$OUT/plan_once.py" <<PY
+import torch
+from topoep import Topology, solve
+from topoep.workloads import biased_routing
+topo = Topology(num_domains=max(1, $EP // 8), ranks_per_domain=min(8, $EP))
+omega = biased_routing($EP, $E, 1024, 8, -2.5, seed=13).cuda()
+for _ in range(4):  # the first three are skipped by ncu (--launch-skip 3)
+    solve(omega, topo, num_slots=2, policy="$POLICY", backend="cuda")
+torch.cuda.synchronize()
+PY
+ncu --kernel-name regex:topoep_kernel --launch-skip 3 --launch-count 1 --import-source yes \
+    --section SourceCounters --section WarpStateStats --section LaunchStats --section SpeedOfLight \
+    -f -o "$OUT/planner" python3 "$OUT/plan_once.py" > "$OUT/ncu_run.log" 2>&1 || { tail -20 "$OUT/ncu_run.log"; exit 1; }
+ncu -i "$OUT/planner.ncu-rep" --page details > "$OUT/planner_details.txt"
+ncu -i "$OUT/planner.ncu-rep" --page source --print-source cuda --csv > "$OUT/planner_source.csv" 2> "$OUT/source_err.log" || true
+python3 - "$OUT" <<'PY'
+import csv, sys
+out = sys.argv[1]
+rows = list(csv.reader(open(f"{out}/planner_source.csv")))
+hdr_i = next(i for i, r in enumerate(rows) if any("Stall" in c for c in r))
+hdr = rows[hdr_i]
+col = next(i for i, c in enumerate(hdr) if c.startswith("Warp Stall Sampling (All"))
+src = next((i for i, c in enumerate(hdr) if c.lower() == "source"), 1)
+line = next((i for i, c in enumerate(hdr) if c in ("#", "Line", "Line #")), 0)
+data = []
+for r in rows[hdr_i + 1:]:
+    try:
+        data.append((float(r[col].replace(",", "")), r[line], r[src].strip()[:110]))
+    except (ValueError, IndexError):
+        pass
+total = sum(d[0] for d in data) or 1
+with open(f"{out}/planner_ncu_top.txt", "w") as f:
+    print(f"stall samples {total:.0f}; columns: {hdr}", file=f)
+    for s, ln, text in sorted(data, reverse=True)[:40]:
+        print(f"{100 * s / total:5.1f}%  {ln:>5}  {text}", file=f)
+print(open(f"{out}/planner_ncu_top.txt").read())
+PY
+grep -E "Duration|Elapsed Cycles|SM Frequency|Registers|Block Limit" "$OUT/planner_details.txt" | head -12
