@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where the CUDA planner kernel's warps stall, per CUDA source line (Nsight Compute's PC sampling), for one
-# plan: bash tools/planner_ncu.sh [policy] [EP] [E]   (defaults: topoep_plus 128 640; 8 ranks per domain,
+# plan (a cooperative kernel: most samples are warps waiting at a barrier for the phase's busy warps):
+# bash tools/planner_ncu.sh [policy] [EP] [E]   (defaults: topoep_plus 128 640; 8 ranks per domain,
 # 2 slots, the bench/planner_latency.py workload). Writes $OUT (or results/gpu/ncu) planner.ncu-rep, the
-# per-line CSV and planner_ncu_top.txt (the 40 source lines with the most stall samples). Needs ncu and the
+# per-line CSV and planner_ncu_top.txt (the 40 source lines with the most stall samples, tools/ncu_top_lines.py). Needs ncu and the
 # GPU's performance counters.
 set -euo pipefail
 POLICY=${1:-topoep_plus}; EP=${2:-128}; E=${3:-640}
@@ -22,27 +23,6 @@ ncu --kernel-name regex:topoep_kernel --launch-skip 3 --launch-count 1 --import-
     --section SourceCounters --section WarpStateStats --section LaunchStats --section SpeedOfLight \
     -f -o "$OUT/planner" python3 "$OUT/plan_once.py" > "$OUT/ncu_run.log" 2>&1 || { tail -20 "$OUT/ncu_run.log"; exit 1; }
 ncu -i "$OUT/planner.ncu-rep" --page details > "$OUT/planner_details.txt"
-ncu -i "$OUT/planner.ncu-rep" --page source --print-source cuda --csv > "$OUT/planner_source.csv" 2> "$OUT/source_err.log" || true
-python3 - "$OUT" <<'PY'
-import csv, sys
-out = sys.argv[1]
-rows = list(csv.reader(open(f"{out}/planner_source.csv")))
-hdr_i = next(i for i, r in enumerate(rows) if any("Stall" in c for c in r))
-hdr = rows[hdr_i]
-col = next(i for i, c in enumerate(hdr) if c.startswith("Warp Stall Sampling (All"))
-src = next((i for i, c in enumerate(hdr) if c.lower() == "source"), 1)
-line = next((i for i, c in enumerate(hdr) if c in ("#", "Line", "Line #")), 0)
-data = []
-for r in rows[hdr_i + 1:]:
-    try:
-        data.append((float(r[col].replace(",", "")), r[line], r[src].strip()[:110]))
-    except (ValueError, IndexError):
-        pass
-total = sum(d[0] for d in data) or 1
-with open(f"{out}/planner_ncu_top.txt", "w") as f:
-    print(f"stall samples {total:.0f}; columns: {hdr}", file=f)
-    for s, ln, text in sorted(data, reverse=True)[:40]:
-        print(f"{100 * s / total:5.1f}%  {ln:>5}  {text}", file=f)
-print(open(f"{out}/planner_ncu_top.txt").read())
-PY
+ncu -i "$OUT/planner.ncu-rep" --page source --print-source cuda,sass --csv > "$OUT/planner_source.csv"
+python3 tools/ncu_top_lines.py "$OUT/planner_source.csv" 40 | tee "$OUT/planner_ncu_top.txt"
 grep -E "Duration|Elapsed Cycles|SM Frequency|Registers|Block Limit" "$OUT/planner_details.txt" | head -12
