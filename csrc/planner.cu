@@ -743,36 +743,23 @@ __device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w
 // the route. Instance p's group is (expert e, domain of p's rank); the group's sources send A[s] (what
 // stage 2 sent to the group's initial instances), filled in source order into the group's instances in
 // p order (cu = load of the group's instances before p). se0 / se1: slot tables before / after refinement.
-// busiest (optional): the busiest rank after the refinement (ties: the lowest id), from the same reduction
-__device__ bool guard_fires(const Dims& d, const Work& w, int* busiest = nullptr) {
+__device__ bool guard_fires(const Dims& d, const Work& w) {
   __shared__ i64 red_l[kWarps], red_s[kWarps];
-  __shared__ int red_r[kWarps], fb, rb;
-  i64 ml = -1, ms = 0;
-  int mr = INT_MAX;
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) {
-    const i64 l = w.L[r];
-    if (l > ml) { ml = l; mr = r; }
-    ms = max(ms, w.L0[r]);
-  }
+  __shared__ int fb;
+  i64 ml = 0, ms = 0;
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) { ml = max(ml, w.L[r]); ms = max(ms, w.L0[r]); }
   for (int off = 16; off > 0; off >>= 1) {
-    const i64 ol = __shfl_xor_sync(kFull, ml, off);
-    const int orr = __shfl_xor_sync(kFull, mr, off);
-    if (ol > ml || (ol == ml && orr < mr)) { ml = ol; mr = orr; }
+    ml = max(ml, __shfl_xor_sync(kFull, ml, off));
     ms = max(ms, __shfl_xor_sync(kFull, ms, off));
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) { red_l[warp] = ml; red_s[warp] = ms; red_r[warp] = mr; }
+  if (lane == 0) { red_l[warp] = ml; red_s[warp] = ms; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kWarps; ++i) {
-      if (red_l[i] > ml || (red_l[i] == ml && red_r[i] < mr)) { ml = red_l[i]; mr = red_r[i]; }
-      ms = max(ms, red_s[i]);
-    }
+    for (int i = 1; i < kWarps; ++i) { ml = max(ml, red_l[i]); ms = max(ms, red_s[i]); }
     fb = ml > ms;
-    rb = mr;
   }
   __syncthreads();
-  if (busiest != nullptr) *busiest = rb;
   return fb;
 }
 
@@ -1017,10 +1004,8 @@ __device__ int block_busiest(const Dims& d, const i64* L) {
 // U_d[e] of plus.py: the load of e's hosts in domain m (its main if it lies there, then the domain's slots)
 __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const int* se1) {
   i64 acc = dom_of_rank(main_rank_of(e, d), d) == m ? s.U[e] : 0;
-  const int q0 = m * d.rpd * d.N, q1 = q0 + d.rpd * d.N;
-#pragma unroll 8
-  for (int q = q0; q < q1; ++q)  // the slot table's loads first (unrolled), the loads only for e's slots
-    if (se1[q] == e) acc += s.host[d.E + q] ? s.U[d.E + q] : 0;
+  for (int q = m * d.rpd * d.N; q < (m + 1) * d.rpd * d.N; ++q)
+    if (se1[q] == e && s.host[d.E + q]) acc += s.U[d.E + q];
   return acc;
 }
 
@@ -1030,10 +1015,10 @@ __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const in
 // rb's slots and their experts' mains; candidates are filtered on the slot table (shared memory) before any
 // other load, and U_d comes from the hosts' loads when a pair needs it. A pair is (rt, e), so the best move is
 // the same in any listing order (better_move). The hosts are fixed before the first move (a replica a move
-// empties still receives load later): marked here when mark_hosts, else already in s.host. rb0: the busiest
-// rank before the first move (guard_fires). Returns the number of moves.
+// empties still receives load later): marked here when mark_hosts, else already in s.host. Returns the number of
+// moves.
 __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1,
-                            bool mark_hosts, int rb0) {
+                            bool mark_hosts) {
   const int N = d.N, RN = d.R * N, P = d.P;
   if (mark_hosts) {
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -1044,7 +1029,7 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
   }
   int moves = 0;
   while (moves < pl.max_moves) {
-    const int rb = moves == 0 ? rb0 : block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
+    const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
     if (moves == 0) plus_stamp(pl, 1);
     const i64 lb = s.L[rb];
     Move best;
@@ -1078,9 +1063,8 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
       const i64 g2 = max(w.om[(i64)rt * d.E + e] - s.U[pt], (i64)0);
       i64 F1 = 0, G2 = 0;
       if (cross) {
-        const i64 D1 = w.D[(i64)d1 * d.E + e], D2 = w.D[(i64)d2 * d.E + e];  // issued before the slot scans
-        F1 = max(domain_load(d1, e, d, s, se1) - D1, (i64)0);
-        G2 = max(D2 - domain_load(d2, e, d, s, se1), (i64)0);
+        F1 = max(domain_load(d1, e, d, s, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
+        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, s, se1), (i64)0);
       }
       i64 cap = min(u, half);
       if (cross) cap = min(cap, F1 + G2);
@@ -1349,16 +1333,15 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
     }
     for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
   }
-  int rb0;
-  const bool fb = guard_fires(d, w, &rb0);  // contains block barriers (orders the staging above)
+  const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
   if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
     plus_stamp(pl, 0);
     if (d.plus_smem) {
-      const int moves = global_moves(d, w, pl, s, se1, false, rb0);
+      const int moves = global_moves(d, w, pl, s, se1, false);
       if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
     } else {
       if (blockIdx.x == 0) {
-        const int moves = global_moves(d, w, pl, s, se1, true, rb0);
+        const int moves = global_moves(d, w, pl, s, se1, true);
         if (threadIdx.x == 0) *pl.moves = moves;
       }
       grid_sync();
