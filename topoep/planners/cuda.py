@@ -163,9 +163,11 @@ class CudaPlanner:
         topoep_plus plan (csrc/planner.h kPlusStamps; synchronises the host): the staging of the loads and the
         guard, the first move iteration's busiest rank and best move (pair scan and block reduction), the moves
         after it, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B (per
-        (source, instance); its end is the latest block's). Zeros are stamps the plan did not reach (the guard
-        fired)."""
+        (source, instance); its end is the latest block's). Empty when the plan has no such phases (the guard fired:
+        the plan is static's, and its stamps stay 0)."""
         t = self.workspace[self._moves_at - PLUS_STAMPS:self._moves_at].tolist()
+        if 0 in t:
+            return {}
         t = [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t
         return {name: t[i + 1] - t[i] for i, name in enumerate(PLUS_PHASES)}
 
