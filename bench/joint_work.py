@@ -84,7 +84,7 @@ def main() -> None:
         [[r["ep"], r["experts"], r["search_calls"], r["steps"], f"{r['elements']:.3g}", r["lns_rounds"],
           r["work_left"], f"{r['read_once_us']:.0f}", f"{r['seconds']:.1f}", r["fallback"] or "search"] for r in rows])
     md = (f"# Work of the `joint` reference per plan\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: "
-          f"{info["hardware"]}\n- workload: biased router, router_skew -2.5, top-8, 1024 tokens per rank, "
+          f"{info['hardware']}\n- workload: biased router, router_skew -2.5, top-8, 1024 tokens per rank, "
           f"8 ranks per domain, 2 slots; bandwidth {args.bandwidth:.3g} B/s\n- reproduce: `python bench/joint_work.py`\n\n"
           + table + "\n\nEach search step depends on the previous one (its moves change the plans the next step "
           "scores); the elements are the batched tensors of every step (plans x (R^2 (Q + R) + 4 E R)). "
