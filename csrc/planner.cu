@@ -870,8 +870,7 @@ struct Plus {
   i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
   i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
   i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
-  i64* pst;                 // [kPlusStamps] %globaltimer stamps of block 0 (planner.h kPlusStamps); the route's end is the
-                            // latest block's
+  i64* pst;                 // [kPlusStamps] %globaltimer stamps (planner.h), 0 until reached
   i64* moves;               // [1] the number of moves made (info["global_moves"])
 };
 
@@ -1014,19 +1013,10 @@ __device__ i64 domain_load(int m, int e, const Dims& d, const Loads& s, const in
 // target's side, a thread each: slot q and rb's instance of q's expert (rb hosts an expert at most once), then
 // rb's slots and their experts' mains; candidates are filtered on the slot table (shared memory) before any
 // other load, and U_d comes from the hosts' loads when a pair needs it. A pair is (rt, e), so the best move is
-// the same in any listing order (better_move). The hosts are fixed before the first move (a replica a move
-// empties still receives load later): marked here when mark_hosts, else already in s.host. Returns the number of
-// moves.
-__device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1,
-                            bool mark_hosts) {
-  const int N = d.N, RN = d.R * N, P = d.P;
-  if (mark_hosts) {
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-      int r;
-      s.host[p] = plus_instance(p, se1, d, s.U, &r) >= 0;
-    }
-    __syncthreads();
-  }
+// the same in any listing order (better_move). s.host is marked before (the kernel's staging). Returns the number
+// of moves.
+__device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const Loads& s, const int* se1) {
+  const int N = d.N, RN = d.R * N;
   int moves = 0;
   while (moves < pl.max_moves) {
     const int rb = block_busiest(d, s.L), d1 = dom_of_rank(rb, d);
@@ -1322,30 +1312,30 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   se0 = se1 + d.R * d.N;
   for (int q = threadIdx.x; q < d.R * d.N; q += blockDim.x) { se1[q] = (int)w.slot1[q]; se0[q] = (int)w.slot0[q]; }
   Loads s = {w.U, w.L, pl.host};
-  if (pl.on && d.plus_smem) {  // topoep_plus: every block moves its own copy of the loads (see Loads), staged here
-    i64* base = smem + scratch_elems(d);
-    s = {base, base + d.P, base + d.P + d.R};
+  if (pl.on && (d.plus_smem || blockIdx.x == 0)) {
+    // topoep_plus, staged for the blocks that move: the hosts of the moves, fixed before the first move (a replica
+    // a move empties still receives load later); with d.plus_smem every block's own copy of the loads (see Loads),
+    // else block 0 alone moves the global state
+    if (d.plus_smem) {
+      i64* base = smem + scratch_elems(d);
+      s = {base, base + d.P, base + d.P + d.R};
+    }
     __syncthreads();  // se1
     for (int p = threadIdx.x; p < d.P; p += blockDim.x) {
       int r;
-      s.U[p] = w.U[p];
+      if (d.plus_smem) s.U[p] = w.U[p];
       s.host[p] = plus_instance(p, se1, d, w.U, &r) >= 0;
     }
-    for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
+    if (d.plus_smem) for (int r = threadIdx.x; r < d.R; r += blockDim.x) s.L[r] = w.L[r];
   }
   const bool fb = guard_fires(d, w);  // contains block barriers (orders the staging above)
   if (pl.on && !fb) {  // topoep_plus: 7 free moves, 8-9 the own-rank-first route
     plus_stamp(pl, 0);
-    if (d.plus_smem) {
-      const int moves = global_moves(d, w, pl, s, se1, false);
+    if (d.plus_smem || blockIdx.x == 0) {
+      const int moves = global_moves(d, w, pl, s, se1);
       if (blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = moves;
-    } else {
-      if (blockIdx.x == 0) {
-        const int moves = global_moves(d, w, pl, s, se1, true);
-        if (threadIdx.x == 0) *pl.moves = moves;
-      }
-      grid_sync();
     }
+    if (!d.plus_smem) grid_sync();  // block 0's moves of the global state, before the route reads them
     plus_stamp(pl, 3);
     route_plus(d, w, pl, s.U, se1, slot_expert, route);
     __syncthreads();
