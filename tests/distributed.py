@@ -18,6 +18,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpus_shared(world_size: int) -> bool:
+    """Whether a GPU test of `world_size` ranks runs with several ranks per GPU: only when asked with
+    TOPOEP_GPU_SHARE=1 on a machine with fewer GPUs than ranks (one-GPU machines: the multi-rank paths' correctness,
+    never their speed). The ranks then share the GPUs round-robin over a gloo process group."""
+    return os.environ.get("TOPOEP_GPU_SHARE", "0") == "1" and torch.cuda.device_count() < world_size
+
+
+def gpus_for(world_size: int) -> bool:
+    """Whether this machine can run a GPU test of `world_size` ranks (one GPU each, or shared: gpus_shared)."""
+    n = torch.cuda.device_count()
+    return n >= world_size or (n > 0 and os.environ.get("TOPOEP_GPU_SHARE", "0") == "1")
+
+
+def rank_device(rank: int) -> torch.device:
+    """The GPU of a test rank: its own, or round-robin when the ranks share the GPUs (gpus_shared)."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
@@ -28,8 +46,15 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     try:
         kw = {}
         if backend == "nccl":
-            torch.cuda.set_device(rank)
-            kw["device_id"] = torch.device("cuda", rank)
+            dev = rank_device(rank)
+            torch.cuda.set_device(dev)
+            if gpus_shared(world_size):
+                # NCCL refuses two ranks on one device; gloo moves the tests' own CUDA collectives through the
+                # host, and symmetric memory accepts the overlap when told (torch's own test of it does the same)
+                os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+                backend = "gloo"
+            else:
+                kw["device_id"] = dev
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5), **kw)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # plain bytes: tensors must not travel as shared-memory handles of a dying process
@@ -44,7 +69,7 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo"):
     """Run fn(rank, world_size, *args) in `world_size` processes joined by a process group (gloo: forked
-    CPU processes; nccl: spawned processes, one GPU each). Returns the per-rank results; raises
+    CPU processes; nccl: spawned processes, one GPU each, or sharing them: gpus_shared). Returns the per-rank results; raises
     AssertionError with the failing rank's traceback."""
     ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     queue = ctx.SimpleQueue()

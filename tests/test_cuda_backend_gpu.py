@@ -15,7 +15,8 @@ The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies bet
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
-peer pointers.
+peer pointers. TOPOEP_GPU_SHARE=1 lets the ranks share fewer GPUs (round-robin, gloo process group: distributed.py's
+gpus_shared), e.g. EP 2 with its replicas on a one-GPU machine: every path's correctness, none of its speed.
 """
 
 import os
@@ -23,7 +24,7 @@ import os
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import gpus_for, rank_device, run_ranks
 
 WORLD = int(os.environ.get("TOPOEP_GPU_WORLD", "2"))
 RPD = int(os.environ.get("TOPOEP_GPU_RPD", str(WORLD)))
@@ -33,7 +34,8 @@ if WORLD < 1 or RPD < 1 or WORLD % RPD:
                      "domain size that divides it")
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs (TOPOEP_GPU_WORLD)")]
+              pytest.mark.skipif(not gpus_for(WORLD), reason=f"needs {WORLD} GPUs (TOPOEP_GPU_WORLD; or "
+                                 "TOPOEP_GPU_SHARE=1 to let the ranks share fewer)")]
 
 
 def _topology():
@@ -45,7 +47,7 @@ E_LOC, T, K, H, FD = 8, 96, 4, 256, 128
 
 
 def _setup(rank):
-    dev = torch.device("cuda", rank)
+    dev = rank_device(rank)
     torch.cuda.set_device(dev)
     return dev
 

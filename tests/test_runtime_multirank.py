@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_ranks
+from distributed import rank_device, run_ranks
 from topoep import OFFLINE_POLICIES, POLICIES, ExpertParallelMoE, ReplicaPool, Topology, solve
 from topoep.runtime.backend import TorchBackend
 from topoep.runtime.layout import assignment_instances, chunk_layouts, local_group
@@ -48,7 +48,7 @@ def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="c
     tests are about the balanced path (the guard has its own tests)."""
     E_loc, T, k, H, Fd = 4, 24, 2, 8, 6
     R, E = world, world * E_loc
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
     topo = Topology(num_domains=world // rpd, ranks_per_domain=rpd)
     x, idx, w, fc1, fc2, gy = make_inputs(R, E, T, k, H, Fd, skew, seed=7)
     ref_y, ref_gx, ref_gw, ref_g1, ref_g2 = dense_reference(x, idx, w, fc1, fc2, gy)

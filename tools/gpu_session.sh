@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -73,6 +73,31 @@ step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 wit
   TOPOEP_CUDA_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error"
   TOPOEP_PREFETCH=1 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
     tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_prefetch_tests.log"
+}
+
+step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1,
+  # gloo process group; distributed.py's gpus_shared): backend cuda at EP 2 with replicas placed, fetched, reloaded
+  # and their gradients returned, on one domain and on 2 virtual domains, with the two-chunk pipeline and with the
+  # second bank of slots; the sync audit; backend torch's 2-rank test. Correctness only: two ranks share one GPU's
+  # SMs and memory bandwidth, so nothing here is timed
+  export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
+  python3 tools/shared_gpu_probe.py 2>&1 | grep -E "^(gloo|nccl) " | tee "$OUT/shared_probe.log"
+  local run
+  for run in "peer rpd2" "peer rpd1" "chunks2 rpd2" "prefetch rpd2"; do
+    set -- $run
+    local tag=${1}_$2 rpd=${2#rpd}
+    env TOPOEP_GPU_RPD=$rpd $([ $1 = chunks2 ] && echo TOPOEP_CUDA_CHUNKS=2) $([ $1 = prefetch ] && echo TOPOEP_PREFETCH=1) \
+      timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -15 \
+      | tee "$OUT/cuda_backend_shared_${tag}_tests.log" | tail -3 | sed "s/^/$tag: /"
+  done
+  for v in "" TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do
+    echo "sync audit ${v:-default}: $(env $v timeout 200 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | tail -3)"
+  done
+  timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -12 \
+    | tee "$OUT/runtime_gpu_shared_tests.log" | tail -3
+  [ "${SHARED_A2A:-1}" = 0 ] && return
+  TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=1 timeout ${A2A_TIMEOUT:-180} python3 -m pytest -q -rA -x \
+    tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_shared_a2a_tests.log" | tail -3 | sed "s/^/a2a: /"
 }
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
