@@ -22,7 +22,7 @@ def gpus_shared(world_size: int) -> bool:
     """Whether a GPU test of `world_size` ranks runs with several ranks per GPU: only when asked with
     TOPOEP_GPU_SHARE=1 on a machine with fewer GPUs than ranks (one-GPU machines: the multi-rank paths' correctness,
     never their speed). The ranks then share the GPUs round-robin over a gloo process group."""
-    return os.environ.get("TOPOEP_GPU_SHARE", "0") == "1" and torch.cuda.device_count() < world_size
+    return os.environ.get("TOPOEP_GPU_SHARE", "0") == "1" and 0 < torch.cuda.device_count() < world_size
 
 
 def gpus_for(world_size: int) -> bool:

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from distributed import gpus_for, rank_device, run_ranks
+from distributed import gpus_for, gpus_shared, rank_device, run_ranks
 
 WORLD = int(os.environ.get("TOPOEP_GPU_WORLD", "2"))
 RPD = int(os.environ.get("TOPOEP_GPU_RPD", str(WORLD)))
@@ -35,7 +35,10 @@ if WORLD < 1 or RPD < 1 or WORLD % RPD:
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpus_for(WORLD), reason=f"needs {WORLD} GPUs (TOPOEP_GPU_WORLD; or "
-                                 "TOPOEP_GPU_SHARE=1 to let the ranks share fewer)")]
+                                 "TOPOEP_GPU_SHARE=1 to let the ranks share fewer)"),
+              # NVSHMEM with two processes on one GPU hung here (results/gpu/shared_ep2_b98cd92/README.md)
+              pytest.mark.skipif(TRANSPORT == "a2a" and gpus_for(WORLD) and gpus_shared(WORLD),
+                                 reason="transport a2a needs a GPU per rank: it hung with TOPOEP_GPU_SHARE=1")]
 
 
 def _topology():

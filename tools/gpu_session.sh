@@ -90,14 +90,16 @@ step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on
       timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -15 \
       | tee "$OUT/cuda_backend_shared_${tag}_tests.log" | tail -3 | sed "s/^/$tag: /"
   done
-  for v in "" TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do
-    echo "sync audit ${v:-default}: $(env $v timeout 200 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | tail -3)"
+  for v in default TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do  # to a file: a rank left behind by the timeout would
+    # hold a pipe open
+    env $([ $v = default ] || echo $v) timeout -k 10 200 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
+    echo "sync audit $v: $(grep -E "synchronising|Error" "$RUNS.audit" | tail -3 | tr '\n' ' ')" \
+      | tee -a "$OUT/sync_audit_shared.log"
   done
   timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -12 \
     | tee "$OUT/runtime_gpu_shared_tests.log" | tail -3
-  [ "${SHARED_A2A:-1}" = 0 ] && return
-  TOPOEP_GPU_TRANSPORT=a2a TOPOEP_GPU_RPD=1 timeout ${A2A_TIMEOUT:-180} python3 -m pytest -q -rA -x \
-    tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_shared_a2a_tests.log" | tail -3 | sed "s/^/a2a: /"
+  # Not here: transport a2a. With both ranks on one GPU its test hung (NVSHMEM's support for several processes per
+  # GPU is limited without MPS); the test skips it when the GPUs are shared, and it needs 2 GPUs (step a2a).
 }
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
