@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -100,6 +100,22 @@ step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on
     | tee "$OUT/runtime_gpu_shared_tests.log" | tail -3
   # Not here: transport a2a. With both ranks on one GPU its test hung (NVSHMEM's support for several processes per
   # GPU is limited without MPS); the test skips it when the GPUs are shared, and it needs 2 GPUs (step a2a).
+}
+
+step_shared_ep8() {  # on a one-GPU machine: backend cuda's GPU tests at EP 8 as 2 virtual domains of 4, all 8 ranks
+  # on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
+  # Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing timed
+  export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
+  local v
+  for v in default "TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1"; do
+    local tag=ep8_rpd4; [ "$v" = default ] || tag=ep8_rpd4_chunks2_prefetch
+    env $([ "$v" = default ] || echo $v) timeout -k 10 ${CUDA_TEST_TIMEOUT:-400} python3 -m pytest -q -rA \
+      tests/test_cuda_backend_gpu.py > "$RUNS.ep8" 2>&1
+    tail -25 "$RUNS.ep8" > "$OUT/cuda_backend_shared_${tag}_tests.log"
+    echo "$tag: $(tail -1 "$RUNS.ep8")"
+  done
+  timeout -k 5 150 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
+  grep -E "synchronising|Error" "$RUNS.audit" | tee "$OUT/sync_audit_shared_ep8.log"
 }
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
