@@ -75,47 +75,51 @@ step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 wit
     tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_prefetch_tests.log"
 }
 
+shared_tests() {  # shared_tests TAG [VAR=value ...]: backend cuda's GPU tests with the ranks sharing the GPU(s), with
+  # the given variables; the log's tail to $OUT. Output goes to a file, not a pipe: a rank left behind by the
+  # timeout would hold a pipe open until the call's own limit
+  local tag=$1; shift
+  env "$@" timeout -k 10 ${CUDA_TEST_TIMEOUT:-400} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
+    > "$RUNS.shared" 2>&1
+  tail -25 "$RUNS.shared" > "$OUT/cuda_backend_shared_${tag}_tests.log"
+  echo "$tag: $(tail -1 "$RUNS.shared")"
+}
+
+shared_audit() {  # shared_audit LOG [VAR=value ...]: the sync audit with the ranks sharing the GPU(s), appended to LOG
+  local log=$1; shift
+  env "$@" timeout -k 10 200 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
+  echo "sync audit ${*:-default}: $(grep -E "synchronising|Error" "$RUNS.audit" | tr '\n' ' ')" | tee -a "$OUT/$log"
+}
+
 step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1,
   # gloo process group; distributed.py's gpus_shared): backend cuda at EP 2 with replicas placed, fetched, reloaded
   # and their gradients returned, on one domain and on 2 virtual domains, with the two-chunk pipeline and with the
   # second bank of slots; the sync audit; backend torch's 2-rank test. Correctness only: two ranks share one GPU's
-  # SMs and memory bandwidth, so nothing here is timed
+  # SMs and memory bandwidth, so nothing here is timed. Not here: transport a2a, whose test hung with both ranks on
+  # one GPU (NVSHMEM's support for several processes per GPU is limited without MPS): it skips when the GPUs are
+  # shared and needs 2 GPUs (step a2a)
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
   python3 tools/shared_gpu_probe.py 2>&1 | grep -E "^(gloo|nccl) " | tee "$OUT/shared_probe.log"
-  local run
-  for run in "peer rpd2" "peer rpd1" "chunks2 rpd2" "prefetch rpd2"; do
-    set -- $run
-    local tag=${1}_$2 rpd=${2#rpd}
-    env TOPOEP_GPU_RPD=$rpd $([ $1 = chunks2 ] && echo TOPOEP_CUDA_CHUNKS=2) $([ $1 = prefetch ] && echo TOPOEP_PREFETCH=1) \
-      timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 | tail -15 \
-      | tee "$OUT/cuda_backend_shared_${tag}_tests.log" | tail -3 | sed "s/^/$tag: /"
+  shared_tests peer_rpd2 TOPOEP_GPU_RPD=2
+  shared_tests peer_rpd1 TOPOEP_GPU_RPD=1
+  shared_tests chunks2_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_CUDA_CHUNKS=2
+  shared_tests prefetch_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_PREFETCH=1
+  local v
+  for v in "" TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do
+    shared_audit sync_audit_shared.log $v
   done
-  for v in default TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do  # to a file: a rank left behind by the timeout would
-    # hold a pipe open
-    env $([ $v = default ] || echo $v) timeout -k 10 200 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
-    echo "sync audit $v: $(grep -E "synchronising|Error" "$RUNS.audit" | tail -3 | tr '\n' ' ')" \
-      | tee -a "$OUT/sync_audit_shared.log"
-  done
-  timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py 2>&1 | tail -12 \
-    | tee "$OUT/runtime_gpu_shared_tests.log" | tail -3
-  # Not here: transport a2a. With both ranks on one GPU its test hung (NVSHMEM's support for several processes per
-  # GPU is limited without MPS); the test skips it when the GPUs are shared, and it needs 2 GPUs (step a2a).
+  timeout -k 10 ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py > "$RUNS.shared" 2>&1
+  tail -12 "$RUNS.shared" > "$OUT/runtime_gpu_shared_tests.log"
+  echo "backend torch, 2 ranks: $(tail -1 "$RUNS.shared")"
 }
 
 step_shared_ep8() {  # on a one-GPU machine: backend cuda's GPU tests at EP 8 as 2 virtual domains of 4, all 8 ranks
   # on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
   # Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing timed
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
-  local v
-  for v in default "TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1"; do
-    local tag=ep8_rpd4; [ "$v" = default ] || tag=ep8_rpd4_chunks2_prefetch
-    env $([ "$v" = default ] || echo $v) timeout -k 10 ${CUDA_TEST_TIMEOUT:-400} python3 -m pytest -q -rA \
-      tests/test_cuda_backend_gpu.py > "$RUNS.ep8" 2>&1
-    tail -25 "$RUNS.ep8" > "$OUT/cuda_backend_shared_${tag}_tests.log"
-    echo "$tag: $(tail -1 "$RUNS.ep8")"
-  done
-  timeout -k 5 150 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
-  grep -E "synchronising|Error" "$RUNS.audit" | tee "$OUT/sync_audit_shared_ep8.log"
+  shared_tests ep8_rpd4
+  shared_tests ep8_rpd4_chunks2_prefetch TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1
+  shared_audit sync_audit_shared_ep8.log
 }
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
