@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from app.config import EplbConfig, ModelConfig, ParallelConfig, RouterConfig, TopologyConfig, TrainerConfig
 from topoep.metrics import ffn_time_per_assignment
+from topoep.runtime.backend import local_gpu
 from topoep.topology import Topology, slurm_tasks_per_node
 
 
@@ -46,8 +47,9 @@ def init_distributed(trainer: TrainerConfig) -> Dist:
     if trainer.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("trainer.device=cuda but no CUDA device is available: use trainer=cpu")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = local_gpu(local_rank, f"torchrun --nproc_per_node={torch.cuda.device_count()}, or srun with "
+                                       f"--ntasks-per-node={torch.cuda.device_count()} (launch/)")
+        torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
                                 timeout=datetime.timedelta(minutes=10))
     else:

@@ -72,3 +72,13 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 def write_json(path: Path, info: dict, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
+
+
+def bench_gpu() -> torch.device:
+    """A benchmark rank's GPU (LOCAL_RANK under torchrun), one per process: GPUs are never shared by benchmark
+    ranks, whose times would mean nothing (the GPU tests can share one for correctness: TOPOEP_GPU_SHARE=1)."""
+    from topoep.runtime.backend import local_gpu
+
+    dev = local_gpu(int(os.environ.get("LOCAL_RANK", 0)), f"torchrun --nproc_per_node={torch.cuda.device_count()}")
+    torch.cuda.set_device(dev)
+    return dev

@@ -13,7 +13,6 @@ results/layer_memory.md (rank 0).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info  # noqa: E402
+from bench.common import REPO, bench_gpu, markdown_table, run_info  # noqa: E402
 from topoep import ExpertParallelMoE, Topology  # noqa: E402
 from topoep.workloads import expert_bias  # noqa: E402
 
@@ -47,9 +46,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
+        dev = bench_gpu()
         dist.init_process_group("nccl", device_id=dev)
         dtype = torch.bfloat16
     else:

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, bench_gpu, markdown_table, run_info, without_options, write_json  # noqa: E402
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
@@ -382,8 +382,7 @@ def init_distributed(args) -> tuple[torch.device, torch.dtype, bool]:
     """(device, dtype, cuda): NCCL and bf16 on GPUs, gloo and fp32 otherwise (and always with --tiny)."""
     cuda = torch.cuda.is_available() and not args.tiny
     if cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(dev)
+        dev = bench_gpu()
         if not dist.is_initialized():
             dist.init_process_group("nccl", device_id=dev)
         return dev, torch.bfloat16, True

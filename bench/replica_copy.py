@@ -17,7 +17,6 @@ bytes one sender moves / time. Writes results/replica_copy.{md,json}.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, bench_gpu, markdown_table, run_info, without_options, write_json  # noqa: E402
 from bench.moe_layer import across_ranks_max, time_iterations  # noqa: E402
 
 HIDDEN, FFN = 2048, 768
@@ -78,12 +77,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/replica_copy.py needs GPUs (run it with torchrun on the GPU machine)")
-    dist.init_process_group("nccl")
+    dev = bench_gpu()
+    dist.init_process_group("nccl", device_id=dev)
     rank, R = dist.get_rank(), dist.get_world_size()
     if R < 2:
         raise SystemExit("bench/replica_copy.py needs at least 2 ranks (torchrun --nproc_per_node=2)")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(dev)
     import topoep.runtime.symm as S
 
     N, e_loc = args.slots, args.experts_per_rank

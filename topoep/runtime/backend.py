@@ -13,6 +13,7 @@ the portable reference and may synchronise the host (split sizes are host lists)
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -20,6 +21,18 @@ import torch.distributed as dist
 
 from topoep.plan import Plan
 from topoep.runtime.pool import ReplicaPool
+
+
+def local_gpu(local_rank: int, launch_hint: str) -> torch.device:
+    """This process's GPU under a launcher that starts one process per GPU (torchrun, srun): cuda:local_rank, after
+    checking that the node has it. A local rank past the node's GPUs means more processes than GPUs were started,
+    which NCCL refuses (and which would make every measured time meaningless): the error says so and how to launch."""
+    n = torch.cuda.device_count()
+    if not 0 <= local_rank < n:
+        raise ValueError(f"local rank {local_rank} has no GPU of its own: this node shows {n} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Start one process per "
+                         f"GPU: {launch_hint}")
+    return torch.device("cuda", local_rank)
 
 
 class _Done:
