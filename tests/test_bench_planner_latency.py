@@ -63,3 +63,15 @@ def test_grid_table_has_a_row_per_policy_and_a_column_per_grid():
     lines = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| a | 128 |")]
     assert lines == [["a", "128", "640", "topoep", "48.1", "50.2", "47.0", "45.5", "44.9"],
                      ["a", "128", "640", "topoep_plus", "58.1", "60.2", "57.0", "55.5", "54.9"]]
+
+
+def test_stamp_gaps_turn_consecutive_stamps_into_phase_times():
+    """The planner's phase readers (CudaPlanner.phase_ns, plus_phase_ns) share this rule; the table's phase
+    columns come from it."""
+    from topoep.planners.cuda import PHASES, stamp_gaps
+
+    stamps = [100, 130, 130, 180, 400, 1000, 1060]
+    assert stamp_gaps(PHASES, stamps) == {"demand": 30, "placement": 0, "instances": 50, "split": 220,
+                                          "refine": 600, "route": 60}
+    with pytest.raises(ValueError, match="6 phases need 7 stamps, got 6"):
+        stamp_gaps(PHASES, stamps[:-1])

@@ -101,6 +101,13 @@ REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cy
                    "move_cycles", "loop_cycles")
 
 
+def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
+    """Phase times from consecutive %globaltimer stamps: names[i] lasts from stamps[i] to stamps[i + 1]."""
+    if len(stamps) != len(names) + 1:
+        raise ValueError(f"{len(names)} phases need {len(names) + 1} stamps, got {len(stamps)}")
+    return {name: stamps[i + 1] - stamps[i] for i, name in enumerate(names)}
+
+
 def check_grid_blocks(num_blocks, name: str = "num_blocks") -> None:
     """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0 (set_grid_blocks'
     argument; the trainer checks eplb.planner_blocks with it before any GPU work)."""
@@ -168,14 +175,12 @@ class CudaPlanner:
         t = self.workspace[self._moves_at - PLUS_STAMPS:self._moves_at].tolist()
         if 0 in t:
             return {}
-        t = [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t
-        return {name: t[i + 1] - t[i] for i, name in enumerate(PLUS_PHASES)}
+        return stamp_gaps(PLUS_PHASES, [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t)
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
         host: for benchmarks, never on the training path)."""
-        t = self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist()
-        return {name: t[i + 1] - t[i] for i, name in enumerate(PHASES)}
+        return stamp_gaps(PHASES, self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist())
 
     def refine_profile(self, omega: torch.Tensor, topology, expert_bytes: int, token_bytes: int) -> dict[str, int]:
         """Plans omega once more with the refinement's cycle counters on (they slow it down, so plans
