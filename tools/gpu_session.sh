@@ -86,12 +86,15 @@ shared_tests() {  # shared_tests TAG [VAR=value ...]: backend cuda's GPU tests w
 }
 
 shared_audit() {  # shared_audit LOG [VAR=value ...]: the sync audit with the ranks sharing the GPU(s), appended to LOG
-  local log=$1; shift
+  # with its exit status (124: timed out)
+  local log=$1 rc; shift
   env "$@" timeout -k 10 200 python3 tools/sync_audit.py > "$RUNS.audit" 2>&1
-  echo "sync audit ${*:-default}: $(grep -E "synchronising|Error" "$RUNS.audit" | tr '\n' ' ')" | tee -a "$OUT/$log"
+  rc=$?
+  echo "rc=$rc sync audit ${*:-default}: $(grep -E "synchronising|Error" "$RUNS.audit" | tr '\n' ' ')" \
+    | tee -a "$OUT/$log"
 }
 
-step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1,
+step_shared() (  # a subshell: its variables stay out of the steps after it. On a one-GPU machine: the 2-rank GPU tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1,
   # gloo process group; distributed.py's gpus_shared): backend cuda at EP 2 with replicas placed, fetched, reloaded
   # and their gradients returned, on one domain and on 2 virtual domains, with the two-chunk pipeline and with the
   # second bank of slots; the sync audit; backend torch's 2-rank test. Correctness only: two ranks share one GPU's
@@ -99,7 +102,8 @@ step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on
   # one GPU (NVSHMEM's support for several processes per GPU is limited without MPS): it skips when the GPUs are
   # shared and needs 2 GPUs (step a2a)
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
-  python3 tools/shared_gpu_probe.py 2>&1 | grep -E "^(gloo|nccl) " | tee "$OUT/shared_probe.log"
+  timeout -k 10 300 python3 tools/shared_gpu_probe.py > "$RUNS.probe" 2>&1
+  grep -E "^(gloo|nccl) " "$RUNS.probe" | tee "$OUT/shared_probe.log"
   shared_tests peer_rpd2 TOPOEP_GPU_RPD=2
   shared_tests peer_rpd1 TOPOEP_GPU_RPD=1
   shared_tests chunks2_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_CUDA_CHUNKS=2
@@ -111,16 +115,16 @@ step_shared() {  # on a one-GPU machine: the 2-rank GPU tests with both ranks on
   timeout -k 10 ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py > "$RUNS.shared" 2>&1
   tail -12 "$RUNS.shared" > "$OUT/runtime_gpu_shared_tests.log"
   echo "backend torch, 2 ranks: $(tail -1 "$RUNS.shared")"
-}
+)
 
-step_shared_ep8() {  # on a one-GPU machine: backend cuda's GPU tests at EP 8 as 2 virtual domains of 4, all 8 ranks
+step_shared_ep8() (  # a subshell, as step_shared. On a one-GPU machine: backend cuda's GPU tests at EP 8 as 2 virtual domains of 4, all 8 ranks
   # on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
   # Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing timed
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
   shared_tests ep8_rpd4
   shared_tests ep8_rpd4_chunks2_prefetch TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1
   shared_audit sync_audit_shared_ep8.log
-}
+)
 
 ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
   # and VAR=1, interleaved twice (machines differ by several % from call to call: compare inside one call)

@@ -39,6 +39,8 @@ def _rank(rank, world, port, backend, queue):
     try:
         t = symm_mem.empty(1024, dtype=torch.float32, device="cuda:0").fill_(-1)
         h = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+        torch.cuda.synchronize()  # every rank's fill done before any peer writes into its buffer
+        dist.barrier()
         peer = (rank + 1) % world
         h.get_buffer(peer, (1024,), torch.float32).fill_(float(rank))
         h.barrier(channel=0)

@@ -1,6 +1,8 @@
 """Find every host synchronisation in one forward + backward of the `cuda`-backend layer on 2 GPUs
 (GPU machine; TOPOEP_GPU_WORLD=1 for one): runs under torch.cuda.set_sync_debug_mode("warn") and prints the
-Python stack of each synchronising call. Usage: python tools/sync_audit.py"""
+Python stack of each synchronising call. The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
+TOPOEP_GPU_WORLD, TOPOEP_GPU_RPD (virtual domains), TOPOEP_GPU_TRANSPORT and TOPOEP_GPU_SHARE.
+Usage: python tools/sync_audit.py"""
 
 import os
 import sys
@@ -15,13 +17,13 @@ from distributed import run_ranks  # noqa: E402
 
 
 def _audit(rank, world):
-    from test_cuda_backend_gpu import E_LOC, FD, H, _routing, _setup
-    from topoep import ExpertParallelMoE, Topology
+    from test_cuda_backend_gpu import E_LOC, FD, H, TRANSPORT, _routing, _setup, _topology
+    from topoep import ExpertParallelMoE
 
     dev = _setup(rank)
-    layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD,
-                              topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=2,
-                              policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev)
+    layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
+                              num_slots=2, policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
+                              transport=TRANSPORT)
     found = []
 
     def show(message, category, filename, lineno, file=None, line=None):
