@@ -25,8 +25,8 @@ if __package__ in (None, ""):
 from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
 import topoep.planners.joint as joint_mod  # noqa: E402
 import topoep.planners.joint_search as search_mod  # noqa: E402
-from topoep import Topology, solve  # noqa: E402
-from topoep.workloads import biased_routing  # noqa: E402
+from bench.planner_latency import workload  # noqa: E402
+from topoep import solve  # noqa: E402
 
 
 def count_work(ep: int, experts: int, slots: int = 2, rpd: int = 8) -> dict:
@@ -51,8 +51,7 @@ def count_work(ep: int, experts: int, slots: int = 2, rpd: int = 8) -> dict:
     search_mod.search, search_mod._step, search_mod._evict = counted_search, counted_step, counted_evict
     joint_mod.search = counted_search
     try:
-        topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
-        omega = biased_routing(ep, experts, 1024, 8, -2.5, seed=13)
+        topo, omega = workload(ep, experts, rpd=rpd)
         t0 = time.perf_counter()
         plan = solve(omega, topo, num_slots=slots, policy="joint")
         seconds = time.perf_counter() - t0

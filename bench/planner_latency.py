@@ -31,6 +31,13 @@ from topoep.planners.cuda import CudaPlanner  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
 
 
+def workload(ep: int, experts: int, tokens: int = 1024, rpd: int = 8) -> tuple[Topology, torch.Tensor]:
+    """The latency workload (module docstring; also bench/joint_work.py's and tools/planner_ncu.sh's): EP ranks
+    in domains of rpd, and the CPU counts of the biased router at router_skew -2.5, top-8."""
+    topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
+    return topo, biased_routing(ep, experts, tokens, 8, -2.5, seed=13)
+
+
 BUSY_CYCLES = 400_000  # about 200 us of GPU spin ahead of each busy-stream sample
 
 
@@ -73,8 +80,7 @@ def _captured(planner: CudaPlanner, omega, topo, policy: str, slots: int):
 
 
 def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
-    topo = Topology(num_domains=max(1, ep // rpd), ranks_per_domain=min(rpd, ep))
-    omega_cpu = biased_routing(ep, experts, tokens, 8, -2.5, seed=13)
+    topo, omega_cpu = workload(ep, experts, tokens, rpd)
     omega = omega_cpu.cuda()
     eager_fn = lambda: solve(omega, topo, num_slots=slots, backend="cuda")  # noqa: E731
     eager = _events_median(eager_fn, runs, warmup)
@@ -258,8 +264,8 @@ def kernel_breakdown(slots: int, tokens: int) -> str:
 
     out = ["\n## Where the time goes (GPU time per kernel, us per solve)\n"]
     for ep in (8, 128):
-        topo = Topology(num_domains=max(1, ep // 8), ranks_per_domain=min(8, ep))
-        omega = biased_routing(ep, 640, tokens, 8, -2.5, seed=13).cuda()
+        topo, omega = workload(ep, 640, tokens)
+        omega = omega.cuda()
         for _ in range(5):
             solve(omega, topo, num_slots=slots, backend="cuda")
         torch.cuda.synchronize()

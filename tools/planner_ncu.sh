@@ -10,11 +10,13 @@ POLICY=${1:-topoep_plus}; EP=${2:-128}; E=${3:-640}
 OUT=${OUT:-results/gpu/ncu}
 mkdir -p "$OUT"
 cat > "$OUT/plan_once.py" <<PY
+import sys
+sys.path.insert(0, "$(pwd)")  # the repository (bench/)
 import torch
-from topoep import Topology, solve
-from topoep.workloads import biased_routing
-topo = Topology(num_domains=max(1, $EP // 8), ranks_per_domain=min(8, $EP))
-omega = biased_routing($EP, $E, 1024, 8, -2.5, seed=13).cuda()
+from bench.planner_latency import workload
+from topoep import solve
+topo, omega = workload($EP, $E)
+omega = omega.cuda()
 for _ in range(4):  # the first three are skipped by ncu (--launch-skip 3)
     solve(omega, topo, num_slots=2, policy="$POLICY", backend="cuda")
 torch.cuda.synchronize()
