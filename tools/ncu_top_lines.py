@@ -7,9 +7,10 @@ import csv
 import sys
 
 
-def top_lines(path: str, n: int = 40) -> list[tuple[int, str, int, str]]:
-    """[(samples, file name, line, source text)] of the n lines with the most "Warp Stall Sampling (All Samples)",
-    most first. The export lists, per source file, a row per line with the line's totals, then its SASS rows."""
+def top_lines(path: str, n: int | None = 40) -> list[tuple[int, str, int, str]]:
+    """[(samples, file name, line, source text)] of the n lines (None: all) with the most "Warp Stall Sampling (All
+    Samples)", most first. The export lists, per source file, a row per line with the line's totals, then its SASS
+    rows."""
     data, name, col = [], "?", None
     with open(path, newline="") as f:
         for row in csv.reader(f):
@@ -29,8 +30,9 @@ def top_lines(path: str, n: int = 40) -> list[tuple[int, str, int, str]]:
 
 def main() -> None:
     path, n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40
-    rows = top_lines(path, n)
-    total = sum(s for s, *_ in top_lines(path, 10 ** 9)) or 1
+    every = top_lines(path, None)
+    rows = every[:n]
+    total = sum(s for s, *_ in every) or 1
     print(f"{total} stall samples; the {len(rows)} lines with the most:")
     for s, name, line, text in rows:
         print(f"{100 * s / total:5.1f}%  {name}:{line}  {text[:110]}")
