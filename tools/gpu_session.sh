@@ -94,13 +94,13 @@ shared_audit() {  # shared_audit LOG [VAR=value ...]: the sync audit with the ra
     | tee -a "$OUT/$log"
 }
 
-step_shared() (  # a subshell: its variables stay out of the steps after it. On a one-GPU machine: the 2-rank GPU tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1,
-  # gloo process group; distributed.py's gpus_shared): backend cuda at EP 2 with replicas placed, fetched, reloaded
-  # and their gradients returned, on one domain and on 2 virtual domains, with the two-chunk pipeline and with the
-  # second bank of slots; the sync audit; backend torch's 2-rank test. Correctness only: two ranks share one GPU's
-  # SMs and memory bandwidth, so nothing here is timed. Not here: transport a2a, whose test hung with both ranks on
-  # one GPU (NVSHMEM's support for several processes per GPU is limited without MPS): it skips when the GPUs are
-  # shared and needs 2 GPUs (step a2a)
+step_shared() (  # a subshell: its variables stay out of the steps after it. On a one-GPU machine: the 2-rank GPU
+  # tests with both ranks on the one GPU (TOPOEP_GPU_SHARE=1, gloo process group; distributed.py's gpus_shared):
+  # backend cuda at EP 2 with replicas placed, fetched, reloaded and their gradients returned, on one domain and on
+  # 2 virtual domains, with the two-chunk pipeline and with the second bank of slots; the sync audit; backend
+  # torch's 2-rank test. Correctness only: two ranks share one GPU's SMs and memory bandwidth, so nothing here is
+  # timed. Not here: transport a2a, whose test hung with both ranks on one GPU (NVSHMEM's support for several
+  # processes per GPU is limited without MPS): it skips when the GPUs are shared and needs 2 GPUs (step a2a)
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
   timeout -k 10 300 python3 tools/shared_gpu_probe.py > "$RUNS.probe" 2>&1
   grep -E "^(gloo|nccl) " "$RUNS.probe" | tee "$OUT/shared_probe.log"
@@ -117,8 +117,8 @@ step_shared() (  # a subshell: its variables stay out of the steps after it. On 
   echo "backend torch, 2 ranks: $(tail -1 "$RUNS.shared")"
 )
 
-step_shared_ep8() (  # a subshell, as step_shared. On a one-GPU machine: backend cuda's GPU tests at EP 8 as 2 virtual domains of 4, all 8 ranks
-  # on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
+step_shared_ep8() (  # a subshell, as step_shared. On a one-GPU machine: backend cuda's GPU tests at EP 8 as 2
+  # virtual domains of 4, all 8 ranks on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
   # Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing timed
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
   shared_tests ep8_rpd4
