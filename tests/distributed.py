@@ -27,8 +27,7 @@ def gpus_shared(world_size: int) -> bool:
 
 def gpus_for(world_size: int) -> bool:
     """Whether this machine can run a GPU test of `world_size` ranks (one GPU each, or shared: gpus_shared)."""
-    n = torch.cuda.device_count()
-    return n >= world_size or (n > 0 and os.environ.get("TOPOEP_GPU_SHARE", "0") == "1")
+    return torch.cuda.device_count() >= world_size or gpus_shared(world_size)
 
 
 def rank_device(rank: int) -> torch.device:
@@ -69,8 +68,8 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo"):
     """Run fn(rank, world_size, *args) in `world_size` processes joined by a process group (gloo: forked
-    CPU processes; nccl: spawned processes, one GPU each, or sharing them: gpus_shared). Returns the per-rank results; raises
-    AssertionError with the failing rank's traceback."""
+    CPU processes; nccl: spawned processes, one GPU each, or sharing them: gpus_shared). Returns the per-rank
+    results; raises AssertionError with the failing rank's traceback."""
     ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     queue = ctx.SimpleQueue()
     port = free_port()

@@ -118,8 +118,9 @@ step_shared() (  # a subshell: its variables stay out of the steps after it. On 
 )
 
 step_shared_ep8() (  # a subshell, as step_shared. On a one-GPU machine: backend cuda's GPU tests at EP 8 as 2
-  # virtual domains of 4, all 8 ranks on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the prefetch bank; the sync audit.
-  # Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing timed
+  # virtual domains of 4, all 8 ranks on the one GPU (TOPOEP_GPU_SHARE=1), by default and with two chunks plus the
+  # prefetch bank; the sync audit. Issue 10's EP-8 correctness set, short of its 8 GPUs: correctness only, nothing
+  # timed
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
   shared_tests ep8_rpd4
   shared_tests ep8_rpd4_chunks2_prefetch TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1
