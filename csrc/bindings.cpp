@@ -82,6 +82,31 @@ void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_exp
                                      c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+// the capacity step on a plan, in place (csrc/capacity.cu): slot_expert and route in and out, info out
+void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t capacity, int64_t allow_new,
+                  at::Tensor slot_expert, at::Tensor route, at::Tensor workspace, at::Tensor info) {
+  check_i64_cuda(omega, "omega");
+  check_i64_cuda(workspace, "workspace");
+  check_i64_cuda(info, "info");
+  TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
+  const int64_t R = omega.size(0), E = omega.size(1), N = slot_expert.dim() == 2 ? slot_expert.size(1) : -1;
+  TORCH_CHECK(R >= 1 && R <= 2048 && E % R == 0, "the capacity step needs 1 <= R <= 2048 ranks and E a multiple of R");
+  TORCH_CHECK(ranks_per_domain >= 1 && R % ranks_per_domain == 0, "ranks_per_domain must divide R");
+  TORCH_CHECK(capacity >= 1, "capacity must be >= 1");
+  check_outputs(omega, N, slot_expert, route);
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::fit_workspace_elems((int)R, (int)E, (int)N), "workspace too small");
+  TORCH_CHECK(info.numel() >= 4 + R * N, "info must hold 4 + R * num_slots elements");
+  const c10::cuda::CUDAGuard guard(omega.device());
+  C10_CUDA_CHECK(topoep::fit_capacity(omega.data_ptr<int64_t>(), (int)R, (int)E, (int)N, (int)ranks_per_domain,
+                                      capacity, (int)(allow_new != 0), slot_expert.data_ptr<int64_t>(),
+                                      route.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
+                                      info.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+int64_t fit_workspace_elems(int64_t R, int64_t E, int64_t N) {
+  return (int64_t)topoep::fit_workspace_elems((int)R, (int)E, (int)N);
+}
+
 // [workspace int64 elements, offset of the phase timestamps (ns) in it, offset of topoep_plus's move count] for
 // (R, E, domains, slots)
 std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains, int64_t num_slots) {
@@ -113,6 +138,9 @@ TORCH_LIBRARY(topoep, m) {
         "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
         "Tensor(c!) workspace) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
+  m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, int allow_new, Tensor(a!) slot_expert, "
+        "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");
+  m.def("fit_workspace_elems(int R, int E, int N) -> int", &fit_workspace_elems);
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
   m.def("set_skip_stages(int mask) -> ()", &set_skip_stages);
   m.def("set_grid_blocks(int n) -> ()", &set_grid_blocks);
@@ -122,4 +150,5 @@ TORCH_LIBRARY_IMPL(topoep, CUDA, m) {
   m.impl("plan_topoep", &plan_topoep);
   m.impl("plan_topoep_plus", &plan_topoep_plus);
   m.impl("plan_static", &plan_static);
+  m.impl("fit_capacity", &fit_capacity);
 }

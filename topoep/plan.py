@@ -143,7 +143,9 @@ class Plan:
         C1 token conservation, C2 instance reachability (no assignment to an empty slot), C3 replica
         capacity, C5 fixed main placement, no duplicate instance of an expert on a rank, and C4 (cross-
         domain replica only if expert_bytes < 2 * D[d, e] * token_bytes) when `c4` is True (default:
-        only for the topology-aware policies).
+        only for the topology-aware policies). Replicas placed by the capacity step
+        (`topoep.planners.capacity`, listed in info["capacity"]["new_replicas"]) are exempt from C4 and may
+        replicate an expert on its own main rank (a self-replica: the same rank's other receive region).
         """
         R, E, N = self.num_ranks, self.num_experts, self.num_slots
         P = E + R * N
@@ -158,7 +160,10 @@ class Plan:
         # C3 holds by construction (N slots per rank); C5 too (instance p = e is always the main).
         rank_ids = torch.arange(R, device=se.device)[:, None].expand(R, N)
         occupied = se >= 0
-        own = occupied & (self.main_rank[se.clamp(min=0)] == rank_ids)
+        fitted = torch.zeros(R, N, dtype=torch.bool, device=se.device)  # placed by the capacity step
+        for r, j in self.info.get("capacity", {}).get("new_replicas", ()):
+            fitted[r, j] = True
+        own = occupied & (self.main_rank[se.clamp(min=0)] == rank_ids) & ~fitted
         if own.any():
             r, j = torch.nonzero(own)[0].tolist()
             raise ValueError(f"duplicate instance: slot {j} of rank {r} replicates expert {se[r, j].item()}, "
@@ -191,7 +196,7 @@ class Plan:
             e = se.clamp(min=0)
             remote = occupied & (dom[:, None] != dom[self.main_rank[e]])
             allowed = self.expert_bytes < 2 * demand[dom[:, None].expand(R, N), e] * self.token_bytes
-            bad = remote & ~allowed
+            bad = remote & ~allowed & ~fitted
             if bad.any():
                 r, j = torch.nonzero(bad)[0].tolist()
                 ee = se[r, j].item()

@@ -60,7 +60,8 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
 
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
-          main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto") -> Plan:
+          main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto",
+          capacity: int | None = None) -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -86,6 +87,10 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             static, topoep and topoep_plus (the latter on exactly two-level costs), default placement, CUDA
             omega; no host synchronisation, so the values of omega are not checked), or "auto": cuda when
             omega is on a GPU and the policy has a kernel for this input.
+        capacity: rows each receive region of a rank may take (`topoep.planners.capacity`: a rank's main experts
+            and its replica slots are two regions); the policy's plan then goes through the capacity step, which
+            moves rows (to other instances, or to new replicas in free slots) until every region fits, and
+            reports what could not fit in info["capacity"]["overflow"]. None (default): no capacity step.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -100,16 +105,21 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         use_cuda = backend == "cuda"
     omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank,
                                 check_values=not use_cuda)
+    if capacity is not None:
+        from topoep.planners.capacity import check_capacity
+
+        check_capacity(capacity)
     if use_cuda:
-        from topoep.planners.cuda import CUDA_POLICIES, solve_cuda
+        from topoep.planners.cuda import CUDA_POLICIES, fit_capacity_cuda, solve_cuda
 
         if not omega.is_cuda:
             raise ValueError("backend='cuda' needs omega on a CUDA device (omega.cuda())")
         if policy not in CUDA_POLICIES:
             raise ValueError(f"backend='cuda' implements the policies {', '.join(CUDA_POLICIES)}, not {policy!r}; "
                              "use backend='reference'")
-        return solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
+        plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                           expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
+        return plan if capacity is None else fit_capacity_cuda(plan, capacity)
     kw = {}
     if policy in T_FFN_POLICIES:
         from topoep.metrics import DEFAULT_T_FFN
@@ -120,8 +130,23 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
                              f"(forward + backward), got {t!r}; omit it for DEFAULT_T_FFN ({DEFAULT_T_FFN:.3g} s) "
                              "or calibrate it with topoep.metrics.fit_t_ffn")
         kw["t_ffn"] = float(t)
-    return _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
+    plan = _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
                                expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
+    if capacity is None:
+        return plan
+    from topoep.planners.capacity import fit_capacity
+
+    return fit_capacity(plan, capacity)
+
+
+def max_assignments(topology: Topology, token_bytes: int, expert_bytes: int, num_slots: int) -> int:
+    """The most assignments (sum of omega) the planners' int64 arithmetic holds for this topology and sizes: their
+    largest products are token bytes times femtoseconds per byte times assignments (the routing cost of eq. 6, which
+    topoep_plus and its guard compare exactly) and expert bytes times femtoseconds per byte times replicas (eq. 7),
+    kept below 2^62."""
+    c = max(1, int(topology.cost_fs.max()))
+    replicas = expert_bytes * c * topology.num_ranks * max(num_slots, 1)
+    return max(0, (2**62 - replicas) // (2 * token_bytes * c))
 
 
 def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank, check_values=True):
@@ -148,11 +173,19 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
         raise ValueError(f"omega has negative counts, e.g. omega[{s}, {e}] = {omega[s, e].item()}")
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
         raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
-    if policy not in POLICIES + OFFLINE_POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES + OFFLINE_POLICIES)}")
     for name, v in (("expert_bytes", expert_bytes), ("token_bytes", token_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")
+    if check_values:
+        limit = max_assignments(topology, token_bytes, expert_bytes, num_slots)
+        # per row first: a sum of huge entries may itself wrap around in int64
+        if bool((omega > limit).any()) or sum(int(v) for v in omega.sum(1).tolist()) > limit:
+            raise ValueError(f"omega holds {sum(int(v) for v in omega.flatten().tolist())} assignments, more than the "
+                             f"planners' int64 arithmetic holds for this topology and token_bytes={token_bytes}: at "
+                             f"most {limit} (topoep.planners.max_assignments); a real MoE layer routes tokens x top_k "
+                             "per rank, far fewer")
+    if policy not in POLICIES + OFFLINE_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES + OFFLINE_POLICIES)}")
     if main_rank is None:
         main_rank = default_main_rank(E, R, omega.device)
     elif not check_values:

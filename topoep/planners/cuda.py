@@ -1,8 +1,9 @@
-"""The GPU planner (csrc/planner.cu): `static`, `topoep` and `topoep_plus`, bit-equal to the reference planners.
+"""The GPU planner (csrc/planner.cu): `static`, `topoep` and `topoep_plus`, and the capacity step
+(csrc/capacity.cu), bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` (mutating ops with fake
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `fit_capacity` (mutating ops with fake
 implementations, so torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the
 workspace once per (device, R, E, domains, slots) and never synchronises the host.
 """
@@ -19,7 +20,7 @@ import torch
 from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("bindings.cpp", "planner.cu")
+SOURCES = ("bindings.cpp", "planner.cu", "capacity.cu")
 CUDA_POLICIES = ("static", "topoep", "topoep_plus")
 _loaded = False
 
@@ -90,6 +91,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("topoep::plan_static")
     def _(omega, num_slots, slot_expert, route):
+        return None
+
+    @torch.library.register_fake("topoep::fit_capacity")
+    def _(omega, ranks_per_domain, capacity, allow_new, slot_expert, route, workspace, info):
         return None
 
 
@@ -216,3 +221,42 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
                 info={"backend": "cuda"})
+
+
+_fit_workspaces: dict = {}
+
+
+def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool = True) -> Plan:
+    """The capacity step (topoep.planners.capacity) on the GPU: a new Plan whose slot_expert and route are the
+    reference's bit for bit. No host synchronisation: the plan's info["capacity"] holds the device tensor
+    `info` (int64[4 + R*N]: moves, rows beyond the capacity, 1 if the refit from the static plan was kept, replicas
+    placed, then a flag per slot the step placed a replica in); `capacity_info` reads it."""
+    from topoep.planners.capacity import check_capacity
+
+    capacity = check_capacity(capacity)
+    load_extension()
+    R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
+    dev = plan.omega.device
+    key = (dev, R, E, N)
+    ws = _fit_workspaces.get(key)
+    if ws is None:
+        ws = _fit_workspaces[key] = torch.empty(torch.ops.topoep.fit_workspace_elems(R, E, N), dtype=torch.int64,
+                                                device=dev)
+    slot_expert, route = plan.slot_expert.clone(), plan.route.clone()
+    info = torch.empty(4 + R * N, dtype=torch.int64, device=dev)
+    torch.ops.topoep.fit_capacity(plan.omega.contiguous(), plan.topology.ranks_per_domain, capacity, int(allow_new),
+                                  slot_expert, route, ws, info)
+    return Plan(omega=plan.omega, topology=plan.topology, num_slots=N, main_rank=plan.main_rank,
+                slot_expert=slot_expert, route=route, policy=plan.policy, expert_bytes=plan.expert_bytes,
+                token_bytes=plan.token_bytes, info={**plan.info, "capacity": {"capacity": capacity, "device": info}})
+
+
+def capacity_info(plan: Plan) -> dict:
+    """info["capacity"] of a plan from `fit_capacity_cuda` in the reference's form (synchronises the host)."""
+    c = plan.info["capacity"]
+    if "device" not in c:
+        return c
+    v = c["device"].tolist()
+    R, N = plan.num_ranks, plan.num_slots
+    return {"capacity": c["capacity"], "moves": v[0], "overflow": v[1], "refit": "static" if v[2] else None,
+            "new_replicas": [(q // N, q % N) for q in range(R * N) if v[4 + q]]}
