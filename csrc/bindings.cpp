@@ -83,9 +83,11 @@ void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_exp
 }
 
 // the capacity step on a plan, in place (csrc/capacity.cu): slot_expert and route in and out, info out
-void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t capacity, int64_t allow_new,
+void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t capacity, const at::Tensor& allow_new,
                   at::Tensor slot_expert, at::Tensor route, at::Tensor workspace, at::Tensor info) {
   check_i64_cuda(omega, "omega");
+  TORCH_CHECK(allow_new.is_cuda() && allow_new.scalar_type() == at::kBool && allow_new.numel() == 1,
+              "allow_new must be one bool on the GPU");
   check_i64_cuda(workspace, "workspace");
   check_i64_cuda(info, "info");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
@@ -98,7 +100,7 @@ void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t cap
   TORCH_CHECK(info.numel() >= 4 + R * N, "info must hold 4 + R * num_slots elements");
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::fit_capacity(omega.data_ptr<int64_t>(), (int)R, (int)E, (int)N, (int)ranks_per_domain,
-                                      capacity, (int)(allow_new != 0), slot_expert.data_ptr<int64_t>(),
+                                      capacity, allow_new.data_ptr<bool>(), slot_expert.data_ptr<int64_t>(),
                                       route.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
                                       info.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -138,7 +140,7 @@ TORCH_LIBRARY(topoep, m) {
         "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
         "Tensor(c!) workspace) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
-  m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, int allow_new, Tensor(a!) slot_expert, "
+  m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, Tensor allow_new, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");
   m.def("fit_workspace_elems(int R, int E, int N) -> int", &fit_workspace_elems);
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);

@@ -24,7 +24,7 @@ constexpr int kFitThreads = 512;
 struct FitDims {
   int R, E, N, P, Eloc, rpd;
   i64 C;
-  int allow_new;
+  int allow_new;  // set in the kernel from the device flag, and only with slots
 };
 
 // A candidate move, compared lexicographically on (self, fresh, ltot, cross, neg_delta, neg_u, p, q) (the
@@ -236,9 +236,10 @@ __device__ void fit_loop(const FitDims& d, const FitState& s, int* fitted, i64* 
 
 // info: [moves, overflow, refit (1: the refit from the static plan was kept), new replicas, then R*N flags of the
 // slots the step placed a replica in]
-__global__ void __launch_bounds__(kFitThreads) fit_kernel(const i64* __restrict__ omega, FitDims d, i64* slot_expert,
-                                                           i64* route, i64* ws, i64* info) {
+__global__ void __launch_bounds__(kFitThreads) fit_kernel(const i64* __restrict__ omega, const bool* __restrict__ allow,
+                                                           FitDims d, i64* slot_expert, i64* route, i64* ws, i64* info) {
   extern __shared__ unsigned char smem_raw[];
+  d.allow_new = d.N > 0 && *allow;
   Cand* cands = reinterpret_cast<Cand*>(smem_raw);
   const int tid = threadIdx.x, RN = d.R * d.N;
   // workspace (i64 elements, fit_workspace_elems): red [1 + R] (reductions, each source's share of a move), U [P],
@@ -310,7 +311,7 @@ size_t fit_workspace_elems(int R, int E, int N) {
 }
 
 cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_per_domain, int64_t capacity,
-                         int allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
+                         const bool* allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
                          cudaStream_t stream) {
   FitDims d;
   d.R = R;
@@ -320,8 +321,9 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
   d.Eloc = E / R;
   d.rpd = ranks_per_domain;
   d.C = capacity;
-  d.allow_new = allow_new && N > 0;
-  fit_kernel<<<1, kFitThreads, kFitThreads * sizeof(Cand), stream>>>(omega, d, slot_expert, route, ws, info);
+  d.allow_new = 0;
+  fit_kernel<<<1, kFitThreads, kFitThreads * sizeof(Cand), stream>>>(omega, allow_new, d, slot_expert, route, ws,
+                                                                      info);
   return cudaGetLastError();
 }
 

@@ -58,12 +58,13 @@ constexpr int kPlusStamps = 6;
 // before it.
 size_t plus_moves_offset(int R, int E, int M, int N);
 // The capacity step (capacity.cu, topoep/planners/capacity.py) on a plan, in place: slot_expert int64[R, N] and
-// route int64[R, E + R*N] become the fitted plan; omega int64[R, E] (for the refit from the static plan); ws:
-// fit_workspace_elems() int64; info int64[4 + R*N]: moves, rows beyond the capacity, 1 if the refit from the static
-// plan was kept, replicas placed, then a flag per slot the step placed a replica in. One block, on `stream`.
+// route int64[R, E + R*N] become the fitted plan; omega int64[R, E] (for the refit from the static plan); allow_new:
+// one bool on the device (false: no new replica; the runtime left the slots out); ws: fit_workspace_elems() int64;
+// info int64[4 + R*N]: moves, rows beyond the capacity, 1 if the refit from the static plan was kept, replicas
+// placed, then a flag per slot the step placed a replica in. One block, on `stream`.
 size_t fit_workspace_elems(int R, int E, int N);
 cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_per_domain, int64_t capacity,
-                         int allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
+                         const bool* allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
                          cudaStream_t stream);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,

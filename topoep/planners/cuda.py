@@ -226,11 +226,15 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
 _fit_workspaces: dict = {}
 
 
-def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool = True) -> Plan:
+_true: dict = {}
+
+
+def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool | torch.Tensor = True) -> Plan:
     """The capacity step (topoep.planners.capacity) on the GPU: a new Plan whose slot_expert and route are the
     reference's bit for bit. No host synchronisation: the plan's info["capacity"] holds the device tensor
     `info` (int64[4 + R*N]: moves, rows beyond the capacity, 1 if the refit from the static plan was kept, replicas
-    placed, then a flag per slot the step placed a replica in); `capacity_info` reads it."""
+    placed, then a flag per slot the step placed a replica in); `capacity_info` reads it. allow_new: a bool, or a
+    0-d bool tensor on the GPU (read there: a CUDA graph replays either value)."""
     from topoep.planners.capacity import check_capacity
 
     capacity = check_capacity(capacity)
@@ -242,9 +246,14 @@ def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool = True) -> Plan
     if ws is None:
         ws = _fit_workspaces[key] = torch.empty(torch.ops.topoep.fit_workspace_elems(R, E, N), dtype=torch.int64,
                                                 device=dev)
+    if not isinstance(allow_new, torch.Tensor):
+        flags = _true.get(dev)
+        if flags is None:
+            flags = _true[dev] = (torch.tensor(False, device=dev), torch.tensor(True, device=dev))
+        allow_new = flags[bool(allow_new)]
     slot_expert, route = plan.slot_expert.clone(), plan.route.clone()
     info = torch.empty(4 + R * N, dtype=torch.int64, device=dev)
-    torch.ops.topoep.fit_capacity(plan.omega.contiguous(), plan.topology.ranks_per_domain, capacity, int(allow_new),
+    torch.ops.topoep.fit_capacity(plan.omega.contiguous(), plan.topology.ranks_per_domain, capacity, allow_new,
                                   slot_expert, route, ws, info)
     return Plan(omega=plan.omega, topology=plan.topology, num_slots=N, main_rank=plan.main_rank,
                 slot_expert=slot_expert, route=route, policy=plan.policy, expert_bytes=plan.expert_bytes,

@@ -29,6 +29,13 @@ The worst-case buffers of the replica transfers hold 2 R N + 2 N expert weights 
 feed every slot of the group, and receive every slot's gradient): about 340 MB at EP 8 with 2 slots for the
 Qwen3 expert shape.
 
+With a capacity (regions smaller than their worst case, so rows may spill: spill.py) only the CPU harness's gloo
+exchange is supported: it stages spilled rows like the peer-pointer workspace and emulates the destination's reads
+of the sources' staging with collectives (an all-gather of the staging, an all-to-all of the results), and computes
+them with spill.py's torch references. The NVSHMEM exchange refuses a capacity: reading a source's staging across
+hosts needs NVSHMEM gets in the spill kernels, which no machine here can run (transport a2a runs with
+capacity_factor=None, its buffers sized for the worst case).
+
 Known limits: the gradient return's 0/1 matrix product turns one slot's NaN into NaN for every replicated
 expert of that main rank (the step is lost either way); the exchange and the buffers are collective allocations
 made at the first forward, so every rank must run its MoE layers in step (no pipeline parallelism yet:
@@ -164,11 +171,26 @@ class A2AWorkspace:
 
     _shared: dict = {}
 
-    def __init__(self, exchange, num_groups: int, experts_per_rank: int, a_cap: int, hidden: int, dtype):
+    def __init__(self, exchange, num_groups: int, experts_per_rank: int, a_cap: int, hidden: int, dtype,
+                 regions: tuple[int, ...] | None = None, spills: bool = False):
         ex = self.exchange = exchange
         self.R, self.rank, self.device = ex.R, ex.rank, ex.device
         self.G, self.e_loc, self.a_cap, self.H = num_groups, experts_per_rank, a_cap, hidden
-        self.cap = self.R * a_cap  # the layout's receive rows (positions of layout.receive_positions)
+        # the layout's receive rows (positions of layout.receive_positions): a region per chunk (symm.SymmWorkspace)
+        self.regions = tuple(regions) if regions is not None else (self.R * a_cap,)
+        self.cap = sum(self.regions)
+        self.spills = spills  # a region smaller than its worst case: rows may spill
+        if self.spills and not isinstance(ex, GlooExchange):
+            raise ValueError("transport 'a2a' (NVSHMEM) sizes its buffers for the worst case: a capacity needs the peer "
+                             "transport (one host) or the CPU harness; set capacity_factor=None "
+                             "(eplb.capacity_factor=null) with transport a2a")
+        if self.spills:  # the sources' staging of spilled rows (spill.py), and the spill results to apply
+            self.stage = torch.zeros(a_cap, hidden, dtype=dtype, device=self.device)
+            self.stage2 = torch.zeros(a_cap, hidden, dtype=dtype, device=self.device)
+            self.stage_meta = torch.zeros(a_cap, dtype=torch.int64, device=self.device)
+        self.spilled_rows = torch.zeros(1, dtype=torch.int64, device=self.device)  # received on the spill path
+        self._spilled = None  # (assignment indices, rows) that the spill path computed for this rank's next combine
+        self._staged = None  # the gathered staging of the last backward spill, for its weight gradients
         self.B = B = ex.blocks_per_peer
         s_cap, r_cap = a_cap + self.R * (B - 1), self.R * (a_cap + B - 1)  # with each split padded to B rows
         self.send, self.recv = ex.buffer((s_cap, hidden), dtype), ex.buffer((r_cap, hidden), dtype)
@@ -184,24 +206,34 @@ class A2AWorkspace:
         self._order = self._send_pos = None
 
     @classmethod
-    def shared(cls, exchange, num_groups, experts_per_rank, a_cap, hidden, dtype):
-        key = (id(exchange), num_groups, experts_per_rank, a_cap, hidden, dtype)
+    def shared(cls, exchange, num_groups, experts_per_rank, a_cap, hidden, dtype, regions=None, spills=False):
+        key = (id(exchange), num_groups, experts_per_rank, a_cap, hidden, dtype,
+               tuple(regions) if regions is not None else None, spills)
         ws = cls._shared.get(key)
         if ws is None:
-            ws = cls._shared[key] = cls(exchange, num_groups, experts_per_rank, a_cap, hidden, dtype)
+            ws = cls._shared[key] = cls(exchange, num_groups, experts_per_rank, a_cap, hidden, dtype, regions, spills)
         return ws
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this workspace's buffers."""
+        ts = [self.send, self.recv, self.meta_send, self.meta_recv, self.back_send, self.back_recv, self.recv_main,
+              self.recv_slot] + ([self.stage, self.stage2, self.stage_meta] if self.spills else [])
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def all_gather(self, row: torch.Tensor, which: int) -> torch.Tensor:
         """int64[n] on every rank -> int64[R, n] (`which` only matters to the peer-pointer workspace)."""
         return self.exchange.all_gather(row)
 
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
-                 is_slot: torch.Tensor, join=None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor | None]:
+                 is_slot: torch.Tensor, join=None, scale: torch.Tensor | None = None, region_end: int | None = None,
+                 stage_base: int = 0, src2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Send row i (src[order[i] // row_div], times scale[order[i]] when scale is given: one fp32 product
         rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer; `dest` ascends (the send
-        order). Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the received counts are stale.
-        join: an event to wait for first (the a2a pool fetches in order, so the layer passes None)."""
+        order). A row at or beyond region_end is staged here instead (stage_base + i; src2's row beside it: the
+        spill path) and travels as padding. Returns this rank's (recv_main, recv_slot) [cap, H]; rows past the
+        received counts are stale. join: an event to wait for first (the a2a pool fetches in order, so the layer
+        passes None)."""
         if join is not None:
             torch.cuda.current_stream(src.device).wait_event(join)
         A = order.numel()
@@ -218,7 +250,16 @@ class A2AWorkspace:
             rows = (rows.float() * scale.index_select(0, order).float()[:, None]).to(src.dtype)
         self.send.index_copy_(0, send_pos, rows)
         self.meta_send.fill_(self._pad_meta)
-        self.meta_send.index_copy_(0, send_pos, ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64))
+        meta = ((self.rank * (self.cap + 1) + pos) << 1) | is_slot.to(torch.int64)
+        if self.spills:
+            spill = pos >= (self.cap if region_end is None else region_end)
+            at = stage_base + torch.arange(A, device=dest.device)
+            self.stage.index_copy_(0, at[spill], rows[spill])
+            self.stage_meta.index_copy_(0, at[spill], order[spill])
+            if src2 is not None:
+                self.stage2.index_copy_(0, at[spill], src2.index_select(0, order[spill] // row_div))
+            meta = torch.where(spill, self._pad_meta, meta)  # travels as padding: the receiver drops it
+        self.meta_send.index_copy_(0, send_pos, meta)
         self.meta_recv.fill_(-1)
         self.exchange.all_to_all(self.meta_send, self.meta_recv, padded)
         self.exchange.all_to_all(self.send, self.recv, padded)
@@ -253,7 +294,81 @@ class A2AWorkspace:
         if out is None:
             out = y_main.new_empty(num_rows, y_main.shape[1])
         out.index_copy_(0, self._order, self.back_recv.index_select(0, self._send_pos))
+        if self._spilled is not None:  # the spilled rows' results (spill), at their assignment indices
+            out.index_copy_(0, *self._spilled)
+            self._spilled = None
         return out
+
+    # -- the spill path (gloo exchange only: __init__) --------------------------------------------------------------
+    def _gather_staging(self, backward: bool):
+        """Every rank's staging: (inputs [R, A_cap, H], output gradients or None, assignment indices [R, A_cap])."""
+        ex = self.exchange
+        xs = ex.all_gather(self.stage2 if backward else self.stage)
+        gs = ex.all_gather(self.stage) if backward else None
+        return xs, gs, ex.all_gather(self.stage_meta)
+
+    def _weights(self, g: int, main: tuple, slot: tuple | None):
+        return (main[0][g], main[1][g]) if g < self.e_loc else (slot[0][g - self.e_loc], slot[1][g - self.e_loc])
+
+    def spill(self, work, main: tuple, slot: tuple | None, backward: bool = False) -> None:
+        """symm.SymmWorkspace.spill over the gloo exchange (host reads: the CPU harness): the rows spilled to this
+        rank, read from every rank's gathered staging, computed with spill.py's torch references; their results go
+        back to their sources, which put them at their assignment indices in their next combine."""
+        if not self.spills:
+            return
+        from topoep.runtime.spill import spill_backward_reference, spill_forward_reference
+
+        xs, gs, metas = self._gather_staging(backward)
+        if backward:
+            self._staged = (xs, gs)
+        else:
+            self.spilled_rows += work.rows
+        n, first = work.n.tolist(), work.first.tolist()
+        out = [[] for _ in range(self.R)]  # per source: (assignment indices, rows)
+        for s in range(self.R):
+            for g in range(self.G):
+                if n[s][g]:
+                    i = slice(first[s][g], first[s][g] + n[s][g])
+                    w1, w2 = self._weights(g, main, slot)
+                    y = (spill_backward_reference(xs[s][i], gs[s][i], w1, w2)[0] if backward
+                         else spill_forward_reference(xs[s][i], w1, w2))
+                    out[s].append((metas[s][i], y))
+        sizes = [sum(len(a) for a, _ in o) for o in out]
+        send_a = torch.cat([a for o in out for a, _ in o] or [metas.new_zeros(0)])
+        send_y = torch.cat([y for o in out for _, y in o] or [xs.new_zeros(0, self.H)])
+        got = torch.tensor(sizes, dtype=torch.int64)
+        recv_sizes = torch.empty_like(got)
+        dist.all_to_all_single(recv_sizes, got, group=self.exchange.group)
+        rs = recv_sizes.tolist()
+        recv_a = send_a.new_empty(sum(rs))
+        recv_y = send_y.new_empty(sum(rs), self.H)
+        dist.all_to_all_single(recv_a, send_a, rs, sizes, group=self.exchange.group)
+        dist.all_to_all_single(recv_y, send_y, rs, sizes, group=self.exchange.group)
+        self._spilled = (recv_a, recv_y)
+
+    def spill_wgrad(self, work, main: tuple, main_grads: tuple, groups: tuple[int, int], slot: tuple | None = None,
+                    slot_grads: tuple | None = None) -> None:
+        """symm.SymmWorkspace.spill_wgrad over the staging gathered by the last backward spill."""
+        if not self.spills:
+            return
+        from topoep.runtime.spill import spill_backward_reference
+
+        xs, gs = self._staged
+        n, first = work.n.tolist(), work.first.tolist()
+        for g in range(*groups):
+            w1, w2 = self._weights(g, main, slot)
+            d1, d2 = (main_grads[0][g], main_grads[1][g]) if g < self.e_loc else (
+                slot_grads[0][g - self.e_loc], slot_grads[1][g - self.e_loc])
+            a1, a2 = torch.zeros(d1.shape), torch.zeros(d2.shape)
+            for s in range(self.R):
+                if n[s][g]:
+                    i = slice(first[s][g], first[s][g] + n[s][g])
+                    _, b1, b2 = spill_backward_reference(xs[s][i], gs[s][i], w1, w2)
+                    a1 += b1
+                    a2 += b2
+            if any(n[s][g] for s in range(self.R)):
+                d1.copy_((d1.float() + a1).to(d1.dtype))
+                d2.copy_((d2.float() + a2).to(d2.dtype))
 
     def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """A copy of src that later dispatches do not overwrite (rows past n are stale either way)."""

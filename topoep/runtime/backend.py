@@ -13,6 +13,7 @@ the portable reference and may synchronise the host (split sizes are host lists)
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -172,6 +173,27 @@ def e_main(e: int, experts_per_rank: int) -> int:
 BACKENDS = ("torch", "cuda")
 
 
+def capacity_rows(max_rows: int, capacity_factor: float) -> int:
+    """Rows of one receive region under a capacity: ceil(capacity_factor x max_rows), max_rows = T x top_k of the
+    largest call (the same on every rank)."""
+    return math.ceil(capacity_factor * max_rows)
+
+
+def receive_regions(num_ranks: int, max_rows: int, top_k: int, chunks: int,
+                    capacity_factor: float | None) -> tuple[list[int], bool]:
+    """(rows of each chunk's receive region, whether a row can spill) for backend cuda. A chunk's worst case is R
+    times its rows per rank (chunk 0 takes the first ceil(T / 2) tokens); a region holds that, or with a capacity
+    the smaller of it and the capacity (a chunk never receives more than its call). Rows spill only from a region
+    smaller than its worst case."""
+    T = max_rows // top_k
+    per_rank = [(T + 1) // 2 * top_k, T // 2 * top_k] if chunks == 2 and T >= 2 else [max_rows]
+    worst = [num_ranks * r for r in per_rank]
+    if capacity_factor is None:
+        return worst, False
+    cap = capacity_rows(max_rows, capacity_factor)
+    return [min(cap, w) for w in worst], cap < max(worst)
+
+
 # "gloo": backend cuda's logic on CPU processes over gloo (a2a.py's workspace and pool on GlooExchange, torch
 # references in place of the Triton kernels): a test harness for the CPU, not a way to train
 TRANSPORTS = ("peer", "a2a", "gloo")
@@ -240,24 +262,36 @@ class CudaBackend:
                                  f"{dist.get_backend(group)!r}")
             self._exchange = GlooExchange.shared(group)
 
-    def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device):
-        """The process-wide symmetric buffers for calls of this shape (created on first use: collective)."""
-        from topoep.runtime.symm import SymmWorkspace
-
+    def max_rows(self, num_tokens: int, top_k: int, device) -> int:
+        """The most rows (tokens x top_k) any rank of the group passes to one call: max_tokens x top_k, or the first
+        call's, agreed over the group once (a host collective) so that every rank sizes its buffers and plans its
+        capacity alike."""
         if self._max_rows is None:
-            self._max_rows = (self.max_tokens or num_tokens) * top_k
+            rows = torch.tensor([(self.max_tokens or num_tokens) * top_k], dtype=torch.int64, device=device)
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.group)
+            self._max_rows = int(rows)
         if num_tokens * top_k > self._max_rows:
             raise ValueError(f"this call routes T={num_tokens} tokens x top_k={top_k}, but backend 'cuda' sized its "
-                             f"buffers for {self._max_rows // top_k} tokens per rank (max_tokens, default the first "
-                             "call's T): pass max_tokens=<the largest T> to ExpertParallelMoE")
+                             f"buffers for {self._max_rows // top_k} tokens per rank (max_tokens, default the largest "
+                             "first call's T): pass max_tokens=<the largest T> to ExpertParallelMoE")
+        return self._max_rows
+
+    def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device,
+                  chunks: int = 1, capacity_factor: float | None = None):
+        """The process-wide symmetric buffers for calls of this shape (created on first use: collective): a receive
+        region per chunk (`receive_regions`)."""
+        from topoep.runtime.symm import SymmWorkspace
+
+        rows = self.max_rows(num_tokens, top_k, device)
+        regions, spills = receive_regions(self.world_size, rows, top_k, chunks, capacity_factor)
         E_loc = num_experts // self.world_size
         G = E_loc + num_slots
         if self.transport in ("a2a", "gloo"):
             from topoep.runtime.a2a import A2AWorkspace
 
-            return A2AWorkspace.shared(self.exchange(device), G, E_loc, self._max_rows, hidden, dtype)
-        return SymmWorkspace.shared(self.group, G, E_loc, max(num_experts, self.world_size * G), self._max_rows,
-                                    hidden, dtype, device)
+            return A2AWorkspace.shared(self.exchange(device), G, E_loc, rows, hidden, dtype, regions, spills)
+        return SymmWorkspace.shared(self.group, G, E_loc, max(num_experts, self.world_size * G), rows, hidden, dtype,
+                                    device, regions, spills)
 
     def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device):
         """The process's replica pool for this group and shape: two banks of slots with TOPOEP_PREFETCH=1

@@ -10,8 +10,9 @@ never by the routing:
                 side stream beside the dispatch (TOPOEP_FETCH_SIDE_STREAM=1; measured no faster)
     dispatch    one kernel stores every row straight into its destination's receive buffer, already
                 grouped by expert; a barrier publishes the rows
-    experts     torch._grouped_mm over the worst-case-sized receive buffers with device offsets (rows past
-                the last offset are never read)
+    experts     torch._grouped_mm over the receive regions with device offsets (rows past the last offset are
+                never read); rows that did not fit a region (spill.py) by the spill kernels, from their sources'
+                staging
     combine     one kernel stores every result row into its source's buffer at its assignment index; one
                 more (weighting.py) sums each token's k rows with its top-k weights
 With TOPOEP_CUDA_CHUNKS=2 the tokens are split in two halves, each with its own route (the plan's route row
@@ -21,8 +22,9 @@ combine beside the second's (paper 3.3's two-chunk pipeline; not yet run on a GP
 Backward runs the same steps for the token gradients (the dispatch scales each row by its top-k weight as it
 sends it; the weights' gradient is one kernel over the kept expert outputs), computes every data gradient before the weight
 gradients, and returns the replica weight gradients to their main ranks (summed there in source, slot
-order). Memory: the received rows and the pre-activations kept for backward are worst-case sized
-(R * T * k rows per layer), the price of never reading a count on the host.
+order). Memory: the received rows and the pre-activations kept for backward fill regions of a fixed size: the
+capacity (`capacity_factor` x T x k rows per region and chunk, which the planner's capacity step fits the plan to),
+or without one the worst case, R x T x k rows; nothing of the rows that spill is kept (backward recomputes them).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class CudaChunk:
     is_slot: torch.Tensor  # bool[A_c]: main buffer or slot buffer
     offs_main: torch.Tensor  # int32[E_loc]: end row of each main expert's group (grouped GEMM offsets)
     offs_slot: torch.Tensor  # int32[N]: end row of each slot's group
-    n_main: torch.Tensor  # int64[1]: rows received for the main experts
-    n_slot: torch.Tensor  # int64[1]: rows received for the slots
+    n_main: torch.Tensor  # int64[1]: rows received for the main experts (at most the region's rows)
+    n_slot: torch.Tensor  # int64[1]: rows received for the slots (likewise)
+    spill: object = None  # spill.SpillWork: the rows received beyond the region
     first: int = 0  # the call's index of the chunk's first assignment (its first token x top_k)
     base: int = 0  # the region's first row in the receive buffers
     cap: int | None = None  # the region's rows (None: to the buffers' end)
@@ -81,6 +84,11 @@ class CudaLayerCall:
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
     """(the chunk's send order as the call's assignment indices, its receive positions in the buffers)."""
     return ch.order + ch.first if ch.first else ch.order, ch.pos + ch.base if ch.base else ch.pos
+
+
+def _region_end(ch: CudaChunk) -> int | None:
+    """The end of the chunk's region in the receive buffers: a row at or beyond it spills."""
+    return None if ch.cap is None else ch.base + ch.cap
 
 
 def _region(buf: torch.Tensor | None, ch: CudaChunk) -> torch.Tensor | None:
@@ -389,7 +397,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 order, pos = _send(ch)
-                rm, rs = ws.dispatch(x, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None)
+                rm, rs = ws.dispatch(x, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None,
+                                     region_end=_region_end(ch), stage_base=ch.first)
                 return _region(rm, ch), _region(rs, ch), _record(comm)
 
         def compute(ch, rm, rs, ready):
@@ -402,6 +411,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 ys = hs = None
                 if pool is not None:
                     ys, hs = grouped_swiglu(xs, *slot_w, ch.offs_slot, ch.n_slot)
+                ws.spill(ch.spill, (W1, W2), slot_w)  # rows beyond the regions (none: a launch that finds none)
             return (xm, hm, xs, hs), (ym, ys), _record(comm and torch.cuda.current_stream(x.device))
 
         def combine(ch, ym, ys, done, rows):
@@ -430,14 +440,16 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             y = _weighted_sum(rows, wq, kept)
         ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
-        ctx.save_for_backward(wq, kept, *weights, *(t for keep in saved for t in keep if t is not None))
+        ctx.spills = ws.spills  # the backward restages spilled rows' inputs: keep x
+        ctx.save_for_backward(wq, kept, x if ws.spills else None, *weights,
+                              *(t for keep in saved for t in keep if t is not None))
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         call: CudaLayerCall = ctx.call
         n = ctx.num_weights
-        wq, kept, *t = ctx.saved_tensors
+        wq, kept, x, *t = ctx.saved_tensors
         weights, saved = t[:2 * n], t[2 * n:]
         T, k = wq.shape
         grad_y = grad_out.contiguous()
@@ -457,7 +469,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 # the gradient of each choice's output, w[t, j] grad_y[t], made as the rows are sent
                 order, pos = _send(ch)
                 gm, gs = ws.dispatch(grad_y, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None,
-                                     scale=wq.view(-1))
+                                     scale=wq.view(-1), region_end=_region_end(ch), stage_base=ch.first, src2=x)
                 return _region(gm, ch), _region(gs, ch), _record(comm)
 
         received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)] if comm is not None else None
@@ -472,6 +484,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 if pool is not None:
                     xs, hs = rest
                     gxs, ghs = grouped_swiglu_dgrad(gs, hs, *slot_w, ch.offs_slot, ch.n_slot)
+                ws.spill(ch.spill, (W1, W2), slot_w, backward=True)
             done = _record(comm and torch.cuda.current_stream(grad_y.device))
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 _wait(done, grad_y.device)
@@ -488,8 +501,13 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 g1, g2 = g1.add_(a), g2.add_(b)
             return g1, g2
 
+        E_loc, G = call.experts_per_rank, call.experts_per_rank + (pool.num_slots if pool is not None else 0)
+
         def main_wgrad():
-            return summed([grouped_swiglu_wgrad(*w[:6]) for w in wgrad_inputs])
+            g1, g2 = summed([grouped_swiglu_wgrad(*w[:6]) for w in wgrad_inputs])
+            for ch in call.chunks:  # the spilled rows of the main experts
+                ws.spill_wgrad(ch.spill, (W1, W2), (g1, g2), (0, E_loc))
+            return g1, g2
 
         if pool is None:
             with phase(tm, "experts"):
@@ -497,6 +515,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         else:  # the replicas' weight gradients first: they travel home while the main ones are computed
             with phase(tm, "experts"):
                 s1, s2 = summed([grouped_swiglu_wgrad(*w[6:]) for w in wgrad_inputs])
+                for ch in call.chunks:  # the spilled rows of the slots, before they travel
+                    ws.spill_wgrad(ch.spill, (W1, W2), (s1, s2), (E_loc, G), slot_w, (s1, s2))
             g1, g2 = return_grads(call, s1, s2, main_wgrad)
             prefetch_after_backward(call)
         if comm is not None:

@@ -144,5 +144,5 @@ class ExpertParallelFunction(torch.autograd.Function):
         grad_assign = grad_out.new_empty(call.num_tokens * k, grad_out.shape[1])
         for ch, handle in zip(call.chunks, back):
             grad_assign[ch.send_idx] = handle.wait()
-        grad_x = grad_assign.view(call.num_tokens, k, -1).sum(1)  # fixed order over the k choices
+        grad_x = grad_assign.view(call.num_tokens, k, grad_assign.shape[1]).sum(1)  # fixed order over the k choices
         return (grad_x, None, *g1, *g2)

@@ -21,8 +21,9 @@ from torch import nn
 
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
 from topoep.planners import OFFLINE_POLICIES, POLICIES, has_cuda_kernel, solve
+from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
-from topoep.runtime.backend import make_backend
+from topoep.runtime.backend import capacity_rows, make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
@@ -34,7 +35,10 @@ from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_ro
                                    send_layout)
 from topoep.runtime import layout_triton
 from topoep.runtime.pool import ReplicaPool
+from topoep.runtime.spill import SpillWork, spill_work
 from topoep.runtime.timing import PhaseTimer, phase
+
+LAYOUT = 8 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
 
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
@@ -45,7 +49,27 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
+    "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
+    "capacity_moves",  # moves of the capacity step (0: the plan fitted as the policy and the guard made it)
 )
+
+DEFAULT_CAPACITY_FACTOR = 1.25
+"""Rows of each receive region per capacity_factor x T x top_k (topoep.planners.capacity; results/capacity.md):
+with 2 slots every policy's plan fits after the capacity step on every routing of the planners' tests, from uniform
+to megatron's skew -4 at EP 8-128, and 1.25 T k is about the imbalance `topoep_plus` leaves on the paper's hardest
+workloads with 2 slots, so the step seldom changes a balanced plan."""
+
+
+def check_capacity_factor(capacity_factor, name: str = "capacity_factor"):
+    """None or a finite number >= 1 (a region smaller than a balanced rank's rows would spill even when balanced);
+    raises ValueError naming `name`."""
+    if capacity_factor is None:
+        return None
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+            or not 1.0 <= capacity_factor < math.inf):
+        raise ValueError(f"{name} must be a number >= 1 (receive rows per region, in units of the rows a rank sends: "
+                         f"T x top_k) or None (buffers for the worst case, R x T x top_k), got {capacity_factor!r}")
+    return float(capacity_factor)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -72,8 +96,16 @@ class ExpertParallelMoE(nn.Module):
             balanced plan) or a `NetBenefitGuard` with its own constants. Fires (executes the static plan)
             when the predicted saving of balancing is not above the predicted planning + replica transfer
             time; never runs for policy "static" or without slots. `pop_stats` counts how often it fired.
-        max_tokens: backend "cuda" only: the most tokens per rank of one call (its worst-case buffers hold
-            EP size x max_tokens x k rows); default the first call's T.
+        max_tokens: backend "cuda" only: the most tokens per rank of one call (its receive regions are sized from
+            it); default the largest first call's T over the EP group.
+        capacity_factor: every rank's two receive regions (its main experts' rows, its replica slots' rows) hold
+            ceil(capacity_factor x max_tokens x k) rows each (backend cuda's buffers and the tensors it keeps for
+            backward are sized by it), and every plan goes through the planner's capacity step, which moves rows to
+            other instances or new replicas until each region fits (topoep.planners.capacity). Rows that still do
+            not fit are computed on the spill path (backend cuda; topoep.runtime.spill): none is dropped. Backend
+            torch sizes its buffers exactly but plans the same way. None: no capacity step; backend cuda sizes for
+            the worst case, EP size x max_tokens x k rows, which grows with the EP size. Needs num_slots >= 1 to
+            move rows anywhere (without slots only the spill path can take them).
         transport: backend "cuda" only: "peer" (peer pointers; the EP group on one host) or "a2a" (NVSHMEM
             all-to-alls with device-side splits; any hosts, `a2a.py`); "gloo": the same logic on CPU processes
             over gloo with torch references for the kernels (a test harness).
@@ -87,7 +119,8 @@ class ExpertParallelMoE(nn.Module):
                  num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
                  device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
                  pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN,
-                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None, transport: str = "peer"):
+                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None, transport: str = "peer",
+                 capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
         super().__init__()
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
@@ -109,6 +142,7 @@ class ExpertParallelMoE(nn.Module):
         if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
             raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
         self.guard = NetBenefitGuard.build(guard)
+        self.capacity_factor = check_capacity_factor(capacity_factor)
         self.backend = make_backend(backend, group, max_tokens, transport)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
@@ -139,8 +173,13 @@ class ExpertParallelMoE(nn.Module):
         # TOPOEP_CUDA_CHUNKS, default 1: the two-chunk path is not yet measured on GPUs)
         # (fixed after the first call: the metadata CUDA graph captures the layout of that many chunks)
         self.cuda_chunks = int(env_choice("TOPOEP_CUDA_CHUNKS", ("1", "2"), "1"))
+        # backend cuda: static places replicas only for the capacity (the capacity step), so its slots follow the
+        # same hint: left out while no recent call needed a replica
+        uses_slots = policy != "static" or self.capacity_factor is not None
+        lag = lag if lag is not None or policy != "static" else 2
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
-                          and policy != "static" else None)
+                          and uses_slots else None)
+        self._uses_slots = uses_slots
         self._allow_flags: dict = {}  # device -> (True, False) 0-d bool tensors: the metadata graph's input
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -194,19 +233,24 @@ class ExpertParallelMoE(nn.Module):
             return self._experts_cuda(x, topk_idx, topk_weights, fc1, fc2)  # weighted inside (weighting.py)
         out = self._experts_torch(x, topk_idx, fc1, fc2)
         T, k = topk_idx.shape
-        return (out.view(T, k, -1) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        return (out.view(T, k, self.hidden_size) * topk_weights.unsqueeze(-1).to(out.dtype)).sum(1)
 
     def _solve(self, omega: torch.Tensor, token_bytes: int) -> tuple[Plan, torch.Tensor]:
-        """(the plan of this call after the net-benefit guard, its statistics without planner_ms). Tensor
-        work only (no host synchronisation on a GPU): backend cuda replays it in a CUDA graph."""
-        plan, guard_stats, _ = self._guarded_plan(omega, token_bytes)
-        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats])
+        """Backend torch: (the plan of this call after the net-benefit guard and the capacity step, its statistics
+        without planner_ms). The capacity is capacity_factor x the largest rank's rows of this call (read on the
+        host: backend torch synchronises anyway)."""
+        cap = None
+        if self.capacity_factor is not None:
+            cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor)
+        plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, fit_stats])
 
-    def _guarded_plan(self, omega: torch.Tensor, token_bytes: int,
-                      allow: torch.Tensor | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None]:
-        """(the plan after the net-benefit guard, float64[4] guard statistics, the guard's own decision: a
-        bool 0-d tensor, True when it wants the balanced plan; None without a guard). `allow` False (a bool
-        0-d tensor) forces the static plan: the host left this call's replica machinery out."""
+    def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
+                      capacity: int | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(the plan after the net-benefit guard and the capacity step, float64[4] guard statistics, the guard's own
+        decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard, float64[2] capacity
+        statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
+        plan and keeps the capacity step off the slots: the host left this call's replica machinery out."""
         N = self.num_slots
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
                      token_bytes=token_bytes, t_ffn=self.t_ffn)
@@ -218,15 +262,32 @@ class ExpertParallelMoE(nn.Module):
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow)
             wanted = saved > cost
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64)])
-        return plan, guard_stats, wanted
+        fit_stats = torch.zeros(2, dtype=torch.float64, device=omega.device)
+        if capacity is not None:
+            plan, fit_stats = self._fit(plan, capacity, allow)
+        return plan, guard_stats, wanted, fit_stats
+
+    def _fit(self, plan: Plan, capacity: int, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
+        """The capacity step on the GPU (no host synchronisation) or on the CPU; (plan, float64[2] statistics)."""
+        if plan.route.is_cuda:
+            from topoep.planners.cuda import fit_capacity_cuda
+
+            plan = fit_capacity_cuda(plan, capacity, allow_new=True if allow is None else allow)
+            info = plan.info["capacity"]["device"]
+            return plan, info[[1, 0]].to(torch.float64)
+        plan = fit_capacity(plan, capacity, allow_new=True if allow is None else bool(allow))
+        info = plan.info["capacity"]
+        return plan, torch.tensor([info["overflow"], info["moves"]], dtype=torch.float64)
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
-        """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict."""
+        """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict. stats: the plan's
+        STAT_NAMES, the guard's 4 (the last: wanted), the capacity step's 2."""
         n = len(STAT_NAMES)
         self.last_plan = plan
         planner = torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device)
         skipped = torch.full((1,), float(slot_skipped), dtype=torch.float64, device=stats.device)
-        self.stats = torch.cat([stats[:n], planner, stats[n:], skipped, skipped * stats[-1:]])  # stats[-1]: wanted
+        guard, fit = stats[n:n + 4], stats[n + 4:]
+        self.stats = torch.cat([stats[:n], planner, guard, skipped, skipped * guard[-1:], fit])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
 
@@ -265,10 +326,11 @@ class ExpertParallelMoE(nn.Module):
         if x.is_cuda == cpu_harness or x.dtype != torch.bfloat16:
             where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
             raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
-        ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device)
-        # static never uses a slot, and neither does a call whose guard will fire (slot_hint): no fetch, no
-        # slot GEMMs, no gradient return
-        use_slots = self.policy != "static" and (self.slot_hint is None or self.slot_hint.allow(x.device))
+        ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device, chunks=self.cuda_chunks,
+                          capacity_factor=self.capacity_factor)
+        # static uses a slot only for the capacity, and neither does a call whose guard will fire (slot_hint): no
+        # fetch, no slot GEMMs, no gradient return
+        use_slots = self._uses_slots and (self.slot_hint is None or self.slot_hint.allow(x.device))
         pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device) if use_slots else None
         if pool is not None:
             self.pool = pool
@@ -289,10 +351,11 @@ class ExpertParallelMoE(nn.Module):
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
             self._record(plan, stats, 1e3 * (time.perf_counter() - t0),
                          slot_skipped=self.slot_hint is not None and not use_slots)
-        chunks = [CudaChunk(*layout[i:i + 8]) for i in range(0, len(layout), 8)]
-        if self._two_chunks(ws, k):  # regions fixed by the workspace's capacity, so that every rank agrees on them
-            R = self.topology.num_ranks
-            chunks[0].cap = chunks[1].base = R * ((ws.a_cap // k + 1) // 2) * k
+        chunks = [CudaChunk(*layout[i:i + 8], spill=SpillWork(*layout[i + 8:i + LAYOUT]))
+                  for i in range(0, len(layout), LAYOUT)]
+        for c, ch in enumerate(chunks):  # regions fixed by the workspace, so that every rank agrees on them
+            ch.base, ch.cap = sum(ws.regions[:c]), ws.regions[c]
+        if len(chunks) == 2:
             chunks[1].first = ((T + 1) // 2) * k
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
                              experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled())
@@ -305,12 +368,18 @@ class ExpertParallelMoE(nn.Module):
         grouped-GEMM offsets and row counts are made here once for forward and backward."""
         E = self.num_experts
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
-        plan, guard_stats, wanted = self._guarded_plan(omega, token_bytes, allow)
+        cap = None
+        if self.capacity_factor is not None:
+            cap = capacity_rows(ws.a_cap, self.capacity_factor)
+        plan, guard_stats, wanted, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap)
         if wanted is None:
             wanted = torch.zeros((), dtype=torch.bool, device=omega.device)
+        if cap is not None:  # the slots are needed again when the capacity step placed a replica
+            wanted = wanted | (plan.slot_expert >= 0).any()
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
         # (into a buffer of this stream, so the allocator needs no record_stream)
-        stats = torch.empty(len(STAT_NAMES) + guard_stats.numel(), dtype=torch.float64, device=omega.device)
+        stats = torch.empty(len(STAT_NAMES) + guard_stats.numel() + fit_stats.numel(), dtype=torch.float64,
+                            device=omega.device)
         plan.instance_expert, plan.instance_rank  # noqa: B018 - cached on this stream: the layout reads them
         main = side = None
         if omega.is_cuda:
@@ -318,31 +387,30 @@ class ExpertParallelMoE(nn.Module):
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
-            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats]))
+            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats, fit_stats]))
         T = topk_idx.shape[0]
-        if not self._two_chunks(ws, topk_idx.shape[1]):
-            layouts = self._cuda_layout(topk_idx, plan)
+        if len(ws.regions) == 1:
+            layouts = self._cuda_layout(topk_idx, plan, ws.regions[0])
         else:  # two chunks of tokens (cuda_function.py): the route row split at the boundary, one all-gather
             T1 = (T + 1) // 2
             inst_expert = plan.instance_expert
             first = chunk_route_row(plan.route[self.rank], inst_expert, count_keys(topk_idx[:T1], E))
             route1 = ws.all_gather(first, 1)
-            layouts = ()
-            for rows, route in ((topk_idx[:T1], route1), (topk_idx[T1:], plan.route - route1)):
+            layouts, prev = (), None
+            for c, (rows, route) in enumerate(((topk_idx[:T1], route1), (topk_idx[T1:], plan.route - route1))):
                 omega_c = torch.zeros_like(plan.omega).index_add_(1, inst_expert.clamp(min=0), route)
-                layouts += self._cuda_layout(rows, dataclasses.replace(plan, route=route, omega=omega_c))
+                layouts += self._cuda_layout(rows, dataclasses.replace(plan, route=route, omega=omega_c),
+                                             ws.regions[c], prev)
+                prev = route1.sum(1)  # every source's rows in chunk 0: where its chunk-1 rows are staged
         if side is not None:
             main.wait_stream(side)
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, *layouts)
 
-    def _two_chunks(self, ws, k: int) -> bool:
-        """Whether backend cuda splits this call's tokens in two: decided alike on every rank (from the
-        workspace's capacity, not from this rank's T), and only when each half-region has rows."""
-        return self.cuda_chunks == 2 and ws.a_cap // k >= 2
-
-    def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan) -> tuple:
-        """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot) of these assignments under a plan
-        whose route is theirs."""
+    def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None) -> tuple:
+        """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, then the SpillWork's fields) of these
+        assignments under a plan whose route is theirs, received into regions of region_rows rows: the grouped
+        GEMMs' offsets and row counts stop at the region's end, the rest spills (spill.spill_work; prev: each
+        source's rows in earlier chunks)."""
         E_loc = self.experts_per_rank
         if topk_idx.is_cuda and layout_triton.ENABLED:  # two Triton kernels instead of about 60 small torch ones
             C = group_counts(plan)  # from the plan's route: no exchange
@@ -351,8 +419,11 @@ class ExpertParallelMoE(nn.Module):
             C, key, order = send_layout(topk_idx, plan, self.rank)
             dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
-        offs_main, offs_slot = (torch.cumsum(s, 0, dtype=torch.int32) for s in (sizes_main, sizes_slot))
-        return (order, dest, pos, is_slot, offs_main, offs_slot, sizes_main.sum().view(1), sizes_slot.sum().view(1))
+        offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in (sizes_main, sizes_slot))
+        n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in (sizes_main, sizes_slot))
+        work = spill_work(C, self.rank, E_loc, region_rows, prev)
+        return (order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot,
+                *(getattr(work, f.name) for f in dataclasses.fields(SpillWork)))
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:
         """(mean statistics over the calls since the last pop, on the device; number of calls), then

@@ -10,12 +10,15 @@ Buffers of one EP group (one `SymmWorkspace`, shared by every layer of the proce
     recv_slot       [cap, H]         rows for its replica slots, group-major
     meta_main/slot  int64[cap]       for each received row: source rank * A_cap + its assignment index
     back            [A_cap, H]       combine target: rows come home to their assignment index
+    stage, stage2   [A_cap, H]       (with a capacity) this rank's spilled rows, in its send order (spill.py)
+    stage_meta      int64[A_cap]     their assignment indices
     pool fc1/fc2    [N, 2F, H], [N, H, F]   the replica slots (a symmetric `ReplicaPool`)
     ret fc1/fc2     [R * N, 2F * H], [R * N, H * F]   the gradient-return regions: slot j of source s
                                       writes region s * N + j of the expert's main rank (paper 3.2)
-cap = R * A_cap: all R ranks may send all of their A_cap rows to one rank's main experts (or one rank's
-slots), so no row is ever dropped. A row that would not fit (a rank called with more than A_cap rows)
-is counted in `overflow` instead of being written out of bounds.
+The receive buffers hold one region per chunk of tokens (`regions`, rows each; cap = their sum). Without a
+capacity a region holds the chunk's worst case, R times its rows per rank, so no row is ever dropped. With one
+(`capacity_factor`: the planner's capacity step fits the plan to it) a region holds the capacity, and a row
+beyond its region's end is staged by its source instead (`stage`) and computed on the spill path (spill.py).
 
 Peer pointers work only inside one NVLink domain (one host here). Kernels loop over rows with a
 persistent grid, reading the row count from the device.
@@ -69,17 +72,19 @@ if triton is not None:
 
     @triton.jit
     def _dispatch_kernel(src, order, row_div, dest, pos, is_slot, meta_base, main_bases, slot_bases,
-                         main_meta_bases, slot_meta_bases, overflow, n_rows, cap, scale,
-                         H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr):
+                         main_meta_bases, slot_meta_bases, overflow, n_rows, region_end, scale, stage, stage_meta,
+                         stage_base, src2, stage2, H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         SPILL: tl.constexpr, HAS_SRC2: tl.constexpr):
         """Send row i: src[order[i] // row_div] (times scale[order[i]] with HAS_SCALE) -> row pos[i] of rank
         dest[i]'s main or slot buffer, and meta_base + order[i] (the row's way home) into the matching meta
-        buffer."""
+        buffer. A row at or beyond region_end spills (SPILL): it goes to this rank's own stage[stage_base + i]
+        instead, its assignment index to stage_meta, and with HAS_SRC2 src2's row (the input) to stage2."""
         for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             a = tl.load(order + i)
             d = tl.load(dest + i)
             p = tl.load(pos + i)
             slot = tl.load(is_slot + i) != 0
-            if p < cap:
+            if p < region_end:
                 rows = tl.where(slot, tl.load(slot_bases + d), tl.load(main_bases + d)).to(
                     tl.pointer_type(src.dtype.element_ty))
                 metas = tl.where(slot, tl.load(slot_meta_bases + d), tl.load(main_meta_bases + d)).to(
@@ -90,6 +95,16 @@ if triton is not None:
                 else:
                     _copy_row(rows + p * H, src + (a // row_div) * H, H, BLOCK_H)
                 tl.store(metas + p, meta_base + a)
+            elif SPILL:
+                ii = stage_base + i
+                if HAS_SCALE:
+                    _copy_row_scaled(stage + ii * H, src + (a // row_div) * H, tl.load(scale + a).to(tl.float32), H,
+                                     BLOCK_H)
+                else:
+                    _copy_row(stage + ii * H, src + (a // row_div) * H, H, BLOCK_H)
+                if HAS_SRC2:
+                    _copy_row(stage2 + ii * H, src2 + (a // row_div) * H, H, BLOCK_H)
+                tl.store(stage_meta + ii, a)
             else:
                 tl.atomic_add(overflow, 1)
 
@@ -241,13 +256,14 @@ class SymmWorkspace:
     _shared: dict = {}
 
     def __init__(self, group, num_groups: int, experts_per_rank: int, count_width: int, a_cap: int, hidden: int,
-                 dtype, device):
+                 dtype, device, regions: tuple[int, ...] | None = None, spills: bool = False):
         if triton is None:
             raise RuntimeError("backend 'cuda' needs triton (pip install triton)")
         self.group = group or dist.group.WORLD
         self.R, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.G, self.e_loc, self.a_cap, self.H = num_groups, experts_per_rank, a_cap, hidden
-        self.cap = self.R * a_cap
+        self.regions = tuple(regions) if regions is not None else (self.R * a_cap,)
+        self.cap = sum(self.regions)
         self.device = torch.device(device)
         self.dtype = dtype
         self.count_width = count_width
@@ -258,18 +274,33 @@ class SymmWorkspace:
         self.recv_slot = new(self.cap, hidden) if has_slots else None  # no slots: is_slot is never set
         self.meta_slot = new(self.cap, dt=torch.int64) if has_slots else None
         self.back = new(a_cap, hidden)
+        self.spills = spills  # a region smaller than its worst case: rows may spill (staged here, spill.py)
+        self.stage = new(a_cap, hidden) if self.spills else None
+        self.stage2 = new(a_cap, hidden) if self.spills else None
+        self.stage_meta = new(a_cap, dt=torch.int64) if self.spills else None
+        self.spilled_rows = torch.zeros(1, dtype=torch.int64, device=self.device)  # received on the spill path (forward)
         self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.row_grid = _row_grid(self.device)
         self.block_h = min(4096, _pow2(hidden))
 
     @classmethod
-    def shared(cls, group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device):
+    def shared(cls, group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device, regions=None,
+               spills=False):
         name = (group or dist.group.WORLD).group_name
-        key = (name, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, torch.device(device))
+        key = (name, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, torch.device(device),
+               tuple(regions) if regions is not None else None, spills)
         ws = cls._shared.get(key)
         if ws is None:
-            ws = cls._shared[key] = cls(group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device)
+            ws = cls._shared[key] = cls(group, num_groups, experts_per_rank, count_width, a_cap, hidden, dtype, device,
+                                        regions, spills)
         return ws
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this workspace's symmetric buffers (outside torch's caching allocator)."""
+        bufs = [*self.counts, self.recv_main, self.meta_main, self.recv_slot, self.meta_slot, self.back, self.stage,
+                self.stage2, self.stage_meta]
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in bufs if b is not None)
 
     # -- small metadata ------------------------------------------------------------------------
     def all_gather(self, row: torch.Tensor, which: int) -> torch.Tensor:
@@ -287,9 +318,12 @@ class SymmWorkspace:
     # -- token rows ----------------------------------------------------------------------------
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
                  is_slot: torch.Tensor, join: torch.cuda.Event | None = None,
-                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: torch.Tensor | None = None, region_end: int | None = None, stage_base: int = 0,
+                 src2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Send row i (src[order[i] // row_div], times scale[order[i]] when scale is given: one fp32 product
-        rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer.
+        rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer. A row at or beyond region_end
+        (the end of its chunk's region; default the buffers' end) is staged here instead, at stage_base + i (the
+        spill path, spill.py), with src2's row (the input, in backward) beside it.
         Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale).
         join: an event of work that must be published with the rows (a replica fetch on a side stream):
         waited for before the closing barrier."""
@@ -297,11 +331,15 @@ class SymmWorkspace:
         slot, slot_meta = self.recv_slot or self.recv_main, self.meta_slot or self.meta_main
         self.recv_main.barrier(channel=0)  # every rank is done with the previous contents
         if A:
+            stage = self.stage.tensor if self.spills else src
             _dispatch_kernel[(min(A, self.row_grid),)](
                 src.contiguous(), order, row_div, dest, pos, is_slot.to(torch.int8), self.rank * self.a_cap,
                 self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
-                A, self.cap, scale if scale is not None else order, H=self.H, BLOCK_H=self.block_h,
-                HAS_SCALE=scale is not None)
+                A, self.cap if region_end is None else region_end, scale if scale is not None else order,
+                stage, self.stage_meta.tensor if self.spills else order, stage_base,
+                src2.contiguous() if src2 is not None else src, self.stage2.tensor if self.spills else src,
+                H=self.H, BLOCK_H=self.block_h, HAS_SCALE=scale is not None, SPILL=self.spills,
+                HAS_SRC2=src2 is not None and self.spills)
         if join is not None:
             torch.cuda.current_stream(src.device).wait_event(join)
         self.recv_main.barrier(channel=1)
@@ -323,6 +361,33 @@ class SymmWorkspace:
         self.back.barrier(channel=0)
         rows = self.back.tensor[:num_rows]
         return rows.clone() if copy else rows
+
+    def spill(self, work, main: tuple, slot: tuple | None, backward: bool = False) -> None:
+        """The spill path's expert compute on this rank (spill.py): every row spilled to it, read from its source's
+        staging, computed with main = (W1, W2) or slot's weights, and its result (forward: the output; backward:
+        the input gradient, from the staged input and output gradient) written into the source's `back` at its
+        assignment index. Call it after the dispatch, before the combine's barrier. Nothing when nothing can
+        spill (no capacity); a launch that finds no row when nothing did."""
+        if not self.spills:
+            return
+        from topoep.runtime.spill import spill_rows
+
+        if backward:  # the dispatch staged the output gradient in stage, the input in stage2
+            spill_rows(work, self.stage2.ptrs, self.stage_meta.ptrs, self.back.ptrs, main, slot, gs_bases=self.stage.ptrs)
+        else:
+            spill_rows(work, self.stage.ptrs, self.stage_meta.ptrs, self.back.ptrs, main, slot)
+            self.spilled_rows += work.rows
+
+    def spill_wgrad(self, work, main: tuple, main_grads: tuple, groups: tuple[int, int], slot: tuple | None = None,
+                    slot_grads: tuple | None = None) -> None:
+        """Adds the weight gradients of the rows spilled to this rank in local groups [lo, hi) to main_grads (main
+        groups) / slot_grads (slot groups): after the backward's spill, before any rank's next dispatch (which
+        restages)."""
+        if not self.spills:
+            return
+        from topoep.runtime.spill import spill_wgrad
+
+        spill_wgrad(work, self.stage2.ptrs, self.stage.ptrs, main, main_grads, *groups, slot, slot_grads)
 
     def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """A non-symmetric copy of src's first n rows (n on the device) in a tensor of src's shape."""

@@ -1,0 +1,126 @@
+"""Multi-rank CPU tests (gloo) of the capacity-bounded layer: backend cuda's code on the CPU harness (transport
+"gloo": its receive regions sized by the capacity, the planner's capacity step, the spill path with the torch
+references of its kernels) and backend torch, against an fp64 reference, on adversarial routing at EP 2-16 as 1-4
+domains: every token of every rank on one expert; on one rank's experts; on one domain's experts; zero tokens on
+some ranks; uneven token counts. Outputs and all gradients within 2x backend torch's bf16 error, both backends with
+the same plan, and the capacity respected (region loads) or the rows beyond it spilled and counted
+(`capacity_overflow`). Three cases have too few slots (0 or 1) on purpose, and rows spill; with 2 slots none does."""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+E_LOC, T, K, H, FD = 8, 48, 4, 64, 32
+
+
+def _dense(x, idx, w, fc1, fc2, gy):
+    """fp64 reference of one rank's layer: y and the gradients of x, w, fc1, fc2 (all experts)."""
+    x, w, fc1, fc2 = (t.double().requires_grad_() for t in (x, w, fc1, fc2))
+    h = torch.einsum("th,tkfh->tkf", x, fc1[idx])
+    act = torch.nn.functional.silu(h[..., :FD]) * h[..., FD:]
+    y = (torch.einsum("tkf,tkhf->tkh", act, fc2[idx]) * w[..., None]).sum(1)
+    (y * gy.double()).sum().backward()
+    return [t.detach() for t in (y, x.grad, w.grad, fc1.grad, fc2.grad)]
+
+
+def _tokens(world, kind):
+    """Tokens per rank: zero on every other rank from rank 1 ("zero"), or varied ("uneven")."""
+    if kind == "zero":
+        return [0 if r % 2 else T for r in range(world)]
+    if kind == "uneven":
+        return [(T, T // 3, 1, T - 5)[r % 4] for r in range(world)]
+    return [T] * world
+
+
+def _routing(world, rpd, kind, seed):
+    """Every rank's (x, topk_idx, weights, grad_y) for one kind of routing (module docstring)."""
+    E = world * E_LOC
+    g = torch.Generator().manual_seed(seed)
+    pool = {"one_rank": E_LOC, "one_domain": E_LOC * rpd}.get(kind, E)
+    out = []
+    for n in _tokens(world, kind):
+        logits = torch.randn(n, E, generator=g)
+        logits[:, pool:] -= 1e4  # only the pool's experts can be chosen
+        if kind == "one_expert":
+            logits[:, 0] += 1e4  # every token chooses expert 0 (and k - 1 others)
+        idx = torch.topk(logits, K, dim=1).indices
+        w = torch.softmax(torch.randn(n, K, generator=g), 1)
+        out.append((torch.randn(n, H, generator=g), idx, w, torch.randn(n, H, generator=g)))
+    return out
+
+
+def _run(rank, world, rpd, kind, slots, chunks):
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.planners.capacity import region_loads
+    from topoep.runtime.a2a import A2AWorkspace
+
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    g = torch.Generator().manual_seed(5)
+    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+    data = _routing(world, rpd, kind, 7)
+    refs = [_dense(*d[:3], fc1, fc2, d[3]) for d in data]
+    ref = [refs[rank][0], refs[rank][1], refs[rank][2], sum(r[3] for r in refs)[lo:hi], sum(r[4] for r in refs)[lo:hi]]
+    x, idx, w, gy = data[rank]
+    out = {}
+    for backend in ("torch", "cuda"):
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                  topology=Topology(num_domains=world // rpd, ranks_per_domain=rpd), num_slots=slots,
+                                  policy="topoep", backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
+                                  transport="gloo" if backend == "cuda" else "peer", max_tokens=T)
+        with torch.no_grad():
+            layer.fc1.copy_(fc1[lo:hi])
+            layer.fc2.copy_(fc2[lo:hi])
+        layer.cuda_chunks = chunks  # backend cuda's token chunks (a receive region each)
+        xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
+        y = layer(xr, idx, wr)
+        (y * gy.to(torch.bfloat16)).sum().backward()
+        errs = [float((a.double() - b).abs().max()) if a.numel() else 0.0
+                for a, b in zip((y, xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad), ref)]
+        loads = region_loads(layer.last_plan)
+        spilled = sum(int(ws.spilled_rows) for ws in A2AWorkspace._shared.values()) if backend == "cuda" else 0
+        out[backend] = (errs, layer.stats_dict(), int(loads.max()), layer.last_plan.route.tolist(), spilled)
+    return out
+
+
+CASES = [  # (world, ranks per domain, routing, slots)
+    (2, 2, "one_expert", 2), (2, 1, "one_rank", 2), (2, 2, "one_rank", 1), (2, 2, "one_rank", 0),
+    (4, 2, "one_domain", 2), (4, 4, "zero", 2), (4, 2, "uneven", 1), (4, 1, "one_expert", 2),
+    pytest.param(8, 4, "one_rank", 2, marks=pytest.mark.slow), pytest.param(8, 2, "one_domain", 1, marks=pytest.mark.slow),
+    pytest.param(16, 4, "one_expert", 2, marks=pytest.mark.slow),
+    pytest.param(16, 4, "one_domain", 2, marks=pytest.mark.slow),
+]
+SPILLS = {(2, 2, "one_rank", 1), (2, 2, "one_rank", 0), (8, 2, "one_domain", 1)}  # too few slots: rows spill
+
+
+@pytest.mark.parametrize("world, rpd, kind, slots", CASES)
+def test_capacity_on_adversarial_routing(world, rpd, kind, slots):
+    _check(world, rpd, kind, slots, 1, (world, rpd, kind, slots) in SPILLS)
+
+
+@pytest.mark.parametrize("world, rpd, kind, slots, spills", [(4, 4, "one_rank", 0, True), (4, 2, "uneven", 1, False),
+                                                            (4, 2, "one_expert", 1, False)])
+def test_capacity_with_two_chunks(world, rpd, kind, slots, spills):
+    """Two chunks of tokens, a region each: chunk 1's spilled rows are staged after chunk 0's rows."""
+    _check(world, rpd, kind, slots, 2, spills)
+
+
+def _check(world, rpd, kind, slots, chunks, spills):
+    cap = int(1.25 * T * K)  # the default capacity_factor; max_tokens T on every rank
+    spilled = 0
+    for out in run_ranks(_run, world, rpd, kind, slots, chunks):
+        (errs_t, stats_t, _, route_t, _), (errs_c, stats_c, top, route_c, rows) = out["torch"], out["cuda"]
+        spilled += rows
+        assert route_c == route_t  # the same plan, capacity step included
+        for what, ec, et in zip(("y", "grad x", "grad w", "grad fc1", "grad fc2"), errs_c, errs_t):
+            assert ec <= 2 * et + 1e-6, f"{what}: error {ec:.3g} > 2 x torch's {et:.3g}"
+        overflow = stats_c["capacity_overflow"]
+        assert overflow == stats_t["capacity_overflow"]
+        # the capacity is respected, or what is beyond it is counted (and was computed on the spill path: the
+        # outputs above are right)
+        assert (top <= cap and overflow == 0) or (top > cap and overflow > 0), (top, overflow)
+        assert (overflow > 0) == spills, overflow
+    # the rows beyond the regions were received on the spill path: with one chunk exactly those beyond the capacity
+    # (summed over the ranks); each of two chunks has a region of its own, which holds its rows of the call
+    assert (spilled > 0) == spills and (chunks == 2 or spilled == overflow), (spilled, overflow)
