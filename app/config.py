@@ -103,6 +103,13 @@ class EplbConfig:
     """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the
     grid starts only when every block has one, so lower it where collectives on other streams hold many SMs.
     The plans do not depend on it."""
+    capacity_factor: float | None = 1.25
+    """Receive rows per region (a rank's main experts', its replica slots') in units of T x top_k: backend cuda's
+    buffers and the tensors it keeps for backward hold capacity_factor x T x top_k rows each, so its memory does
+    not grow with the EP size; the planner's capacity step fits every plan to it, and rows it cannot place are
+    computed on the spill path (slower, never dropped; logged as moe/capacity_overflow). null: no capacity step,
+    backend cuda's buffers sized for the worst case (EP size x T x top_k rows). Needs num_slots >= 1 to place
+    rows elsewhere. Transport a2a needs null (its buffers hold the worst case)."""
 
     def __post_init__(self):
         if self.name != "none":
@@ -133,6 +140,14 @@ class EplbConfig:
         if not isinstance(self.guard, bool):
             raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
         _positive(self, "num_chunks")
+        from topoep.runtime.moe import check_capacity_factor
+
+        if isinstance(self.capacity_factor, int) and not isinstance(self.capacity_factor, bool):
+            self.capacity_factor = float(self.capacity_factor)  # Hydra gives 2 for 2.0
+        check_capacity_factor(self.capacity_factor, "eplb.capacity_factor")
+        if self.capacity_factor is not None and self.transport == "a2a":
+            raise ValueError("eplb.transport=a2a sizes its buffers for the worst case and has no spill path: set "
+                             "eplb.capacity_factor=null with it (or use eplb.transport=peer on one host)")
 
     @property
     def enabled(self) -> bool:

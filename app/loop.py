@@ -121,7 +121,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
         print(f"world {d.world_size} on {tr.device}: tp {par.tp} pp {par.pp} ep {par.ep} dp "
               f"{ps.get_data_parallel_world_size()}; {topology}; eplb {ec.name}"
               + (f" (policy {ec.policy}, {ec.num_slots} slots, backend {ec.backend}, "
-                 f"guard {'on' if ec.guard else 'off'})" if ec.enabled else ""), flush=True)
+                 f"guard {'on' if ec.guard else 'off'}, capacity {ec.capacity_factor or 'worst case'})"
+                 if ec.enabled else ""), flush=True)
 
     loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
@@ -130,7 +131,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
     tc = setup.transformer_config(mc, par, tr, job.router)
     topoep_cfg = (TopoEPLayerConfig(topology=topology, policy=ec.policy, num_slots=ec.num_slots, backend=ec.backend,
                                     num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec), guard=ec.guard,
-                                    transport=ec.transport)
+                                    transport=ec.transport, capacity_factor=ec.capacity_factor)
                   if ec.enabled else None)
     model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
                             rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,
@@ -190,7 +191,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
         if stats.num_moe_layers:
             m = moe.cpu()
             for j, c in enumerate(COLUMNS):
-                metrics[f"moe/{c}"] = m[:, j].sum().item() if c in ("planner_ms", "slot_waits") else m[:, j].mean().item()
+                summed = ("planner_ms", "slot_waits", "capacity_overflow")
+                metrics[f"moe/{c}"] = m[:, j].sum().item() if c in summed else m[:, j].mean().item()
                 for li in range(m.shape[0]):
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
             metrics.update({f"moe/{k}": v for k, v in stats.pool_counts().items()})

@@ -7,7 +7,9 @@ their plans' statistics ("after") and the share of their calls in which the net-
 (executed the static plan); with backend cuda also the share of calls that left the replica machinery out
 (`slot_skip`), the share that did so although their own guard wanted replicas (`slot_skip_missed`: the cost
 of deciding from the guard `skip_lag` calls earlier) and how often the host waited for that earlier decision
-(`slot_waits`, a count on the ranks that report each stage). One small all-reduce brings every pipeline stage's layers to rank 0.
+(`slot_waits`, a count on the ranks that report each stage), and the rows the capacity step could not fit into the
+receive regions (`capacity_overflow`, summed over the step's micro-batches: backend cuda computed them on the spill
+path). One small all-reduce brings every pipeline stage's layers to rank 0.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.topology import Topology
 
 COLUMNS = ("imbalance_before", "imbalance_after", "internode_before", "internode_after", "replica_fraction",
-           "planner_ms", "num_replicas", "guard_fired", "slot_skip", "slot_skip_missed", "slot_waits")
+           "planner_ms", "num_replicas", "guard_fired", "slot_skip", "slot_skip_missed", "slot_waits",
+           "capacity_overflow")
 _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
 
@@ -88,14 +91,15 @@ class MoEStats:
             inter = (om * cross).sum() / total
             row = dict(imbalance_before=before, imbalance_after=before, internode_before=inter,
                        internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0,
-                       guard_fired=0.0, slot_skip=0.0, slot_skip_missed=0.0, slot_waits=0.0)
+                       guard_fired=0.0, slot_skip=0.0, slot_skip_missed=0.0, slot_waits=0.0, capacity_overflow=0.0)
             balancer = getattr(layer, "balancer", None)
             s, calls = balancer.pop_stats() if balancer is not None else (None, 0)
             if s is not None:  # TopoEP layer: its plans' statistics, averaged over the micro-batches
                 row.update(imbalance_after=s[_IDX["imbalance"]], internode_after=s[_IDX["internode_fraction"]],
                            replica_fraction=s[_IDX["replica_fraction"]], planner_ms=s[_IDX["planner_ms"]] * calls,
                            num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]],
-                           slot_skip=s[_IDX["slot_skipped"]], slot_skip_missed=s[_IDX["slot_skip_missed"]])
+                           slot_skip=s[_IDX["slot_skipped"]], slot_skip_missed=s[_IDX["slot_skip_missed"]],
+                           capacity_overflow=s[_IDX["capacity_overflow"]] * calls)
             hint = getattr(balancer, "slot_hint", None)
             if hint is not None:  # host counter: the waits since the last step
                 row.update(slot_waits=float(hint.waits - self._waits.get(i, 0)))

@@ -149,6 +149,17 @@ def test_a2a_with_pipeline_parallelism_is_refused():
     from bench.eval_worker import compose
 
     register_configs()
+    a2a = ["eplb=topoep", "eplb.backend=cuda", "eplb.transport=a2a", "eplb.capacity_factor=null"]
     with pytest.raises(ValueError, match="eplb.transport=a2a with parallel.pp=2"):
-        job_from_config(compose(["eplb=topoep", "eplb.backend=cuda", "eplb.transport=a2a", "parallel.pp=2"]))
-    job_from_config(compose(["eplb=topoep", "eplb.backend=cuda", "eplb.transport=a2a"]))  # pp 1: accepted
+        job_from_config(compose([*a2a, "parallel.pp=2"]))
+    job_from_config(compose(a2a))  # pp 1: accepted
+
+
+def test_a2a_with_a_capacity_is_refused():
+    """Transport a2a keeps worst-case buffers (no spill path across hosts): the trainer says to set the capacity
+    off, and the layer's workspace refuses a capacity on the NVSHMEM exchange."""
+    from app.config import EplbConfig
+
+    with pytest.raises(ValueError, match="set eplb.capacity_factor=null"):
+        EplbConfig(name="topoep", backend="cuda", transport="a2a")
+    EplbConfig(name="topoep", backend="cuda", transport="a2a", capacity_factor=None)

@@ -70,7 +70,11 @@ def test_backend_cuda_without_a_gpu_says_to_use_torch():
 
 
 class _OneRankWorkspace:
-    """The only part of symm.SymmWorkspace that the metadata uses, for a single rank on the CPU."""
+    """The only part of symm.SymmWorkspace that the metadata uses, for a single rank on the CPU: one receive region
+    of a_cap rows (the worst case at EP 1)."""
+
+    def __init__(self, a_cap):
+        self.a_cap, self.regions = a_cap, (a_cap,)
 
     def all_gather(self, row, which):
         return row[None].clone()
@@ -86,8 +90,9 @@ def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
                               num_slots=N, policy="topoep", guard=False)
     g = torch.Generator().manual_seed(0)
     topk_idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    out = layer._cuda_metadata(_OneRankWorkspace(), topk_idx, torch.tensor(True), token_bytes=16)
-    omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out
+    out = layer._cuda_metadata(_OneRankWorkspace(T * k), topk_idx, torch.tensor(True), token_bytes=16)
+    omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out[:13]
+    assert int(out[-1]) == 0  # the spill work: no row beyond the region
     assert wanted.dtype == torch.bool and not wanted  # no guard: no decision
     assert torch.equal(omega[0], count_keys(topk_idx, E))
     assert torch.equal(torch.sort(order).values, torch.arange(T * k))  # every assignment sent once

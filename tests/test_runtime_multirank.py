@@ -75,7 +75,8 @@ def _layer_vs_reference(rank, world, rpd, policies, chunks_list, skew, device="c
             layer.last_plan.check()
             s = layer.stats_dict()
             out[(policy, chunks)] = dict(replica_fraction=s["replica_fraction"], imbalance=s["imbalance"],
-                                         static_imbalance=s["static_imbalance"], y=y.detach().cpu())
+                                         static_imbalance=s["static_imbalance"], y=y.detach().cpu(),
+                                         capacity_moves=s["capacity_moves"])
     return out
 
 
@@ -85,8 +86,8 @@ def test_every_policy_matches_dense_reference(world, rpd):
     for policy in POLICIES:
         rep = [r[(policy, 2)]["replica_fraction"] for r in results]
         assert len(set(rep)) == 1  # every rank computed the same plan
-        if policy == "static":
-            assert rep[0] == 0.0
+        if policy == "static":  # replicas only where the capacity step placed them
+            assert (rep[0] == 0.0) == (results[0][(policy, 2)]["capacity_moves"] == 0)
         elif policy in ("topoep", "flexmoe", "deepseek"):
             assert rep[0] > 0.0, f"{policy}: replicas not exercised under skew"
         assert results[0][(policy, 2)]["imbalance"] <= results[0][(policy, 2)]["static_imbalance"] + 1e-9 \

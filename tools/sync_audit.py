@@ -1,6 +1,7 @@
 """Find every host synchronisation in one forward + backward of the `cuda`-backend layer on 2 GPUs
 (GPU machine; TOPOEP_GPU_WORLD=1 for one): runs under torch.cuda.set_sync_debug_mode("warn") and prints the
-Python stack of each synchronising call. The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
+Python stack of each synchronising call. Two layers: with 2 replica slots, and with none (the capacity step cannot
+move the hot rank's rows: they go through the spill kernels at EP 2 and more). The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
 TOPOEP_GPU_WORLD, TOPOEP_GPU_RPD (virtual domains), TOPOEP_GPU_TRANSPORT and TOPOEP_GPU_SHARE.
 Usage: python tools/sync_audit.py"""
 
@@ -21,24 +22,25 @@ def _audit(rank, world):
     from topoep import ExpertParallelMoE
 
     dev = _setup(rank)
-    layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
-                              num_slots=2, policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
-                              transport=TRANSPORT)
     found = []
 
     def show(message, category, filename, lineno, file=None, line=None):
         found.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
 
-    for i, b in enumerate(_routing(world, s, 3.0, dev)[rank] for s in range(2)):
-        x, idx, w, gy = (t.to(dev) for t in b)
-        if i == 1:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-            warnings.showwarning = show
-            warnings.simplefilter("always")
-        xr = x.to(torch.bfloat16).requires_grad_()
-        (layer(xr, idx, w.to(torch.bfloat16)) * gy.to(torch.bfloat16)).sum().backward()
-    torch.cuda.set_sync_debug_mode(0)
+    for slots in (2, 0):
+        layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
+                                  num_slots=slots, policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
+                                  transport=TRANSPORT)
+        for i, b in enumerate(_routing(world, s, 3.0, dev)[rank] for s in range(2)):
+            x, idx, w, gy = (t.to(dev) for t in b)
+            if i == 1:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+                warnings.showwarning = show
+                warnings.simplefilter("always")
+            xr = x.to(torch.bfloat16).requires_grad_()
+            (layer(xr, idx, w.to(torch.bfloat16)) * gy.to(torch.bfloat16)).sum().backward()
+            torch.cuda.set_sync_debug_mode(0)
     return found
 
 

@@ -18,6 +18,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from topoep.metrics import DEFAULT_T_FFN
 from topoep.runtime import ExpertParallelMoE, NetBenefitGuard
+from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR
 from topoep.topology import Topology
 
 
@@ -35,6 +36,8 @@ class TopoEPLayerConfig:
     t_ffn: float = DEFAULT_T_FFN
     guard: bool | NetBenefitGuard = True
     """The net-benefit guard of `ExpertParallelMoE` (True: default constants; False: off)."""
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
+    """Receive rows per region in units of T x top_k (`ExpertParallelMoE`'s capacity_factor; None: worst case)."""
 
 
 def expert_weight_lists(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -82,7 +85,8 @@ class TopoEPMoELayer(MoELayer):
             policy=topoep.policy, group=self.ep_group, backend=topoep.backend, dtype=config.params_dtype,
             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
             num_chunks=topoep.num_chunks, expert_weights=lambda: expert_weight_lists(self.experts),
-            t_ffn=topoep.t_ffn, guard=topoep.guard, transport=topoep.transport)
+            t_ffn=topoep.t_ffn, guard=topoep.guard, transport=topoep.transport,
+            capacity_factor=topoep.capacity_factor)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:

@@ -425,6 +425,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 keep, ys_, done = compute(ch, *dispatch(i, ch))
                 rows = combine(ch, *ys_, done, rows)
                 saved.append(keep)
+                del ys_  # combined on this stream: the memory is free for the next chunk and the weighting
         else:
             received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)]
             for ch, got in zip(call.chunks, received):
@@ -440,7 +441,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             y = _weighted_sum(rows, wq, kept)
         ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
-        ctx.spills = ws.spills  # the backward restages spilled rows' inputs: keep x
+        # the backward restages spilled rows' inputs: keep x
         ctx.save_for_backward(wq, kept, x if ws.spills else None, *weights,
                               *(t for keep in saved for t in keep if t is not None))
         return y
@@ -490,7 +491,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 _wait(done, grad_y.device)
                 grad_assign = ws.combine(gxm, gxs, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base,
                                          out=grad_assign)
-            data_grads.append((gxm, gxs))  # the comm stream reads them: kept until it is joined below
+            if comm is not None:  # the comm stream reads them: kept until it is joined below
+                data_grads.append((gxm, gxs))
+            del gxm, gxs
             # gm, gs stay valid for the weight gradients: the next chunk's rows land in another region
             wgrad_inputs.append((xm, hm, gm, ghm, ch.offs_main, ch.n_main) + (
                 (rest[0], rest[1], gs, ghs, ch.offs_slot, ch.n_slot) if pool is not None else ()))

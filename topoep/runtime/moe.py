@@ -161,6 +161,7 @@ class ExpertParallelMoE(nn.Module):
             self.reset_parameters()
         self.pool = pool or ReplicaPool.shared(num_slots, hidden_size, ffn_hidden_size, dtype, device)
         self.last_plan = None
+        self.workspace = None  # backend cuda: the (shared) workspace of the last call
         self.timer: PhaseTimer | None = None
         self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
         self._stats_sum, self._stats_calls = None, 0
@@ -326,8 +327,8 @@ class ExpertParallelMoE(nn.Module):
         if x.is_cuda == cpu_harness or x.dtype != torch.bfloat16:
             where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
             raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
-        ws = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device, chunks=self.cuda_chunks,
-                          capacity_factor=self.capacity_factor)
+        ws = self.workspace = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device,
+                                           chunks=self.cuda_chunks, capacity_factor=self.capacity_factor)
         # static uses a slot only for the capacity, and neither does a call whose guard will fire (slot_hint): no
         # fetch, no slot GEMMs, no gradient return
         use_slots = self._uses_slots and (self.slot_hint is None or self.slot_hint.allow(x.device))
