@@ -71,6 +71,7 @@ from bench.common import REPO, bench_gpu, markdown_table, run_info, without_opti
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
+from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -328,6 +329,10 @@ def parse_args(argv):
     ap.add_argument("--unguarded", action="store_true", help="also run every balancing policy with the guard off")
     ap.add_argument("--no-megatron", action="store_true", help="skip megatron-core's alltoall layer")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
+    ap.add_argument("--capacity-factors", nargs="+", default=["default"],
+                    help="ExpertParallelMoE capacity_factor of the TopoEP layers: 'default' "
+                         f"({DEFAULT_CAPACITY_FACTOR}), 'none' (buffers for the worst case) or a number; each value "
+                         "other than the default labels its layers '<backend> cf=<value>'")
     ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
                     help="backend cuda's data movement: peer pointers (one host) or NVSHMEM all-to-alls (a2a)")
     ap.add_argument("--reload", choices=["auto", "always"], default="auto",
@@ -404,19 +409,22 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     fc1 = (torch.randn(E // world, 2 * Fd, H, generator=g, device=dev) * 0.02).to(dtype)
     fc2 = (torch.randn(E // world, H, Fd, generator=g, device=dev) * 0.02 / 2 ** 0.5).to(dtype)
-    variants = [(be, p, True) for be in args.backends for p in args.policies]
+    variants = [(be, p, True, cf) for cf in args.capacity_factors for be in args.backends for p in args.policies]
     if args.unguarded:
-        variants += [(be, p, False) for be in args.backends for p in args.policies if p != "static"]
+        variants += [(be, p, False, cf) for cf in args.capacity_factors for be in args.backends for p in args.policies
+                     if p != "static"]
     layers = {}
-    for be, policy, guard in variants:
+    for be, policy, guard, cf in variants:
+        factor = DEFAULT_CAPACITY_FACTOR if cf == "default" else None if cf == "none" else float(cf)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
                                   t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,
-                                  transport=args.transport if be == "cuda" else "peer")
+                                  transport=args.transport if be == "cuda" else "peer", capacity_factor=factor)
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
-        layers[f"{be}/{policy}" + ("" if guard or policy == "static" else " (no guard)")] = layer
+        label = be if cf == "default" else f"{be} cf={cf}"  # a capacity other than the default: its own "backend"
+        layers[f"{label}/{policy}" + ("" if guard or policy == "static" else " (no guard)")] = layer
     if args.no_megatron or not with_megatron:
         return layers, None
     mlayer, experts_module = megatron_layer(args, world, dtype, cuda, fc1, fc2)
@@ -470,7 +478,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--ranks-per-domain {rpd} must divide the world size {world}")
     topo = Topology(num_domains=world // rpd, ranks_per_domain=rpd)
     layers, megatron = build_layers(args, topo, dev, dtype, cuda, args.tokens[0])
-    reference = f"{args.backends[0]}/static" if "static" in args.policies else None
+    reference = next((name for name in layers if name.endswith("/static")), None)
     E, H, k = args.experts, args.hidden, args.topk
     rows = []
     for T in args.tokens:

@@ -1,4 +1,4 @@
-"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py, weighting.py) compiles for sm_90 (H100/H200)
+"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py, weighting.py, spill.py) compiles for sm_90 (H100/H200)
 without a GPU, with the argument types the backend passes. Catches type and syntax errors before any GPU
 time; that the kernels compute the right thing is checked on the GPU (tests/test_cuda_backend_gpu.py)."""
 
@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 import topoep.runtime.layout_triton as LT  # noqa: E402
+import topoep.runtime.spill as SP  # noqa: E402
 import topoep.runtime.symm as S  # noqa: E402
 import topoep.runtime.weighting as W  # noqa: E402
 
@@ -20,8 +21,9 @@ KERNELS = {
     "_gather_row_kernel": (dict(src=I64, n=I32, bases=I64, me=I32), dict(BLOCK=1024)),
     "_dispatch_kernel": (dict(src="*bf16", order=I64, row_div=I32, dest=I64, pos=I64, is_slot="*i8", meta_base=I32,
                               main_bases=I64, slot_bases=I64, main_meta_bases=I64, slot_meta_bases=I64,
-                              overflow="*i32", n_rows=I32, cap=I32, scale="*bf16"),
-                         dict(H=2048, BLOCK_H=2048, HAS_SCALE=True)),
+                              overflow="*i32", n_rows=I32, region_end=I32, scale="*bf16", stage="*bf16",
+                              stage_meta=I64, stage_base=I32, src2="*bf16", stage2="*bf16"),
+                         dict(H=2048, BLOCK_H=2048, HAS_SCALE=True, SPILL=True, HAS_SRC2=True)),
     "_combine_kernel": (dict(y="*bf16", meta=I64, n_ptr=I64, back_bases=I64, a_cap=I32, cap=I32),
                         dict(H=2048, BLOCK_H=2048)),
     "_copy_rows_kernel": (dict(dst="*bf16", src="*bf16", n_ptr=I64, cap=I32), dict(H=1536, BLOCK_H=2048)),
@@ -40,12 +42,21 @@ KERNELS = {
                             rep_first_ptr=I64, rep_count_ptr=I64, rep_list_ptr=I64, key_start_ptr=I64,
                             recv_start_ptr=I64, order_ptr=I64, key_ptr=I64, dest_ptr=I64, pos_ptr=I64,
                             slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32, nb=I32), dict(B=LT.BLOCK)),
+    # spill.py, Qwen3's expert shape
+    "_spill_rows_kernel": (dict(tile_end=I64, n_sg=I64, first_sg=I64, n_pairs=I32, G=I32, E_loc=I32, xs_bases=I64,
+                                gs_bases=I64, meta_bases=I64, back_bases=I64, main1="i64", main2="i64", slot1="i64",
+                                slot2="i64"),
+                           dict(H=2048, F=768, BM=SP.BM, BK=SP.BK, BF=SP.BF, BH=SP.BH, BACKWARD=True, FP32=False)),
+    "_spill_wgrad_kernel": (dict(n_sg=I64, first_sg=I64, groups=I64, num_groups=I64, R=I32, G=I32, E_loc=I32,
+                                 g_lo=I32, g_hi=I32, xs_bases=I64, gs_bases=I64, main1="i64", main2="i64",
+                                 slot1="i64", slot2="i64", gmain1="i64", gmain2="i64", gslot1="i64", gslot2="i64"),
+                            dict(H=2048, F=768, BM=SP.BM, BK=SP.BK, BF=SP.BF, BH=SP.BH, FP32=False)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", T=I32),
                              dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
-MODULES = (S, LT, W)
+MODULES = (S, LT, W, SP)
 
 
 def _kernel(name):
@@ -59,7 +70,9 @@ def test_every_kernel_is_listed():
 
 # other specialisations the backend launches: (kernel, constexprs that differ)
 VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
-            ("_dispatch_kernel", dict(HAS_SCALE=False))]  # the forward dispatch
+            ("_dispatch_kernel", dict(HAS_SCALE=False, HAS_SRC2=False)),  # the forward dispatch
+            ("_dispatch_kernel", dict(HAS_SCALE=False, SPILL=False, HAS_SRC2=False)),  # without a capacity
+            ("_spill_rows_kernel", dict(BACKWARD=False))]  # the forward spill
 
 
 @pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)

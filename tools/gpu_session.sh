@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner memory moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -198,13 +198,52 @@ step_planner() {  # CUDA planner: bit-equality with the reference, no host sync,
   grep -E "^(E  |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$OUT/planner_tests_full.log" | head -40 \
     | tee "$OUT/planner_tests.log"
   [ $rc = 0 ] || { echo "planner tests failed (rc $rc): no benchmark"; return; }
+  [ "${PLANNER_BENCH:-1}" = 0 ] && return
   timeout ${PLANNER_BENCH_TIMEOUT:-240} python3 bench/planner_latency.py --profile --out "$OUT" 2>&1 | grep -v -i warn \
     | tail -30
 }
 
-step_memory() {  # one MoE layer, Qwen3 expert shape: peak memory and time, static vs topoep
-  python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/layer_memory.py --out "$OUT/layer_memory.md" \
-    2>&1 | grep -v -i warn | tail -12
+step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2, 4, 8 (EPS), the ranks sharing the
+  # GPU(s): backend torch, backend cuda with worst-case buffers and with the capacity, beside the memory model
+  # (bench/layer_memory.py; the json of each EP size into $OUT/layer_memory.tgz)
+  local ep
+  mkdir -p "$RUNS-memory"
+  for ep in ${EPS:-1 2 4 8}; do
+    timeout ${MEMORY_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node=$ep \
+      bench/layer_memory.py --share-gpu --out "$RUNS-memory" > "$RUNS-memory.log" 2>&1
+    echo "EP $ep: exit $?"; grep -E "^EP |Error|error" "$RUNS-memory.log" | tail -14
+  done
+  tar -C "$RUNS-memory" -czf "$OUT/layer_memory.tgz" .
+}
+
+step_capacity() {  # the capacity step and the spill path: the CUDA fit against the reference (and solve with a
+  # capacity, no host sync, graph replay), the spill kernels against their references, the quick planner set (the
+  # extension holds the planner too), then backend cuda's GPU tests and sync audit at EP 1 and with the ranks
+  # sharing the GPU at EP 2 (one domain; 2 domains of 1) and EP 8 (2 domains of 4). Correctness only.
+  timeout 400 python3 -m pytest -q -rA tests/test_capacity_cuda.py tests/test_spill.py > "$RUNS.cap" 2>&1
+  echo "capacity kernel + spill kernels: $(tail -1 "$RUNS.cap")"; tail -25 "$RUNS.cap" > "$OUT/capacity_tests.log"
+  PLANNER_QUICK=1 PLANNER_BENCH=0 step_planner > /dev/null 2>&1
+  echo "planner (quick set): $(tail -1 "$OUT/planner_tests.log")"
+  TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py tests/test_weighting.py \
+    > "$RUNS.ep1" 2>&1
+  echo "EP 1: $(tail -1 "$RUNS.ep1")"; tail -20 "$RUNS.ep1" > "$OUT/cuda_backend_ep1_tests.log"
+  TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | sed 's/^/EP 1 /'
+  (
+    export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
+    shared_tests ep2_rpd2 TOPOEP_GPU_RPD=2
+    shared_tests ep2_rpd1 TOPOEP_GPU_RPD=1
+    shared_audit sync_audit_capacity.log TOPOEP_GPU_RPD=2
+    export TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
+    shared_tests ep8_rpd4
+    shared_audit sync_audit_capacity.log
+  )
+}
+
+step_capacity_time() {  # one MoE layer at EP 1 on backend cuda, worst-case buffers and the capacity in one run
+  # (static and topoep, 4096 and 16384 tokens, uniform and skew -4): the capacity must cost nothing measurable
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/moe_layer.py --name \
+    moe_layer_capacity_ep1 --out "$OUT" --backends cuda --no-megatron --capacity-factors default none \
+    --tokens 4096 16384 --skews 0 -4 --layouts random --profile-iters 0 2>&1 | grep -E "^  [0-9]|Error|error" | tail -20
 }
 
 step_moe_layer() {  # one MoE layer, Qwen3 expert shape, EP = all GPUs: backend torch static/topoep (guard on) and
