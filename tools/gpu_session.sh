@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -219,7 +219,7 @@ step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2
 step_capacity() {  # the capacity step and the spill path: the CUDA fit against the reference (and solve with a
   # capacity, no host sync, graph replay), the spill kernels against their references, the quick planner set (the
   # extension holds the planner too), then backend cuda's GPU tests and sync audit at EP 1 and with the ranks
-  # sharing the GPU at EP 2 (one domain; 2 domains of 1) and EP 8 (2 domains of 4). Correctness only.
+  # sharing the GPU at EP 2 (one domain; 2 domains of 1); EP 8: step capacity_ep8. Correctness only.
   timeout 400 python3 -m pytest -q -rA tests/test_capacity_cuda.py tests/test_spill.py > "$RUNS.cap" 2>&1
   echo "capacity kernel + spill kernels: $(tail -1 "$RUNS.cap")"; tail -25 "$RUNS.cap" > "$OUT/capacity_tests.log"
   PLANNER_QUICK=1 PLANNER_BENCH=0 step_planner > /dev/null 2>&1
@@ -233,11 +233,14 @@ step_capacity() {  # the capacity step and the spill path: the CUDA fit against 
     shared_tests ep2_rpd2 TOPOEP_GPU_RPD=2
     shared_tests ep2_rpd1 TOPOEP_GPU_RPD=1
     shared_audit sync_audit_capacity.log TOPOEP_GPU_RPD=2
-    export TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
-    shared_tests ep8_rpd4
-    shared_audit sync_audit_capacity.log
   )
 }
+
+step_capacity_ep8() (  # backend cuda's GPU tests and sync audit at EP 8 as 2 domains of 4, the ranks sharing the GPU
+  export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
+  shared_tests ep8_rpd4
+  shared_audit sync_audit_capacity.log
+)
 
 step_capacity_time() {  # one MoE layer at EP 1 on backend cuda, worst-case buffers and the capacity in one run
   # (static and topoep, 4096 and 16384 tokens, uniform and skew -4): the capacity must cost nothing measurable
