@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from bench.common import REPO, markdown_table, run_info  # noqa: E402
 from topoep import POLICIES, metrics  # noqa: E402
 from topoep import sim  # noqa: E402
+from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 
 WORKLOADS = ("natural", "-1", "-2", "-3", "-4")
 PAPER_MODELS = (("qwen3", 32), ("glm45air", 16), ("deepseek_v2", 16))
@@ -945,6 +947,94 @@ def uncommitted() -> str:
             if changed else "- simulator source: as in that commit (the files it depends on are unchanged)")
 
 
+# -- memory ----------------------------------------------------------------------------------------------------
+# the paper's reduced-depth models (Table 1): their MoE layers
+MOE_LAYERS = {"qwen3": 5, "glm45air": 5, "deepseek_v2": 4}
+PARAM_STATE_BYTES = 18  # per expert parameter: bf16 weight and gradient, fp32 main weight, Adam's two moments
+GPU_GB = {"H800": 80, "H200": 141}
+
+
+def memory_sweep(eps, slots, tokens=(4096, 16384)) -> list[dict]:
+    """Per-rank memory of each model's MoE layers on backend cuda (topoep.memory), without and with the capacity:
+    the experts' parameters with their optimizer state, every MoE layer's tensors kept for backward, one call's
+    temporaries, the buffers and slots. No plans: the sizes follow the shapes (replicas assumed in use)."""
+    rows = []
+    for name, layers in MOE_LAYERS.items():
+        for T in tokens:
+            for R in eps:
+                # beyond one expert per rank, the timing sweep's rule: as many experts as ranks (at least the model's)
+                m = sim.MODELS[name].with_experts(max(sim.MODELS[name].num_experts, R))
+                if m.num_experts % R:
+                    continue
+                model = replace(m, tokens_per_rank=T)
+                params = m.num_experts // R * 3 * m.hidden_size * m.ffn_hidden_size * PARAM_STATE_BYTES
+                for N in slots:
+                    row = dict(model=name, moe_layers=layers, experts=m.num_experts, tokens=T, ep=R, slots=N,
+                               params_gb=params / 1e9)
+                    for label, cf in (("worst", None), ("capacity", DEFAULT_CAPACITY_FACTOR)):
+                        mem = sim.model_memory(model, R, N, cf)
+                        row[f"{label}_gb"] = (params + mem.model_total(layers)) / 1e9
+                        row[f"{label}_layer_gb"] = mem.total / 1e9
+                        row[f"{label}_slots_gb"] = mem.slots / 1e9
+                    rows.append(row)
+    return rows
+
+
+def memory_md(rows) -> str:
+    fits = {(r["model"], r["tokens"], r["ep"], r["slots"]): r for r in rows}
+    lines = ["## 4. Memory per rank: which configurations fit (backend cuda, topoep.memory)\n",
+             "Per-rank bytes of each model's MoE layers (the paper's reduced depth: Qwen3 and GLM-4.5-Air 5 MoE "
+             "layers, DeepSeek-V2 4): the local experts' parameters with their optimizer state (18 bytes per "
+             "parameter), every MoE layer's tensors kept for backward, one call's temporaries (forward and backward) "
+             "and backend cuda's symmetric buffers and replica pool, one micro-batch in flight. Attention, embeddings "
+             "and their activations are not counted. Beyond one expert per rank (EP above 128, 160 for DeepSeek-V2) "
+             "a model has as many experts as ranks, as in section 3. `worst`: capacity_factor=None (receive buffers and kept tensors "
+             f"of R x T x k rows); `capacity`: the default capacity_factor {DEFAULT_CAPACITY_FACTOR}. The model is "
+             "validated on one H200 with the ranks sharing it (results/layer_memory.md). GB = 1e9 bytes.\n"]
+    slots = sorted({r["slots"] for r in rows})
+    eps = sorted({r["ep"] for r in rows})
+    for model in MOE_LAYERS:
+        for T in sorted({r["tokens"] for r in rows}):
+            header = ["EP", *[f"{n} slots: worst -> capacity" for n in slots]]
+            table = []
+            for R in eps:
+                cells = []
+                for n in slots:
+                    r = fits.get((model, T, R, n))
+                    if r is None:
+                        cells.append("")
+                        continue
+                    cells.append(f"{r['worst_gb']:.1f}{_over(r['worst_gb'])} -> "
+                                 f"{r['capacity_gb']:.1f}{_over(r['capacity_gb'])}")
+                table.append([str(R), *cells])
+            lines += [f"**{model}, {T} tokens per rank** (GB per rank; ` (> H800)`: more than 80 GB, ` (> H200)`: more "
+                      "than 141 GB):\n", markdown_table(header, table), ""]
+    for model in MOE_LAYERS:
+        for T in sorted({r["tokens"] for r in rows}):
+            for gpu, gb in GPU_GB.items():
+                worst = sorted({r["ep"] for r in rows if r["model"] == model and r["tokens"] == T and r["slots"] == 2
+                                and r["worst_gb"] <= gb})
+                cap = sorted({r["ep"] for r in rows if r["model"] == model and r["tokens"] == T and r["slots"] == 2
+                              and r["capacity_gb"] <= gb})
+                lines.append(f"- {model}, {T} tokens, 2 slots, {gpu} ({gb} GB): fits at EP {_eps(worst)} with "
+                             f"worst-case buffers, at EP {_eps(cap)} with the capacity")
+    grow = [r for r in rows if r["slots"] == 2 and r["tokens"] == 4096 and r["model"] == "qwen3"]
+    if grow:
+        lo, hi = min(grow, key=lambda r: r["ep"]), max(grow, key=lambda r: r["ep"])
+        lines.append(f"- What still grows with EP under the capacity: the replica pool's gradient-return regions (R x N "
+                     f"expert-sized regions per rank): qwen3 with 2 slots {lo['capacity_slots_gb']:.2f} GB at EP "
+                     f"{lo['ep']}, {hi['capacity_slots_gb']:.2f} GB at EP {hi['ep']}.")
+    return "\n".join(lines) + "\n"
+
+
+def _eps(eps) -> str:
+    return ", ".join(map(str, eps)) if eps else "none of them"
+
+
+def _over(gb: float) -> str:
+    return "" if gb <= GPU_GB["H800"] else " (> H800)" if gb <= GPU_GB["H200"] else " (> H200)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=list(sim.CLUSTERS), choices=list(sim.CLUSTERS))
@@ -986,6 +1076,7 @@ def main(argv=None) -> int:
     paper_rows = paper_testbed(args, policies, cache)
     summary = paper_summary(paper_rows)
     sweep_rows, skipped = sweep(args, policies, cache)
+    mem_rows = memory_sweep(sorted({*args.eps, 8, 16, 32, 64, 128, 256, 512, 1024}), args.slots)
     elapsed = time.perf_counter() - t0
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "clusters"} | {
         "clusters": {k: vars(v) for k, v in args.clusters.items()},
@@ -1014,12 +1105,13 @@ def main(argv=None) -> int:
           sweep_md(sweep_rows, skipped, policies, args)]
     if "simulation_scaling.png" in pngs:
         md.append("![scaling](simulation_scaling.png)\n")
+    md.append(memory_md(mem_rows))
     text = "\n".join(md)
     (args.out / "simulation.md").write_text(text)
     cal_rows = [r for _, rows in cals.values() for r in rows]
     write_tables(args.out / "simulation.json", info, {"calibration": cal_rows, "holdout": holdout_rows,
                                                       "paper": paper_rows, "sweep": sweep_rows,
-                                                      "skipped": skipped})
+                                                      "skipped": skipped, "memory": mem_rows})
     print(text)
     print(f"\nwrote {args.out / 'simulation.md'}, .json and {', '.join(pngs)}")
     return 0

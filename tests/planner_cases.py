@@ -125,13 +125,22 @@ def plan_digests(plan, dense: bool) -> list[str]:
     return out
 
 
+REFUSED = "refused"  # the reference raised ValueError: omega is beyond the policy's integer range
+
+
 def reference_digests(i: int, case) -> dict:
-    """{"omega": digest, policy: plan_digests} of case i's reference plans."""
+    """{"omega": digest, policy: plan_digests or REFUSED} of case i's reference plans."""
     omega, topo, N, W = case
     out = {"omega": digest(omega)}
     for policy in POLICIES:
-        ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=TOKEN_BYTES,
-                    backend="reference")
+        try:
+            ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=TOKEN_BYTES,
+                        backend="reference")
+        except ValueError as err:
+            if "int64 arithmetic" not in str(err):
+                raise
+            out[policy] = REFUSED
+            continue
         out[policy] = plan_digests(ref, with_dense(i))
     return out
 
@@ -160,7 +169,7 @@ def sources_key() -> str:
         h.update(rel.encode())
         h.update((ROOT / rel).read_bytes())
     for f in (case_params, build_case, random_case, chunk_cases, _build_case_numpy, large_cases, with_dense, digest,
-              plan_digests, reference_digests):
+              plan_digests, reference_digests):  # (REFUSED is in reference_digests' source)
         h.update(inspect.getsource(f).encode())
     h.update(repr((W_CHOICES, CHUNKS, CASES_PER_CHUNK, POLICIES, TOKEN_BYTES)).encode())
     return h.hexdigest()

@@ -57,26 +57,28 @@ def main(device: str = "cpu") -> int:
         weights = lambda grp: (W1[grp], W2[grp]) if grp < E_loc else (S1[grp - E_loc], S2[grp - E_loc])  # noqa: E731
         ok = {}
         spill_rows(work, ptrs(xs), ptrs(meta), ptrs(back), (W1, W2), (S1, S2))
-        want = [torch.zeros_like(b) for b in back]
+        # the references on the CPU
+        xc, gc, mc = [t.cpu() for t in xs], [t.cpu() for t in gs], [t.cpu() for t in meta]
+        wc = lambda grp: tuple(t.cpu() for t in weights(grp))  # noqa: E731
+        want = [torch.zeros(A + 2, H, dtype=torch.bfloat16) for _ in back]
         for s in range(R):
             for grp in range(G):
                 i = torch.arange(int(first[s, grp]), int(first[s, grp] + n[s, grp]))
                 if len(i):
-                    want[s][meta[s][i].cpu()] = spill_forward_reference(xs[s][i].cpu(), *map(torch.Tensor.cpu, weights(grp)))
+                    want[s][mc[s][i]] = spill_forward_reference(xc[s][i], *wc(grp))
         ok["forward"] = all(_close(b.cpu(), w, out_tol) for b, w in zip(back, want))
         for b in back:
             b.zero_()
         spill_rows(work, ptrs(xs), ptrs(meta), ptrs(back), (W1, W2), (S1, S2), gs_bases=ptrs(gs))
         d1, d2 = torch.zeros(E_loc, 2 * F, H), torch.zeros(E_loc, H, F)
         e1, e2 = torch.zeros(N, 2 * F, H), torch.zeros(N, H, F)
-        want = [torch.zeros_like(b, device="cpu") for b in back]
+        want = [torch.zeros(A + 2, H, dtype=torch.bfloat16) for _ in back]
         for s in range(R):
             for grp in range(G):
                 i = torch.arange(int(first[s, grp]), int(first[s, grp] + n[s, grp]))
                 if len(i):
-                    gx, a1, a2 = spill_backward_reference(xs[s][i].cpu(), gs[s][i].cpu(),
-                                                          *map(torch.Tensor.cpu, weights(grp)))
-                    want[s][meta[s][i].cpu()] = gx
+                    gx, a1, a2 = spill_backward_reference(xc[s][i], gc[s][i], *wc(grp))
+                    want[s][mc[s][i]] = gx
                     t1, t2 = (d1[grp], d2[grp]) if grp < E_loc else (e1[grp - E_loc], e2[grp - E_loc])
                     t1 += a1
                     t2 += a2

@@ -143,16 +143,27 @@ def test_realistic_routing_fits_with_two_slots_at_the_default_factor(R, rpd, E):
                 assert int(region_loads(fitted).max()) <= cap
 
 
-def test_counts_beyond_the_integer_range_are_refused():
+@pytest.mark.parametrize("policy", ["topoep", "topoep_plus", "static", "deepseek"])
+def test_counts_beyond_the_integer_range_are_refused(policy):
     topo = Topology(num_domains=2, ranks_per_domain=2)
-    limit = max_assignments(topo, 4096, 9_437_184, 2)
+    limit = max_assignments(topo, 4096, 9_437_184, 2, policy)
     with pytest.raises(ValueError, match=f"at most {limit}"):
-        solve(torch.full((4, 16), 2**62, dtype=torch.int64), topo)
+        solve(torch.full((4, 16), 2**62, dtype=torch.int64), topo, policy=policy)
     with pytest.raises(ValueError, match="int64 arithmetic"):
-        solve(torch.full((4, 16), 2**58, dtype=torch.int64), topo)
+        solve(torch.full((4, 16), 2**58, dtype=torch.int64), topo, policy=policy)
     om = torch.zeros(4, 16, dtype=torch.int64)
     om[0, 0] = limit
-    solve(om, topo).check()  # at the limit: planned
+    solve(om, topo, policy=policy).check()  # at the limit: planned
+    om[0, 1] = 1
+    with pytest.raises(ValueError, match="int64 arithmetic"):
+        solve(om, topo, policy=policy)
+
+
+def test_the_cost_comparing_policies_have_the_smallest_range():
+    topo = Topology(num_domains=2, ranks_per_domain=2)
+    limits = {p: max_assignments(topo, 4096, 9_437_184, 2, p) for p in ("static", "topoep", "topoep_plus")}
+    assert limits["topoep_plus"] < limits["topoep"] < limits["static"] == 2**62
+    assert limits["topoep_plus"] > 10**10  # far beyond a real layer: 1024 ranks x 65536 tokens x top-8 is 5.4e8
 
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])

@@ -28,6 +28,8 @@ def _check_against_reference(chunk) -> None:
     mismatches = []
     for i, (omega, topo, N, W) in enumerate(cases):
         for policy in pc.POLICIES:
+            if refs[i][policy] == pc.REFUSED:  # beyond the policy's integer range: the reference refuses it
+                continue
             got = solve(omega.cuda(), topo, num_slots=N, policy=policy, expert_bytes=W, token_bytes=pc.TOKEN_BYTES,
                         backend="cuda")
             if pc.plan_digests(got, pc.with_dense(i)) != refs[i][policy]:
@@ -43,7 +45,8 @@ def test_cuda_plan_equals_reference(chunk):
 
 def test_cuda_plan_equals_reference_large_loads_and_many_slots():
     """Domain loads of 2^26 and more (the refinement's 64-bit path; the register path needs less) and 5-6
-    slots (no unrolled slot loops)."""
+    slots (no unrolled slot loops). The largest loads are beyond topoep_plus's integer range (its costs compare
+    bytes x femtoseconds): the reference refuses them, and they are not compared."""
     _check_against_reference("large")
 
 

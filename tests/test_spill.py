@@ -52,7 +52,7 @@ def test_spill_work_matches_the_receive_layout(seed):
 def test_spill_kernels_equal_their_references_in_the_interpreter():
     pytest.importorskip("triton")
     here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",  # the interpreter alone, GPU or not
                PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(here / "spill_check.py")], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -219,21 +219,31 @@ step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2
 step_capacity() {  # the capacity step and the spill path: the CUDA fit against the reference (and solve with a
   # capacity, no host sync, graph replay), the spill kernels against their references, the quick planner set (the
   # extension holds the planner too), then backend cuda's GPU tests and sync audit at EP 1 and with the ranks
-  # sharing the GPU at EP 2 (one domain; 2 domains of 1); EP 8: step capacity_ep8. Correctness only.
-  timeout 400 python3 -m pytest -q -rA tests/test_capacity_cuda.py tests/test_spill.py > "$RUNS.cap" 2>&1
-  echo "capacity kernel + spill kernels: $(tail -1 "$RUNS.cap")"; tail -25 "$RUNS.cap" > "$OUT/capacity_tests.log"
+  # sharing the GPU at EP 2 (one domain; 2 domains of 1); EP 8: step capacity_ep8. Correctness only. Every whole
+  # log into $OUT/capacity_logs.tgz.
+  local logs=$RUNS-capacity
+  mkdir -p "$logs"
+  timeout 400 python3 -m pytest -q -rA tests/test_capacity_cuda.py tests/test_spill.py > "$logs/capacity_tests.log" 2>&1
+  echo "capacity kernel + spill kernels: $(tail -1 "$logs/capacity_tests.log")"
   PLANNER_QUICK=1 PLANNER_BENCH=0 step_planner > /dev/null 2>&1
-  echo "planner (quick set): $(tail -1 "$OUT/planner_tests.log")"
+  cp "$OUT/planner_tests_full.log" "$logs/"; rm -f "$OUT"/planner_tests*.log
+  echo "planner (quick set): $(tail -1 "$logs/planner_tests_full.log")"
   TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py tests/test_weighting.py \
-    > "$RUNS.ep1" 2>&1
-  echo "EP 1: $(tail -1 "$RUNS.ep1")"; tail -20 "$RUNS.ep1" > "$OUT/cuda_backend_ep1_tests.log"
-  TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | sed 's/^/EP 1 /'
+    > "$logs/cuda_backend_ep1_tests.log" 2>&1
+  echo "EP 1: $(tail -1 "$logs/cuda_backend_ep1_tests.log")"
+  TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py > "$logs/sync_audit_ep1.log" 2>&1
+  grep -E "synchronising|Error" "$logs/sync_audit_ep1.log" | sed 's/^/EP 1 /'
   (
     export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2
     shared_tests ep2_rpd2 TOPOEP_GPU_RPD=2
+    cp "$RUNS.shared" "$logs/cuda_backend_shared_ep2_rpd2_tests.log"
     shared_tests ep2_rpd1 TOPOEP_GPU_RPD=1
+    cp "$RUNS.shared" "$logs/cuda_backend_shared_ep2_rpd1_tests.log"
     shared_audit sync_audit_capacity.log TOPOEP_GPU_RPD=2
+    cp "$RUNS.audit" "$logs/sync_audit_ep2.log"
   )
+  rm -f "$OUT"/cuda_backend_shared_*_tests.log
+  tar -C "$logs" -czf "$OUT/capacity_logs.tgz" .
 }
 
 step_capacity_ep8() (  # backend cuda's GPU tests and sync audit at EP 8 as 2 domains of 4, the ranks sharing the GPU

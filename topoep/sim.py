@@ -240,6 +240,9 @@ class Execution:
     """Token transfers as DeepEP's: a token goes once to each destination rank and, across domains,
     once to each destination domain (to the GPU of the same local index, which forwards it over
     NVLink); False: one row per assignment, rank to rank (NCCL all-to-all of permuted tokens)."""
+    capacity_factor: float | None = 1.25
+    """Backend cuda's receive regions for `SimResult.memory` (topoep.memory; None: sized for the worst case).
+    The times do not model the capacity step (it changes only plans that overflow a region)."""
 
     def __post_init__(self):
         _check(self, "num_chunks", "int", 1)
@@ -524,10 +527,12 @@ class SimResult:
     """Cluster-wide MoE-layer throughput: tokens of omega (all ranks) / layer_s."""
     dense_s: float = 0.0
     """Non-expert time of the layer (model.dense_flops_per_token at the GEMM throughput)."""
+    memory: dict = field(default_factory=dict)
+    """Per-rank bytes of the layer on backend cuda (topoep.memory.LayerMemory): buffers, slots, kept, peak, total."""
 
     def row(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
-        for group in ("exposed", "terms", "traffic", "stats"):
+        for group in ("exposed", "terms", "traffic", "stats", "memory"):
             out.update({f"{group}.{k}": v for k, v in getattr(self, group).items()})
         return out
 
@@ -813,10 +818,23 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     m = metrics(plan)
     stats = {k: m[k] for k in ("imbalance", "static_imbalance", "internode_fraction", "replica_fraction", "num_replicas")}
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
+    mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
                      layer_s=layer, forward_s=forward, backward_s=bwd_pipe,
                      exposed=exposed, terms=terms, traffic=traffic, stats=stats,
-                     tokens_per_s=float(plan.omega.sum()) / model.top_k / layer, dense_s=dense)
+                     tokens_per_s=float(plan.omega.sum()) / model.top_k / layer, dense_s=dense,
+                     memory=dict(buffers=mem.buffers, slots=mem.slots, kept=mem.kept, peak=mem.peak, total=mem.total))
+
+
+def model_memory(model: ModelShape, num_ranks: int, num_slots: int, capacity_factor: float | None,
+                 slots_used: bool = True):
+    """topoep.memory.layer_memory of one layer of `model` at EP num_ranks (the model's tokens per rank)."""
+    from topoep.memory import layer_memory
+
+    return layer_memory(num_ranks=num_ranks, num_experts=model.num_experts, hidden=model.hidden_size,
+                        ffn_hidden=model.ffn_hidden_size, top_k=model.top_k, tokens=model.tokens_per_rank,
+                        num_slots=num_slots, slots_used=slots_used, capacity_factor=capacity_factor,
+                        dtype_bytes=model.dtype_bytes)
 
 
 # -- calibration on the GPU machine ------------------------------------------------------------------

@@ -139,11 +139,20 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     return fit_capacity(plan, capacity)
 
 
-def max_assignments(topology: Topology, token_bytes: int, expert_bytes: int, num_slots: int) -> int:
-    """The most assignments (sum of omega) the planners' int64 arithmetic holds for this topology and sizes: their
-    largest products are token bytes times femtoseconds per byte times assignments (the routing cost of eq. 6, which
-    topoep_plus and its guard compare exactly) and expert bytes times femtoseconds per byte times replicas (eq. 7),
-    kept below 2^62."""
+COST_POLICIES = ("topoep_plus", "joint", "fastermoe")  # compare modelled transfer costs in integers
+
+
+def max_assignments(topology: Topology, token_bytes: int, expert_bytes: int, num_slots: int,
+                    policy: str = "topoep") -> int:
+    """The most assignments (sum of omega) the planners' int64 arithmetic holds, kept below 2^62 with its largest
+    products: static sums loads only; the other policies multiply a domain's demand by 2 S_tok (stage 1's benefit)
+    or an expert's load by the EP size (deepseek, flexmoe); the cost-comparing ones (COST_POLICIES) multiply
+    assignments by 2 S_tok and femtoseconds per byte (the routing cost of eq. 6) beside expert bytes times
+    femtoseconds per byte over the replicas (eq. 7)."""
+    if policy == "static":
+        return 2**62
+    if policy not in COST_POLICIES:
+        return 2**62 // max(2 * token_bytes, topology.num_ranks)
     c = max(1, int(topology.cost_fs.max()))
     replicas = expert_bytes * c * topology.num_ranks * max(num_slots, 1)
     return max(0, (2**62 - replicas) // (2 * token_bytes * c))
@@ -176,14 +185,17 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
     for name, v in (("expert_bytes", expert_bytes), ("token_bytes", token_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")
-    if check_values:
-        limit = max_assignments(topology, token_bytes, expert_bytes, num_slots)
-        # per row first: a sum of huge entries may itself wrap around in int64
-        if bool((omega > limit).any()) or sum(int(v) for v in omega.sum(1).tolist()) > limit:
-            raise ValueError(f"omega holds {sum(int(v) for v in omega.flatten().tolist())} assignments, more than the "
-                             f"planners' int64 arithmetic holds for this topology and token_bytes={token_bytes}: at "
-                             f"most {limit} (topoep.planners.max_assignments); a real MoE layer routes tokens x top_k "
-                             "per rank, far fewer")
+    if check_values and policy in POLICIES + OFFLINE_POLICIES:
+        limit = max_assignments(topology, token_bytes, expert_bytes, num_slots, policy)
+        # an int64 sum of huge entries may itself wrap around: a float64 sum first, exact Python ints near the limit
+        total = float(omega.sum(dtype=torch.float64))
+        if total > 0.999 * limit:
+            total = sum(int(v) for v in omega.flatten().tolist())
+        if total > limit:
+            raise ValueError(f"omega holds {int(total)} assignments, more than "
+                             f"policy {policy!r}'s int64 arithmetic holds for this topology and token_bytes="
+                             f"{token_bytes}: at most {limit} (topoep.planners.max_assignments); a real MoE layer routes "
+                             "tokens x top_k per rank, far fewer")
     if policy not in POLICIES + OFFLINE_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES + OFFLINE_POLICIES)}")
     if main_rank is None:

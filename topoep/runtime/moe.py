@@ -274,8 +274,8 @@ class ExpertParallelMoE(nn.Module):
             from topoep.planners.cuda import fit_capacity_cuda
 
             plan = fit_capacity_cuda(plan, capacity, allow_new=True if allow is None else allow)
-            info = plan.info["capacity"]["device"]
-            return plan, info[[1, 0]].to(torch.float64)
+            info = plan.info["capacity"]["device"]  # (no list index: a host tensor would be copied in a capture)
+            return plan, torch.stack([info[1], info[0]]).to(torch.float64)
         plan = fit_capacity(plan, capacity, allow_new=True if allow is None else bool(allow))
         info = plan.info["capacity"]
         return plan, torch.tensor([info["overflow"], info["moves"]], dtype=torch.float64)

@@ -1,0 +1,86 @@
+"""CPU tests of the memory model of backend cuda (topoep/memory.py), its use by the simulator and the reports of
+bench/layer_memory.py and bench/simulate.py's memory section. The model is checked against GPU measurements in
+results/layer_memory.md (bench/layer_memory.py on the GPU machine)."""
+
+import pytest
+
+from topoep import sim
+from topoep.memory import layer_memory
+
+QWEN3 = dict(num_experts=128, hidden=2048, ffn_hidden=768, top_k=8, tokens=4096, num_slots=2)
+MIB = 2 ** 20
+
+
+def test_with_a_capacity_the_rows_do_not_grow_with_the_ep_size():
+    caps = [layer_memory(num_ranks=R, **QWEN3, capacity_factor=1.25) for R in (8, 16, 32, 64, 128)]
+    assert len({(m.kept, m.peak) for m in caps}) == 1  # kept tensors and temporaries: flat in EP
+    # the buffers too, but for the count all-gather's (R x max(E, R (E/R + N)) int64: 1 MiB at EP 128)
+    assert max(m.buffers for m in caps) - min(m.buffers for m in caps) < 2 * MIB
+    # only the gradient-return regions of the replica pool grow (R x N expert-sized regions)
+    expert = 3 * 2048 * 768 * 2
+    assert [m.slots for m in caps] == [(1 + R) * 2 * expert for R in (8, 16, 32, 64, 128)]
+    worst = [layer_memory(num_ranks=R, **QWEN3, capacity_factor=None) for R in (8, 16, 32)]
+    assert (worst[1].kept - worst[0].kept) / 8 == pytest.approx((worst[2].kept - worst[1].kept) / 16)  # linear in R
+    assert worst[0].kept > 5 * caps[0].kept
+
+
+def test_regions_never_exceed_the_worst_case_and_small_ep_keeps_it():
+    # at EP 1 a region of 1.25 T k rows would exceed the worst case (T k): the worst case is kept, nothing spills
+    one = layer_memory(num_ranks=1, **QWEN3, capacity_factor=1.25)
+    assert one == layer_memory(num_ranks=1, **QWEN3, capacity_factor=None)
+    two = layer_memory(num_ranks=2, **QWEN3, capacity_factor=1.25)
+    assert two.kept < layer_memory(num_ranks=2, **QWEN3, capacity_factor=None).kept
+
+
+def test_the_slot_region_costs_only_when_replicas_are_used():
+    used = layer_memory(num_ranks=8, **QWEN3, slots_used=True)
+    skipped = layer_memory(num_ranks=8, **QWEN3, slots_used=False)
+    rows = int(1.25 * 4096 * 8)
+    assert used.kept - skipped.kept == rows * (2048 + 2 * 768) * 2  # the slot region's rows and pre-activations
+    assert used.buffers == skipped.buffers  # the symmetric buffers exist either way
+
+
+def test_two_chunks_have_a_region_each():
+    one = layer_memory(num_ranks=8, **QWEN3, chunks=1)
+    two = layer_memory(num_ranks=8, **QWEN3, chunks=2)
+    assert two.kept > one.kept  # each chunk's region holds up to the capacity
+
+
+def test_the_simulator_reports_memory_per_rank():
+    model = sim.MODELS["qwen3"]
+    r = sim.simulate(sim.sample_routing(16, 128, 512, 8, router_skew=-2.0, seed=0), sim.CLUSTERS["h200"],
+                     model=sim.replace(model, tokens_per_rank=512), num_slots=2)
+    assert set(r.memory) == {"buffers", "slots", "kept", "peak", "total"}
+    assert r.memory["total"] == r.memory["buffers"] + r.memory["slots"] + r.memory["peak"]
+    assert "memory.total" in r.row()
+
+
+def test_memory_section_of_the_simulation_report():
+    from bench.simulate import memory_md, memory_sweep
+
+    rows = memory_sweep([8, 32, 1024], [0, 2], tokens=(4096,))
+    by = {(r["model"], r["ep"], r["slots"]): r for r in rows}
+    assert by[("qwen3", 32, 2)]["worst_gb"] > 80 > by[("qwen3", 32, 2)]["capacity_gb"]
+    assert by[("qwen3", 1024, 2)]["experts"] == 1024
+    md = memory_md(rows)
+    assert "qwen3, 4096 tokens, 2 slots, H800 (80 GB): fits at EP 8 with worst-case buffers" in md
+
+
+def test_layer_memory_report_joins_the_ranks_and_the_ep_sizes():
+    from bench.layer_memory import report_md, summary
+
+    rows = []
+    for ep in (1, 8):
+        for rank in range(ep):
+            for name, model in (("torch", None), ("cuda-capacity", 1000.0), ("cuda-worst", 4000.0)):
+                rows.append(dict(backend=name, ep=ep, rank=rank, tokens=4096, routing="uniform",
+                                 peak_mib=900.0 + rank + (ep == 8) * 100 * (name == "cuda-worst"),
+                                 symmetric_mib=10.0 if model else 0.0, model_peak_mib=model,
+                                 model_symmetric_mib=10.0 if model else None))
+    records = summary(rows)
+    assert len(records) == 6 and all("rank" not in r for r in records)
+    r8 = next(r for r in records if r["ep"] == 8 and r["backend"] == "cuda-worst")
+    assert r8["peak_mib"] == 907.0 + 100 and r8["ranks"] == 8  # the largest rank
+    infos = [dict(date="d", commit="c", hardware="h", config={"world": ep}) for ep in (1, 8)]
+    md = report_md(records, infos)
+    assert "| 4096, uniform | torch | 900 | 907 |" in md and "cuda-capacity / torch = 1.00" in md
