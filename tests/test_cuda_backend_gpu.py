@@ -343,7 +343,9 @@ def test_layers_share_the_slots_and_reload_or_prefetch():
 def _slot_skip(rank, world):
     """A topoep layer whose guard always fires (plan_s = 1 s) against the static layer, 4 calls: calls 3-4
     leave the replica machinery out (the hint, lag 2); every call equals the static layer bit for bit. A
-    guard that never fires (no costs, skewed routing) never skips and uses its replicas."""
+    guard that never fires (no costs, skewed routing) never skips and uses its replicas. Without the capacity step
+    (capacity_factor=None): at this skew it would place replicas in the static plan, and the hint keeps the replica
+    machinery for them (tests/test_capacity_runtime.py)."""
     from topoep import ExpertParallelMoE
     from topoep.runtime import NetBenefitGuard
 
@@ -359,7 +361,8 @@ def _slot_skip(rank, world):
     for name, guard in guards.items():
         layers[name] = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                          policy="static" if guard is None else "topoep", backend="cuda",
-                                         dtype=torch.bfloat16, device=dev, guard=guard or False, transport=TRANSPORT)
+                                         dtype=torch.bfloat16, device=dev, guard=guard or False, transport=TRANSPORT,
+                                         capacity_factor=None)
         with torch.no_grad():
             layers[name].fc1.copy_(fc1)
             layers[name].fc2.copy_(fc2)

@@ -179,8 +179,9 @@ if triton is not None:
         """Pointers to group g's fc1 [2F, H] and fc2 [H, F]: main expert g, or replica slot g - E_loc."""
         is_main = g < E_loc
         gi = tl.where(is_main, g, g - E_loc).to(tl.int64)
-        w1 = tl.where(is_main, main1, slot1).to(tl.pointer_type(tl.bfloat16))  # byte addresses, then elements
-        w2 = tl.where(is_main, main2, slot2).to(tl.pointer_type(tl.bfloat16))
+        # the byte addresses to pointers one by one, then the choice between pointers, then elements
+        w1 = tl.where(is_main, main1.to(tl.pointer_type(tl.bfloat16)), slot1.to(tl.pointer_type(tl.bfloat16)))
+        w2 = tl.where(is_main, main2.to(tl.pointer_type(tl.bfloat16)), slot2.to(tl.pointer_type(tl.bfloat16)))
         return w1 + gi * (2 * F * H), w2 + gi * (H * F)
 
     @triton.jit
