@@ -124,3 +124,46 @@ def _check(world, rpd, kind, slots, chunks, spills):
     # the rows beyond the regions were received on the spill path: with one chunk exactly those beyond the capacity
     # (summed over the ranks); each of two chunks has a region of its own, which holds its rows of the call
     assert (spilled > 0) == spills and (chunks == 2 or spilled == overflow), (spilled, overflow)
+
+
+def _hint(rank, world, kind):
+    """Backend cuda's slot hint with the capacity step: a topoep layer whose guard always fires and the static layer,
+    4 calls. Where the static plan overflows the regions ("one_rank"), the capacity step places replicas in both, so
+    the hint keeps the replica machinery; where it fits ("uniform"), calls 3-4 leave it out (lag 2). Both equal the
+    static layer bit for bit."""
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime import NetBenefitGuard
+
+    E = world * E_LOC
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    g = torch.Generator().manual_seed(5)
+    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+    layers = {}
+    for name, policy, guard in (("static", "static", False), ("fires", "topoep", NetBenefitGuard(plan_s=1.0))):
+        layers[name] = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                         topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=2,
+                                         policy=policy, backend="cuda", dtype=torch.bfloat16, device="cpu",
+                                         guard=guard, transport="gloo", max_tokens=T)
+        with torch.no_grad():
+            layers[name].fc1.copy_(fc1[lo:hi])
+            layers[name].fc2.copy_(fc2[lo:hi])
+    same, moves = [], []
+    for call in range(4):
+        if kind == "uniform":
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        else:
+            idx = _routing(world, 1, kind, 30 + call)[rank][1]
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        w = torch.softmax(torch.randn(T, K, generator=g), 1).to(torch.bfloat16)
+        ys = [layer(x, idx, w).detach() for layer in layers.values()]
+        same.append(torch.equal(*ys))
+        moves.append(layers["fires"].stats_dict()["capacity_moves"])
+    return same, layers["fires"].slot_hint.skipped, layers["static"].slot_hint.skipped, moves
+
+
+@pytest.mark.parametrize("kind, skips", [("one_rank", 0), ("uniform", 2)])
+def test_the_slot_hint_keeps_the_slots_the_capacity_step_uses(kind, skips):
+    for same, skipped, skipped_static, moves in run_ranks(_hint, 2, kind):
+        assert all(same), same
+        assert skipped == skipped_static == skips, (skipped, skipped_static, moves)
+        assert all(m > 0 for m in moves) == (kind == "one_rank"), moves
