@@ -80,24 +80,30 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _row(sel) -> list:
+    acted = [r for r in sel if r["changed"]]
+    spilled = [r for r in sel if r["overflow"] > 0]
+    return [len(sel), f"{100 * len(acted) / len(sel):.0f} %",
+            f"{100 * len(spilled) / len(sel):.0f} %" + (f" (max {max(r['overflow'] for r in spilled):.2f})"
+                                                       if spilled else ""),
+            f"{statistics.mean(r['moves'] for r in acted):.1f} / {max(r['moves'] for r in acted)}" if acted else "-",
+            f"{statistics.mean(r['imbalance_before'] for r in sel):.2f} -> "
+            f"{statistics.mean(r['imbalance_after'] for r in sel):.2f}"]
+
+
 def report(rows, args) -> str:
+    kinds = (("static", ("static",)), ("balancing", tuple(p for p in args.policies if p != "static")))
     table = []
     for factor in args.factors:
         for slots in args.slots:
-            sel = [r for r in rows if r["factor"] == factor and r["slots"] == slots]
-            acted = [r for r in sel if r["changed"]]
-            spilled = [r for r in sel if r["overflow"] > 0]
-            table.append([f"{factor:g}", slots, len(sel), f"{100 * len(acted) / len(sel):.0f} %",
-                          f"{100 * len(spilled) / len(sel):.0f} %" + (
-                              f" (max {max(r['overflow'] for r in spilled):.2f})" if spilled else ""),
-                          (f"{statistics.mean(r['moves'] for r in acted):.1f} / {max(r['moves'] for r in acted)}"
-                           if acted else "-"),
-                          f"{statistics.mean(r['imbalance_before'] for r in sel):.2f} -> "
-                          f"{statistics.mean(r['imbalance_after'] for r in sel):.2f}"])
+            for kind, policies in kinds:
+                sel = [r for r in rows if r["factor"] == factor and r["slots"] == slots and r["policy"] in policies]
+                if sel:
+                    table.append([f"{factor:g}", slots, kind, *_row(sel)])
     spill_cases = sorted({(r["factor"], r["slots"], r["ep"], r["workload"], r["policy"]) for r in rows
                           if r["overflow"] > 0})
-    lines = [markdown_table(["factor", "slots", "plans", "changed", "spill (max rows / T k)", "moves (mean / max)",
-                             "imbalance before -> after"], table), ""]
+    lines = [markdown_table(["factor", "slots", "policies", "plans", "changed", "spill (max rows / T k)",
+                             "moves (mean / max)", "imbalance before -> after"], table), ""]
     if spill_cases:
         lines.append("Plans with rows beyond the capacity after the step (factor, slots, EP, routing, policy): "
                      + "; ".join(f"{f:g}, {s}, {e}, {w}, {p}" for f, s, e, w, p in spill_cases[:40])
