@@ -331,7 +331,7 @@ def parse_args(argv):
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
     ap.add_argument("--capacity-factors", nargs="+", default=["default"],
                     help="ExpertParallelMoE capacity_factor of the TopoEP layers: 'default' "
-                         f"({DEFAULT_CAPACITY_FACTOR}), 'none' (buffers for the worst case) or a number; each value "
+                         f"({DEFAULT_CAPACITY_FACTOR}; with --transport a2a: none), 'none' (buffers for the worst case) or a number; each value "
                          "other than the default labels its layers '<backend> cf=<value>'")
     ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
                     help="backend cuda's data movement: peer pointers (one host) or NVSHMEM all-to-alls (a2a)")
@@ -415,7 +415,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
                      if p != "static"]
     layers = {}
     for be, policy, guard, cf in variants:
-        factor = DEFAULT_CAPACITY_FACTOR if cf == "default" else None if cf == "none" else float(cf)
+        default = None if args.transport == "a2a" else DEFAULT_CAPACITY_FACTOR  # a2a has no spill path
+        factor = default if cf == "default" else None if cf == "none" else float(cf)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
                                   t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,

@@ -149,7 +149,7 @@ def base_overrides(args) -> list[str]:
                 f"topology.ranks_per_domain={args.ranks_per_domain or 1}", f"eplb.backend={args.backend}"]
     out = [f"model={args.model}", "trainer=default", f"eplb.backend={args.backend}"]
     if args.transport != "peer":
-        out.append(f"eplb.transport={args.transport}")
+        out += [f"eplb.transport={args.transport}", "eplb.capacity_factor=null"]  # a2a: worst-case buffers
     if args.ranks_per_domain:
         out += ["topology=virtual", f"topology.ranks_per_domain={args.ranks_per_domain}"]
     return out

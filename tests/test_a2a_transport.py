@@ -157,9 +157,14 @@ def test_a2a_with_pipeline_parallelism_is_refused():
 
 def test_a2a_with_a_capacity_is_refused():
     """Transport a2a keeps worst-case buffers (no spill path across hosts): the trainer says to set the capacity
-    off, and the layer's workspace refuses a capacity on the NVSHMEM exchange."""
+    off, and so does the layer (its NVSHMEM workspace would refuse regions below the worst case)."""
     from app.config import EplbConfig
 
     with pytest.raises(ValueError, match="set eplb.capacity_factor=null"):
         EplbConfig(name="topoep", backend="cuda", transport="a2a")
     EplbConfig(name="topoep", backend="cuda", transport="a2a", capacity_factor=None)
+    from topoep import ExpertParallelMoE, Topology
+
+    with pytest.raises(ValueError, match=r"set capacity_factor=None \(got 1.25"):
+        ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=8, topology=Topology(num_domains=1, ranks_per_domain=1),
+                          backend="cuda", transport="a2a")

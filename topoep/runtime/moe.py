@@ -143,6 +143,10 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
         self.guard = NetBenefitGuard.build(guard)
         self.capacity_factor = check_capacity_factor(capacity_factor)
+        if transport == "a2a" and self.capacity_factor is not None:
+            raise ValueError(f"transport 'a2a' (NVSHMEM) has no spill path, so its buffers are sized for the worst "
+                             f"case: set capacity_factor=None (got {self.capacity_factor}; in training "
+                             "eplb.capacity_factor=null), or use transport 'peer' on one host")
         self.backend = make_backend(backend, group, max_tokens, transport)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
