@@ -98,9 +98,7 @@ def measure(args, dev, world, rank) -> list[dict]:
                     del y
                 s = layer.stats_dict()
                 used = layer.backend.name == "cuda" and layer.pool is not None and not s["slot_skipped"]
-                model = layer_memory(num_ranks=world, num_experts=args.experts, hidden=args.hidden,
-                                     ffn_hidden=args.ffn, top_k=args.topk, tokens=tokens, num_slots=args.slots,
-                                     slots_used=used, capacity_factor=cf) if backend == "cuda" else None
+                model = _model(vars(args) | {"world": world}, name, tokens, used)
                 rows.append(dict(backend=name, ep=world, rank=rank, tokens=tokens,
                                  routing="uniform" if skew == 0 else f"skew {skew:g} {args.layout}",
                                  peak_mib=max(peaks) / MIB, symmetric_mib=_symmetric_bytes(layer) / MIB,
@@ -114,6 +112,26 @@ def measure(args, dev, world, rank) -> list[dict]:
     return rows
 
 
+def _model(config: dict, backend: str, tokens: int, slots_used: bool):
+    """topoep.memory's prediction for one measured configuration (None for backend torch). The top-k weights
+    here need no gradient (`w` above), so the expert outputs are not kept for one."""
+    if VARIANTS[backend][0] != "cuda":
+        return None
+    return layer_memory(num_ranks=config["world"], num_experts=config["experts"], hidden=config["hidden"],
+                        ffn_hidden=config["ffn"], top_k=config["topk"], tokens=tokens, num_slots=config["slots"],
+                        slots_used=slots_used, capacity_factor=VARIANTS[backend][1], topk_weights_grad=False)
+
+
+def with_model(rows: list[dict], config: dict) -> list[dict]:
+    """The rows of one run with the memory model's prediction (MiB) beside each measurement."""
+    out = []
+    for r in rows:
+        m = _model(config, r["backend"], r["tokens"], r["slots_used"])
+        out.append(dict(r, model_peak_mib=m.peak / MIB if m else None,
+                        model_symmetric_mib=(m.buffers + m.slots) / MIB if m else None))
+    return out
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """One record per (backend, ep, tokens, routing): the largest rank's measured peak beside the model."""
     out = {}
@@ -124,6 +142,24 @@ def summary(rows: list[dict]) -> list[dict]:
         o["ranks"] += 1
         o.pop("rank", None)
     return sorted(out.values(), key=lambda r: (r["tokens"], r["routing"], r["backend"], r["ep"]))
+
+
+MODEL_EPS = (2, 8, 32, 64, 128)
+
+
+def model_scaling(config: dict, tokens: list[int]) -> list[list]:
+    """The model beyond the measured EP sizes (the measured run's shapes; 128 experts allow EP 128): per tokens,
+    slots used or not, and buffers, the allocator peak and the peak with the symmetric buffers (MiB)."""
+    table = []
+    for t in tokens:
+        for used in (False, True):
+            for name in ("cuda-worst", "cuda-capacity"):
+                cells = []
+                for ep in MODEL_EPS:
+                    m = _model(dict(config, world=ep), name, t, used)
+                    cells.append(f"{m.peak / MIB:.0f} / {(m.peak + m.buffers + m.slots) / MIB:.0f}")
+                table.append([t, "used" if used else "left out", name, *cells])
+    return table
 
 
 def report_md(records: list[dict], infos: list[dict]) -> str:
@@ -155,15 +191,46 @@ def report_md(records: list[dict], infos: list[dict]) -> str:
              f"capacity_factor {DEFAULT_CAPACITY_FACTOR}. The ranks shared one GPU (memory per process is real; "
              "nothing is timed).", "",
              markdown_table(["tokens per rank, routing", "backend", *[f"EP {e}" for e in eps]], table), ""]
-    checks = []
+    ratios = []
     for tokens, routing in groups:
         for ep in eps:
             c, t = by.get(("cuda-capacity", ep, tokens, routing)), by.get(("torch", ep, tokens, routing))
             if c and t:
-                checks.append(f"- {tokens}, {routing}, EP {ep}: cuda-capacity / torch = "
-                              f"{c['peak_mib'] / t['peak_mib']:.2f}; model / measured = "
-                              f"{c['model_peak_mib'] / c['peak_mib']:.2f}")
-    text += ["Ratios:", "", *checks, ""]
+                ratios.append([f"{tokens}, {routing}", ep, f"{c['peak_mib'] / t['peak_mib']:.2f}",
+                               f"{(c['peak_mib'] + c['symmetric_mib']) / t['peak_mib']:.2f}"])
+    if ratios:
+        text += ["backend cuda with the capacity against backend torch (whose buffers are exact), the largest "
+                 "rank; `+ symm.` adds backend cuda's symmetric buffers (backend torch has none; NCCL's own buffers "
+                 "are counted in neither):", "",
+                 markdown_table(["tokens per rank, routing", "EP", "cuda-capacity / torch",
+                                 "(cuda-capacity + symm.) / torch"], ratios), ""]
+    growth = []
+    for tokens, routing in groups:
+        for name in ("cuda-worst", "cuda-capacity", "torch"):
+            pts = [by[(name, ep, tokens, routing)] for ep in eps if ep >= 2 and (name, ep, tokens, routing) in by]
+            if len(pts) >= 2:
+                a, z = pts[0], pts[-1]
+                growth.append([f"{tokens}, {routing}", name, f"EP {a['ep']} -> {z['ep']}",
+                               f"{100 * (z['peak_mib'] / a['peak_mib'] - 1):+.0f} %",
+                               f"{100 * ((z['peak_mib'] + z['symmetric_mib']) / (a['peak_mib'] + a['symmetric_mib']) - 1):+.0f} %"])
+    if growth:
+        text += ["Growth with the EP size (from EP 2):", "",
+                 markdown_table(["tokens per rank, routing", "backend", "EP", "peak", "peak + symm."], growth), ""]
+    if infos:
+        cfg = infos[-1]["config"]
+        text += [f"The model at larger EP sizes ({cfg['experts']} experts, hidden {cfg['hidden']}, expert FFN "
+                 f"{cfg['ffn']}, top-{cfg['topk']}, {cfg['slots']} slots; each cell: allocator peak / with the "
+                 "symmetric buffers, MiB; the slots `left out`: the guard's hint, as on uniform routing). With the "
+                 "capacity the peak stops changing once the main experts' weight gradients are small; what still "
+                 "grows is the replica pool's gradient-return regions (EP x slots expert-sized regions per rank):", "",
+                 markdown_table(["tokens per rank", "slots", "backend", *[f"EP {e}" for e in MODEL_EPS]],
+                                model_scaling(cfg, sorted({r["tokens"] for r in records}))), ""]
+    errs = [r["model_peak_mib"] / r["peak_mib"] - 1 for r in records if r["model_peak_mib"] is not None]
+    if errs:
+        text += [f"Memory model against the measurements (backend cuda, {len(errs)} points): model / measured - 1 "
+                 f"from {100 * min(errs):+.1f} % to {100 * max(errs):+.1f} %. It follows the allocation order of "
+                 "cuda_function.py (topoep/memory.py); the symmetric buffers are computed from the same sizes as "
+                 "the workspace's.", ""]
     return "\n".join(text)
 
 
@@ -189,7 +256,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report:
         runs = [json.loads(p.read_text()) for p in args.report]
-        records = summary([r for run in runs for r in run["rows"]])
+        # the model is recomputed here, so a report always shows topoep/memory.py as it is
+        records = summary([r for run in runs for r in with_model(run["rows"], run["config"])])
         infos = [{k: v for k, v in run.items() if k != "rows"} for run in runs]
         (REPO / "results" / "layer_memory.json").write_text(json.dumps(records, indent=1) + "\n")
         md = report_md(records, sorted(infos, key=lambda i: i["config"]["world"]))

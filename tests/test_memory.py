@@ -67,20 +67,50 @@ def test_memory_section_of_the_simulation_report():
 
 
 def test_layer_memory_report_joins_the_ranks_and_the_ep_sizes():
-    from bench.layer_memory import report_md, summary
+    from bench.layer_memory import report_md, summary, with_model
 
-    rows = []
-    for ep in (1, 8):
+    config = dict(experts=128, hidden=2048, ffn=768, topk=8, slots=2)
+    runs, infos = [], []
+    for ep in (2, 8):
+        rows = []
         for rank in range(ep):
-            for name, model in (("torch", None), ("cuda-capacity", 1000.0), ("cuda-worst", 4000.0)):
-                rows.append(dict(backend=name, ep=ep, rank=rank, tokens=4096, routing="uniform",
+            for name in ("torch", "cuda-capacity", "cuda-worst"):
+                rows.append(dict(backend=name, ep=ep, rank=rank, tokens=4096, routing="uniform", slots_used=False,
                                  peak_mib=900.0 + rank + (ep == 8) * 100 * (name == "cuda-worst"),
-                                 symmetric_mib=10.0 if model else 0.0, model_peak_mib=model,
-                                 model_symmetric_mib=10.0 if model else None))
-    records = summary(rows)
+                                 symmetric_mib=10.0 if name != "torch" else 0.0))
+        runs += with_model(rows, dict(config, world=ep))
+        infos.append(dict(date="d", commit="c", hardware="h", config=dict(config, world=ep)))
+    records = summary(runs)
     assert len(records) == 6 and all("rank" not in r for r in records)
     r8 = next(r for r in records if r["ep"] == 8 and r["backend"] == "cuda-worst")
     assert r8["peak_mib"] == 907.0 + 100 and r8["ranks"] == 8  # the largest rank
-    infos = [dict(date="d", commit="c", hardware="h", config={"world": ep}) for ep in (1, 8)]
+    assert next(r for r in records if r["backend"] == "torch")["model_peak_mib"] is None
+    # the model is the one of topoep/memory.py for the measured shapes (the top-k weights without a gradient)
+    cap8 = next(r for r in records if r["ep"] == 8 and r["backend"] == "cuda-capacity")
+    assert cap8["model_peak_mib"] == layer_memory(num_ranks=8, **QWEN3, slots_used=False,
+                                                   topk_weights_grad=False).peak / MIB
     md = report_md(records, infos)
-    assert "| 4096, uniform | torch | 900 | 907 |" in md and "cuda-capacity / torch = 1.00" in md
+    assert "| 4096, uniform | torch | 901 | 907 |" in md
+    assert "| 4096, uniform | 8 | 1.00 | 1.01 |" in md  # cuda-capacity / torch, and with its symmetric buffers
+    assert "| 4096, uniform | cuda-worst | EP 2 -> 8 | +12 % | +12 % |" in md
+    assert "| 4096 | left out | cuda-capacity | 1052 / 1811 | 620 / 1487 | 576 / 1875 |" in md  # model, EP 2 8 32
+
+
+def test_the_model_follows_the_allocation_order():
+    """One configuration by hand (EP 8, 4096 tokens, uniform: the slots left out), as cuda_function.py allocates:
+    the peak is in the main experts' weight gradients, with the kept rows (xm), pre-activations (h) and their
+    gradients alive, the caller's output, g1, the recomputed activation and g2."""
+    T, k, H, F, E_loc = 4096, 8, 2048, 768, 16
+    r = int(1.25 * T * k)  # the capacity
+    m = layer_memory(num_ranks=8, **QWEN3, slots_used=False, topk_weights_grad=False)
+    wq, xm, h, gh, y = T * k * 2, r * H * 2, r * 2 * F * 2, r * 2 * F * 2, T * H * 2
+    g1, act, g2 = E_loc * 2 * F * H * 2, r * F * 2, E_loc * H * F * 2
+    assert m.peak == wq + xm + h + gh + y + g1 + act + g2
+    assert m.kept == wq + xm + h
+    # a router's top-k weights need a gradient: the expert outputs are kept for it
+    assert layer_memory(num_ranks=8, **QWEN3, slots_used=False).kept == m.kept + T * k * H * 2
+    # with the slots used (skewed routing) the peak is in the data gradients, both regions' row gradients alive
+    used = layer_memory(num_ranks=8, **QWEN3, slots_used=True, topk_weights_grad=False)
+    assert used.peak == wq + 2 * (xm + h) + y + 2 * (gh + r * H * 2)
+    # two chunks on the comm stream: every chunk's outputs stay until the join
+    assert layer_memory(num_ranks=8, **QWEN3, chunks=2).peak > layer_memory(num_ranks=8, **QWEN3, chunks=1).peak

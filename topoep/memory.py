@@ -49,13 +49,16 @@ class LayerMemory:
 def layer_memory(*, num_ranks: int, num_experts: int, hidden: int, ffn_hidden: int, top_k: int, tokens: int,
                  max_tokens: int | None = None, num_slots: int = 2, slots_used: bool = True,
                  capacity_factor: float | None = 1.25, chunks: int = 1, banks: int = 1, dtype_bytes: int = 2,
-                 weight_grads: bool = True) -> LayerMemory:
-    """The memory of one backend cuda layer call on one rank (module docstring).
+                 weight_grads: bool = True, topk_weights_grad: bool = True) -> LayerMemory:
+    """The memory of one backend cuda layer call on one rank (module docstring), when no row spills.
 
     tokens: this call's T; max_tokens: the workspace's (default T). slots_used: the call runs the replica machinery
     (a balancing plan, or the capacity step placed a replica; False when the guard's hint left it out: the slot
     region's tensors are not made). weight_grads: the expert weights' gradients are new tensors of the call (the
-    layer's own parameters with no gradient yet, as bench/layer_memory.py measures)."""
+    layer's own parameters with no gradient yet, as bench/layer_memory.py measures). topk_weights_grad: the top-k
+    weights need a gradient (a router's do), so the expert outputs are kept for it. The call's output counts as
+    the call's: its caller holds it through the backward. chunks > 1 run dispatch and combine on the comm stream,
+    so every chunk's expert outputs (forward) and row gradients (backward) stay until its join."""
     R, H, F, k, b = num_ranks, hidden, ffn_hidden, top_k, dtype_bytes
     T = tokens
     a_cap = (max_tokens or T) * k
@@ -70,7 +73,7 @@ def layer_memory(*, num_ranks: int, num_experts: int, hidden: int, ffn_hidden: i
     expert = 3 * F * H * b
     slots = (banks * N + R * N) * expert if N else 0
 
-    # the caching allocator, in the order of cuda_function.CudaExpertParallelFunction (serial chunks)
+    # the caching allocator, in the order of cuda_function.CudaExpertParallelFunction
     live, peak = 0, 0
 
     def alloc(n):
@@ -83,41 +86,51 @@ def layer_memory(*, num_ranks: int, num_experts: int, hidden: int, ffn_hidden: i
         live -= n
 
     u = bool(N and slots_used)
+    groups = 1 + u  # the main experts' region, and the slots' when they are used
+    joined = chunks > 1  # the comm stream: outputs and row gradients stay until the join
     alloc(T * k * b)  # wq
     kept = T * k * b
     for r in regions:  # forward, chunk by chunk
-        x_rows = r * H * b * (1 + u)
-        alloc(x_rows)  # xm, xs: copies of the received rows (kept)
-        kept += x_rows
-        for _ in range(1 + u):  # main, then slot GEMMs: h (kept), act (freed), y (until the combine)
+        alloc(groups * r * H * b)  # xm, xs: copies of the received rows (kept)
+        kept += groups * r * H * b
+        for _ in range(groups):  # main, then slot GEMMs: h (kept), act (freed), y (until the combine)
             alloc(r * 2 * F * b)
             kept += r * 2 * F * b
             alloc(r * F * b)
             alloc(r * H * b)
             free(r * F * b)
-        free(r * H * b * (1 + u))  # y of both, after the combine
-    alloc(A * H * b)  # the expert outputs kept for the weights' gradient
-    kept += A * H * b
-    alloc(T * H * b)  # y
-    free(T * H * b)  # (the caller's)
+        if not joined:
+            free(groups * r * H * b)  # both outputs, after the chunk's combine
+    if joined:
+        free(groups * rows * H * b)
+    if topk_weights_grad:
+        alloc(A * H * b)  # the expert outputs kept for the weights' gradient
+        kept += A * H * b
+    alloc(T * H * b)  # y: the caller's, held through the backward
     # backward
-    alloc(T * k * 4)  # grad of the top-k weights (fp32)
+    if topk_weights_grad:
+        alloc(T * k * 4)  # the top-k weights' gradient (fp32, then in their dtype)
+        alloc(T * k * b)
+        free(T * k * 4)
     dgrad = 0
     for r in regions:
-        for _ in range(1 + u):
+        for _ in range(groups):  # main, then slots; the row gradients of both stay until the chunk's combine
             alloc(r * F * b)  # grad of the activation
             alloc(r * 2 * F * b)  # grad of h (kept for the weight gradients)
             free(r * F * b)
-            alloc(r * H * b)  # grad of the received rows, until the combine
+            alloc(r * H * b)  # grad of the received rows
             dgrad += r * 2 * F * b
-        free(r * H * b * (1 + u))
+        if not joined:
+            free(groups * r * H * b)
     if weight_grads:
-        if u:
-            alloc(N * expert)  # the slots' weight gradients
-        for r in regions:
-            alloc(r * F * b)  # the activation, recomputed for fc2's gradient
-            free(r * F * b)
-        alloc(E_loc * expert)  # the main experts' weight gradients
-    free(dgrad)
+        for G in ([N] if u else []) + [E_loc]:  # the slots' (kept while they travel home), then the main experts'
+            for r in regions:  # per chunk: g1, the activation recomputed for g2, g2; then the chunks summed
+                alloc(G * 2 * F * H * b)
+                alloc(r * F * b)
+                alloc(G * F * H * b)
+                free(r * F * b)
+            free((len(regions) - 1) * G * expert)
+    if joined:
+        free(groups * rows * H * b)  # the row gradients, at the comm stream's join
     alloc(T * H * b)  # grad x
     return LayerMemory(buffers=buffers, slots=slots, kept=kept, peak=peak)
