@@ -4,14 +4,10 @@ buffers per destination (main experts, replica slots), with sources in rank orde
 Triton version of the send and receive layout (layout_triton.py) equals it bit for bit under Triton's
 interpreter."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from interpreter import interpreted_cases
 from topoep.runtime.layout import count_keys, receive_positions, received_sizes
 
 
@@ -144,17 +140,10 @@ def test_assignment_ordinals_count_within_each_expert():
 
 def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
     """tests/layout_triton_check.py in a subprocess with TRITON_INTERPRET=1 (read when triton is imported)."""
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(here / "layout_triton_check.py")], env=env, capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
-    assert len(lines) == 14 and all("equal on every rank" in ln for ln in lines[:12]), out.stdout
+    lines = interpreted_cases("layout_triton_check.py")
+    assert len(lines) == 14 and all("equal on every rank" in ln for ln in lines[:12]), lines
     # plans that do not route this rank's assignments of every expert, or route one to an empty slot
-    assert "rejected (" in lines[12] and "rejected (" in lines[13], out.stdout
+    assert "rejected (" in lines[12] and "rejected (" in lines[13], lines
     assert any("(0 replicas)" not in ln for ln in lines)  # replicas exercised
 
 

@@ -3,14 +3,13 @@ them (against a brute-force walk of the receive layout), and the Triton kernels 
 Triton's interpreter (tests/spill_check.py in a subprocess: the interpreter must be chosen before triton is
 imported); the same check with the compiled kernels on a GPU (skipped without one)."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from interpreter import interpreted_cases
 from topoep.runtime.layout import receive_starts
 from topoep.runtime.spill import BM, spill_work
 
@@ -50,14 +49,8 @@ def test_spill_work_matches_the_receive_layout(seed):
 
 
 def test_spill_kernels_equal_their_references_in_the_interpreter():
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",  # the interpreter alone, GPU or not
-               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(here / "spill_check.py")], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
-    assert len(lines) == 2 and all(ln.endswith(": equal") for ln in lines), out.stdout
+    lines = interpreted_cases("spill_check.py")
+    assert len(lines) == 2 and all(ln.endswith(": equal") for ln in lines), lines
 
 
 @pytest.mark.gpu

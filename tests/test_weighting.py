@@ -3,23 +3,17 @@ against their torch references under Triton's interpreter (tests/weighting_check
 interpreter must be chosen before triton is imported), and the same check with the compiled kernels on a GPU
 (skipped without one)."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from interpreter import interpreted_cases
+
 
 def test_weighting_kernels_equal_their_references_in_the_interpreter():
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(here / "weighting_check.py")], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("case ")]
-    assert len(lines) == 5 and all(ln.endswith(": equal") for ln in lines), out.stdout
+    lines = interpreted_cases("weighting_check.py")
+    assert len(lines) == 5 and all(ln.endswith(": equal") for ln in lines), lines
 
 
 @pytest.mark.gpu
