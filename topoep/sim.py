@@ -258,7 +258,7 @@ class Execution:
         return 1 + (not self.reload_hidden) + (not self.grad_return_hidden)
 
 
-# GPU planner latency (us, 640 experts, 2 slots) on one H200, results/planner_latency.md at commit f829e86: the
+# GPU planner latency (us, 640 experts, 2 slots) on one H200, from results/planner_latency.md: the
 # planner replayed from a CUDA graph on a busy stream, as backend cuda's metadata graph runs it in a layer (the
 # host, which runs ahead, adds nothing; the eager call's host time, 15-30 us more, varies from run to run).
 # Interpolated in log2(EP); beyond EP 128 extrapolated linearly in EP with the last segment's slope
@@ -268,7 +268,7 @@ GPU_PLANNER_US = ((8, 36.5), (16, 29.4), (32, 32.6), (64, 39.4), (128, 46.3))
 GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
-# of commit 75d7c67 (measured at c3e64ae; 2 x H200, EP 2, Qwen3 expert shape), backend cuda (the fast path:
+# (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
 # torch._grouped_mm experts, symmetric-memory dispatch/combine): t_ffn = 45.3 ns per assignment, 287 GB/s
 # per direction. (Backend torch on the same run: 70.9 ns, NCCL all-to-all 332 GB/s.) `python
 # bench/simulate.py` refits both, picks the backend whose fit the presets follow and builds them with `presets`.
