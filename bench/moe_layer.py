@@ -414,8 +414,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
         variants += [(be, p, False, cf) for cf in args.capacity_factors for be in args.backends for p in args.policies
                      if p != "static"]
     layers = {}
+    default = None if args.transport == "a2a" else DEFAULT_CAPACITY_FACTOR  # a2a has no spill path
     for be, policy, guard, cf in variants:
-        default = None if args.transport == "a2a" else DEFAULT_CAPACITY_FACTOR  # a2a has no spill path
         factor = default if cf == "default" else None if cf == "none" else float(cf)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,

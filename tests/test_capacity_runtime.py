@@ -50,28 +50,41 @@ def _routing(world, rpd, kind, seed):
     return out
 
 
-def _run(rank, world, rpd, kind, slots, chunks):
+def _experts(world, g=None):
+    """Every expert's (fc1, fc2), the same on every rank (drawn from g, default a generator seeded 5)."""
+    E = world * E_LOC
+    g = g or torch.Generator().manual_seed(5)
+    return torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+
+
+def _layer(rank, world, rpd, fc1, fc2, **kw):
+    """This rank's ExpertParallelMoE (bf16 on the CPU, max_tokens T) with its experts of fc1, fc2."""
     from topoep import ExpertParallelMoE, Topology
+
+    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
+    layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD,
+                              topology=Topology(num_domains=world // rpd, ranks_per_domain=rpd), dtype=torch.bfloat16,
+                              device="cpu", max_tokens=T, **kw)
+    with torch.no_grad():
+        layer.fc1.copy_(fc1[lo:hi])
+        layer.fc2.copy_(fc2[lo:hi])
+    return layer
+
+
+def _run(rank, world, rpd, kind, slots, chunks):
     from topoep.planners.capacity import region_loads
     from topoep.runtime.a2a import A2AWorkspace
 
-    E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
-    g = torch.Generator().manual_seed(5)
-    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
+    fc1, fc2 = _experts(world)
     data = _routing(world, rpd, kind, 7)
     refs = [_dense(*d[:3], fc1, fc2, d[3]) for d in data]
     ref = [refs[rank][0], refs[rank][1], refs[rank][2], sum(r[3] for r in refs)[lo:hi], sum(r[4] for r in refs)[lo:hi]]
     x, idx, w, gy = data[rank]
     out = {}
     for backend in ("torch", "cuda"):
-        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                                  topology=Topology(num_domains=world // rpd, ranks_per_domain=rpd), num_slots=slots,
-                                  policy="topoep", backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
-                                  transport="gloo" if backend == "cuda" else "peer", max_tokens=T)
-        with torch.no_grad():
-            layer.fc1.copy_(fc1[lo:hi])
-            layer.fc2.copy_(fc2[lo:hi])
+        layer = _layer(rank, world, rpd, fc1, fc2, num_slots=slots, policy="topoep", backend=backend, guard=False,
+                       transport="gloo" if backend == "cuda" else "peer")
         layer.cuda_chunks = chunks  # backend cuda's token chunks (a receive region each)
         xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
         y = layer(xr, idx, wr)
@@ -131,22 +144,15 @@ def _hint(rank, world, kind):
     4 calls. Where the static plan overflows the regions ("one_rank"), the capacity step places replicas in both, so
     the hint keeps the replica machinery; where it fits ("uniform"), calls 3-4 leave it out (lag 2). Both equal the
     static layer bit for bit."""
-    from topoep import ExpertParallelMoE, Topology
     from topoep.runtime import NetBenefitGuard
 
     E = world * E_LOC
-    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     g = torch.Generator().manual_seed(5)
-    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
-    layers = {}
-    for name, policy, guard in (("static", "static", False), ("fires", "topoep", NetBenefitGuard(plan_s=1.0))):
-        layers[name] = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                                         topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=2,
-                                         policy=policy, backend="cuda", dtype=torch.bfloat16, device="cpu",
-                                         guard=guard, transport="gloo", max_tokens=T)
-        with torch.no_grad():
-            layers[name].fc1.copy_(fc1[lo:hi])
-            layers[name].fc2.copy_(fc2[lo:hi])
+    fc1, fc2 = _experts(world, g)  # the routing below draws from g after them
+    layers = {name: _layer(rank, world, world, fc1, fc2, num_slots=2, policy=policy, backend="cuda", guard=guard,
+                           transport="gloo")
+              for name, policy, guard in (("static", "static", False),
+                                          ("fires", "topoep", NetBenefitGuard(plan_s=1.0)))}
     same, moves = [], []
     for call in range(4):
         if kind == "uniform":

@@ -231,6 +231,14 @@ def default_main_rank(num_experts: int, num_ranks: int, device=None) -> torch.Te
     return t
 
 
+def static_route(omega: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The static plan's route: every assignment on its expert's main instance, no slot used."""
+    R, E = omega.shape
+    route = torch.zeros(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
+    route[:, :E] = omega
+    return route
+
+
 def domain_demand(omega: torch.Tensor, topology: Topology) -> torch.Tensor:
     """D: int64[M, E], omega summed over the (contiguous) ranks of each domain (eq. 4)."""
     R, E = omega.shape

@@ -44,11 +44,12 @@ The CUDA planner's `fit_capacity` kernel (csrc/capacity.cu) returns the same pla
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
 
-from topoep.plan import Plan
+from topoep.plan import Plan, static_route
 
 
 def region_loads(plan: Plan) -> torch.Tensor:
@@ -60,9 +61,11 @@ def region_loads(plan: Plan) -> torch.Tensor:
     return torch.stack([main, slot], 1)
 
 
-def overflow_rows(plan: Plan, capacity: int) -> int:
-    """Rows beyond `capacity` summed over every rank's two regions (0: the plan fits)."""
-    return int((region_loads(plan) - capacity).clamp(min=0).sum())
+def overflow_rows(plan: Plan, capacity: int, loads: torch.Tensor | None = None) -> int:
+    """Rows beyond `capacity` summed over every rank's two regions (0: the plan fits); loads: region_loads(plan)
+    when already at hand."""
+    loads = region_loads(plan) if loads is None else loads
+    return int((loads - capacity).clamp(min=0).sum())
 
 
 def max_moves(num_ranks: int, num_instances: int) -> int:
@@ -84,10 +87,8 @@ def fit_capacity(plan: Plan, capacity: int, *, allow_new: bool = True) -> Plan:
     fitted = _fit(plan, capacity, allow_new)
     info = fitted.info["capacity"]
     if info["overflow"] and allow_new and bool((plan.slot_expert >= 0).any()):
-        R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
-        route = torch.zeros_like(plan.route)
-        route[:, :E] = plan.omega
-        static = dataclasses.replace(plan, slot_expert=torch.full_like(plan.slot_expert, -1), route=route)
+        static = dataclasses.replace(plan, slot_expert=torch.full_like(plan.slot_expert, -1),
+                                     route=static_route(plan.omega, plan.num_slots))
         alt = _fit(static, capacity, allow_new)
         if alt.info["capacity"]["overflow"] < info["overflow"]:
             alt.info["capacity"]["refit"] = "static"
@@ -101,7 +102,7 @@ def _fit(plan: Plan, capacity: int, allow_new: bool) -> Plan:
     R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
     P = E + R * N
     loads = region_loads(plan)
-    if int((loads - capacity).clamp(min=0).sum()) == 0:
+    if overflow_rows(plan, capacity, loads) == 0:
         info = {"capacity": capacity, "moves": 0, "new_replicas": [], "overflow": 0, "stuck": []}
         return dataclasses.replace(plan, info={**plan.info, "capacity": info})
     dom = plan.topology.domain_of.tolist()
@@ -172,9 +173,8 @@ def _fit(plan: Plan, capacity: int, allow_new: bool) -> Plan:
             se[t][j] = e
             slot_held[t].add(e)
             inst_expert[q] = e
-            hosts[e] = sorted(hosts[e] + [q])
-            region_insts[t][1].append(q)
-            region_insts[t][1].sort()
+            bisect.insort(hosts[e], q)
+            bisect.insort(region_insts[t][1], q)
             new_replicas.append((t, j))
         kq = 0 if q < E else 1
         U[p] -= delta

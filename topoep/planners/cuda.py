@@ -224,9 +224,17 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
 
 
 _fit_workspaces: dict = {}
+_flags: dict = {}
 
 
-_true: dict = {}
+def device_flag(value: bool, device) -> torch.Tensor:
+    """A 0-d bool tensor on `device` holding `value`: one cached tensor per (device, value), never written (inputs
+    that a CUDA graph reads on the device, such as the capacity step's allow_new)."""
+    device = torch.device(device)
+    flags = _flags.get(device)
+    if flags is None:
+        flags = _flags[device] = (torch.tensor(False, device=device), torch.tensor(True, device=device))
+    return flags[bool(value)]
 
 
 def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool | torch.Tensor = True) -> Plan:
@@ -247,10 +255,7 @@ def fit_capacity_cuda(plan: Plan, capacity: int, allow_new: bool | torch.Tensor 
         ws = _fit_workspaces[key] = torch.empty(torch.ops.topoep.fit_workspace_elems(R, E, N), dtype=torch.int64,
                                                 device=dev)
     if not isinstance(allow_new, torch.Tensor):
-        flags = _true.get(dev)
-        if flags is None:
-            flags = _true[dev] = (torch.tensor(False, device=dev), torch.tensor(True, device=dev))
-        allow_new = flags[bool(allow_new)]
+        allow_new = device_flag(allow_new, dev)
     slot_expert, route = plan.slot_expert.clone(), plan.route.clone()
     info = torch.empty(4 + R * N, dtype=torch.int64, device=dev)
     torch.ops.topoep.fit_capacity(plan.omega.contiguous(), plan.topology.ranks_per_domain, capacity, allow_new,

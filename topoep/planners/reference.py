@@ -42,19 +42,16 @@ from __future__ import annotations
 
 import torch
 
-from topoep.plan import Plan, domain_demand
+from topoep.plan import Plan, domain_demand, static_route
 from topoep.planners.common import even_split, instance_tables, interval_route, static_rank_load
 from topoep.topology import Topology
 
 
 def solve_static(omega, topology, *, num_slots, main_rank, **kw) -> Plan:
     """Main instances only: megatron's behaviour, the no-EPLB baseline."""
-    R, E = omega.shape
-    slot_expert = torch.full((R, num_slots), -1, dtype=torch.int64, device=omega.device)
-    route = torch.zeros(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
-    route[:, :E] = omega
+    slot_expert = torch.full((omega.shape[0], num_slots), -1, dtype=torch.int64, device=omega.device)
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank,
-                slot_expert=slot_expert, route=route, policy="static", **kw)
+                slot_expert=slot_expert, route=static_route(omega, num_slots), policy="static", **kw)
 
 
 def internode_placement(omega: torch.Tensor, topology: Topology, num_slots: int, main_rank: torch.Tensor,

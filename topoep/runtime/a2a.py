@@ -308,6 +308,7 @@ class A2AWorkspace:
         return xs, gs, ex.all_gather(self.stage_meta)
 
     def _weights(self, g: int, main: tuple, slot: tuple | None):
+        """Local group g's pair of tensors: main[.][g] for a main expert, slot[.][g - E_loc] for a replica slot."""
         return (main[0][g], main[1][g]) if g < self.e_loc else (slot[0][g - self.e_loc], slot[1][g - self.e_loc])
 
     def spill(self, work, main: tuple, slot: tuple | None, backward: bool = False) -> None:
@@ -356,19 +357,19 @@ class A2AWorkspace:
         xs, gs = self._staged
         n, first = work.n.tolist(), work.first.tolist()
         for g in range(*groups):
+            sources = [s for s in range(self.R) if n[s][g]]
+            if not sources:
+                continue
             w1, w2 = self._weights(g, main, slot)
-            d1, d2 = (main_grads[0][g], main_grads[1][g]) if g < self.e_loc else (
-                slot_grads[0][g - self.e_loc], slot_grads[1][g - self.e_loc])
+            d1, d2 = self._weights(g, main_grads, slot_grads)
             a1, a2 = torch.zeros(d1.shape), torch.zeros(d2.shape)
-            for s in range(self.R):
-                if n[s][g]:
-                    i = slice(first[s][g], first[s][g] + n[s][g])
-                    _, b1, b2 = spill_backward_reference(xs[s][i], gs[s][i], w1, w2)
-                    a1 += b1
-                    a2 += b2
-            if any(n[s][g] for s in range(self.R)):
-                d1.copy_((d1.float() + a1).to(d1.dtype))
-                d2.copy_((d2.float() + a2).to(d2.dtype))
+            for s in sources:  # fp32 sums in source order, one rounding (as the kernel)
+                i = slice(first[s][g], first[s][g] + n[s][g])
+                _, b1, b2 = spill_backward_reference(xs[s][i], gs[s][i], w1, w2)
+                a1 += b1
+                a2 += b2
+            d1.copy_((d1.float() + a1).to(d1.dtype))
+            d2.copy_((d2.float() + a2).to(d2.dtype))
 
     def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """A copy of src that later dispatches do not overwrite (rows past n are stale either way)."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from topoep.plan import Plan
+from topoep.plan import Plan, static_route
 from topoep.planners.common import static_rank_load
 
 
@@ -116,18 +116,15 @@ class NetBenefitGuard:
         `plan` is the balanced plan; `fired` is True when the static plan is executed instead. `allow`
         (bool 0-d, optional): False forces the static plan (the host left out the replica machinery);
         `T_saved > T_plan + T_transfer` is the guard's own decision either way."""
-        E = plan.num_experts
         static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
         saved = t_ffn * (static_load.max() - plan.rank_load.max()).to(torch.float64)
         cost = self.plan_s + self.transfer_time(plan, exposed_transfers)
         use = saved > cost
         if allow is not None:
             use = use & allow
-        static_route = torch.zeros_like(plan.route)
-        static_route[:, :E] = plan.omega
         executed = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
                         slot_expert=torch.where(use, plan.slot_expert, torch.full_like(plan.slot_expert, -1)),
-                        route=torch.where(use, plan.route, static_route), policy=plan.policy,
+                        route=torch.where(use, plan.route, static_route(plan.omega, plan.num_slots)), policy=plan.policy,
                         expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes, info=dict(plan.info))
         return executed, ~use, saved, cost
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
 from topoep.planners import OFFLINE_POLICIES, POLICIES, has_cuda_kernel, solve
+from topoep.planners.cuda import device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
 from topoep.runtime.backend import capacity_rows, make_backend
@@ -180,12 +181,11 @@ class ExpertParallelMoE(nn.Module):
         self.cuda_chunks = int(env_choice("TOPOEP_CUDA_CHUNKS", ("1", "2"), "1"))
         # backend cuda: static places replicas only for the capacity (the capacity step), so its slots follow the
         # same hint: left out while no recent call needed a replica
-        uses_slots = policy != "static" or self.capacity_factor is not None
-        lag = lag if lag is not None or policy != "static" else 2
+        self._uses_slots = policy != "static" or self.capacity_factor is not None
+        if policy == "static" and lag is None:  # no guard: the hint's default lag
+            lag = NetBenefitGuard.skip_lag
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
-                          and uses_slots else None)
-        self._uses_slots = uses_slots
-        self._allow_flags: dict = {}  # device -> (True, False) 0-d bool tensors: the metadata graph's input
+                          and self._uses_slots else None)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -339,16 +339,12 @@ class ExpertParallelMoE(nn.Module):
         pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device) if use_slots else None
         if pool is not None:
             self.pool = pool
-        flags = self._allow_flags.get(x.device)
-        if flags is None:
-            flags = self._allow_flags[x.device] = (torch.ones((), dtype=torch.bool, device=x.device),
-                                                   torch.zeros((), dtype=torch.bool, device=x.device))
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
             omega, slot_expert, route, stats, wanted, *layout = self._meta_graphs(
                 lambda idx, allow: self._cuda_metadata(ws, idx, allow, token_bytes), topk_idx,
-                flags[0] if use_slots else flags[1])
+                device_flag(use_slots, x.device))
             if self.slot_hint is not None:
                 self.slot_hint.record(wanted)
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
