@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from topoep.planners import OFFLINE_POLICIES, POLICIES
+from topoep.config import LayerConfig
 
 
 def _positive(obj, *names):
@@ -74,84 +75,31 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class EplbConfig:
-    """Expert-parallel load balancing: `none` is megatron's own alltoall dispatcher (the baseline);
-    any other name runs the TopoEP layer with that planner policy."""
+class EplbConfig(LayerConfig):
+    """Expert-parallel load balancing: `none` is megatron's own alltoall dispatcher (the baseline); any other name
+    runs the TopoEP layer with that planner policy. Every other field is `topoep.LayerConfig`'s (docs/config.md)."""
+
+    prefix: ClassVar[str] = "eplb"
 
     name: str = "topoep"
+    """none (megatron's alltoall layer, the baseline) or a policy name (the TopoEP layer)."""
     policy: str | None = None
-    """Planner policy; defaults to `name` (topoep, deepseek, fastermoe, flexmoe, static)."""
-    num_slots: int = 2
-    """Replica slots per rank."""
-    backend: str = "torch"
-    """Execution backend of the TopoEP layer: torch (collectives; CPU and GPU) or cuda (GPU-native, one
-    NVLink domain, bf16, no host synchronisation)."""
-    transport: str = "peer"
-    """backend cuda's data movement: peer (peer pointers, the EP group on one host) or a2a (NVSHMEM
-    all-to-alls with device-side splits, across hosts; on one host it plans virtual domains' traffic
-    through the path real RDMA takes)."""
-    num_chunks: int = 2
-    """Token chunks of the pipeline (paper 3.3)."""
-    t_ffn: float | None = None
-    """Seconds of expert time per assignment for cost-aware policies and the guard; None: from the
-    model's shape."""
-    guard: bool = True
-    """Net-benefit guard (paper eq. 2): execute the static plan when balancing is predicted not to pay
-    (saving of straggler expert time <= planning + replica transfer time). Its constants model GPUs
-    (topoep.runtime.NetBenefitGuard), so trainer=cpu turns it off."""
-    planner_blocks: int = 0
-    """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the
-    grid starts only when every block has one, so lower it where collectives on other streams hold many SMs.
-    The plans do not depend on it."""
-    capacity_factor: float | None = 1.25
-    """Receive rows per region (a rank's main experts', its replica slots') in units of T x top_k: backend cuda's
-    buffers and the tensors it keeps for backward hold capacity_factor x T x top_k rows each, so its memory does
-    not grow with the EP size; the planner's capacity step fits every plan to it, and rows it cannot place are
-    computed on the spill path (slower, never dropped; logged as moe/capacity_overflow). null: no capacity step,
-    backend cuda's buffers sized for the worst case (EP size x T x top_k rows). Needs num_slots >= 1 to place
-    rows elsewhere. Transport a2a needs null (its buffers hold the worst case)."""
+    """Planner policy; defaults to `name` (static, topoep, topoep_plus, deepseek, fastermoe, flexmoe)."""
 
     def __post_init__(self):
-        if self.name != "none":
-            self.policy = self.policy or self.name
-            if self.policy in OFFLINE_POLICIES:
-                raise ValueError(f"eplb.policy={self.policy!r} is an offline planner (seconds per plan), not for "
-                                 f"training; use it through topoep.solve or bench/plan_quality.py, and choose "
-                                 f"one of {', '.join(POLICIES)} here")
-            if self.policy not in POLICIES:
-                raise ValueError(f"eplb.policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)} "
-                                 "(or eplb=none for megatron's baseline)")
-        if not isinstance(self.num_slots, int) or self.num_slots < 0:
-            raise ValueError(f"eplb.num_slots must be an integer >= 0, got {self.num_slots!r}")
-        from topoep.runtime.backend import BACKENDS
-
-        if self.backend not in BACKENDS:
-            raise ValueError(f"eplb.backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-        from topoep.runtime.backend import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"eplb.transport={self.transport!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
-        if self.transport != "peer" and self.backend != "cuda":
-            raise ValueError(f"eplb.transport={self.transport} applies to eplb.backend=cuda (got backend "
-                             f"{self.backend}): set eplb.backend=cuda, or leave eplb.transport=peer")
-        from topoep.planners.cuda import check_grid_blocks
-
-        check_grid_blocks(self.planner_blocks, "eplb.planner_blocks")
-        if not isinstance(self.guard, bool):
-            raise ValueError(f"eplb.guard must be true or false, got {self.guard!r}")
-        _positive(self, "num_chunks")
-        from topoep.runtime.moe import check_capacity_factor
-
-        if isinstance(self.capacity_factor, int) and not isinstance(self.capacity_factor, bool):
-            self.capacity_factor = float(self.capacity_factor)  # Hydra gives 2 for 2.0
-        check_capacity_factor(self.capacity_factor, "eplb.capacity_factor")
-        if self.capacity_factor is not None and self.transport == "a2a":
-            raise ValueError("eplb.transport=a2a sizes its buffers for the worst case and has no spill path: set "
-                             "eplb.capacity_factor=null with it (or use eplb.transport=peer on one host)")
+        if self.name == "none":  # megatron's baseline: the layer's fields are not used
+            return
+        self.policy = self.policy or self.name
+        super().__post_init__()
 
     @property
     def enabled(self) -> bool:
         return self.name != "none"
+
+    def layer_config(self, **changes) -> LayerConfig:
+        """The layer's config: these fields without `name`, with `changes` (e.g. t_ffn from the model's shape)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerConfig)}
+        return LayerConfig(**{**own, **changes})
 
 
 @dataclass(kw_only=True)

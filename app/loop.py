@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -66,6 +69,21 @@ def _quiet_megatron() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl\.logging).*")
 
 
+@contextlib.contextmanager
+def config_errors():
+    """A config error (a ValueError of the configs' checks, which names the field and the fix, or OmegaConf's type
+    error) is printed once, by rank 0, without a traceback, and every rank exits with status 2 (every rank checks
+    the same config, so every rank stops)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except (ValueError, OmegaConfBaseException) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def job_from_config(cfg) -> tuple[Job, dict]:
     """A composed Hydra config (train.py's, or `hydra.compose`'s) -> (Job, resolved config). Converting the
     groups to their dataclasses runs every __post_init__ check."""
@@ -102,12 +120,13 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
 
     from data.loader import build_loader
     from topoep.megatron.model import build_gpt_model, moe_layers
-    from topoep.megatron.moe_layer import TopoEPLayerConfig
+    from topoep.megatron.moe_layer import TopoEPSpec
 
     tr, mc, ec = job.trainer, job.model, job.eplb
     d = setup.init_distributed(tr)
-    par = setup.resolve_parallel(job.parallel, mc, d.world_size)
-    topology = setup.build_topology(job.topology, par.ep, d.local_world_size)
+    with config_errors():
+        par = setup.resolve_parallel(job.parallel, mc, d.world_size)
+        topology = setup.build_topology(job.topology, par.ep, d.local_world_size)
     setup.init_model_parallel(par)
     torch.manual_seed(tr.seed)
     model_parallel_cuda_manual_seed(tr.seed)  # on CPU the compatibility layer keeps its streams on the CPU
@@ -129,19 +148,12 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
                           seed=tr.seed, progress=is_logger)
     vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
     tc = setup.transformer_config(mc, par, tr, job.router)
-    topoep_cfg = (TopoEPLayerConfig(topology=topology, policy=ec.policy, num_slots=ec.num_slots, backend=ec.backend,
-                                    num_chunks=ec.num_chunks, t_ffn=setup.default_t_ffn(mc, ec), guard=ec.guard,
-                                    transport=ec.transport, capacity_factor=ec.capacity_factor)
-                  if ec.enabled else None)
+    topoep_cfg = (TopoEPSpec(topology, ec.layer_config(t_ffn=setup.default_t_ffn(mc, ec))) if ec.enabled else None)
     model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
                             rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,
                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if tr.device == "cuda":
         model.cuda(d.device)
-        if ec.enabled and ec.planner_blocks:
-            from topoep.planners.cuda import set_grid_blocks
-
-            set_grid_blocks(ec.planner_blocks)
     # our synthetic bias layouts, in the dtype of the router's logits (megatron adds the bias to them)
     setup.install_router_bias(model, job.router, mc.num_moe_experts, par.ep,
                               torch.float32 if mc.moe_router_dtype == "fp32" or not tr.bf16 else torch.bfloat16)
@@ -172,6 +184,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
     dp = ps.get_data_parallel_world_size()
     tokens_per_step = tr.micro_batch_size * tr.seq_length * par.num_microbatches * dp
     history = []
+    step_times = []  # seconds of every step of this run (the ETA leaves the first, which compiles and warms up, out)
     for step in range(start + 1, tr.steps + 1):
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
@@ -184,6 +197,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
         if tr.device == "cuda":
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
+        step_times.append(step_s)
         loss = _mean_loss(losses, d.device)
         moe, loads = stats.collect()
         metrics = {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
@@ -197,7 +211,9 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
             metrics.update({f"moe/{k}": v for k, v in stats.pool_counts().items()})
         if is_logger and step % tr.log_interval == 0:
-            logger.log(step, metrics, _line(step, tr.steps, metrics, ec.enabled))
+            later = step_times[1:] or step_times
+            eta_s = (tr.steps - step) * sum(later) / len(later)
+            logger.log(step, metrics, _line(step, tr.steps, metrics, ec.enabled, eta_s))
         history.append(metrics)
         if tr.heatmap_interval and (step % tr.heatmap_interval == 0 or step == tr.steps) and is_logger:
             png = expert_load_heatmap(loads, run_dir / "heatmaps" / f"expert_load_step{step:06d}.png",
@@ -236,9 +252,15 @@ def _no_hook(*_):
     return None
 
 
-def _line(step, steps, m, balanced) -> str:
-    s = (f"step {step:>4}/{steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | "
-         f"{1e3 * m['step_time_s']:.0f} ms")
+def _eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _line(step, steps, m, balanced, eta_s: float = 0.0) -> str:
+    s = (f"step {step:>4}/{steps} ({100 * step / steps:.0f} %, ETA {_eta(eta_s)}) | loss {m['loss']:.4f} | "
+         f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | {1e3 * m['step_time_s']:.0f} ms")
     if "moe/imbalance_before" in m:
         s += f" | imbalance {m['moe/imbalance_before']:.2f}"
         if balanced:

@@ -52,7 +52,7 @@ class MoEStats:
         """Backend cuda's replica fetches since the last call, summed over this stage's pools (host counters, alike
         on every rank of the stage): `replica_fetches` (forward fills, backward reloads and prefetches),
         `reloads_skipped` (backward reloads left out: the slots still held the replicas) and `prefetches`
-        (TOPOEP_PREFETCH=1). Empty when no layer has such a pool (backend torch, or no slots)."""
+        (eplb.prefetch). Empty when no layer has such a pool (backend torch, or no slots)."""
         pools = {}
         for layer in self.layers:
             pool = getattr(getattr(layer, "balancer", None), "pool", None)

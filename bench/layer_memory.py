@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 from bench.common import REPO, markdown_table, run_info  # noqa: E402
 from topoep import ExpertParallelMoE, Topology  # noqa: E402
 from topoep.memory import layer_memory  # noqa: E402
-from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR  # noqa: E402
+from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 from topoep.workloads import expert_bias  # noqa: E402
 
 MIB = 2 ** 20

@@ -54,7 +54,6 @@ with the breakdown split into forward and backward and plotted in <out>/<name>_b
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -71,7 +70,7 @@ from bench.common import REPO, bench_gpu, markdown_table, run_info, without_opti
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
-from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR  # noqa: E402
+from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -287,13 +286,13 @@ def measure(case: Case, args, cuda: bool, dev, times: list[float], before: tuple
             row[f"{p}_fwd_ms"], row[f"{p}_bwd_ms"] = every[:, i, 0].max().item(), every[:, i, 1].max().item()
         row["experts_ms_per_rank"] = every[:, PHASES.index("experts")].sum(-1).tolist()
     if args.torch_profile:
-        row["torch_profile"] = torch_profile(case, cuda)
+        row["torch_profile"] = torch_profile(case, cuda, args.trace_dir)
     return row
 
 
-def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
+def torch_profile(case: Case, cuda: bool, trace_dir: Path | None = None, iters: int = 5) -> str:
     """torch.profiler over `iters` calls of a case (every rank runs them; rank 0's table is returned): where
-    the host and the device spend the layer's time, by operator."""
+    the host and the device spend the layer's time, by operator; with trace_dir a Chrome trace per rank."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -303,8 +302,8 @@ def torch_profile(case: Case, cuda: bool, iters: int = 5) -> str:
             case.run()
         if cuda:
             torch.cuda.synchronize()
-    if os.environ.get("TOPOEP_TRACE_DIR"):  # a Chrome trace per rank and case, for timeline analysis
-        d = Path(os.environ["TOPOEP_TRACE_DIR"])
+    if trace_dir:  # a Chrome trace per rank and case, for timeline analysis
+        d = trace_dir
         d.mkdir(parents=True, exist_ok=True)
         name = "".join(c if c.isalnum() else "_" for c in case.name)
         n = len(list(d.glob(f"trace_*_{name}_rank{dist.get_rank()}.json")))  # cases repeat over workloads
@@ -338,10 +337,18 @@ def parse_args(argv):
     ap.add_argument("--reload", choices=["auto", "always"], default="auto",
                     help="backend cuda's replica reload in backward: auto leaves it out when the slots still hold "
                          "the layer's replicas (a lone layer, the last of a model); always reloads, as every MoE "
-                         "layer but the last of a deeper model does (TOPOEP_RELOAD_ALWAYS=1)")
+                         "layer but the last of a deeper model does (the replica pool's reload_always)")
+    ap.add_argument("--chunks", type=int, choices=[1, 2], default=None,
+                    help="token chunks per call (LayerConfig.num_chunks; default: the backend's, torch 2, cuda 1)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="backend cuda: a second bank of replica slots, refilled at the end of each backward "
+                         "(LayerConfig.prefetch)")
+    ap.add_argument("--combine-side-stream", action="store_true",
+                    help="backend cuda: the backward combine beside the weight-gradient GEMMs "
+                         "(LayerConfig.combine_side_stream)")
     ap.add_argument("--depth", type=int, default=1,
                     help="MoE layers per case, chained (the layer's output is the next call's input), so that the "
-                         "backward runs them in reverse as a model does (reloads, TOPOEP_PREFETCH); every time is "
+                         "backward runs them in reverse as a model does (reloads, --prefetch); every time is "
                          "reported per layer (the case's time / depth)")
     ap.add_argument("--ranks-per-domain", type=int, default=None, help="virtual NVLink domain size (default: all)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 20; tiny 3)")
@@ -352,6 +359,8 @@ def parse_args(argv):
     ap.add_argument("--profile-iters", type=int, default=None,
                     help="extra iterations with the phase timer (default 3; tiny 1; 0: no breakdown)")
     ap.add_argument("--seed", type=int, default=0, help="routing seed (the router bias draw)")
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="with --torch-profile: write a Chrome trace per rank and case here (tools/trace_summary.py)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="also run torch.profiler over 5 calls of every case; writes <out>/moe_layer_profile.txt")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
@@ -372,10 +381,10 @@ def parse_args(argv):
     if args.depth < 1 or (args.depth > 1 and not args.no_megatron):
         raise ValueError(f"--depth must be >= 1, and > 1 only with --no-megatron (megatron's layer is timed alone); "
                          f"got --depth {args.depth}")
-    if args.reload == "always":
-        from topoep.runtime import cuda_function
+    if args.reload == "always":  # a benchmark knob of the replica pools, not a layer option
+        from topoep.runtime.pool import SlotBanks
 
-        cuda_function.RELOAD_ALWAYS = True
+        SlotBanks.reload_always = True
     args.hidden, args.ffn, args.topk = shape["hidden"], shape["ffn"], shape["topk"]
     args.tokens = args.tokens or shape["tokens"]
     if args.backends is None:
@@ -420,7 +429,9 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
                                   t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,
-                                  transport=args.transport if be == "cuda" else "peer", capacity_factor=factor)
+                                  transport=args.transport if be == "cuda" else "peer", capacity_factor=factor,
+                                  num_chunks=args.chunks, prefetch=args.prefetch and be == "cuda",
+                                  combine_side_stream=args.combine_side_stream and be == "cuda")
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
@@ -551,18 +562,10 @@ def _f(v, fmt="{:.2f}"):
 
 
 def _reload_text(args) -> str:
-    from topoep.runtime import cuda_function
-
-    if cuda_function.RELOAD_ALWAYS:
+    if args.reload == "always":
         return "always (as every MoE layer but the last of a model with several)"
     return ("auto: left out, the lone layer's replicas are still in the slots in backward (as for a model's last "
             "MoE layer; `--reload always` shows the others)")
-
-
-def _prefetch_on() -> bool:
-    from topoep.runtime import cuda_function
-
-    return cuda_function.PREFETCH
 
 
 def report(args, rows, world, topo, dtype, experts_module) -> None:
@@ -583,9 +586,9 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
         f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
-        f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; backend cuda's token chunks: "
-        f"{os.environ.get('TOPOEP_CUDA_CHUNKS', '1')}; backward prefetch (TOPOEP_PREFETCH): "
-        f"{int(_prefetch_on())}; megatron experts: {experts_module or 'not run'}"
+        f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; token chunks: "
+        f"{args.chunks or 'the backend default (torch 2, cuda 1)'}; backward prefetch (backend cuda): "
+        f"{int(args.prefetch)}; backward combine on a side stream: {int(args.combine_side_stream)}; megatron experts: {experts_module or 'not run'}"
         + (f"; each case is {args.depth} layers in a chain, every time per layer (the case's / {args.depth})"
            if args.depth > 1 else ""),
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up; taken in {args.rounds} rounds over the "
@@ -596,9 +599,7 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "earlier)",
         f"- breakdown (ms): median of {args.profile_iters} extra iterations with phases serialised (CUDA events on "
         "GPU), maximum over ranks: experts is the straggler's; phases overlap in the timed runs and do not add up; "
-        "(plan+fetch) / ms: the serialised plan and fetch over the timed layer, both blocking (target <= 10 %; "
-        "with TOPOEP_FETCH_SIDE_STREAM=1 backend cuda's peer transport fetches beside the dispatch in the timed "
-        "runs, and this over-states what the fetch exposes)",
+        "(plan+fetch) / ms: the serialised plan and fetch over the timed layer, both blocking (target <= 10 %)",
         "- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from bench.common import REPO, markdown_table, run_info  # noqa: E402
 from topoep import POLICIES, metrics  # noqa: E402
 from topoep import sim  # noqa: E402
-from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR  # noqa: E402
+from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 
 WORKLOADS = ("natural", "-1", "-2", "-3", "-4")
 PAPER_MODELS = (("qwen3", 32), ("glm45air", 16), ("deepseek_v2", 16))

@@ -165,6 +165,6 @@ def test_a2a_with_a_capacity_is_refused():
     EplbConfig(name="topoep", backend="cuda", transport="a2a", capacity_factor=None)
     from topoep import ExpertParallelMoE, Topology
 
-    with pytest.raises(ValueError, match=r"set capacity_factor=None \(got 1.25"):
+    with pytest.raises(ValueError, match=r"LayerConfig.transport=a2a .* set LayerConfig.capacity_factor=null"):
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=8, topology=Topology(num_domains=1, ranks_per_domain=1),
                           backend="cuda", transport="a2a")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from test_cuda_backend_cpu import harness
 
 E_LOC, T, K, H, FD = 8, 48, 4, 64, 32
 
@@ -84,8 +85,7 @@ def _run(rank, world, rpd, kind, slots, chunks):
     out = {}
     for backend in ("torch", "cuda"):
         layer = _layer(rank, world, rpd, fc1, fc2, num_slots=slots, policy="topoep", backend=backend, guard=False,
-                       transport="gloo" if backend == "cuda" else "peer")
-        layer.cuda_chunks = chunks  # backend cuda's token chunks (a receive region each)
+                       **harness(backend, chunks))  # backend cuda's token chunks: a receive region each
         xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
         y = layer(xr, idx, wr)
         (y * gy.to(torch.bfloat16)).sum().backward()
@@ -150,7 +150,7 @@ def _hint(rank, world, kind):
     g = torch.Generator().manual_seed(5)
     fc1, fc2 = _experts(world, g)  # the routing below draws from g after them
     layers = {name: _layer(rank, world, world, fc1, fc2, num_slots=2, policy=policy, backend="cuda", guard=guard,
-                           transport="gloo")
+                           _cpu_harness=True)
               for name, policy, guard in (("static", "static", False),
                                           ("fires", "topoep", NetBenefitGuard(plan_s=1.0)))}
     same, moves = [], []

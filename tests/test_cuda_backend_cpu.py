@@ -1,4 +1,4 @@
-"""Backend cuda's logic on the CPU (transport "gloo"): 4 processes over gloo as 2 domains of 2 (and, for every
+"""Backend cuda's logic on the CPU (the internal gloo harness, ExpertParallelMoE(_cpu_harness=True)): 4 processes over gloo as 2 domains of 2 (and, for every
 policy once, 8 processes as 2 domains of 4: issue 10's EP-8 layout), the a2a workspace
 and replica pool on a gloo exchange, torch references in place of the Triton kernels. Everything else is the GPU
 path's code: the metadata (counts, plan, guard, statistics, receive layout), the autograd function with its
@@ -6,8 +6,8 @@ top-k weighting, the slot GEMMs, the replica fetch, the backward reload (and whe
 gradient return. Checked against backend torch and an fp64 reference as the GPU tests do
 (tests/test_cuda_backend_gpu.py): every policy's output and gradients (x, top-k weights, expert weights) within
 2x backend torch's bf16 error; two layers sharing the slots (the earlier one reloads, the later one does not);
-four layers with the backward prefetch (TOPOEP_PREFETCH=1: two banks, no reload left).
-Each with the tokens in one chunk and in two (TOPOEP_CUDA_CHUNKS=2: a route split at the boundary, two regions
+four layers with the backward prefetch (prefetch=True: two banks, no reload left).
+Each with the tokens in one chunk and in two (num_chunks=2: a route split at the boundary, two regions
 of the receive buffers)."""
 
 import pytest
@@ -25,16 +25,21 @@ def _topology(world):
     return Topology(num_domains=2, ranks_per_domain=world // 2)
 
 
-def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1):
+def harness(backend: str, chunks: int | None = None) -> dict:
+    """ExpertParallelMoE keywords of backend cuda's CPU harness (gloo, torch references for the kernels) with its
+    token chunks, or of backend torch with its default chunks."""
+    return dict(_cpu_harness=True, num_chunks=chunks) if backend == "cuda" else {}
+
+
+def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1, prefetch=False):
     from topoep import ExpertParallelMoE
 
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(E // E_LOC), num_slots=2,
                               policy=policy, backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
-                              transport="gloo" if backend == "cuda" else "peer")
+                              prefetch=prefetch, **harness(backend, chunks))
     with torch.no_grad():
         layer.fc1.copy_(fc1[lo:hi])
         layer.fc2.copy_(fc2[lo:hi])
-    layer.cuda_chunks = chunks  # backend cuda's token chunks (TOPOEP_CUDA_CHUNKS)
     return layer
 
 
@@ -86,10 +91,8 @@ def test_every_policy_matches_backend_torch_within_bf16_error(world, chunks):
 def _layers(rank, world, chunks, n_layers, prefetch):
     """n_layers layers sharing the slots, each with its own weights and routing (so other replicas), forward in
     order, then backward in reverse (as autograd runs a model's layers); backend torch, then backend cuda
-    (with TOPOEP_PREFETCH off and, when `prefetch`, on). Per run: the errors, the replica fractions, the pool's
+    (with prefetch off and, when `prefetch`, on). Per run: the errors, the replica fractions, the pool's
     (fills, reloads left out, prefetches) and the gradients themselves."""
-    from topoep.runtime import cuda_function
-
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     weights, data, refs = [], [], []
@@ -103,9 +106,9 @@ def _layers(rank, world, chunks, n_layers, prefetch):
         refs.append([r[rank][1], r[rank][2], sum(q[3] for q in r), sum(q[4] for q in r)])
     out = {}
     for run in ("torch", "cuda") + (("cuda+prefetch",) if prefetch else ()):
-        cuda_function.PREFETCH = run == "cuda+prefetch"
         backend = run.split("+")[0]
-        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks) for fc1, fc2 in weights]
+        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks, prefetch=run == "cuda+prefetch")
+                  for fc1, fc2 in weights]
         losses, leaves = [], []
         for layer, (x, idx, w, gy) in zip(layers, data):
             xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
@@ -122,7 +125,6 @@ def _layers(rank, world, chunks, n_layers, prefetch):
         out[run] = (errs, [layer.stats_dict()["replica_fraction"] for layer in layers],
                     (pool.fills, pool.reloads_skipped, pool.prefetches, pool.banks) if backend == "cuda" else None,
                     grads)
-    cuda_function.PREFETCH = False
     return out
 
 
@@ -142,7 +144,7 @@ def test_two_layers_share_the_slots_and_the_earlier_one_reloads(chunks):
 
 
 def test_prefetch_refills_a_released_bank_for_a_later_backward():
-    """Four layers A-D with TOPOEP_PREFETCH=1 (two banks): forward fills A, B, C, D alternate between the banks; D's
+    """Four layers A-D with prefetch=True (two banks): forward fills A, B, C, D alternate between the banks; D's
     and C's backward find their replicas in place; the end of D's backward refills its bank with B's replicas and
     the end of C's with A's, so no backward reloads. The gradients are bit for bit those of one bank (which
     reloads A, B and C)."""
@@ -172,12 +174,10 @@ def _uneven(rank, world):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
                                   topology=_topology(world), num_slots=2,
                                   policy="topoep", backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
-                                  transport="gloo" if backend == "cuda" else "peer", max_tokens=8 if backend == "cuda"
-                                  else None)
+                                  max_tokens=8 if backend == "cuda" else None, **harness(backend, 2))
         with torch.no_grad():
             layer.fc1.copy_(fc1[lo:hi])
             layer.fc2.copy_(fc2[lo:hi])
-        layer.cuda_chunks = 2
         xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
         y = layer(xr, idx, wr)
         (y * gy.to(torch.bfloat16)).sum().backward()

@@ -13,7 +13,8 @@ otherwise; run them on the GPU machine):
 - two layers sharing the replica slots: the earlier one reloads its replicas in backward, the later one
   (whose replicas are still there) does not.
 
-The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
+TOPOEP_GPU_CHUNKS=2 runs backend cuda's layers with two token chunks, TOPOEP_GPU_PREFETCH=1 with a second bank of
+replica slots (LayerConfig.num_chunks, .prefetch). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
@@ -27,13 +28,15 @@ import pytest
 import torch
 
 from distributed import gpus_for, gpus_shared, rank_device, run_ranks
-from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR
+from topoep.config import DEFAULT_CAPACITY_FACTOR
 
 WORLD = int(os.environ.get("TOPOEP_GPU_WORLD", "2"))
 RPD = int(os.environ.get("TOPOEP_GPU_RPD", str(WORLD)))
 TRANSPORT = os.environ.get("TOPOEP_GPU_TRANSPORT", "peer")  # a2a: NVSHMEM all-to-alls (a2a.py)
 # the layers' capacity_factor: a2a has no spill path, so it keeps buffers for the worst case
 CF = None if TRANSPORT == "a2a" else DEFAULT_CAPACITY_FACTOR
+CHUNKS = int(os.environ.get("TOPOEP_GPU_CHUNKS", "1"))  # backend cuda's token chunks (LayerConfig.num_chunks)
+PREFETCH = os.environ.get("TOPOEP_GPU_PREFETCH", "0") == "1"  # a second bank of replica slots (LayerConfig.prefetch)
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 1 rank and a "
                      "domain size that divides it")
@@ -44,6 +47,11 @@ pytestmark = [pytest.mark.gpu,
               # NVSHMEM with two processes on one GPU hung here (results/gpu/shared_ep2_b98cd92/README.md)
               pytest.mark.skipif(TRANSPORT == "a2a" and gpus_shared(WORLD),
                                  reason="transport a2a needs a GPU per rank: it hung with TOPOEP_GPU_SHARE=1")]
+
+
+def cuda_options(**changes) -> dict:
+    """The LayerConfig fields of this run's backend cuda layers (the variant the TOPOEP_GPU_* variables choose)."""
+    return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH, **changes}
 
 
 def _topology():
@@ -180,7 +188,7 @@ def _layer_errors(rank, world, policies, num_slots):
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo,
                                       num_slots=num_slots, policy=policy, backend=backend.split("-")[0],
                                       dtype=torch.bfloat16, device=dev, guard=False,
-                                      transport=TRANSPORT if backend != "torch" else "peer", capacity_factor=CF,
+                                      **(cuda_options() if backend != "torch" else dict(capacity_factor=CF)),
                                       expert_weights=(lambda lists=lists: lists) if lists else None)
             if lists is None:
                 with torch.no_grad():
@@ -259,7 +267,7 @@ def _slow_prefetch(cuda_function):
 def _two_layers(rank, world, n_layers=4):
     """Layers A-D share the replica slots: forward in order, then backward in reverse. With one bank, D's
     backward finds its replicas still in the slots and leaves the reload out; the others must reload. With
-    TOPOEP_PREFETCH=1 (two banks, run "cuda-prefetch") D and C find theirs, and the ends of D's and C's backward
+    prefetch=True (two banks, run "cuda-prefetch") D and C find theirs, and the ends of D's and C's backward
     refill their banks, on the prefetch stream (made ~10 ms late on purpose), with B's and A's replicas: no reload. All against backend torch and the
     fp64 reference, as in _layer_errors, and bit for bit against run "cuda"."""
     from topoep import ExpertParallelMoE
@@ -280,20 +288,19 @@ def _two_layers(rank, world, n_layers=4):
     out = {}
     from topoep.runtime import cuda_function
 
-    # the last three: TOPOEP_RETURN_SIDE_STREAM=0's path, TOPOEP_COMBINE_SIDE_STREAM=1's, TOPOEP_PREFETCH=1's
-    for name in ("torch", "cuda", "cuda-return-on-stream", "cuda-combine-side", "cuda-prefetch"):
+    # the last two: combine_side_stream's path, prefetch's (the gradient return's on-stream path runs with transport
+    # a2a, whose pool has no push_grads, and on the CPU harness)
+    for name in ("torch", "cuda", "cuda-combine-side", "cuda-prefetch"):
         backend = name.split("-")[0]
-        cuda_function.SIDE_STREAM_RETURN = name != "cuda-return-on-stream"
-        cuda_function.SIDE_STREAM_COMBINE = name == "cuda-combine-side"
-        cuda_function.PREFETCH = name == "cuda-prefetch"
         if name == "cuda-prefetch":  # the prefetch stream starts late: a dispatch that did not wait would read old slots
             _slow_prefetch(cuda_function)
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
                                       num_slots=2, policy=policy, backend=backend, dtype=torch.bfloat16, device=dev,
-                                      guard=False, transport=TRANSPORT if backend == "cuda" else "peer",
-                                      capacity_factor=CF)
+                                      guard=False, **(cuda_options(combine_side_stream=name == "cuda-combine-side",
+                                                                   prefetch=name == "cuda-prefetch")
+                                                      if backend == "cuda" else dict(capacity_factor=CF)))
             with torch.no_grad():
                 layer.fc1.copy_(fc1[lo:hi])
                 layer.fc2.copy_(fc2[lo:hi])
@@ -322,7 +329,6 @@ def _two_layers(rank, world, n_layers=4):
         if pool is not None:
             pool._counted = now
         out[name] = (errs, reps, counts, grads)
-    cuda_function.SIDE_STREAM_RETURN, cuda_function.SIDE_STREAM_COMBINE, cuda_function.PREFETCH = True, False, False
     return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),)
             for k, v in out.items()}
 
@@ -331,7 +337,7 @@ def _two_layers(rank, world, n_layers=4):
 def test_layers_share_the_slots_and_reload_or_prefetch():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
         errs_t, reps_t, _, _ = out["torch"]
-        for name in ("cuda", "cuda-return-on-stream", "cuda-combine-side", "cuda-prefetch"):
+        for name in ("cuda", "cuda-combine-side", "cuda-prefetch"):
             errs_c, reps_c, counts, same_as_cuda = out[name]
             assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # every layer uses replicas
             # fetches: 4 forward fills, then one bank: 3 reloads (D's left out); two banks: 2 prefetches, no reload
@@ -365,8 +371,8 @@ def _slot_skip(rank, world):
     for name, guard in guards.items():
         layers[name] = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                          policy="static" if guard is None else "topoep", backend="cuda",
-                                         dtype=torch.bfloat16, device=dev, guard=guard or False, transport=TRANSPORT,
-                                         capacity_factor=None)
+                                         dtype=torch.bfloat16, device=dev, guard=guard or False,
+                                         **cuda_options(capacity_factor=None))
         with torch.no_grad():
             layers[name].fc1.copy_(fc1)
             layers[name].fc2.copy_(fc2)
@@ -406,8 +412,8 @@ def _sync_free_and_graph(rank, world):
     E = world * E_LOC
     topo = _topology()
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
-                              policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev, transport=TRANSPORT,
-                              capacity_factor=CF)
+                              policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
+                              **cuda_options())
     batches = [tuple(t.to(dev) for t in b[rank]) for b in (_routing(world, s, 3.0, dev) for s in range(3))]
 
     def step(x, idx, w, gy, backward=True):

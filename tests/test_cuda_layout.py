@@ -149,7 +149,7 @@ def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_two_chunks_send_every_assignment_to_the_instance_of_the_whole_call(seed):
-    """Backend cuda's two chunks (TOPOEP_CUDA_CHUNKS=2): each rank's route row split at the token boundary
+    """Backend cuda's two chunks (LayerConfig.num_chunks=2): each rank's route row split at the token boundary
     (layout.chunk_route_row) gives each chunk's assignments the very instances the whole call's route gives
     them, and the two chunk routes add up to the call's."""
     import dataclasses

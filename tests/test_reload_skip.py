@@ -1,7 +1,7 @@
 """CPU test of backend cuda's bookkeeping for the backward reload and prefetch (cuda_function.start_fetch,
 prefetch_after_backward, pool.SlotBanks): the pool counts its fills on the host; a backward leaves the reload out
 only when its bank still holds its replicas, never after a fetch was captured in a CUDA graph, and never with
-TOPOEP_RELOAD_ALWAYS; with two banks, the end of a backward refills the bank it releases for the backward after the
+the pool's reload_always (benchmarks); with two banks, the end of a backward refills the bank it releases for the backward after the
 next. A stand-in pool records the fetches and what each bank holds (the copies themselves run in
 tests/test_cuda_backend_cpu.py over gloo and on the GPU in tests/test_cuda_backend_gpu.py)."""
 
@@ -76,20 +76,10 @@ def test_a_pool_seen_in_a_graph_capture_always_reloads(monkeypatch):
     assert _run(pool, [("fwd", 1), ("bwd", 1)]) == [1, 1] and pool.reloads_skipped == 0
 
 
-def test_reload_always_switch(monkeypatch):
-    monkeypatch.setattr(cf, "RELOAD_ALWAYS", True)
+def test_reload_always():
     pool = _Pool()
+    pool.reload_always = True
     assert _run(pool, [("fwd", 1), ("bwd", 1)]) == [1, 1]
-
-
-def test_switches_take_0_or_1(monkeypatch):
-    monkeypatch.setenv("TOPOEP_RELOAD_ALWAYS", "yes")
-    with pytest.raises(ValueError, match="TOPOEP_RELOAD_ALWAYS='yes': set it to 0 or 1"):
-        cf.env_switch("TOPOEP_RELOAD_ALWAYS", False)
-    monkeypatch.setenv("TOPOEP_RELOAD_ALWAYS", "1")
-    assert cf.env_switch("TOPOEP_RELOAD_ALWAYS", False)
-    monkeypatch.delenv("TOPOEP_RELOAD_ALWAYS")
-    assert not cf.env_switch("TOPOEP_RELOAD_ALWAYS", False) and cf.env_switch("TOPOEP_RELOAD_ALWAYS", True)
 
 
 def test_two_banks_prefetch_every_reload_of_a_model_away():
@@ -134,8 +124,8 @@ def test_prefetch_stays_off_in_graphs_and_with_reload_always(monkeypatch):
     pool = _Pool(banks=2)
     pool.graphed = True
     assert _run(pool, script) == [1, 2, 3, 4, 4, 3, 2, 1] and pool.prefetches == 0 and pool.reloads_skipped == 0
-    monkeypatch.setattr(cf, "RELOAD_ALWAYS", True)
     pool = _Pool(banks=2)
+    pool.reload_always = True
     assert _run(pool, script) == [1, 2, 3, 4, 4, 3, 2, 1] and pool.prefetches == 0
 
 
@@ -253,5 +243,5 @@ def test_a_capture_cannot_wait_for_a_prefetch_in_flight(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     pool = _Pool(banks=2)
     pool.unpublished[0] = object()
-    with pytest.raises(RuntimeError, match="capture with TOPOEP_PREFETCH=0"):
+    with pytest.raises(RuntimeError, match="capture with prefetch=False"):
         cf._fill(_call(pool, 1), 0)

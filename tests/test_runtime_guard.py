@@ -95,9 +95,9 @@ def test_bad_guard_arguments():
         with pytest.raises(ValueError, match=match):
             NetBenefitGuard(**kw)
     topo = Topology(num_domains=1, ranks_per_domain=1)
-    with pytest.raises(ValueError, match="guard must be True, False or"):
+    with pytest.raises(ValueError, match="LayerConfig.guard must be true or false, got 'on'"):
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, guard="on")
-    with pytest.raises(ValueError, match="t_ffn must be a positive"):
+    with pytest.raises(ValueError, match="LayerConfig.t_ffn must be a positive"):
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, t_ffn=0.0)
 
 

@@ -70,4 +70,4 @@ def test_cpu_smoke_through_slurm(slurm, tmp_path):
     text = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, f"sbatch failed: {proc.stdout}{proc.stderr}\n--- job output ---\n{text[-5000:]}"
     assert "Topology(num_domains=2, ranks_per_domain=2" in text
-    assert "step    3/3 | loss" in text and "imbalance" in text
+    assert "step    3/3 (100 %, ETA 0:00) | loss" in text and "imbalance" in text

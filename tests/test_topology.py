@@ -57,15 +57,16 @@ def test_bad_config_raises():
 
 
 def test_from_env_torchrun_and_slurm(monkeypatch):
-    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "TOPOEP_RANKS_PER_DOMAIN"):
+    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "32")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     t = Topology.from_env()
     assert (t.num_domains, t.ranks_per_domain) == (4, 8)
     assert Topology.from_env(ep_size=16).num_domains == 2
-    monkeypatch.setenv("TOPOEP_RANKS_PER_DOMAIN", "2")
-    assert Topology.from_env(ep_size=4).num_domains == 2  # virtual domains on one host
+    assert Topology.from_env(ep_size=4, ranks_per_domain=2).num_domains == 2  # virtual domains on one host
+    monkeypatch.setenv("TOPOEP_RANKS_PER_DOMAIN", "2")  # not a setting: the environment never changes the domains
+    assert Topology.from_env(ep_size=4).num_domains == 1
     for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "TOPOEP_RANKS_PER_DOMAIN"):
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_NTASKS", "16")

@@ -43,10 +43,25 @@ def runs(tmp_path_factory):
     return out
 
 
+def test_the_trainer_profile_follows_the_machine(monkeypatch):
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from train import trainer_profile
+
+    argv, header = trainer_profile(["train.py", "model=tiny", "trainer=default"])
+    assert argv[-1] == "trainer=default" and header == "trainer profile: default (from the command line)"
+    for cuda, name in ((True, "default"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        argv, header = trainer_profile(["train.py", "model=tiny"])
+        assert argv == ["train.py", "model=tiny", f"trainer={name}"] and header.startswith(f"trainer profile: {name} (")
+
+
 def test_quickstart_trains_and_logs(runs):
     root = runs["root"] / "topoep"
     stdout = runs["topoep_proc"].stdout
-    assert f"step   {STEPS}/{STEPS} | loss" in stdout and "tok/s" in stdout and "imbalance" in stdout
+    assert f"step   {STEPS}/{STEPS} (100 %, ETA 0:00) | loss" in stdout and "tok/s" in stdout and "imbalance" in stdout
+    assert "trainer profile: cpu (from the command line)" in stdout
     m = runs["topoep"]
     assert [r["step"] for r in m] == list(range(1, STEPS + 1))
     assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in m)
@@ -57,6 +72,15 @@ def test_quickstart_trains_and_logs(runs):
     assert all(r["moe/guard_fired"] == 0.0 for r in m) and "guard 0 %" in stdout  # trainer=cpu: guard off
     assert all(r["moe/slot_skip"] == 0.0 for r in m)  # backend torch never leaves the replica machinery out
     assert (root / "config.yaml").read_text().count("eplb:") == 1
+    import dataclasses
+
+    import yaml
+
+    from topoep import LayerConfig
+
+    eplb = yaml.safe_load((root / "config.yaml").read_text())["eplb"]  # every option of the layers is recorded
+    assert set(eplb) == {f.name for f in dataclasses.fields(LayerConfig)} | {"name"}
+    assert (eplb["policy"], eplb["num_chunks"], eplb["prefetch"], eplb["guard"]) == ("topoep", None, False, False)
     assert list((root / "heatmaps").glob("expert_load_step*.png"))
     assert list((root / "wandb").glob("offline-run-*"))  # W&B offline run directory
 
@@ -171,9 +195,20 @@ def test_bad_layouts_name_the_field():
 
 
 def test_bad_config_fails_fast_from_the_command_line(tmp_path):
+    """A config error is printed once (rank 0), naming the field, without a traceback; every rank exits."""
     proc = train(tmp_path / "bad", "parallel.ep=3", "logger=none", nproc=3, check=False)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "parallel.ep=3 does not divide model.num_moe_experts=8" in proc.stdout + proc.stderr
+    assert out.count("config error: parallel.ep=3 does not divide model.num_moe_experts=8") == 1, out[-3000:]
+    assert "Traceback" not in out
+    for bad, says in (("eplb.num_slots=-1", "config error: eplb.num_slots must be an integer >= 0, got -1"),
+                      ("eplb.num_chunks=3", "config error: eplb.num_chunks=3: backend cuda runs 1 or 2"),
+                      ("eplb.num_slots=two", "config error:")):
+        extra = ("eplb.backend=cuda",) if "num_chunks" in bad else ()
+        proc = train(tmp_path / "bad", bad, *extra, "logger=none", nproc=2, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and out.count(says) == 1 and "Traceback" not in out, (bad, out[-3000:])
+        assert "eplb.num_slots" in out or "num_chunks" in bad
     proc = train(tmp_path / "bad", "model=llama", nproc=1, check=False)
     assert proc.returncode != 0 and "model/llama" in proc.stdout + proc.stderr
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab return_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -66,12 +66,12 @@ step_ep1() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 (every pa
 }
 
 step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 with the two-chunk pipeline
-  # (TOPOEP_CUDA_CHUNKS=2; its sync audit too) and with the second bank of replica slots (TOPOEP_PREFETCH=1):
+  # (TOPOEP_GPU_CHUNKS=2; its sync audit too) and with the second bank of replica slots (TOPOEP_GPU_PREFETCH=1):
   # their streams, events and layouts run, though at EP 1 nothing crosses GPUs and no replica is placed
-  TOPOEP_CUDA_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
+  TOPOEP_GPU_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
     tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_chunks2_tests.log"
-  TOPOEP_CUDA_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error"
-  TOPOEP_PREFETCH=1 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
+  TOPOEP_GPU_CHUNKS=2 TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error"
+  TOPOEP_GPU_PREFETCH=1 TOPOEP_GPU_WORLD=1 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA \
     tests/test_cuda_backend_gpu.py 2>&1 | tail -15 | tee "$OUT/cuda_backend_ep1_prefetch_tests.log"
 }
 
@@ -106,10 +106,10 @@ step_shared() (  # a subshell: its variables stay out of the steps after it. On 
   grep -E "^(gloo|nccl) " "$RUNS.probe" | tee "$OUT/shared_probe.log"
   shared_tests peer_rpd2 TOPOEP_GPU_RPD=2
   shared_tests peer_rpd1 TOPOEP_GPU_RPD=1
-  shared_tests chunks2_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_CUDA_CHUNKS=2
-  shared_tests prefetch_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_PREFETCH=1
+  shared_tests chunks2_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_GPU_CHUNKS=2
+  shared_tests prefetch_rpd2 TOPOEP_GPU_RPD=2 TOPOEP_GPU_PREFETCH=1
   local v
-  for v in "" TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1; do
+  for v in "" TOPOEP_GPU_CHUNKS=2 TOPOEP_GPU_PREFETCH=1; do
     shared_audit sync_audit_shared.log $v
   done
   timeout -k 10 ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_runtime_gpu.py > "$RUNS.shared" 2>&1
@@ -123,67 +123,52 @@ step_shared_ep8() (  # a subshell, as step_shared. On a one-GPU machine: backend
   # timed
   export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
   shared_tests ep8_rpd4
-  shared_tests ep8_rpd4_chunks2_prefetch TOPOEP_CUDA_CHUNKS=2 TOPOEP_PREFETCH=1
+  shared_tests ep8_rpd4_chunks2_prefetch TOPOEP_GPU_CHUNKS=2 TOPOEP_GPU_PREFETCH=1
   shared_audit sync_audit_shared_ep8.log
 )
 
-ab_layer() {  # ab_layer VAR NAME SLOTS [bench args]: one layer at 4096 tokens per rank on backend cuda with VAR=0
-  # and VAR=1, interleaved twice (machines differ by several % from call to call: compare inside one call)
-  local var=$1 name=$2 slots=$3; shift 3
+ab_layer() {  # ab_layer NAME SLOTS "FLAGS" [bench args]: one layer at 4096 tokens per rank on backend cuda without
+  # (=0) and with (=1) the bench flags FLAGS, interleaved twice (machines differ by several % from call to call:
+  # compare inside one call)
+  local name=$1 slots=$2 flags=$3; shift 3
+  local rep v
   for rep in 1 2; do
     for v in 0 1; do
-      env "$var=$v" timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+      # shellcheck disable=SC2046
+      timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
         bench/moe_layer.py --name ${name}${v}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots $slots \
-        --tokens 4096 --profile-iters 0 "$@" 2>&1 | grep -E "^  [0-9]|Error|error" | sed "s/^/$var=$v rep=$rep /"
+        --tokens 4096 --profile-iters 0 $([ $v = 1 ] && echo "$flags") "$@" 2>&1 | grep -E "^  [0-9]|Error|error" \
+        | sed "s/^/$flags=$v rep=$rep /"
     done
   done
 }
 
-step_reload_ab() {  # what the backward reload costs: a lone layer leaves it out (auto, =0), an earlier layer of a
-  # deeper model reloads (=1); 8 slots
-  ab_layer TOPOEP_RELOAD_ALWAYS moe_layer_reload_always 8 --skews 0 -4 --layouts concentrated
-}
-
-step_return_ab() {  # the replica gradient return on the layer's stream (=0) or beside the main weight gradients (=1)
-  ab_layer TOPOEP_RETURN_SIDE_STREAM moe_layer_return_side 8 --skews 0 -4 --layouts concentrated
+step_reload_ab() {  # what the backward reload costs: a lone layer leaves it out (=0), an earlier layer of a deeper
+  # model reloads (=1, --reload always); 8 slots
+  ab_layer moe_layer_reload_always 8 "--reload always" --skews 0 -4 --layouts concentrated
 }
 
 step_prefetch_ab() {  # the backward prefetch: 4 chained layers (times per layer), one bank (=0: every layer but the
   # last reloads in backward) or two (=1: the last two keep their replicas, the others are prefetched beside the
   # next layer's backward); 8 slots
-  ab_layer TOPOEP_PREFETCH moe_layer_prefetch 8 --depth 4 --skews 0 -4 --layouts concentrated
+  ab_layer moe_layer_prefetch 8 "--prefetch" --depth 4 --skews 0 -4 --layouts concentrated
 }
 
 step_combine_ab() {  # the backward combine on the layer's stream (=0, the default) or beside the weight gradients (=1)
-  ab_layer TOPOEP_COMBINE_SIDE_STREAM moe_layer_combine_side 8 --skews 0 -4 --layouts concentrated
+  ab_layer moe_layer_combine_side 8 "--combine-side-stream" --skews 0 -4 --layouts concentrated
 }
 
-step_chunks() {  # backend cuda with its tokens in two chunks (TOPOEP_CUDA_CHUNKS=2: dispatch and combine on the
-  # comm stream beside the GEMMs): the GPU tests, then one layer with 1 and 2 chunks, interleaved twice
-  TOPOEP_CUDA_CHUNKS=2 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
+step_chunks() {  # backend cuda with its tokens in two chunks (dispatch and combine on the comm stream beside the
+  # GEMMs): the GPU tests, then one layer with 1 and 2 chunks, interleaved twice
+  TOPOEP_GPU_CHUNKS=2 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
     | tail -15 | tee "$OUT/cuda_backend_chunks2_tests.log"
-  for rep in 1 2; do
-    for c in 1 2; do
-      TOPOEP_CUDA_CHUNKS=$c timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-        bench/moe_layer.py --name moe_layer_chunks${c}_rep$rep --out "$OUT" --backends cuda --no-megatron --slots 8 \
-        --tokens 4096 16384 --skews 0 -4 --layouts concentrated --profile-iters 0 2>&1 \
-        | grep -E "^  [0-9]|Error|error" | sed "s/^/chunks=$c rep=$rep /"
-    done
-  done
+  ab_layer moe_layer_chunks 8 "--chunks 2" --tokens 4096 16384 --skews 0 -4 --layouts concentrated
 }
 
 step_replica_copy() {  # the replica fetch and gradient push kernels' bandwidth for copy chunk sizes and warps, beside
   # copy engines (bench/replica_copy.py -> results/replica_copy.md)
   timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/replica_copy.py --out "$OUT" \
     2>&1 | grep -v -i warn | tail -40
-}
-
-step_fetch_ab() {  # what the side-stream replica fetch saves: 8 slots, fetch on the layer's stream or the side stream
-  ab_layer TOPOEP_FETCH_SIDE_STREAM moe_layer_fetch_side 8
-}
-
-step_layout_ab() {  # what the Triton send/receive layout (layout_triton.py) saves against the torch one: 2 slots
-  ab_layer TOPOEP_FUSED_LAYOUT moe_layer_layout_fused 2 --skews 0 -4 --layouts concentrated
 }
 
 step_planner() {  # CUDA planner: bit-equality with the reference, no host sync, graphs; Fig. 11 latency.

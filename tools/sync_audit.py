@@ -2,7 +2,8 @@
 (GPU machine; TOPOEP_GPU_WORLD=1 for one): runs under torch.cuda.set_sync_debug_mode("warn") and prints the
 Python stack of each synchronising call. Two layers: with 2 replica slots, and with none (the capacity step cannot
 move the hot rank's rows: they go through the spill kernels at EP 2 and more). The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
-TOPOEP_GPU_WORLD, TOPOEP_GPU_RPD (virtual domains), TOPOEP_GPU_TRANSPORT and TOPOEP_GPU_SHARE.
+TOPOEP_GPU_WORLD, TOPOEP_GPU_RPD (virtual domains), TOPOEP_GPU_TRANSPORT, TOPOEP_GPU_CHUNKS, TOPOEP_GPU_PREFETCH and
+TOPOEP_GPU_SHARE (the test variants of tests/test_cuda_backend_gpu.py).
 Usage: python tools/sync_audit.py"""
 
 import os
@@ -18,7 +19,7 @@ from distributed import run_ranks  # noqa: E402
 
 
 def _audit(rank, world):
-    from test_cuda_backend_gpu import E_LOC, FD, H, TRANSPORT, _routing, _setup, _topology
+    from test_cuda_backend_gpu import E_LOC, FD, H, _routing, _setup, _topology, cuda_options
     from topoep import ExpertParallelMoE
 
     dev = _setup(rank)
@@ -30,7 +31,7 @@ def _audit(rank, world):
     for slots in (2, 0):
         layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
                                   num_slots=slots, policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
-                                  transport=TRANSPORT)
+                                  **cuda_options())
         for i, b in enumerate(_routing(world, s, 3.0, dev)[rank] for s in range(2)):
             x, idx, w, gy = (t.to(dev) for t in b)
             if i == 1:

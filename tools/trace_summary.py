@@ -1,4 +1,4 @@
-"""Summarise Chrome traces of MoE-layer calls (bench/moe_layer.py --torch-profile with TOPOEP_TRACE_DIR set):
+"""Summarise Chrome traces of MoE-layer calls (bench/moe_layer.py --torch-profile --trace-dir DIR):
 where the GPU time of a call goes and what waits for what.
 
     python tools/trace_summary.py TRACE [TRACE ...] [--calls 5] [--diff]

@@ -163,8 +163,8 @@ class Topology:
 
         Reads WORLD_SIZE and LOCAL_WORLD_SIZE (torchrun), or SLURM_NTASKS and SLURM_NTASKS_PER_NODE
         (srun). `ep_size` restricts to an expert-parallel group of that many consecutive ranks.
-        `ranks_per_domain` (or env TOPOEP_RANKS_PER_DOMAIN) overrides the node size, e.g. to treat
-        one 4-GPU host as 2 virtual domains of 2.
+        `ranks_per_domain` overrides the node size, e.g. to treat one 4-GPU host as 2 virtual domains of 2
+        (in training: topology.ranks_per_domain).
         """
         env = os.environ
         world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
@@ -172,11 +172,11 @@ class Topology:
         world = int(world) if world else 1
         local = int(local) if local else world
         R = ep_size if ep_size is not None else world
-        rpd = ranks_per_domain or int(env.get("TOPOEP_RANKS_PER_DOMAIN", 0)) or min(local, R)
+        rpd = ranks_per_domain or min(local, R)
         if R < 1 or rpd < 1 or R % rpd != 0:
             raise ValueError(
                 f"expert-parallel size {R} is not a multiple of the domain size {rpd} "
-                "(LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / TOPOEP_RANKS_PER_DOMAIN): "
+                "(LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE, or ranks_per_domain): "
                 "set ranks_per_domain to a divisor of the EP size"
             )
         return cls(num_domains=R // rpd, ranks_per_domain=rpd, **costs)

@@ -2,7 +2,7 @@
 
 `build_gpt_model` takes megatron's own TransformerConfig, builds the decoder block spec megatron would
 build (local spec, or Transformer Engine's when TE is importable and wanted), swaps every MoELayer for
-`TopoEPMoELayer` when a `TopoEPLayerConfig` is given, and returns the GPTModel. With topoep=None it is
+`TopoEPMoELayer` when a `TopoEPSpec` is given, and returns the GPTModel. With topoep=None it is
 megatron's baseline model (its alltoall dispatcher), with identical parameters for the same seed.
 """
 
@@ -17,7 +17,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from topoep.megatron.moe_layer import TopoEPLayerConfig, TopoEPMoELayer
+from topoep.megatron.moe_layer import TopoEPSpec, TopoEPMoELayer
 
 
 def transformer_engine_available() -> bool:
@@ -38,7 +38,7 @@ class LocalMLACoreAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
-def _swap_moe(mlp, topoep: TopoEPLayerConfig):
+def _swap_moe(mlp, topoep: TopoEPSpec):
     if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         return partial(TopoEPMoELayer, *mlp.args, **{**mlp.keywords, "topoep": topoep})
     if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
@@ -46,7 +46,7 @@ def _swap_moe(mlp, topoep: TopoEPLayerConfig):
     return mlp
 
 
-def decoder_block_spec(config, *, use_te: bool, topoep: TopoEPLayerConfig | None, vp_stage=None, pp_rank=None):
+def decoder_block_spec(config, *, use_te: bool, topoep: TopoEPSpec | None, vp_stage=None, pp_rank=None):
     spec = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                     normalization=config.normalization, vp_stage=vp_stage,
                                                     pp_rank=pp_rank))
@@ -61,7 +61,7 @@ def decoder_block_spec(config, *, use_te: bool, topoep: TopoEPLayerConfig | None
     return spec
 
 
-def build_gpt_model(config, *, vocab_size: int, max_sequence_length: int, topoep: TopoEPLayerConfig | None = None,
+def build_gpt_model(config, *, vocab_size: int, max_sequence_length: int, topoep: TopoEPSpec | None = None,
                     use_te: bool | None = None, rotary_base: float = 10000.0, rotary_percent: float = 1.0,
                     pre_process: bool = True, post_process: bool = True, vp_stage=None, pp_rank=None) -> GPTModel:
     """megatron GPTModel with RoPE and untied embeddings; MoE layers use TopoEP when `topoep` is given."""

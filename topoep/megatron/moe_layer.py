@@ -10,34 +10,24 @@ checkpoint moves freely between eplb=none and any TopoEP policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from topoep.metrics import DEFAULT_T_FFN
-from topoep.runtime import ExpertParallelMoE, NetBenefitGuard
-from topoep.runtime.moe import DEFAULT_CAPACITY_FACTOR
+from topoep.config import LayerConfig
+from topoep.runtime import ExpertParallelMoE
 from topoep.topology import Topology
 
 
-@dataclass(kw_only=True)
-class TopoEPLayerConfig:
-    """What a TopoEP MoE layer needs beyond megatron's TransformerConfig."""
+@dataclass(frozen=True)
+class TopoEPSpec:
+    """What a TopoEP MoE layer needs beyond megatron's TransformerConfig: the EP group's topology and the layer's
+    options (`topoep.LayerConfig`)."""
 
     topology: Topology
-    policy: str = "topoep"
-    num_slots: int = 2
-    backend: str = "torch"
-    transport: str = "peer"
-    """backend "cuda": "peer" (one host) or "a2a" (NVSHMEM, any hosts)."""
-    num_chunks: int = 2
-    t_ffn: float = DEFAULT_T_FFN
-    guard: bool | NetBenefitGuard = True
-    """The net-benefit guard of `ExpertParallelMoE` (True: default constants; False: off)."""
-    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
-    """Receive rows per region in units of T x top_k (`ExpertParallelMoE`'s capacity_factor; None: worst case)."""
+    config: LayerConfig = field(default_factory=LayerConfig)
 
 
 def expert_weight_lists(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -65,11 +55,11 @@ class TopoEPMoELayer(MoELayer):
     """MoELayer whose dispatch, expert compute and combine run through `topoep.ExpertParallelMoE`."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
-                 name=None, topoep: TopoEPLayerConfig | None = None):
+                 name=None, topoep: TopoEPSpec | None = None):
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                          is_mtp_layer=is_mtp_layer, name=name)
         if topoep is None:
-            raise ValueError("TopoEPMoELayer needs a TopoEPLayerConfig (topoep=...)")
+            raise ValueError("TopoEPMoELayer needs a TopoEPSpec (topoep=TopoEPSpec(topology, LayerConfig(...)))")
         if config.moe_expert_capacity_factor is not None:
             raise ValueError("TopoEP never drops tokens: unset moe_expert_capacity_factor")
         if config.moe_latent_size:
@@ -81,12 +71,10 @@ class TopoEPMoELayer(MoELayer):
         # plain attribute (not a submodule): the balancer owns no parameters or state-dict entries
         self.__dict__["balancer"] = ExpertParallelMoE(
             num_experts=config.num_moe_experts, hidden_size=config.hidden_size,
-            ffn_hidden_size=config.moe_ffn_hidden_size, topology=topoep.topology, num_slots=topoep.num_slots,
-            policy=topoep.policy, group=self.ep_group, backend=topoep.backend, dtype=config.params_dtype,
+            ffn_hidden_size=config.moe_ffn_hidden_size, topology=topoep.topology, config=topoep.config,
+            group=self.ep_group, dtype=config.params_dtype,
             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
-            num_chunks=topoep.num_chunks, expert_weights=lambda: expert_weight_lists(self.experts),
-            t_ffn=topoep.t_ffn, guard=topoep.guard, transport=topoep.transport,
-            capacity_factor=topoep.capacity_factor)
+            expert_weights=lambda: expert_weight_lists(self.experts))
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:

@@ -20,6 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from topoep.config import BACKENDS, TRANSPORTS
 from topoep.plan import Plan
 from topoep.runtime.pool import ReplicaPool
 
@@ -170,9 +171,6 @@ def e_main(e: int, experts_per_rank: int) -> int:
     return e // experts_per_rank
 
 
-BACKENDS = ("torch", "cuda")
-
-
 def capacity_rows(max_rows: int, capacity_factor: float) -> int:
     """Rows of one receive region under a capacity: ceil(capacity_factor x max_rows), max_rows = T x top_k of the
     largest call (the same on every rank)."""
@@ -194,13 +192,14 @@ def receive_regions(num_ranks: int, max_rows: int, top_k: int, chunks: int,
     return [min(cap, w) for w in worst], cap < max(worst)
 
 
-# "gloo": backend cuda's logic on CPU processes over gloo (a2a.py's workspace and pool on GlooExchange, torch
-# references in place of the Triton kernels): a test harness for the CPU, not a way to train
-TRANSPORTS = ("peer", "a2a", "gloo")
+# The transports make_backend takes: LayerConfig's, and "gloo", backend cuda's logic on CPU processes over gloo
+# (a2a.py's workspace and pool on GlooExchange, torch references in place of the Triton kernels): the CPU tests'
+# harness, reached through ExpertParallelMoE(_cpu_harness=True), not a config value
+HARNESS_TRANSPORTS = TRANSPORTS + ("gloo",)
 
 
 def make_backend(name: str, group=None, max_tokens: int | None = None, transport: str = "peer"):
-    if transport not in TRANSPORTS:
+    if transport not in HARNESS_TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if name == "torch":
         if transport != "peer":
@@ -226,8 +225,7 @@ class CudaBackend:
     over gloo, torch references for the kernels): the CPU tests' harness."""
 
     name = "cuda"
-    # the forward fetch, the backward reload and the gradient return wait on the stream (a side-stream fetch
-    # exists, TOPOEP_FETCH_SIDE_STREAM=1, but measured no faster)
+    # the forward fetch, the backward reload and the gradient return wait on the stream
     exposed_replica_transfers = 3
     host_splits = False
 
@@ -293,15 +291,12 @@ class CudaBackend:
         return SymmWorkspace.shared(self.group, G, E_loc, max(num_experts, self.world_size * G), rows, hidden, dtype,
                                     device, regions, spills)
 
-    def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device):
-        """The process's replica pool for this group and shape: two banks of slots with TOPOEP_PREFETCH=1
-        (cuda_function.PREFETCH), else one."""
-        from topoep.runtime import cuda_function
+    def replica_pool(self, num_slots: int, hidden: int, ffn_hidden: int, dtype, device, banks: int = 1):
+        """The process's replica pool for this group, shape and number of banks of slots (2: LayerConfig.prefetch)."""
         from topoep.runtime.symm import SymmReplicaPool
 
         if not num_slots:
             return None
-        banks = 2 if cuda_function.PREFETCH else 1
         if self.transport in ("a2a", "gloo"):
             from topoep.runtime.a2a import A2AReplicaPool
 

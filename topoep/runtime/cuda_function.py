@@ -6,8 +6,7 @@ never by the routing:
     layout      instance of every assignment, send order and counts C[s, d, g] read off the plan's
                 route (layout.send_layout: no sort, no second exchange), receive positions
                 (layout.receive_positions): all device tensors; the plan statistics on a side stream
-    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py); optionally on a
-                side stream beside the dispatch (TOPOEP_FETCH_SIDE_STREAM=1; measured no faster)
+    fetch       each main rank pushes its replicated experts into the peers' slots (symm.py)
     dispatch    one kernel stores every row straight into its destination's receive buffer, already
                 grouped by expert; a barrier publishes the rows
     experts     torch._grouped_mm over the receive regions with device offsets (rows past the last offset are
@@ -15,7 +14,7 @@ never by the routing:
                 staging
     combine     one kernel stores every result row into its source's buffer at its assignment index; one
                 more (weighting.py) sums each token's k rows with its top-k weights
-With TOPOEP_CUDA_CHUNKS=2 the tokens are split in two halves, each with its own route (the plan's route row
+With two chunks (LayerConfig.num_chunks=2) the tokens are split in two halves, each with its own route (the plan's route row
 split at the boundary), layout and region of the receive buffers; on a GPU with the peer transport, dispatch and
 combine then run on a comm stream, the second half's dispatch beside the first half's GEMMs and the first half's
 combine beside the second's (paper 3.3's two-chunk pipeline; not yet run on a GPU).
@@ -30,7 +29,6 @@ or without one the worst case, R x T x k rows; nothing of the rows that spill is
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +77,7 @@ class CudaLayerCall:
     prefetched: object = None  # event of a prefetch of this call's replicas on a side stream (prefetch_after_backward)
     weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
     grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
+    combine_side_stream: bool = False  # LayerConfig.combine_side_stream
 
 
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,40 +154,6 @@ def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
 
 
 _SIDE_STREAMS: dict = {}
-# TOPOEP_FETCH_SIDE_STREAM=1 runs the replica fetch on a side stream beside the dispatch. Off by default: on
-# 2 x H200 it saved nothing measurable and was up to 7 % slower (results/moe_layer_fetch_ab.md)
-def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """An environment setting among `choices` (unset or empty: `default`); any other value raises and names
-    the variable."""
-    v = os.environ.get(name) or default
-    if v not in choices:
-        raise ValueError(f"{name}={v!r}: set it to {' or '.join(choices)} (or leave it unset for {default})")
-    return v
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """A 0/1 environment switch."""
-    return env_choice(name, ("0", "1"), str(int(default))) == "1"
-
-
-SIDE_STREAM_FETCH = env_switch("TOPOEP_FETCH_SIDE_STREAM", False)
-# TOPOEP_RETURN_SIDE_STREAM=0 pushes the replica gradients on the layer's stream after the main experts' weight
-# gradients instead of on a side stream beside them (peer transport only)
-SIDE_STREAM_RETURN = env_switch("TOPOEP_RETURN_SIDE_STREAM", True)
-# TOPOEP_RELOAD_ALWAYS=1 reloads the replicas in backward even when the slots still hold them (what every
-# MoE layer but the last does in a model with several of them): benchmarks of a single layer use it to
-# show what such a layer costs
-RELOAD_ALWAYS = env_switch("TOPOEP_RELOAD_ALWAYS", False)
-# TOPOEP_COMBINE_SIDE_STREAM=1 runs the backward combine (the token gradients going home) on a side stream beside
-# the weight-gradient GEMMs (peer transport). Off by default until measured (tools/gpu_session.sh combine_ab)
-SIDE_STREAM_COMBINE = env_switch("TOPOEP_COMBINE_SIDE_STREAM", False)
-# TOPOEP_PREFETCH=1 gives the replica pool two banks of slots (twice the slot memory): forward fills alternate
-# between them, and each backward refills the bank it releases with the replicas of the layer whose backward comes
-# after the next one, beside that next backward (pool.SlotBanks, prefetch_after_backward). Off by default until
-# measured on GPUs (tools/gpu_session.sh prefetch_ab)
-PREFETCH = env_switch("TOPOEP_PREFETCH", False)
-
-
 def side_stream(device, role: str = "side") -> torch.cuda.Stream:
     """A stream of the layer's on a device, created once per role: "side" (replica fetch and gradient push,
     plan statistics), "comm" (dispatch and combine beside the GEMMs) or "prefetch" (the backward prefetch, which
@@ -207,9 +172,9 @@ def _fill(call: "CudaLayerCall", bank: int) -> None:
     if ev is not None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "a replica prefetch (TOPOEP_PREFETCH=1) into the slots this captured fetch writes is still in flight: "
-                "a CUDA graph cannot wait for it. Run the backward of every layer before capturing a forward, or "
-                "capture with TOPOEP_PREFETCH=0")
+                "a replica prefetch (LayerConfig.prefetch) into the slots this captured fetch writes is still in "
+                "flight: a CUDA graph cannot wait for it. Run the backward of every layer before capturing a forward, "
+                "or capture with prefetch=False")
         torch.cuda.current_stream(call.plan.slot_expert.device).wait_event(ev)
         pool.publish()
         pool.unpublished[bank] = None
@@ -219,12 +184,10 @@ def _fill(call: "CudaLayerCall", bank: int) -> None:
 
 
 def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
-    """Fill the replica slots for this call. With TOPOEP_FETCH_SIDE_STREAM=1, a pool that allows it
-    (`async_fetch`: the peer-pointer pool, whose pushes need no collective of their own) and no timer, the
-    pushes run on a side stream and overlap the dispatch; returns the event the dispatch waits for before its
-    publishing barrier. Otherwise (the default; a timer serialises the phases; the a2a pool's all-to-alls must
-    keep their order with the dispatch's) the fetch runs here and None is returned; without a pool (no
-    slots, or policy static) there is nothing to fetch.
+    """Fill the replica slots for this call, here on the layer's stream (the a2a pool's all-to-alls must keep their
+    order with the dispatch's; a side-stream fetch beside the dispatch measured no faster). Returns None, or the
+    event of a prefetch of this call's replicas that the dispatch waits for before its publishing barrier; without
+    a pool (no slots, or policy static) there is nothing to fetch.
 
     The pool remembers which fill each bank of slots holds (`pool.SlotBanks`: host counters; every rank issues
     the same calls in the same order, so every rank decides alike). A forward fills the bank it did not fill last
@@ -233,7 +196,7 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     banks the last two), or a prefetch at the end of an earlier backward refilled it (then the prefetch's event is
     returned for the dispatch to wait for). Nothing else writes the slots (the gradients return from separate
     buffers). A pool whose fetch was ever captured in a CUDA graph always reloads (a replay refills the slots
-    without the host knowing); TOPOEP_RELOAD_ALWAYS=1 always reloads."""
+    without the host knowing); a pool with `reload_always` (benchmarks of a single layer) always reloads."""
     pool, se, tm = call.pool, call.plan.slot_expert, call.timer
     if pool is None:
         return None
@@ -241,7 +204,7 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     # pool has been captured, nothing is ever left out again
     if se.is_cuda and torch.cuda.is_current_stream_capturing():
         pool.graphed = True
-    if reload and not RELOAD_ALWAYS and not pool.graphed and pool.holds[call.bank] == call.fill:
+    if reload and not pool.reload_always and not pool.graphed and pool.holds[call.bank] == call.fill:
         pool.reloads_skipped += 1
         ev, call.prefetched = call.prefetched, None
         if ev is not None:  # the dispatch waits for it before its closing barrier, which publishes it
@@ -253,8 +216,7 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
         pool.last = (pool.last + 1) % pool.banks
         _fill(call, pool.last)
     call.prefetched = None
-    # on the side stream: the plan (slot_expert) and every earlier use of the slots are before this point
-    return _fetch(call, W1, W2, "side" if SIDE_STREAM_FETCH else None, tm)
+    return _fetch(call, W1, W2, None, tm)
 
 
 def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str | None, tm: PhaseTimer | None):
@@ -303,8 +265,8 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
     in reverse, when that call's forward used this bank and the bank no longer holds them. On the peer-pointer
     pool without a timer the pushes run on a stream of their own beside the next backward, whose bank they do not
     touch; the prefetched call's dispatch waits for them (start_fetch). Otherwise the fetch runs here, on the
-    layer's stream. Nothing happens with one bank, after a CUDA-graph capture of a fetch, or with
-    TOPOEP_RELOAD_ALWAYS=1. Other orders stay correct: a call whose bank lost its replicas reloads."""
+    layer's stream. Nothing happens with one bank, after a CUDA-graph capture of a fetch, or with the pool's
+    `reload_always`. Other orders stay correct: a call whose bank lost its replicas reloads."""
     pool = call.pool
     if pool is None or pool.banks < 2:
         return
@@ -315,7 +277,7 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
     del pending[at]
     call.weights = None
     later = pending[at - 2] if at >= 2 else None
-    if (later is None or RELOAD_ALWAYS or pool.graphed or later.bank != call.bank
+    if (later is None or pool.reload_always or pool.graphed or later.bank != call.bank
             or pool.holds[call.bank] == later.fill):
         return
     _fill(later, call.bank)
@@ -328,10 +290,10 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
 def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main_wgrad) -> tuple:
     """The replica weight gradients s1 [N, 2F, H], s2 [N, H, F] go home while `main_wgrad()` computes this
     rank's own weight gradients (g1, g2), which then receive them; returns (g1, g2). With the peer transport
-    (`pool.push_grads`), no timer and TOPOEP_RETURN_SIDE_STREAM on (the default), the pushes run on a side
-    stream beside the main weight-gradient GEMMs; otherwise the return follows them on this stream."""
+    (`pool.push_grads`) and no timer the pushes run on a side stream beside the main weight-gradient GEMMs;
+    otherwise (a timer serialises the phases; the a2a pool's collectives) the return follows them on this stream."""
     pool, se, tm, e_loc = call.pool, call.plan.slot_expert, call.timer, call.experts_per_rank
-    if tm is not None or not hasattr(pool, "push_grads") or not SIDE_STREAM_RETURN:
+    if tm is not None or not hasattr(pool, "push_grads"):
         with phase(tm, "experts"):
             g1, g2 = main_wgrad()
         with phase(tm, "grad_return", collective=True):
@@ -461,9 +423,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         # reload this layer's replicas unless the slots still hold them (start_fetch)
         fetched = start_fetch(call, W1, W2, reload=True)
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
-        # dispatch and combine on the comm stream: with two chunks, or TOPOEP_COMBINE_SIDE_STREAM=1 (the token
+        # dispatch and combine on the comm stream: with two chunks, or with combine_side_stream (the token
         # gradients go home beside the weight-gradient GEMMs)
-        comm = _comm(call, grad_y, len(call.chunks) > 1 or SIDE_STREAM_COMBINE)
+        comm = _comm(call, grad_y, len(call.chunks) > 1 or call.combine_side_stream)
 
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):

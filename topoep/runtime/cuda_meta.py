@@ -8,14 +8,13 @@ it once per input shape (on the second call: the first one compiles the kernels 
 workspaces) and afterwards copies topk_idx (and the replica-machinery flag) into the graph's inputs, replays
 it, and clones its outputs (the next replay overwrites them while this call's backward still needs them).
 
-Set TOPOEP_CUDA_GRAPHS=0 to run it eagerly (debugging); when the caller is itself capturing a CUDA
+`LayerConfig.cuda_graphs=False` runs it eagerly (debugging); when the caller is itself capturing a CUDA
 graph, it runs eagerly inside that capture. Policies without a GPU planner (deepseek, fastermoe, flexmoe:
 their reference planners read sizes on the host) also run eagerly: `enabled=False`.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -26,7 +25,7 @@ class MetadataGraphs:
 
     def __init__(self, enabled: bool = True):
         self._graphs: dict = {}
-        self.enabled = enabled and os.environ.get("TOPOEP_CUDA_GRAPHS", "1") != "0"
+        self.enabled = enabled
         self.replays = 0
 
     def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple:

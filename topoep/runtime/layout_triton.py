@@ -19,13 +19,11 @@ ordinal (layout.send_layout's docstring). The kernels:
 `fused_layout` prepares the small per-instance and per-key tables with torch and launches both. The torch
 functions in layout.py stay the reference (and the CPU path); tests/layout_triton_check.py compares the
 two under Triton's interpreter on the CPU, and tests/test_cuda_backend_gpu.py on the GPU.
-Default placement only (main_rank[e] = e // E_loc), like layout.py. TOPOEP_FUSED_LAYOUT=0 makes backend
-cuda use the torch layout instead (`tools/gpu_session.sh layout_ab` compares the two).
+Default placement only (main_rank[e] = e // E_loc), like layout.py.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -40,7 +38,6 @@ except ImportError:  # CPU-only environments: the module imports, the kernels ar
     triton = None
 
 BLOCK = 128  # assignments per program (the in-block ordinal compares BLOCK x BLOCK pairs)
-ENABLED = os.environ.get("TOPOEP_FUSED_LAYOUT", "1") != "0"  # 0: backend cuda uses the torch layout (A/B runs)
 
 if triton is not None:
 

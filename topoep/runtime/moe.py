@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from topoep.config import LayerConfig
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
-from topoep.planners import OFFLINE_POLICIES, POLICIES, has_cuda_kernel, solve
+from topoep.planners import has_cuda_kernel, solve
 from topoep.planners.cuda import device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
@@ -28,8 +29,7 @@ from topoep.runtime.backend import capacity_rows, make_backend
 from topoep.runtime.function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
-from topoep.runtime.cuda_function import (CudaChunk, CudaExpertParallelFunction, CudaLayerCall, env_choice,
-                                           side_stream)
+from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
                                    count_keys, group_counts, local_group, receive_positions, received_sizes,
@@ -54,23 +54,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "capacity_moves",  # moves of the capacity step (0: the plan fitted as the policy and the guard made it)
 )
 
-DEFAULT_CAPACITY_FACTOR = 1.25
-"""Rows of each receive region per capacity_factor x T x top_k (topoep.planners.capacity; results/capacity.md):
-with 2 slots every policy's plan fits after the capacity step on every routing of the planners' tests, from uniform
-to megatron's skew -4 at EP 8-128, and 1.25 T k is about the imbalance `topoep_plus` leaves on the paper's hardest
-workloads with 2 slots, so the step seldom changes a balanced plan."""
-
-
-def check_capacity_factor(capacity_factor, name: str = "capacity_factor"):
-    """None or a finite number >= 1 (a region smaller than a balanced rank's rows would spill even when balanced);
-    raises ValueError naming `name`."""
-    if capacity_factor is None:
-        return None
-    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
-            or not 1.0 <= capacity_factor < math.inf):
-        raise ValueError(f"{name} must be a number >= 1 (receive rows per region, in units of the rows a rank sends: "
-                         f"T x top_k) or None (buffers for the worst case, R x T x top_k), got {capacity_factor!r}")
-    return float(capacity_factor)
+_UNSET = object()
 
 
 class ExpertParallelMoE(nn.Module):
@@ -80,36 +64,16 @@ class ExpertParallelMoE(nn.Module):
         num_experts: E (a multiple of the EP size R = topology.num_ranks).
         hidden_size, ffn_hidden_size: H and the expert FFN size F (SwiGLU: fc1 [2F, H], fc2 [H, F]).
         topology: the EP group's domains; its num_ranks must equal the group's size.
-        num_slots: replica slots per rank (shared by all layers through one `ReplicaPool`).
-        policy: a `topoep.POLICIES` name ("static" = no balancing).
+        config: the layer's options, a `topoep.LayerConfig` (policy, slots, backend, transport, chunks, capacity,
+            guard, ...; docs/config.md). Its fields may also be given as keywords, which override `config`'s:
+            `ExpertParallelMoE(..., policy="topoep_plus", backend="cuda")`. `guard` may also be a
+            `NetBenefitGuard` with its own constants.
         group: the EP process group (None: the default group, or a single process).
-        backend: "torch" (torch.distributed collectives; gloo or NCCL) or "cuda" (GPU-native: symmetric
-            memory and our kernels inside one NVLink domain, no host synchronisation, bf16; see
-            `cuda_function.py`).
         dtype, device: of the expert weights and the pool.
-        num_chunks: tokens are processed in this many chunks (2: the paper's pipeline).
         expert_weights: optional callable returning (fc1 list, fc2 list) of this rank's E/R main experts
             (e.g. megatron's own parameters); when given, the layer owns no expert parameters.
-        pool: an explicit `ReplicaPool`; default: the process-wide pool of this shape, dtype and device.
-        t_ffn: seconds of expert compute per assignment (forward + backward), used by cost-aware policies,
-            the net-benefit guard and the modelled-time statistics.
-        guard: the net-benefit guard (paper eq. 2): True (default constants), False (always execute the
-            balanced plan) or a `NetBenefitGuard` with its own constants. Fires (executes the static plan)
-            when the predicted saving of balancing is not above the predicted planning + replica transfer
-            time; never runs for policy "static" or without slots. `pop_stats` counts how often it fired.
-        max_tokens: backend "cuda" only: the most tokens per rank of one call (its receive regions are sized from
-            it); default the largest first call's T over the EP group.
-        capacity_factor: every rank's two receive regions (its main experts' rows, its replica slots' rows) hold
-            ceil(capacity_factor x max_tokens x k) rows each (backend cuda's buffers and the tensors it keeps for
-            backward are sized by it), and every plan goes through the planner's capacity step, which moves rows to
-            other instances or new replicas until each region fits (topoep.planners.capacity). Rows that still do
-            not fit are computed on the spill path (backend cuda; topoep.runtime.spill): none is dropped. Backend
-            torch sizes its buffers exactly but plans the same way. None: no capacity step; backend cuda sizes for
-            the worst case, EP size x max_tokens x k rows, which grows with the EP size. Needs num_slots >= 1 to
-            move rows anywhere (without slots only the spill path can take them).
-        transport: backend "cuda" only: "peer" (peer pointers; the EP group on one host) or "a2a" (NVSHMEM
-            all-to-alls with device-side splits; any hosts, `a2a.py`); "gloo": the same logic on CPU processes
-            over gloo with torch references for the kernels (a test harness).
+        pool: an explicit `ReplicaPool` (backend torch); default: the process-wide pool of this shape, dtype and
+            device.
 
     Attributes:
         timer: a `PhaseTimer` to time the phases of every call (benchmarks; serialises the pipeline),
@@ -117,38 +81,31 @@ class ExpertParallelMoE(nn.Module):
     """
 
     def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, topology: Topology,
-                 num_slots: int = 2, policy: str = "topoep", group=None, backend: str = "torch", dtype=None,
-                 device=None, num_chunks: int = 2, expert_weights: Callable | None = None,
-                 pool: ReplicaPool | None = None, t_ffn: float = DEFAULT_T_FFN,
-                 guard: bool | NetBenefitGuard = True, max_tokens: int | None = None, transport: str = "peer",
-                 capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR):
+                 config: LayerConfig | None = None, group=None, dtype=None, device=None,
+                 expert_weights: Callable | None = None, pool: ReplicaPool | None = None, **fields):
         super().__init__()
+        guard = fields.pop("guard", _UNSET)
+        if isinstance(guard, NetBenefitGuard):  # a guard with its own constants (library only)
+            fields["guard"] = True
+        elif guard is not _UNSET:
+            fields["guard"] = False if guard is None else guard
+        cpu_harness = fields.pop("_cpu_harness", False)  # tests: backend cuda's logic over gloo (a2a.GlooExchange)
+        config = (config or LayerConfig()).replace(**fields)
+        self.config = config
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a topoep.Topology, got {type(topology).__name__}")
         R = topology.num_ranks
-        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
-                        ("num_chunks", num_chunks)):
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if num_experts % R:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the EP size {R} (topology.num_ranks)")
-        if not isinstance(num_slots, int) or num_slots < 0:
-            raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
-        if policy in OFFLINE_POLICIES:
-            raise ValueError(f"policy {policy!r} is an offline planner (seconds per plan), not for the runtime; "
-                             f"use it through topoep.solve or bench/plan_quality.py, and choose one of "
-                             f"{', '.join(POLICIES)} for ExpertParallelMoE")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        if not (isinstance(t_ffn, (int, float)) and not isinstance(t_ffn, bool) and 0 < t_ffn < float("inf")):
-            raise ValueError(f"t_ffn must be a positive number of seconds per assignment, got {t_ffn!r}")
-        self.guard = NetBenefitGuard.build(guard)
-        self.capacity_factor = check_capacity_factor(capacity_factor)
-        if transport == "a2a" and self.capacity_factor is not None:
-            raise ValueError(f"transport 'a2a' (NVSHMEM) has no spill path, so its buffers are sized for the worst "
-                             f"case: set capacity_factor=None (got {self.capacity_factor}; in training "
-                             "eplb.capacity_factor=null), or use transport 'peer' on one host")
-        self.backend = make_backend(backend, group, max_tokens, transport)
+        num_slots, policy, num_chunks = config.num_slots, config.policy, config.chunks
+        self.t_ffn = DEFAULT_T_FFN if config.t_ffn is None else config.t_ffn
+        self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
+        self.capacity_factor = config.capacity_factor
+        self.backend = make_backend(config.backend, group, config.max_tokens,
+                                    "gloo" if cpu_harness else config.transport)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
                              "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")
@@ -156,7 +113,6 @@ class ExpertParallelMoE(nn.Module):
         self.topology, self.num_slots, self.policy, self.num_chunks = topology, num_slots, policy, num_chunks
         self.rank = self.backend.rank
         self.experts_per_rank = num_experts // R
-        self.t_ffn = t_ffn
         dtype = dtype or torch.get_default_dtype()
         self._expert_weights = expert_weights
         if expert_weights is None:
@@ -172,13 +128,9 @@ class ExpertParallelMoE(nn.Module):
         self._stats_sum, self._stats_calls = None, 0
         # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
         # the host, so its metadata runs eagerly
-        self._meta_graphs = MetadataGraphs(enabled=has_cuda_kernel(policy, topology))
+        self._meta_graphs = MetadataGraphs(enabled=config.cuda_graphs and has_cuda_kernel(policy, topology))
         # backend cuda: leave out the replica machinery of calls whose guard will fire (guard.py, skip_lag)
         lag = self.guard.skip_lag if self.guard is not None else None
-        # backend cuda: tokens in this many chunks, each dispatched, computed and combined in turn (1 or 2;
-        # TOPOEP_CUDA_CHUNKS, default 1: the two-chunk path is not yet measured on GPUs)
-        # (fixed after the first call: the metadata CUDA graph captures the layout of that many chunks)
-        self.cuda_chunks = int(env_choice("TOPOEP_CUDA_CHUNKS", ("1", "2"), "1"))
         # backend cuda: static places replicas only for the capacity (the capacity step), so its slots follow the
         # same hint: left out while no recent call needed a replica
         self._uses_slots = policy != "static" or self.capacity_factor is not None
@@ -332,11 +284,12 @@ class ExpertParallelMoE(nn.Module):
             where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
             raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
         ws = self.workspace = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device,
-                                           chunks=self.cuda_chunks, capacity_factor=self.capacity_factor)
+                                           chunks=self.num_chunks, capacity_factor=self.capacity_factor)
         # static uses a slot only for the capacity, and neither does a call whose guard will fire (slot_hint): no
         # fetch, no slot GEMMs, no gradient return
         use_slots = self._uses_slots and (self.slot_hint is None or self.slot_hint.allow(x.device))
-        pool = be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device) if use_slots else None
+        pool = (be.replica_pool(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device, banks=2 if self.config.prefetch else 1)
+                if use_slots else None)
         if pool is not None:
             self.pool = pool
         token_bytes = self.hidden_size * x.element_size()
@@ -359,7 +312,8 @@ class ExpertParallelMoE(nn.Module):
         if len(chunks) == 2:
             chunks[1].first = ((T + 1) // 2) * k
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
-                             experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled())
+                             experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled(),
+                             combine_side_stream=self.config.combine_side_stream)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
@@ -413,7 +367,7 @@ class ExpertParallelMoE(nn.Module):
         GEMMs' offsets and row counts stop at the region's end, the rest spills (spill.spill_work; prev: each
         source's rows in earlier chunks)."""
         E_loc = self.experts_per_rank
-        if topk_idx.is_cuda and layout_triton.ENABLED:  # two Triton kernels instead of about 60 small torch ones
+        if topk_idx.is_cuda:  # two Triton kernels instead of about 60 small torch ones
             C = group_counts(plan)  # from the plan's route: no exchange
             key, order, dest, pos, is_slot = layout_triton.fused_layout(topk_idx, plan, self.rank, C)
         else:

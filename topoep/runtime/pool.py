@@ -44,7 +44,7 @@ class SlotBanks:
     """Host bookkeeping of backend cuda's replica pools (symm.SymmReplicaPool, a2a.A2AReplicaPool): which fill
     each bank of slots holds, and the forward calls whose backward is still to come.
 
-    With one bank (the default) every fetch overwrites the slots. With two (TOPOEP_PREFETCH=1;
+    With one bank (the default) every fetch overwrites the slots. With two (LayerConfig.prefetch;
     cuda_function.start_fetch, prefetch_after_backward), forward fills alternate between the banks, so the
     last two MoE layers of a model find their replicas still in place when their backward comes, and at the
     end of a layer's backward the bank it releases is refilled, beside the next layer's backward, with the
@@ -52,6 +52,10 @@ class SlotBanks:
 
     Everything here is a host int, changed only by calls that every rank makes in the same order, so every
     rank takes the same decisions (and makes the same collectives) without reading the device."""
+
+    # True: every backward reloads its replicas, even when the bank still holds them (what every MoE layer but the
+    # last does in a model with several of them); benchmarks of a single layer set it to show what such a layer costs
+    reload_always = False
 
     def init_banks(self, banks: int) -> None:
         if banks not in (1, 2):

@@ -1,0 +1,149 @@
+"""`LayerConfig`: every option of one balanced MoE layer, typed and validated in one place.
+
+`ExpertParallelMoE(config=...)` (or its fields as keywords), the megatron adapter (`TopoEPMoELayer`) and the
+trainer's Hydra group `eplb` (`app.config.EplbConfig`, this dataclass plus the group's `name`) all read it, so a
+run's `config.yaml` records every option of its layers. `docs/config.md` is generated from this file
+(`python tools/config_reference.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+BACKENDS = ("torch", "cuda")
+TRANSPORTS = ("peer", "a2a")
+DEFAULT_CAPACITY_FACTOR = 1.25
+"""Receive rows per region per T x top_k (topoep.planners.capacity; results/capacity.md): with 2 slots every
+policy's plan fits after the capacity step on every routing of the planners' tests, from uniform to megatron's
+skew -4 at EP 8-128, so the step seldom changes a balanced plan."""
+CUDA_MAX_CHUNKS = 2
+
+
+@dataclass(kw_only=True)
+class LayerConfig:
+    """Options of one TopoEP MoE layer (`ExpertParallelMoE`). Every field is checked when the config is made; an
+    error names the field and what to set."""
+
+    prefix: ClassVar[str] = "LayerConfig"  # how errors name a field: LayerConfig.<field>, or eplb.<field> in training
+
+    policy: str = "topoep"
+    """Planner policy: static (no balancing), topoep (the paper's), topoep_plus (topoep with free load moves across
+    domains and its own-rank-first route), deepseek, fastermoe, flexmoe (peer policies on the same runtime)."""
+    num_slots: int = 2
+    """Replica slots per rank (shared by all layers of a process through one replica pool)."""
+    backend: str = "torch"
+    """Execution: torch (torch.distributed collectives; CPU and GPU) or cuda (GPU-native, bf16, no host
+    synchronisation)."""
+    transport: str = "peer"
+    """Backend cuda's data movement: peer (peer pointers; the EP group on one host) or a2a (NVSHMEM all-to-alls with
+    device-side splits; across hosts)."""
+    num_chunks: int | None = None
+    """Token chunks per call, each dispatched, computed and combined in turn (paper 3.3's pipeline). None: the
+    backend's default, 2 for torch and 1 for cuda; backend cuda takes 1 or 2."""
+    capacity_factor: float | None = DEFAULT_CAPACITY_FACTOR
+    """Receive rows per region (a rank's main experts', its replica slots') in units of T x top_k: backend cuda's
+    buffers and the tensors it keeps for backward hold capacity_factor x T x top_k rows each, so its memory does not
+    grow with the EP size. The planner's capacity step fits every plan to it; rows it cannot place are computed on
+    the spill path (slower, never dropped; logged as capacity_overflow). None: no capacity step, buffers for the
+    worst case (EP size x T x top_k rows). Transport a2a needs None."""
+    guard: bool = True
+    """Net-benefit guard (paper eq. 2): execute the static plan when balancing is predicted not to pay (saving of
+    straggler expert time <= planning + replica transfer time). Its constants model GPUs
+    (`topoep.runtime.NetBenefitGuard`; the library also takes an instance with other constants)."""
+    t_ffn: float | None = None
+    """Seconds of expert compute per assignment (forward + backward) for cost-aware policies, the guard and the
+    modelled-time statistics. None: the trainer derives it from the model's shape, the library takes
+    `topoep.DEFAULT_T_FFN`."""
+    planner_blocks: int = 0
+    """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the grid
+    starts only when every block has one, so lower it where collectives on other streams hold many SMs. The plans
+    do not depend on it."""
+    max_tokens: int | None = None
+    """Backend cuda: the most tokens per rank of one call (its receive regions are sized from it). None: the
+    largest first call's T over the EP group."""
+    prefetch: bool = False
+    """Backend cuda: a second bank of replica slots (twice the slot memory); each backward refills the bank it
+    releases with the replicas of the layer whose backward comes after the next one, beside that next backward."""
+    combine_side_stream: bool = False
+    """Backend cuda, transport peer: the backward combine (token gradients going home) on a side stream beside the
+    weight-gradient GEMMs."""
+    cuda_graphs: bool = True
+    """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
+    runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""
+
+    def __post_init__(self):
+        from topoep.planners import OFFLINE_POLICIES, POLICIES
+
+        p = self.prefix
+        if self.policy in OFFLINE_POLICIES:
+            raise ValueError(f"{p}.policy={self.policy!r} is an offline planner (seconds per plan), not for the runtime; "
+                             f"use it through topoep.solve or bench/plan_quality.py, and choose one of "
+                             f"{', '.join(POLICIES)} here")
+        if self.policy not in POLICIES:
+            raise ValueError(f"{p}.policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        _check_int(self, "num_slots", 0)
+        _check_choice(self, "backend", BACKENDS)
+        _check_choice(self, "transport", TRANSPORTS)
+        if self.transport != "peer" and self.backend != "cuda":
+            raise ValueError(f"{p}.transport={self.transport} applies to {p}.backend=cuda (got backend "
+                             f"{self.backend}): set {p}.backend=cuda, or leave {p}.transport=peer")
+        if self.num_chunks is not None:
+            _check_int(self, "num_chunks", 1)
+            if self.backend == "cuda" and self.num_chunks > CUDA_MAX_CHUNKS:
+                raise ValueError(f"{p}.num_chunks={self.num_chunks}: backend cuda runs 1 or 2 token chunks; set "
+                                 f"{p}.num_chunks to 1 or 2 (or null for its default, 1)")
+        if isinstance(self.capacity_factor, int) and not isinstance(self.capacity_factor, bool):
+            self.capacity_factor = float(self.capacity_factor)  # YAML gives 2 for 2.0
+        if self.capacity_factor is not None and (not isinstance(self.capacity_factor, float)
+                                                 or not 1.0 <= self.capacity_factor < math.inf):
+            raise ValueError(f"{p}.capacity_factor must be a number >= 1 (receive rows per region, in units of the "
+                             f"rows a rank sends: T x top_k) or null (buffers for the worst case, R x T x top_k), got "
+                             f"{self.capacity_factor!r}")
+        if self.capacity_factor is not None and self.transport == "a2a":
+            raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
+                             f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
+        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.t_ffn, int) and not isinstance(self.t_ffn, bool):
+            self.t_ffn = float(self.t_ffn)
+        if self.t_ffn is not None and (not isinstance(self.t_ffn, float) or not 0 < self.t_ffn < math.inf):
+            raise ValueError(f"{p}.t_ffn must be a positive number of seconds per assignment or null, got "
+                             f"{self.t_ffn!r}")
+        _check_int(self, "planner_blocks", 0)
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens", 1)
+
+    @property
+    def chunks(self) -> int:
+        """num_chunks, or the backend's default."""
+        if self.num_chunks is not None:
+            return self.num_chunks
+        return 1 if self.backend == "cuda" else 2
+
+    def replace(self, **changes) -> "LayerConfig":
+        """A copy with `changes` (checked again); an unknown name raises and lists the fields."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown {self.prefix} field(s) {', '.join(unknown)}; the fields are "
+                             f"{', '.join(sorted(known))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_int(cfg, name: str, low: int) -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{cfg.prefix}.{name} must be an integer >= {low}, got {v!r}")
+
+
+def _check_choice(cfg, name: str, choices: tuple[str, ...]) -> None:
+    v = getattr(cfg, name)
+    if v not in choices:
+        raise ValueError(f"{cfg.prefix}.{name}={v!r} is unknown; choose one of {', '.join(choices)}")
