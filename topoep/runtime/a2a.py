@@ -408,13 +408,6 @@ class A2AReplicaPool(SlotBanks):
             pool = cls._shared[key] = cls(exchange, num_slots, hidden_size, ffn_hidden_size, dtype, banks)
         return pool
 
-    def bank_weights(self, bank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fc1 [N, 2F, H], fc2 [N, H, F]) of one bank of slots."""
-        return self._banked[0][bank], self._banked[1][bank]
-
-    def slot_weights(self):
-        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
-
     @property
     def nbytes(self) -> int:
         """The slots and the exchange buffers of the replica transfers."""

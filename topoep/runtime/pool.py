@@ -57,6 +57,15 @@ class SlotBanks:
     # last does in a model with several of them); benchmarks of a single layer set it to show what such a layer costs
     reload_always = False
 
+    # set by the pools: _banked = (fc1 [banks, N, 2F, H], fc2 [banks, N, H, F]); fc1, fc2 = bank_weights(0)
+
+    def bank_weights(self, bank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [N, 2F, H], fc2 [N, H, F]) of one bank of slots."""
+        return self._banked[0][bank], self._banked[1][bank]
+
+    def slot_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
+
     def init_banks(self, banks: int) -> None:
         if banks not in (1, 2):
             raise ValueError(f"a replica pool has 1 or 2 banks of slots, got {banks}")

@@ -439,13 +439,6 @@ class SymmReplicaPool(SlotBanks):
             pool = cls._shared[key] = cls(group, num_slots, hidden_size, ffn_hidden_size, dtype, device, banks)
         return pool
 
-    def bank_weights(self, bank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fc1 [N, 2F, H], fc2 [N, H, F]) of one bank of slots."""
-        return self._banked[0][bank], self._banked[1][bank]
-
-    def slot_weights(self):
-        return list(self.fc1.unbind(0)), list(self.fc2.unbind(0))
-
     @property
     def nbytes(self) -> int:
         return sum(b.tensor.numel() * b.tensor.element_size() for b in (self._fc1, self._fc2))
