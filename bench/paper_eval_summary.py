@@ -104,9 +104,9 @@ def policies_table(rows: list[dict]) -> str:
 def loss_table(rows: list[dict]) -> str:
     return markdown_table(["a", "b", "steps", "step-1 relative difference", "mean relative difference",
                            "max (step)", "mean after an EMA (0.1)"],
-                          [[r["a"], r["b"], r["steps"], f"{r['step1_rel_diff']:.1e}", f"{100 * r['mean_rel_diff']:.2f} %",
-                            f"{100 * r['max_rel_diff']:.1f} % ({r['max_step']})", f"{100 * r['mean_rel_diff_ema']:.2f} %"]
-                           for r in rows if r["eplb"] == "difference"])
+                          [[r["a"], r["b"], r["steps"], f"{r['step1_rel_diff']:.1e}",
+                            f"{100 * r['mean_rel_diff']:.2f} %", f"{100 * r['max_rel_diff']:.1f} % ({r['max_step']})",
+                            f"{100 * r['mean_rel_diff_ema']:.2f} %"] for r in rows if r["eplb"] == "difference"])
 
 
 def locality_table(rows: list[dict]) -> str:

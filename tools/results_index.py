@@ -63,36 +63,48 @@ REPORTS = [
           "CPU, from the raw runs (they: 1 GPU, `bash tools/gpu_session.sh setup memory`)",
           "python bench/layer_memory.py --report results/gpu/layer_memory/layer_memory_ep*.json"),
     _layer("moe_layer", "backends torch and cuda beside megatron's layer, 2 slots", "--tokens 4096 16384"),
-    _layer("moe_layer_slots8", "backend cuda, 8 slots; bench/simulate.py's hold-out", "--name moe_layer_slots8 --tokens 4096 16384 --backends cuda --no-megatron --slots 8"),
-    _layer("moe_layer_cuda", "backend cuda, 2 slots", "--name moe_layer_cuda --backends cuda --no-megatron --slots 2 --tokens 4096 16384"),
+    _layer("moe_layer_slots8", "backend cuda, 8 slots; bench/simulate.py's hold-out",
+           "--name moe_layer_slots8 --tokens 4096 16384 --backends cuda --no-megatron --slots 8"),
+    _layer("moe_layer_cuda", "backend cuda, 2 slots",
+           "--name moe_layer_cuda --backends cuda --no-megatron --slots 2 --tokens 4096 16384"),
     _layer("moe_layer_cuda_slots8", "backend cuda, 8 slots",
            "--name moe_layer_cuda_slots8 --backends cuda --no-megatron --slots 8 --tokens 4096 16384"),
-    _layer("moe_layer_a2a", "backend cuda on transport a2a, 2 GPUs as 2 domains", "--name moe_layer_a2a --transport a2a --ranks-per-domain 1 --backends cuda --tokens 4096 "
-                            "--no-megatron"),
-    _layer("moe_layer_capacity_ep1", "backend cuda at EP 1, the capacity against worst-case buffers", "--name moe_layer_capacity_ep1 --backends cuda --no-megatron --capacity-factors "
-                                     "default none --tokens 4096 16384 --skews 0 -4 --layouts random --profile-iters 0",
-           gpus=1),
-    _layer("fig15", "Fig. 15: the phases in forward and backward", "--name fig15 --tokens 8192 --skews -4 --profile-iters 5"),
-    _layer("fig16_layer", "backend torch at 1 rank per domain (Fig. 16's setting)", "--name fig16_layer --tokens 4096 --skews -4 --backends torch --ranks-per-domain 1 "
-                          "--no-megatron --profile-iters 5"),
+    _layer("moe_layer_a2a", "backend cuda on transport a2a, 2 GPUs as 2 domains",
+           "--name moe_layer_a2a --transport a2a --ranks-per-domain 1 --backends cuda --tokens 4096 --no-megatron"),
+    _layer("moe_layer_capacity_ep1", "backend cuda at EP 1, the capacity against worst-case buffers",
+           "--name moe_layer_capacity_ep1 --backends cuda --no-megatron --capacity-factors default none "
+           "--tokens 4096 16384 --skews 0 -4 --layouts random --profile-iters 0", gpus=1),
+    _layer("fig15", "Fig. 15: the phases in forward and backward",
+           "--name fig15 --tokens 8192 --skews -4 --profile-iters 5"),
+    _layer("fig16_layer", "backend torch at 1 rank per domain (Fig. 16's setting)",
+           "--name fig16_layer --tokens 4096 --skews -4 --backends torch --ranks-per-domain 1 --no-megatron "
+           "--profile-iters 5"),
     _fig("fig12", "Qwen3", "fig12 --steps 25 --warmup 5"),
-    _fig("fig12_repeats", "Qwen3, 3 interleaved runs per configuration", "fig12 --name fig12_repeats --skews 0 -1 -4 --layouts megatron --policies static topoep "
-                          "--repeats 3 --steps 25 --warmup 5"),
-    _fig("fig12_glm45air", "GLM-4.5-Air, 1 dense + 2 MoE layers", "fig12 --name fig12_glm45air --model glm45air --set model.num_layers=3 --skews natural 0 -2 "
-                           "-4 --steps 25 --warmup 5"),
-    _fig("fig12_deepseekv2", "DeepSeek-V2, 1 dense + 2 MoE layers, sequence 2048", "fig12 --name fig12_deepseekv2 --model deepseekv2 --set model.num_layers=3 "
-                             "trainer.seq_length=2048 --skews natural 0 -2 -4 --steps 25 --warmup 5"),
-    _fig("fig12_torch_balanced_rpd1", "backend torch, static, 2 domains of 1 rank", "fig12 --name fig12_torch_balanced_rpd1 --backend torch --ranks-per-domain 1 "
-                                      "--policies static --skews -4 --layouts megatron --steps 20 --warmup 5"),
-    _fig("fig12_torch_balanced_rpd2", "backend torch, static, 1 domain of 2 ranks", "fig12 --name fig12_torch_balanced_rpd2 --backend torch --ranks-per-domain 2 "
-                                      "--policies static --skews -4 --layouts megatron --steps 20 --warmup 5"),
+    _fig("fig12_repeats", "Qwen3, 3 interleaved runs per configuration",
+         "fig12 --name fig12_repeats --skews 0 -1 -4 --layouts megatron --policies static topoep --repeats 3 "
+         "--steps 25 --warmup 5"),
+    _fig("fig12_glm45air", "GLM-4.5-Air, 1 dense + 2 MoE layers",
+         "fig12 --name fig12_glm45air --model glm45air --set model.num_layers=3 --skews natural 0 -2 -4 "
+         "--steps 25 --warmup 5"),
+    _fig("fig12_deepseekv2", "DeepSeek-V2, 1 dense + 2 MoE layers, sequence 2048",
+         "fig12 --name fig12_deepseekv2 --model deepseekv2 --set model.num_layers=3 trainer.seq_length=2048 "
+         "--skews natural 0 -2 -4 --steps 25 --warmup 5"),
+    _fig("fig12_torch_balanced_rpd1", "backend torch, static, 2 domains of 1 rank",
+         "fig12 --name fig12_torch_balanced_rpd1 --backend torch --ranks-per-domain 1 --policies static --skews -4 "
+         "--layouts megatron --steps 20 --warmup 5"),
+    _fig("fig12_torch_balanced_rpd2", "backend torch, static, 1 domain of 2 ranks",
+         "fig12 --name fig12_torch_balanced_rpd2 --backend torch --ranks-per-domain 2 --policies static --skews -4 "
+         "--layouts megatron --steps 20 --warmup 5"),
     _fig("fig13", "Qwen3", "fig13 --steps 25 --warmup 5"),
     _fig("fig14", "Qwen3, 300 steps", "fig14 --steps 25 --warmup 5"),
-    _fig("fig16", "Qwen3, backend torch, 2 domains of 1 rank", "fig16 --steps 25 --warmup 5 --backend torch --ranks-per-domain 1 --policies static topoep deepseek "
-                  "fastermoe flexmoe"),
-    _fig("fig16_repeats", "as fig16, 2 interleaved runs", "fig16 --name fig16_repeats --backend torch --ranks-per-domain 1 --policies static topoep "
-                          "--layouts megatron --repeats 2 --steps 25 --warmup 5"),
-    _fig("fig16_cpu_2x2", "tiny model on the CPU, 2 domains of 2 ranks", "fig16 --tiny --nproc 4 --ranks-per-domain 2 --steps 12 --warmup 2 --name fig16_cpu_2x2",
+    _fig("fig16", "Qwen3, backend torch, 2 domains of 1 rank",
+         "fig16 --steps 25 --warmup 5 --backend torch --ranks-per-domain 1 --policies static topoep deepseek "
+         "fastermoe flexmoe"),
+    _fig("fig16_repeats", "as fig16, 2 interleaved runs",
+         "fig16 --name fig16_repeats --backend torch --ranks-per-domain 1 --policies static topoep --layouts megatron "
+         "--repeats 2 --steps 25 --warmup 5"),
+    _fig("fig16_cpu_2x2", "tiny model on the CPU, 2 domains of 2 ranks",
+         "fig16 --tiny --nproc 4 --ranks-per-domain 2 --steps 12 --warmup 2 --name fig16_cpu_2x2",
          where="CPU (4 processes)"),
     Entry(("paper_eval.md",), "bench/paper_eval_summary.py",
           "fig12.json, fig12_repeats.json, fig12_glm45air.json, fig12_deepseekv2.json, fig13.json, fig14.json, "
