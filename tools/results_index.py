@@ -29,7 +29,7 @@ class Entry:
     reads: str  # the raw data it reads ("-": it generates its inputs)
     where: str  # what it runs on
     command: str
-    what: str = ""  # title where the files have no markdown heading of their own
+    what: str = ""  # a description: after a report's first heading; in place of a gpu/ record's heading
 
 
 GPU_SESSION = "tools/gpu_session.sh"
