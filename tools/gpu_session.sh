@@ -266,7 +266,7 @@ step_eval() {  # paper section 6 (bench/paper_eval.py): FIGS (default fig12) on 
 step_eval_rest() {  # follow-up section-6 runs, PARTS (default the first three; each is several minutes, so one or
   # two per device call): "repeats" = qwen3 around the single-run misses, 3 interleaved runs each; "glm45air" /
   # "deepseekv2" = Fig. 12 at reduced depth (1 dense + 2 MoE layers); "fig16repeats"; "fig16cuda" / "fig16a2a" =
-  # Fig. 16 on backend cuda (peer / a2a transport) at 1 rank per domain; "torchprobe" (results/paper_eval.md)
+  # Fig. 16 on backend cuda (peer / a2a transport) at 1 rank per domain; "torchprobe" (results/fig12_torch_balanced_rpd2)
   local runs=${EVAL_RUNS:-$TOPOEP_ROOT/runs/eval}
   for part in ${PARTS:-repeats glm45air deepseekv2}; do
     if [ "$part" = fig16repeats ]; then  # fig16's slow balanced runs (backend torch, 1 rank per domain): noise or not?
