@@ -98,7 +98,9 @@ def job_from_config(cfg) -> tuple[Job, dict]:
                          "collective allocations made at a stage's first forward, which the other stages do not "
                          "reach in step; use parallel.pp=1 or eplb.transport=peer")
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved["_yaml"] = OmegaConf.to_yaml(cfg, resolve=True)
+    for g, obj in parts.items():  # the values as checked (e.g. eplb.policy filled in from eplb.name)
+        resolved[g] = dataclasses.asdict(obj)
+    resolved["_yaml"] = OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in resolved.items() if k != "_yaml"}))
     return Job(**parts, data=to_data_config(cfg.data)), resolved
 
 
