@@ -1,4 +1,5 @@
-// Launchers of the GPU planner (planner.cu). Called by bindings.cpp only.
+// The host interface of the GPU planner (planner_kernel.cu) and the capacity step (capacity.cu). Called by
+// bindings.cpp only.
 #pragma once
 #include <cuda_runtime.h>
 #include <stddef.h>

@@ -1,5 +1,5 @@
-"""The GPU planner (csrc/planner.cu): `static`, `topoep` and `topoep_plus`, and the capacity step
-(csrc/capacity.cu), bit-equal to the reference planners.
+"""The GPU planner (csrc/planner_kernel.cu and the phases it includes): `static`, `topoep` and `topoep_plus`, and
+the capacity step (csrc/capacity.cu), bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
@@ -20,7 +20,9 @@ import torch
 from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("bindings.cpp", "planner.cu", "capacity.cu")
+# the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
+SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu")
+SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
 CUDA_POLICIES = ("static", "topoep", "topoep_plus")
 _loaded = False
 
@@ -47,8 +49,8 @@ def cuda_home() -> str | None:
 def build_dir() -> Path:
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
     h = hashlib.sha256(f"{torch.__version__}|{arch}".encode())
-    for name in SOURCES + ("planner.h",):
-        h.update((CSRC / name).read_bytes())
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in SOURCE_SUFFIXES):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("TOPOEP_EXT_DIR", CSRC.parent / "build" / "ext"))
     return root / f"topoep_planner_{h.hexdigest()[:16]}"
 

@@ -1,0 +1,202 @@
+// Definitions shared by the planner's phases (planner_*.cuh) and its kernel (planner_kernel.cu): the sizes
+// of a plan (Dims), the state between phases and where it lives (Work, Plus, Loads), index helpers, the
+// barriers and timestamps, and the block-local list of instances that phases 4 and 6 work through.
+//
+// Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
+// is slot j of rank r. Default placement main(e) = e / (E / R) only.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <stdint.h>
+
+#include "planner.h"
+
+namespace topoep {
+
+namespace cg = cooperative_groups;
+using i64 = int64_t;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct Dims {
+  int R, E, M, rpd, N, P, Eloc, G;  // G: instances a rank can hold (its mains, then its slots)
+  int gw;                            // lanes per instance in phases 4 and 6 (a power of two <= 32)
+  int rw;                            // lanes per (expert, domain) group in topoep_plus's route: the power of two
+                                     // >= rpd, or 0 for rpd > 32 (a thread per group)
+  int plus_smem;                     // 1: topoep_plus's moves on a copy of the loads per block (Loads)
+  int local;                         // 1: one block, omega and the whole state in shared memory
+  int skip;                          // kSkip* bits: stages left out, for latency measurements only
+  unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
+  i64 W, S;
+};
+
+// The planner's state between phases: in the global workspace, or (d.local) in shared memory, where a
+// single block reaches it without global-memory latency.
+struct Work {
+  const i64* om;  // omega (the input, or its shared-memory copy)
+  i64 *D, *L0, *U, *L, *slot0, *slot1, *T;  // T[e]: total demand of an expert with one instance in stage 1
+  int *pos_all0, *pos_dom0, *cnt_all0, *cnt_dom0;
+  i64* stamps;  // always global: kNumStamps
+};
+
+// i64 elements of the state (D[M*E], L0[R], U[P], L[R], slot0[R*N], slot1[R*N], T[E], then the int
+// arrays pos_all0[P], pos_dom0[P], cnt_all0[E], cnt_dom0[M*E], two per i64)
+__host__ __device__ inline size_t state_elems(const Dims& d) {
+  const size_t i64s = (size_t)d.M * d.E + 2 * (size_t)d.R + d.P + 2 * (size_t)d.R * d.N + d.E;
+  const size_t i32s = 2 * (size_t)d.P + d.E + (size_t)d.M * d.E;
+  return i64s + (i32s + 1) / 2;
+}
+
+__host__ __device__ inline void carve(Work& w, i64* base, const Dims& d) {
+  w.D = base;
+  w.L0 = w.D + (size_t)d.M * d.E;
+  w.U = w.L0 + d.R;
+  w.L = w.U + d.P;
+  w.slot0 = w.L + d.R;
+  w.slot1 = w.slot0 + (size_t)d.R * d.N;
+  w.T = w.slot1 + (size_t)d.R * d.N;
+  w.pos_all0 = (int*)(w.T + d.E);
+  w.pos_dom0 = w.pos_all0 + d.P;
+  w.cnt_all0 = w.pos_dom0 + d.P;
+  w.cnt_dom0 = w.cnt_all0 + d.E;
+}
+
+// i64 elements of the per-phase shared scratch: placement's keys, the slot tables of phases 3-6 and the
+// list of instances that take the general path in phases 4 and 6, a domain's refinement state
+__host__ __device__ inline size_t scratch_elems(const Dims& d) {
+  const size_t rpd = d.rpd, G = d.G;
+  const size_t placement = (size_t)d.E + rpd;
+  const size_t slots = (size_t)d.R * d.N + ((size_t)d.P + 1) / 2;  // two int tables, an int list
+  const size_t refine = rpd * G + rpd + (rpd <= 32 ? rpd * rpd : 0) + (rpd * d.N + 1) / 2;
+  return max(placement, max(slots, refine));
+}
+
+__device__ __forceinline__ int main_rank_of(int e, const Dims& d) { return (int)(((unsigned long long)e * d.inv_eloc) >> 32); }
+__device__ __forceinline__ int dom_of_rank(int r, const Dims& d) { return (int)(((unsigned long long)r * d.inv_rpd) >> 32); }
+__device__ __forceinline__ int floor_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+// q = x / n, r = x % n for x >= 0, n >= 1 (exact; 32-bit division when x fits, 64-bit otherwise)
+__device__ __forceinline__ void divmod(i64 x, int n, i64* q, i64* r) {
+  if ((unsigned long long)x <= 0xffffffffull) {
+    const unsigned xu = (unsigned)x, qu = xu / (unsigned)n;
+    *q = qu;
+    *r = xu - qu * (unsigned)n;
+  } else {
+    *q = x / n;
+    *r = x - *q * n;
+  }
+}
+
+__device__ __forceinline__ void grid_sync() {
+  if (gridDim.x == 1) __syncthreads();
+  else cg::this_grid().sync();
+}
+
+__device__ __forceinline__ void stamp(const Work& w, int i) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    w.stamps[i] = (i64)t;
+  }
+}
+
+// expert and rank of instance p under slot table se (int, R*N); e < 0 for an empty slot
+__device__ __forceinline__ void instance_of(int p, const int* se, const Dims& d, int* e, int* rank) {
+  if (p < d.E) { *e = p; *rank = main_rank_of(p, d); }
+  else { *e = se[p - d.E]; *rank = (p - d.E) / d.N; }
+}
+
+// Phases 4 and 6 give most instances their result on a short path, a thread per instance (or per
+// (source, instance) pair), and append the rest to a block-local list in shared memory, which the block
+// then works through with a group of d.gw lanes per listed instance (a shuffle reduction or scan over
+// sources). The list's order depends on atomics but every listed instance is computed on its own, so the
+// outputs do not. On the short path runs of 32 instances go to the grid's warps block-cyclically
+// (warp_cyclic), so that a warp's accesses stay contiguous; the listed instances go to the blocks one by one
+// (instance p to block p mod grid, list_first), so that the slots, which all take the long path and sit at
+// the end of the instance order, spread evenly over every block.
+__device__ __forceinline__ int warp_cyclic() {
+  return ((threadIdx.x >> 5) * gridDim.x + blockIdx.x) * 32 + (threadIdx.x & 31);
+}
+
+__device__ __forceinline__ int list_first() { return threadIdx.x * gridDim.x + blockIdx.x; }
+
+struct ListState {
+  int* items;  // the listed instances (at most P)
+  int* count;  // in shared memory
+};
+
+// Calls f(p, lane in group) for every listed instance of this block, then one more round for lanes past
+// the end (p = d.P), so that every lane of a warp runs the same rounds (shuffles need the whole warp).
+template <class F>
+__device__ __forceinline__ void for_listed(const Dims& d, const ListState& ls, F f) {
+  const int n = *ls.count, gpw = 32 / d.gw, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / d.gw, lig = lane & (d.gw - 1);
+  for (int base = warp * gpw; base < n; base += kWarps * gpw) {  // uniform per warp
+    const int i = base + sub;
+    f(i < n ? ls.items[i] : d.P, lig);
+  }
+}
+
+// `topoep_plus` (topoep/planners/plus.py): after the refinement, free load moves across the EP group
+// (phase 7), then the own-rank-first route of common.hierarchical_route (phases 8-9) instead of phase 6's
+// interval route. Its state follows the topoep state in the workspace (plus_elems).
+struct Plus {
+  int on;                   // 0: the `topoep` policy (phase 6's route)
+  int max_moves;            // the loop's bound, 4 R (E / R + N)
+  i64 a2, bb;               // 2 S_tok a and 2 S_tok (b - a) in fs per assignment (common.two_level_costs)
+  i64 *w2tot, *u2tot, *Mg;  // [M*E] per (domain, expert) group: its w2 total, its slots' u2 total, its m
+  i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
+  i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
+  i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
+  i64* pst;                 // [kPlusStamps] %globaltimer stamps (planner.h), 0 until reached
+  i64* moves;               // [1] the number of moves made (info["global_moves"])
+};
+
+__host__ __device__ inline size_t plus_elems(const Dims& d) {
+  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + kPlusStamps + 1;
+}
+
+__host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
+  const size_t ME = (size_t)d.M * d.E, RE = (size_t)d.R * d.E;
+  pl.w2tot = base; pl.u2tot = pl.w2tot + ME; pl.Mg = pl.u2tot + ME;
+  pl.loc = pl.Mg + ME; pl.u1 = pl.loc + d.P; pl.c = pl.u1 + d.P; pl.cumc = pl.c + d.P; pl.u2 = pl.cumc + d.P;
+  pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
+  pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
+  pl.pst = pl.w2cum + RE;
+  pl.moves = pl.pst + kPlusStamps;
+}
+
+__device__ __forceinline__ void plus_stamp(const Plus& pl, int i) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    pl.pst[i] = (i64)t;
+  }
+}
+
+// topoep_plus's instance loads U[P] and rank loads L[R] from the refinement on, and host[P] (1: the instance
+// takes part in the moves). With d.plus_smem every block keeps its own copy in shared memory and makes the
+// same moves (deterministic, so the copies agree), and the route's first pass follows with no grid barrier;
+// otherwise (a plan too large for it) block 0 moves the global state and a grid barrier publishes it.
+struct Loads {
+  i64 *U, *L, *host;
+};
+
+// instance p of the refined plan: expert (-1 for none) and rank; a replica counts only with load (the
+// reference drops replicas that serve nothing before the moves)
+__device__ __forceinline__ int plus_instance(int p, const int* se1, const Dims& d, const i64* U, int* rank) {
+  int e;
+  instance_of(p, se1, d, &e, rank);
+  return (e >= 0 && (p < d.E || U[p] > 0)) ? e : -1;
+}
+
+// whether slot q holds an instance of e that counts (plus_instance: a replica with load)
+__device__ __forceinline__ bool slot_holds(int q, int e, const int* se1, const Dims& d, const i64* U) {
+  return se1[q] == e && U[d.E + q] > 0;
+}
+
+}  // namespace topoep
