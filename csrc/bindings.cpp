@@ -43,7 +43,7 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
   TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
               "rank (E=", E, ", R=", R, "); use backend='reference'");
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
-  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_elems(R, E, num_domains, num_slots),
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_layout(R, E, num_domains, num_slots).elems,
               "workspace too small");
   TORCH_CHECK(topoep::smem_bytes(R, E, num_domains, num_slots) <= 200 * 1024,
               "the planner's per-block state does not fit in shared memory (ranks_per_domain x (E/R + slots), ",
@@ -109,12 +109,14 @@ int64_t fit_workspace_elems(int64_t R, int64_t E, int64_t N) {
   return (int64_t)topoep::fit_workspace_elems((int)R, (int)E, (int)N);
 }
 
-// [workspace int64 elements, offset of the phase timestamps (ns) in it, offset of topoep_plus's move count] for
-// (R, E, domains, slots)
+// The planner's workspace for (R, E, domains, slots) (planner.h), in int64 elements: [its size, then offset and
+// count of: the phase stamps, the refinement counters, topoep_plus's stamps, then the offset of its number of
+// moves] (topoep/planners/cuda.py WORKSPACE_FIELDS names them)
 std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains, int64_t num_slots) {
-  return {(int64_t)topoep::workspace_elems((int)R, (int)E, (int)num_domains, (int)num_slots),
-          (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots),
-          (int64_t)topoep::plus_moves_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
+  namespace t = topoep;
+  return {(int64_t)t::workspace_layout((int)R, (int)E, (int)num_domains, (int)num_slots).elems,
+          t::kStampsAt, t::kPhaseStamps, t::kRefineCountersAt, t::kRefineCounters, t::kPlusStampsAt, t::kPlusStamps,
+          t::kMovesAt};
 }
 
 // Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out

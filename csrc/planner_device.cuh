@@ -40,29 +40,50 @@ struct Work {
   const i64* om;  // omega (the input, or its shared-memory copy)
   i64 *D, *L0, *U, *L, *slot0, *slot1, *T;  // T[e]: total demand of an expert with one instance in stage 1
   int *pos_all0, *pos_dom0, *cnt_all0, *cnt_dom0;
-  i64* stamps;  // always global: kNumStamps
+  i64* head;  // the workspace's head (planner.h: stamps and counters), always global
 };
 
-// i64 elements of the state (D[M*E], L0[R], U[P], L[R], slot0[R*N], slot1[R*N], T[E], then the int
-// arrays pos_all0[P], pos_dom0[P], cnt_all0[E], cnt_dom0[M*E], two per i64)
-__host__ __device__ inline size_t state_elems(const Dims& d) {
-  const size_t i64s = (size_t)d.M * d.E + 2 * (size_t)d.R + d.P + 2 * (size_t)d.R * d.N + d.E;
-  const size_t i32s = 2 * (size_t)d.P + d.E + (size_t)d.M * d.E;
-  return i64s + (i32s + 1) / 2;
+// Where the state's arrays lie: offsets (int64 elements) from its base, and the int arrays' offsets (ints) from
+// `ints`, where they share a run of int64s, two per element. Its size is `elems`.
+struct StateLayout {
+  size_t D, L0, U, L, slot0, slot1, T, ints, elems;
+  size_t pos_all0, pos_dom0, cnt_all0, cnt_dom0;
+};
+
+__host__ __device__ inline StateLayout state_layout(const Dims& d) {
+  StateLayout s;
+  Bump b, ints;
+  s.D = b.take((size_t)d.M * d.E);
+  s.L0 = b.take(d.R);
+  s.U = b.take(d.P);
+  s.L = b.take(d.R);
+  s.slot0 = b.take((size_t)d.R * d.N);
+  s.slot1 = b.take((size_t)d.R * d.N);
+  s.T = b.take(d.E);
+  s.pos_all0 = ints.take(d.P);
+  s.pos_dom0 = ints.take(d.P);
+  s.cnt_all0 = ints.take(d.E);
+  s.cnt_dom0 = ints.take((size_t)d.M * d.E);
+  s.ints = b.take((ints.end + 1) / 2);
+  s.elems = b.end;
+  return s;
 }
 
+// The state's arrays from `base`: in the workspace, or (d.local) in shared memory
 __host__ __device__ inline void carve(Work& w, i64* base, const Dims& d) {
-  w.D = base;
-  w.L0 = w.D + (size_t)d.M * d.E;
-  w.U = w.L0 + d.R;
-  w.L = w.U + d.P;
-  w.slot0 = w.L + d.R;
-  w.slot1 = w.slot0 + (size_t)d.R * d.N;
-  w.T = w.slot1 + (size_t)d.R * d.N;
-  w.pos_all0 = (int*)(w.T + d.E);
-  w.pos_dom0 = w.pos_all0 + d.P;
-  w.cnt_all0 = w.pos_dom0 + d.P;
-  w.cnt_dom0 = w.cnt_all0 + d.E;
+  const StateLayout s = state_layout(d);
+  w.D = base + s.D;
+  w.L0 = base + s.L0;
+  w.U = base + s.U;
+  w.L = base + s.L;
+  w.slot0 = base + s.slot0;
+  w.slot1 = base + s.slot1;
+  w.T = base + s.T;
+  int* ints = (int*)(base + s.ints);
+  w.pos_all0 = ints + s.pos_all0;
+  w.pos_dom0 = ints + s.pos_dom0;
+  w.cnt_all0 = ints + s.cnt_all0;
+  w.cnt_dom0 = ints + s.cnt_dom0;
 }
 
 // i64 elements of the per-phase shared scratch: placement's keys, the slot tables of phases 3-6 and the
@@ -100,7 +121,7 @@ __device__ __forceinline__ void stamp(const Work& w, int i) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    w.stamps[i] = (i64)t;
+    w.head[kStampsAt + i] = (i64)t;
   }
 }
 
@@ -143,7 +164,7 @@ __device__ __forceinline__ void for_listed(const Dims& d, const ListState& ls, F
 
 // `topoep_plus` (topoep/planners/plus.py): after the refinement, free load moves across the EP group
 // (phase 7), then the own-rank-first route of common.hierarchical_route (phases 8-9) instead of phase 6's
-// interval route. Its state follows the topoep state in the workspace (plus_elems).
+// interval route. Its state follows the topoep state in the workspace (plus_layout).
 struct Plus {
   int on;                   // 0: the `topoep` policy (phase 6's route)
   int max_moves;            // the loop's bound, 4 R (E / R + N)
@@ -152,22 +173,36 @@ struct Plus {
   i64 *loc, *u1, *c, *cumc, *u2, *cumu2;  // [P] per instance (see route_plus)
   i64* host;                // [P] 1: the instance takes part in the moves (a main, or a replica with load)
   i64 *A, *acum, *w2, *w2cum;             // [R*E] per (source, expert)
-  i64* pst;                 // [kPlusStamps] %globaltimer stamps (planner.h), 0 until reached
-  i64* moves;               // [1] the number of moves made (info["global_moves"])
+  i64* pst;                 // [kPlusStamps] %globaltimer stamps (in the workspace's head), 0 until reached
+  i64* moves;               // [1] the number of moves made (info["global_moves"]; in the workspace's head)
 };
 
-__host__ __device__ inline size_t plus_elems(const Dims& d) {
-  return 3 * (size_t)d.M * d.E + 7 * (size_t)d.P + 4 * (size_t)d.R * d.E + kPlusStamps + 1;
+// Where topoep_plus's arrays lie: offsets (int64 elements) from its base; its size is `elems`
+struct PlusLayout {
+  size_t w2tot, u2tot, Mg, loc, u1, c, cumc, u2, cumu2, host, A, acum, w2, w2cum, elems;
+};
+
+inline PlusLayout plus_layout(const Dims& d) {
+  const size_t ME = (size_t)d.M * d.E, RE = (size_t)d.R * d.E;
+  PlusLayout s;
+  Bump b;
+  s.w2tot = b.take(ME); s.u2tot = b.take(ME); s.Mg = b.take(ME);
+  s.loc = b.take(d.P); s.u1 = b.take(d.P); s.c = b.take(d.P); s.cumc = b.take(d.P); s.u2 = b.take(d.P);
+  s.cumu2 = b.take(d.P); s.host = b.take(d.P);
+  s.A = b.take(RE); s.acum = b.take(RE); s.w2 = b.take(RE); s.w2cum = b.take(RE);
+  s.elems = b.end;
+  return s;
 }
 
-__host__ __device__ inline void carve_plus(Plus& pl, i64* base, const Dims& d) {
-  const size_t ME = (size_t)d.M * d.E, RE = (size_t)d.R * d.E;
-  pl.w2tot = base; pl.u2tot = pl.w2tot + ME; pl.Mg = pl.u2tot + ME;
-  pl.loc = pl.Mg + ME; pl.u1 = pl.loc + d.P; pl.c = pl.u1 + d.P; pl.cumc = pl.c + d.P; pl.u2 = pl.cumc + d.P;
-  pl.cumu2 = pl.u2 + d.P; pl.host = pl.cumu2 + d.P;
-  pl.A = pl.host + d.P; pl.acum = pl.A + RE; pl.w2 = pl.acum + RE; pl.w2cum = pl.w2 + RE;
-  pl.pst = pl.w2cum + RE;
-  pl.moves = pl.pst + kPlusStamps;
+// topoep_plus's arrays from `base` and its stamps and move count in the workspace's head `ws`
+inline void carve_plus(Plus& pl, i64* ws, i64* base, const Dims& d) {
+  const PlusLayout s = plus_layout(d);
+  pl.w2tot = base + s.w2tot; pl.u2tot = base + s.u2tot; pl.Mg = base + s.Mg;
+  pl.loc = base + s.loc; pl.u1 = base + s.u1; pl.c = base + s.c; pl.cumc = base + s.cumc; pl.u2 = base + s.u2;
+  pl.cumu2 = base + s.cumu2; pl.host = base + s.host;
+  pl.A = base + s.A; pl.acum = base + s.acum; pl.w2 = base + s.w2; pl.w2cum = base + s.w2cum;
+  pl.pst = ws + kPlusStampsAt;
+  pl.moves = ws + kMovesAt;
 }
 
 __device__ __forceinline__ void plus_stamp(const Plus& pl, int i) {

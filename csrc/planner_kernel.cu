@@ -42,9 +42,8 @@
 //                (a lane per source of the domain and shuffle scans; own-rank loads, the domain's sources, the
 //                group's matched amount m and its instances), B a thread per (source, instance), which adds
 //                the prefixes across domains only where a cross-domain share can be nonzero
-// Block 0 records a %globaltimer stamp after every phase in the workspace (see phase_ns_offset); the route's
-// end, with no grid barrier after it, is the latest block's. topoep_plus stamps its own phases after the
-// refinement (plus_moves_offset).
+// Block 0 records a %globaltimer stamp after every phase in the workspace's head (planner.h); the route's end,
+// with no grid barrier after it, is the latest block's. topoep_plus stamps its own phases after the refinement.
 
 #include "planner.h"
 #include "planner_device.cuh"
@@ -64,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   __shared__ int num_listed;
   stamp(w, 0);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    w.stamps[6] = 0;  // the route's end: a max over blocks, below
+    w.head[kStampsAt + kPhaseStamps - 1] = 0;  // the route's end: a max over blocks, below
     if (pl.on) for (int i = 0; i < kPlusStamps; ++i) pl.pst[i] = 0;
   }
   if (d.skip & kSkipAll) return;
@@ -155,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
   if (threadIdx.x == 0) {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    atomicMax((unsigned long long*)&w.stamps[6], t);
+    atomicMax((unsigned long long*)&w.head[kStampsAt + kPhaseStamps - 1], t);
   }
 }
 
@@ -172,7 +171,6 @@ __global__ void static_kernel(const i64* __restrict__ omega, Dims d, i64* __rest
 static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t); }
 
 // ---------------------------------------------------------------------------------------------------
-// Workspace: stamps[kNumStamps], then the state (state_elems).
 static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
   d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
@@ -187,16 +185,15 @@ static Dims make_dims(int R, int E, int M, int N) {
   return d;
 }
 
-size_t workspace_elems(int R, int E, int M, int N) {
+WorkspaceLayout workspace_layout(int R, int E, int M, int N) {
   const Dims d = make_dims(R, E, M, N);
-  return kNumStamps + state_elems(d) + plus_elems(d);
-}
-
-size_t phase_ns_offset(int, int, int, int) { return 0; }
-
-size_t plus_moves_offset(int R, int E, int M, int N) {
-  const Dims d = make_dims(R, E, M, N);
-  return kNumStamps + state_elems(d) + plus_elems(d) - 1;  // the last element (carve_plus)
+  WorkspaceLayout l;
+  Bump b;
+  b.take(kHeadElems);
+  l.state = b.take(state_layout(d).elems);
+  l.plus = b.take(plus_layout(d).elems);
+  l.elems = b.end;
+  return l;
 }
 
 static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
@@ -209,7 +206,7 @@ size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_ele
 // One block (everything in shared memory) when a `topoep` plan is small and has one domain; else half the SMs.
 static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
   const long long pairs = (long long)d.R * d.P;
-  const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_elems(d));
+  const size_t local = sizeof(i64) * ((size_t)d.R * d.E + state_layout(d).elems);
   *smem = sizeof(i64) * scratch_elems(d);
   // topoep_plus never: its route passes want the grid's threads (results/planner_latency.md, "Grid size": at EP 8
   // 48 us on the grid against 59 us in one block; topoep 41 against 37)
@@ -231,8 +228,9 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
                         const PlusArgs* plus) {
   Dims d = make_dims(R, E, M, N);
   d.W = W; d.S = S; d.skip = g_skip_stages;
+  const WorkspaceLayout layout = workspace_layout(R, E, M, N);
   Plus pl = {};
-  carve_plus(pl, ws + kNumStamps + state_elems(d), d);
+  carve_plus(pl, ws, ws + layout.plus, d);
   if (plus != nullptr) { pl.on = 1; pl.max_moves = plus->max_moves; pl.a2 = plus->a2; pl.bb = plus->bb; }
   if (plus != nullptr && N == 0) {  // no slots: the static plan, no move
     cudaMemsetAsync(pl.moves, 0, sizeof(i64), stream);
@@ -243,8 +241,8 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   }
   Work w;
   w.om = omega;
-  w.stamps = ws;
-  carve(w, ws + kNumStamps, d);
+  w.head = ws;
+  carve(w, ws + layout.state, d);
 
   int dev = 0;
   cudaGetDevice(&dev);

@@ -91,9 +91,9 @@ __device__ __forceinline__ void consider(Key& best, i64 u, i64 half, i64 lt, i64
   if (better(k, best)) best = k;
 }
 
-// The refinement's SM cycles per step, counted by lane 0 of domain 0 and written after the stamps (prof =
-// w.stamps + 7; see planner.h), only when kProfile is set: the clock reads order the loop's instructions
-// and cost time of their own. Both refinement loops (refine_warp, refine_warp_fast) use it.
+// The refinement's SM cycles per step, counted by lane 0 of domain 0 and written to the workspace's refinement
+// counters (prof = w.head + kRefineCountersAt; see planner.h), only when kProfile is set: the clock reads order
+// the loop's instructions and cost time of their own. Both refinement loops (refine_warp, refine_warp_fast) use it.
 struct RefineClock {
   enum Step { kBusiest, kExisting, kRounds, kReduce, kMove, kSteps };
   bool on;
@@ -430,7 +430,7 @@ __device__ void refine(int dom, const i64* cost_fs, const Dims& d, const Work& w
   }
   __syncthreads();
   if (warp == 0 && !(d.skip & kSkipRefine)) {
-    i64* prof = blockIdx.x == 0 ? w.stamps + 7 : nullptr;
+    i64* prof = blockIdx.x == 0 ? w.head + kRefineCountersAt : nullptr;
     // the register path when every load fits in 26 bits: the domain's total (refinement keeps it) is below 2^26
     i64 total = lane < rpd ? st.sl[lane] : 0;
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFull, total, off);

@@ -103,9 +103,13 @@ def _register_fakes() -> None:
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
 PROFILE = 8  # set_skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
 PLUS_PHASES = ("guard", "busiest", "best move", "more moves", "route A", "route B")
-PLUS_STAMPS = len(PLUS_PHASES)  # csrc/planner.h kPlusStamps
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
                    "move_cycles", "loop_cycles")
+# the names of the values the workspace_layout op returns (csrc/bindings.cpp; the layout is csrc/planner.h's): the
+# workspace's size in int64 elements, then offset and count of each measurement array in its head, and the offset
+# of topoep_plus's number of moves
+WORKSPACE_FIELDS = ("elems", "stamps", "num_stamps", "refine_counters", "num_refine_counters", "plus_stamps",
+                    "num_plus_stamps", "moves")
 
 
 def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
@@ -139,8 +143,9 @@ class CudaPlanner:
         load_extension()
         self.R, self.E, self.M, self.N = num_ranks, num_experts, num_domains, num_slots
         self.device = torch.device(device)
-        elems, self._stamps_at, self._moves_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
-        self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
+        self.layout = dict(zip(WORKSPACE_FIELDS, torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N),
+                               strict=True))
+        self.workspace = torch.zeros(self.layout["elems"], dtype=torch.int64, device=self.device)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
              slot_expert: torch.Tensor, route: torch.Tensor) -> None:
@@ -168,9 +173,15 @@ class CudaPlanner:
                              "intra-domain and one inter-domain cost); use backend='reference' for this topology")
         return 2 * token_bytes * a, 2 * token_bytes * (b - a)
 
+    def _head(self, name: str) -> list[int]:
+        """The measurement array `name` of the workspace's head: stamps, refine_counters or plus_stamps
+        (synchronises the host)."""
+        at = self.layout[name]
+        return self.workspace[at:at + self.layout["num_" + name]].tolist()
+
     def moves(self) -> int:
         """The free moves of the last topoep_plus plan (synchronises the host: for tests and benchmarks)."""
-        return int(self.workspace[self._moves_at])
+        return int(self.workspace[self.layout["moves"]])
 
     def plus_phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of topoep_plus's phases after the refinement in the last
@@ -179,15 +190,15 @@ class CudaPlanner:
         after it, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B (per
         (source, instance); its end is the latest block's). Empty when the plan has no such phases (the guard fired:
         the plan is static's, and its stamps stay 0)."""
-        t = self.workspace[self._moves_at - PLUS_STAMPS:self._moves_at].tolist()
+        t = self._head("plus_stamps")
         if 0 in t:
             return {}
-        return stamp_gaps(PLUS_PHASES, [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t)
+        return stamp_gaps(PLUS_PHASES, [self._head("stamps")[PHASES.index("refine") + 1]] + t)
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
         host: for benchmarks, never on the training path)."""
-        return stamp_gaps(PHASES, self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist())
+        return stamp_gaps(PHASES, self._head("stamps"))
 
     def refine_profile(self, omega: torch.Tensor, topology, expert_bytes: int, token_bytes: int) -> dict[str, int]:
         """Plans omega once more with the refinement's cycle counters on (they slow it down, so plans
@@ -201,9 +212,7 @@ class CudaPlanner:
             self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt)
         finally:
             torch.ops.topoep.set_skip_stages(0)
-        at = self._stamps_at + len(PHASES) + 1
-        v = self.workspace[at:at + len(REFINE_COUNTERS)].tolist()
-        return dict(zip(REFINE_COUNTERS, v))
+        return dict(zip(REFINE_COUNTERS, self._head("refine_counters"), strict=True))
 
 
 _planners: dict = {}
