@@ -138,10 +138,6 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if tr.device == "cuda":
         model.cuda(d.device)
-        if ec.enabled and ec.planner_blocks:
-            from topoep.planners.cuda import set_grid_blocks
-
-            set_grid_blocks(ec.planner_blocks)
     # our synthetic bias layouts, in the dtype of the router's logits (megatron adds the bias to them)
     setup.install_router_bias(model, job.router, mc.num_moe_experts, par.ep,
                               torch.float32 if mc.moe_router_dtype == "fp32" or not tr.bf16 else torch.bfloat16)

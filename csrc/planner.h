@@ -9,7 +9,7 @@ namespace topoep {
 
 constexpr int kMaxRanksPerDomain = 1024;  // placement's shared rank order; refinement's 32 targets per lane
 constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and their state in shared memory
-// Stages the `topoep` kernel leaves out after set_skip_stages(mask), for latency measurements only (the
+// The bits of plan_topoep's skip_stages. Stages the `topoep` kernel leaves out, for latency measurements only (the
 // plan is then not the policy's): the refinement (the stage-1/2 plan is routed), the route phase (the
 // route is not written), or everything (the launch alone). kProfile (the plan is the policy's) also counts
 // the refinement's SM cycles per step (the workspace's refinement counters; the clock reads slow it down).
@@ -52,11 +52,6 @@ struct WorkspaceLayout {
 };
 // The workspace for (R, E, M domains, N slots): plan_topoep carves it, the workspace_layout op hands it to Python.
 WorkspaceLayout workspace_layout(int R, int E, int M, int N);
-// Leave stages out of every later plan_topoep launch (kSkip* bits; 0 restores the policy).
-void set_skip_stages(int mask);
-// The grid of every later multi-block plan_topoep launch (at most one block per SM; 0 restores the default, half
-// the SMs). The plan does not depend on it.
-void set_grid_blocks(int n);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
 
@@ -69,10 +64,12 @@ struct PlusArgs {
 
 // The `topoep` policy, or `topoep_plus` when plus is given. omega int64[R, E]; cost_fs int64[R, R]; outputs
 // slot_expert int64[R, N] and route int64[R, E + R*N]; ws: workspace_layout().elems int64 (topoep_plus also
-// leaves its number of moves at ws[kMovesAt]). All device pointers, enqueued on `stream`.
+// leaves its number of moves at ws[kMovesAt]). All device pointers, enqueued on `stream`. num_blocks: the
+// cooperative grid of a multi-block plan (at most one block per SM; more are capped), 0 for the default, half the
+// SMs; the plan does not depend on it. skip_stages: kSkip* bits, 0 for the policy's plan.
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
-                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
-                        const PlusArgs* plus = nullptr);
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, int num_blocks,
+                        int skip_stages, cudaStream_t stream, const PlusArgs* plus = nullptr);
 // The capacity step (capacity.cu, topoep/planners/capacity.py) on a plan, in place: slot_expert int64[R, N] and
 // route int64[R, E + R*N] become the fitted plan; omega int64[R, E] (for the refit from the static plan); allow_new:
 // one bool on the device (false: no new replica; the runtime left the slots out); ws: fit_workspace_elems() int64;

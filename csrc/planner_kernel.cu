@@ -196,11 +196,6 @@ WorkspaceLayout workspace_layout(int R, int E, int M, int N) {
   return l;
 }
 
-static int g_skip_stages = 0;  // set_skip_stages: read at every launch (and captured by CUDA graphs)
-void set_skip_stages(int mask) { g_skip_stages = mask; }
-static int g_grid_blocks = 0;  // set_grid_blocks: 0 the default (grid_blocks), else the grid of multi-block plans
-void set_grid_blocks(int n) { g_grid_blocks = n; }
-
 size_t smem_bytes(int R, int E, int M, int N) { return sizeof(i64) * scratch_elems(make_dims(R, E, M, N)); }
 
 // One block (everything in shared memory) when a `topoep` plan is small and has one domain; else half the SMs.
@@ -224,10 +219,10 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
 }
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
-                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
-                        const PlusArgs* plus) {
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, int num_blocks,
+                        int skip_stages, cudaStream_t stream, const PlusArgs* plus) {
   Dims d = make_dims(R, E, M, N);
-  d.W = W; d.S = S; d.skip = g_skip_stages;
+  d.W = W; d.S = S; d.skip = skip_stages;
   const WorkspaceLayout layout = workspace_layout(R, E, M, N);
   Plus pl = {};
   carve_plus(pl, ws, ws + layout.plus, d);
@@ -252,7 +247,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   size_t smem = 0;
   int blocks = grid_blocks(d, sms_of[dev], &smem, plus != nullptr);
   if (blocks == 0) { d.local = 1; blocks = 1; }
-  else if (g_grid_blocks > 0) blocks = max(min(g_grid_blocks, sms_of[dev]), 1);
+  else if (num_blocks > 0) blocks = max(min(num_blocks, sms_of[dev]), 1);
   const size_t plus_smem = sizeof(i64) * (2 * (size_t)d.P + d.R);  // Loads: U, L, host
   if (plus != nullptr && !d.local && !(d.skip & kPlusGlobal) && smem + plus_smem <= kLocalSmemBytes) {
     d.plus_smem = 1;

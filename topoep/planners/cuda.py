@@ -83,12 +83,13 @@ def load_extension(verbose: bool = False) -> Path:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("topoep::plan_topoep")
-    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace):
+    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace,
+          num_blocks=0, skip_stages=0):
         return None
 
     @torch.library.register_fake("topoep::plan_topoep_plus")
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, a2, bb, max_moves, slot_expert, route,
-          workspace):
+          workspace, num_blocks=0, skip_stages=0):
         return None
 
     @torch.library.register_fake("topoep::plan_static")
@@ -101,7 +102,7 @@ def _register_fakes() -> None:
 
 
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
-PROFILE = 8  # set_skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
+PROFILE = 8  # skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
 PLUS_PHASES = ("guard", "busiest", "best move", "more moves", "route A", "route B")
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
                    "move_cycles", "loop_cycles")
@@ -120,20 +121,11 @@ def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
 
 
 def check_grid_blocks(num_blocks, name: str = "num_blocks") -> None:
-    """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0 (set_grid_blocks'
-    argument; the trainer checks eplb.planner_blocks with it before any GPU work)."""
+    """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0: the grid of a CUDA
+    plan (`CudaPlanner.plan`'s and `topoep.solve`'s grid_blocks; the trainer checks eplb.planner_blocks with it
+    before any GPU work)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
         raise ValueError(f"{name} must be an integer >= 0 (0: half the SMs), got {num_blocks!r}")
-
-
-def set_grid_blocks(num_blocks: int) -> None:
-    """The cooperative grid of every later multi-block CUDA plan in this process: num_blocks blocks (at most one
-    per SM; more are capped), 0 for the default, half the SMs. A block takes a whole SM (its registers) and the
-    grid starts only when every block has one, so a smaller grid waits less for kernels that run beside it (a
-    collective on another stream). The plans do not depend on it; CUDA graphs keep the grid they captured."""
-    check_grid_blocks(num_blocks)
-    load_extension()
-    torch.ops.topoep.set_grid_blocks(num_blocks)
 
 
 class CudaPlanner:
@@ -148,19 +140,29 @@ class CudaPlanner:
         self.workspace = torch.zeros(self.layout["elems"], dtype=torch.int64, device=self.device)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
-             slot_expert: torch.Tensor, route: torch.Tensor) -> None:
-        """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync)."""
+             slot_expert: torch.Tensor, route: torch.Tensor, *, grid_blocks: int = 0, skip_stages: int = 0) -> None:
+        """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync).
+
+        grid_blocks: the cooperative grid of a multi-block plan (topoep, topoep_plus): that many blocks (at most one
+        per SM; more are capped), 0 for the default, half the SMs; one-block plans keep their block. A block takes a
+        whole SM (its registers) and the grid starts only when every block has one, so a smaller grid waits less
+        for kernels that run beside it (a collective on another stream). The plans do not depend on it; a CUDA
+        graph replays the grid it captured.
+        skip_stages: csrc/planner.h's kSkip* bits, for latency measurements and tests only: stages left out
+        (1 the refinement, 2 the route, 4 everything: the plan is then not the policy's), PROFILE (the
+        refinement's cycle counters), and tuning bits that force one path (16, 32, 64, 128: the policy's plan).
+        The static policy takes neither."""
+        check_grid_blocks(grid_blocks, "grid_blocks")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         elif policy == "topoep_plus":
             a2, bb = self.plus_costs(topology, token_bytes)
             torch.ops.topoep.plan_topoep_plus(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
                                               token_bytes, a2, bb, 4 * self.R * (self.E // self.R + self.N),
-                                              slot_expert, route, self.workspace)
+                                              slot_expert, route, self.workspace, grid_blocks, skip_stages)
         else:
-            torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes, token_bytes,
-                                         slot_expert, route, self.workspace)
-
+            torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
+                                         token_bytes, slot_expert, route, self.workspace, grid_blocks, skip_stages)
 
     def plus_costs(self, topology, token_bytes: int) -> tuple[int, int]:
         """(a2, bb) of topoep_plus for this topology (host only: its cost matrix lives on the CPU); raises
@@ -207,11 +209,7 @@ class CudaPlanner:
         candidate reduction, the move, and the whole loop (synchronises the host; for benchmarks)."""
         se = torch.empty(self.R, self.N, dtype=torch.int64, device=self.device)
         rt = torch.empty(self.R, self.E + self.R * self.N, dtype=torch.int64, device=self.device)
-        torch.ops.topoep.set_skip_stages(PROFILE)
-        try:
-            self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt)
-        finally:
-            torch.ops.topoep.set_skip_stages(0)
+        self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt, skip_stages=PROFILE)
         return dict(zip(REFINE_COUNTERS, self._head("refine_counters"), strict=True))
 
 
@@ -219,8 +217,9 @@ _planners: dict = {}
 
 
 def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
-               expert_bytes: int, token_bytes: int) -> Plan:
-    """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached."""
+               expert_bytes: int, token_bytes: int, grid_blocks: int = 0) -> Plan:
+    """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached.
+    grid_blocks: the grid of multi-block plans (CudaPlanner.plan)."""
     R, E = omega.shape
     key = (omega.device, R, E, topology.num_domains, num_slots)
     planner = _planners.get(key)
@@ -228,7 +227,8 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
         planner = _planners[key] = CudaPlanner(R, E, topology.num_domains, num_slots, omega.device)
     slot_expert = torch.empty(R, num_slots, dtype=torch.int64, device=omega.device)
     route = torch.empty(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
-    planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route)
+    planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route,
+                 grid_blocks=grid_blocks)
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
                 info={"backend": "cuda"})
