@@ -189,8 +189,8 @@ def grid_table(rows: list[dict]) -> str:
 
 def plus_table(rows: list[dict]) -> str:
     return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group and the own-rank-first "
-            "route (`topoep/planners/plus.py`; csrc/planner_kernel.cu phases 7-9), same workload and timing; every plan equals "
-            "the reference's.\n\n" + markdown_table(
+            "route (`topoep/planners/plus.py`; csrc/planner_kernel.cu phases 7-9), same workload and timing; every "
+            "plan equals the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",
                  "topoep_plus graph, busy us", "extra over topoep us", "moves", "reference ms"],
                 [[r["sweep"], r["ep"], r["experts"], f"{r['graph_busy_us']:.1f}", f"{r['plus_eager_us']:.1f}",

@@ -45,8 +45,8 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
   TORCH_CHECK(num_blocks >= 0 && num_blocks <= 4096, "num_blocks must be in [0, 4096] (0: the default), got ",
               num_blocks);
   TORCH_CHECK(skip_stages >= 0 && skip_stages < 256, "skip_stages must be a combination of 1 (refine), 2 (route), ",
-              "4 (all), 8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its route's ",
-              "pass A a thread / a lane group per group), 128 (no one-block plan), got ", skip_stages);
+              "4 (all), 8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its ",
+              "route's pass A a thread / a lane group per group), 128 (no one-block plan), got ", skip_stages);
   TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
               "rank (E=", E, ", R=", R, "); use backend='reference'");
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");

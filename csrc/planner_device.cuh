@@ -2,7 +2,7 @@
 // of a plan (Dims), the state between phases and where it lives (Work, Plus, Loads), index helpers, the
 // barriers and timestamps, and the block-local list of instances that phases 4 and 6 work through.
 //
-// Layout (plan.py): P = E + R*N instances; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
+// Instances (plan.py): P = E + R*N; p < E is expert p's main on rank p / (E / R); p = E + r*N + j
 // is slot j of rank r. Default placement main(e) = e / (E / R) only.
 #pragma once
 
