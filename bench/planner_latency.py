@@ -61,21 +61,24 @@ def _events_median(fn, runs: int, warmup: int, busy: bool = False) -> float:
     return statistics.median(times)
 
 
-def _captured(planner: CudaPlanner, omega, topo, policy: str, slots: int):
-    """(a CUDA graph of one plan of `policy`, the plan call's arguments: omega, topology, policy, expert and
-    token bytes, the slot_expert and route buffers the graph writes). Warmed up on a side stream first."""
+def _captured(planner: CudaPlanner, omega, topo, policy: str, slots: int, grid_blocks: int = 0,
+              skip_stages: int = 0):
+    """(a CUDA graph of one plan of `policy` with the planner's grid_blocks and skip_stages (CudaPlanner.plan), the
+    plan call's positional arguments: omega, topology, policy, expert and token bytes, the slot_expert and route
+    buffers the graph writes). Warmed up on a side stream first."""
     ep, experts = omega.shape
     se = torch.empty(ep, slots, dtype=torch.int64, device="cuda")
     rt = torch.empty(ep, experts + ep * slots, dtype=torch.int64, device="cuda")
     args = (omega, topo, policy, 9_437_184, 4096, se, rt)
+    settings = dict(grid_blocks=grid_blocks, skip_stages=skip_stages)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        planner.plan(*args)
+        planner.plan(*args, **settings)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        planner.plan(*args)
+        planner.plan(*args, **settings)
     return graph, args
 
 
@@ -94,13 +97,10 @@ def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int,
     refine = planner.refine_profile(*args[:2], *args[3:5])  # omega, topology, expert and token bytes
     variants = {}
     for name, mask in VARIANTS.items():  # each variant is its own graph: the skip mask is a kernel argument
-        torch.ops.topoep.set_skip_stages(mask)
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                planner.plan(*args[:5], se.clone(), rt.clone())  # its own outputs: se, rt hold the checked plan
-        finally:
-            torch.ops.topoep.set_skip_stages(0)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            # its own outputs: se, rt hold the checked plan
+            planner.plan(*args[:5], se.clone(), rt.clone(), skip_stages=mask)
         variants[name] = _events_median(g.replay, runs, warmup, busy=True)
     cpu_times = []
     for _ in range(5):
@@ -151,28 +151,21 @@ def grid_sweeps(planner: CudaPlanner, omega, omega_cpu, topo, slots: int, runs: 
     for name, pol, mask in FORCED:
         if mask == 128 and not one_block:
             continue
-        torch.ops.topoep.set_skip_stages(mask)
-        try:
-            out[name] = grid_sweep(planner, omega, topo, pol, slots, runs, warmup, refs[pol])
-        finally:
-            torch.ops.topoep.set_skip_stages(0)
+        out[name] = grid_sweep(planner, omega, topo, pol, slots, runs, warmup, refs[pol], skip_stages=mask)
     return out
 
 
 GRID_BLOCKS = (16, 32, 64, 132)  # multi-block grids tried beside the default (at most one block per SM)
 
 
-def grid_sweep(planner: CudaPlanner, omega, topo, policy: str, slots: int, runs: int, warmup: int, ref) -> dict:
+def grid_sweep(planner: CudaPlanner, omega, topo, policy: str, slots: int, runs: int, warmup: int, ref,
+               skip_stages: int = 0) -> dict:
     """Graph replay on a busy stream (us) of `policy` with the planner's grid set to each of GRID_BLOCKS
-    (torch.ops.topoep.set_grid_blocks; one-block plans keep their one block); every plan checked against the
-    reference's. The key "default" is the planner's own choice."""
+    (CudaPlanner.plan's grid_blocks; one-block plans keep their one block), and with `skip_stages` (a tuning bit of
+    FORCED, or 0); every plan checked against the reference's. The key "default" is the planner's own choice."""
     out = {}
     for blocks in (0,) + GRID_BLOCKS:
-        torch.ops.topoep.set_grid_blocks(blocks)
-        try:
-            graph, args = _captured(planner, omega, topo, policy, slots)
-        finally:
-            torch.ops.topoep.set_grid_blocks(0)
+        graph, args = _captured(planner, omega, topo, policy, slots, grid_blocks=blocks, skip_stages=skip_stages)
         se, rt = args[-2:]
         out["default" if blocks == 0 else str(blocks)] = _events_median(graph.replay, runs, warmup, busy=True)
         assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), \
@@ -184,7 +177,7 @@ def grid_table(rows: list[dict]) -> str:
     """The planner's time against the size of its cooperative grid."""
     names = list(rows[0]["grid_us"]["topoep"])
     return ("\n## Grid size\n\nGraph replay on a busy stream (us, median as above) with the planner's grid set to "
-            "a number of blocks (`torch.ops.topoep.set_grid_blocks`, at most one per SM; a one-block plan keeps "
+            "a number of blocks (`CudaPlanner.plan(..., grid_blocks=n)`, at most one per SM; a one-block plan keeps "
             "its single block), beside the default choice; topoep_plus with its route's pass A forced to a thread "
             "per (expert, domain) group or to a lane group per group; and, where topoep's default is a one-block "
             "plan, topoep on a grid instead (topoep_plus always plans on a grid). Every plan equals the "
@@ -196,8 +189,8 @@ def grid_table(rows: list[dict]) -> str:
 
 def plus_table(rows: list[dict]) -> str:
     return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group and the own-rank-first "
-            "route (`topoep/planners/plus.py`; csrc/planner.cu phases 7-9), same workload and timing; every plan equals "
-            "the reference's.\n\n" + markdown_table(
+            "route (`topoep/planners/plus.py`; csrc/planner_kernel.cu phases 7-9), same workload and timing; every "
+            "plan equals the reference's.\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",
                  "topoep_plus graph, busy us", "extra over topoep us", "moves", "reference ms"],
                 [[r["sweep"], r["ep"], r["experts"], f"{r['graph_busy_us']:.1f}", f"{r['plus_eager_us']:.1f}",
@@ -226,9 +219,9 @@ def variant_table(rows: list[dict]) -> str:
                            [[r["sweep"], r["ep"], r["experts"], f"{r['graph_busy_us']:.1f}"]
                             + [f"{r['variants_graph_us'][n]:.1f}" for n in names] for r in rows])
     return ("\n## Variants that leave a stage out\n\nCUDA-graph replay on a busy stream (us, median as above) of the "
-            "same planner kernel with stages skipped (`torch.ops.topoep.set_skip_stages`): the refinement (the stage-1/2 plan is "
-            "routed), the refinement and the route, everything (the launch and an empty kernel). Their plans are not "
-            "the policy's; they only show what each stage costs.\n\n" + table + "\n")
+            "same planner kernel with stages skipped (`CudaPlanner.plan(..., skip_stages=mask)`): the refinement (the "
+            "stage-1/2 plan is routed), the refinement and the route, everything (the launch and an empty kernel). "
+            "Their plans are not the policy's; they only show what each stage costs.\n\n" + table + "\n")
 
 
 def target_table(rows: list[dict]) -> str:

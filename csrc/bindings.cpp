@@ -27,9 +27,11 @@ void check_outputs(const at::Tensor& omega, int64_t N, const at::Tensor& slot_ex
   TORCH_CHECK(route.dim() == 2 && route.size(0) == R && route.size(1) == E + R * N, "route must be int64[R, E + R*N]");
 }
 
+// num_blocks: the grid of multi-block plans, 0 the default (bench/planner_latency.py sweeps it; a user may cap it);
+// skip_stages: stages the planner leaves out, and tuning bits (planner.h kSkip*; latency measurements and tests)
 void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
           int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route, at::Tensor workspace,
-          const topoep::PlusArgs* plus) {
+          int64_t num_blocks, int64_t skip_stages, const topoep::PlusArgs* plus) {
   check_i64_cuda(omega, "omega");
   check_i64_cuda(cost_fs, "cost_fs");
   check_i64_cuda(workspace, "workspace");
@@ -40,10 +42,15 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
   TORCH_CHECK(R / num_domains <= topoep::kMaxRanksPerDomain, "at most ", topoep::kMaxRanksPerDomain,
               " ranks per domain");
   TORCH_CHECK(num_slots >= 0, "num_slots must be >= 0");
+  TORCH_CHECK(num_blocks >= 0 && num_blocks <= 4096, "num_blocks must be in [0, 4096] (0: the default), got ",
+              num_blocks);
+  TORCH_CHECK(skip_stages >= 0 && skip_stages < 256, "skip_stages must be a combination of 1 (refine), 2 (route), ",
+              "4 (all), 8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its ",
+              "route's pass A a thread / a lane group per group), 128 (no one-block plan), got ", skip_stages);
   TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
               "rank (E=", E, ", R=", R, "); use backend='reference'");
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
-  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_elems(R, E, num_domains, num_slots),
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_layout(R, E, num_domains, num_slots).elems,
               "workspace too small");
   TORCH_CHECK(topoep::smem_bytes(R, E, num_domains, num_slots) <= 200 * 1024,
               "the planner's per-block state does not fit in shared memory (ranks_per_domain x (E/R + slots), ",
@@ -53,23 +60,27 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
   C10_CUDA_CHECK(topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E,
                                      (int)num_domains, (int)num_slots, expert_bytes, token_bytes,
                                      slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
-                                     workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream(), plus));
+                                     workspace.data_ptr<int64_t>(), (int)num_blocks, (int)skip_stages,
+                                     c10::cuda::getCurrentCUDAStream().stream(), plus));
 }
 
 void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
                  int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route,
-                 at::Tensor workspace) {
-  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, nullptr);
+                 at::Tensor workspace, int64_t num_blocks, int64_t skip_stages) {
+  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, num_blocks,
+       skip_stages, nullptr);
 }
 
 // topoep_plus: a2 and bb from common.two_level_costs of an exactly two-level cost matrix (checked by the caller)
 void plan_topoep_plus(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
                       int64_t expert_bytes, int64_t token_bytes, int64_t a2, int64_t bb, int64_t max_moves,
-                      at::Tensor slot_expert, at::Tensor route, at::Tensor workspace) {
+                      at::Tensor slot_expert, at::Tensor route, at::Tensor workspace, int64_t num_blocks,
+                      int64_t skip_stages) {
   TORCH_CHECK(a2 >= 0 && bb >= 0, "a2 and bb must be >= 0");
   TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
   const topoep::PlusArgs plus{(int)max_moves, a2, bb};
-  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, &plus);
+  plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, num_blocks,
+       skip_stages, &plus);
 }
 
 void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_expert, at::Tensor route) {
@@ -109,43 +120,30 @@ int64_t fit_workspace_elems(int64_t R, int64_t E, int64_t N) {
   return (int64_t)topoep::fit_workspace_elems((int)R, (int)E, (int)N);
 }
 
-// [workspace int64 elements, offset of the phase timestamps (ns) in it, offset of topoep_plus's move count] for
-// (R, E, domains, slots)
+// The planner's workspace for (R, E, domains, slots) (planner.h), in int64 elements: [its size, then offset and
+// count of: the phase stamps, the refinement counters, topoep_plus's stamps, then the offset of its number of
+// moves] (topoep/planners/cuda.py WORKSPACE_FIELDS names them)
 std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains, int64_t num_slots) {
-  return {(int64_t)topoep::workspace_elems((int)R, (int)E, (int)num_domains, (int)num_slots),
-          (int64_t)topoep::phase_ns_offset((int)R, (int)E, (int)num_domains, (int)num_slots),
-          (int64_t)topoep::plus_moves_offset((int)R, (int)E, (int)num_domains, (int)num_slots)};
-}
-
-// Latency measurements only (bench/planner_latency.py times these variants): stages the planner leaves out
-void set_skip_stages(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < 256, "skip mask must be a combination of 1 (refine), 2 (route), 4 (all), ",
-              "8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its route's pass A "
-              "a thread / a lane group per group), 128 (no one-block plan)");
-  topoep::set_skip_stages((int)mask);
-}
-
-// The grid of multi-block plans (bench/planner_latency.py sweeps it; a user may cap it), 0 the default
-void set_grid_blocks(int64_t n) {
-  TORCH_CHECK(n >= 0 && n <= 4096, "grid blocks must be in [0, 4096] (0: the default), got ", n);
-  topoep::set_grid_blocks((int)n);
+  namespace t = topoep;
+  return {(int64_t)t::workspace_layout((int)R, (int)E, (int)num_domains, (int)num_slots).elems,
+          t::kStampsAt, t::kPhaseStamps, t::kRefineCountersAt, t::kRefineCounters, t::kPlusStampsAt, t::kPlusStamps,
+          t::kMovesAt};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(topoep, m) {
   m.def("plan_topoep(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
-        "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace) -> ()");
+        "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace, int num_blocks=0, "
+        "int skip_stages=0) -> ()");
   m.def("plan_topoep_plus(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
-        "Tensor(c!) workspace) -> ()");
+        "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, Tensor allow_new, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");
   m.def("fit_workspace_elems(int R, int E, int N) -> int", &fit_workspace_elems);
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
-  m.def("set_skip_stages(int mask) -> ()", &set_skip_stages);
-  m.def("set_grid_blocks(int n) -> ()", &set_grid_blocks);
 }
 
 TORCH_LIBRARY_IMPL(topoep, CUDA, m) {

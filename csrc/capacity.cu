@@ -5,9 +5,9 @@
 // One block: the step is a chain of dependent moves, each a few block-wide reductions. When the plan already fits
 // (the common case) the kernel computes the instance loads and the region loads and returns.
 //
-// State in the workspace (fit_workspace_elems): U[P] instance loads, B[P] loads before the step, IE[P] instance
-// experts, LD[2R] region loads, ST[2R] stuck flags; then a second plan (slot table [R*N], route [R*P]) for the
-// refit from the static plan (step 5).
+// State in the workspace (fit_layout): U[P] instance loads, B[P] loads before the step, IE[P] instance experts,
+// LD[2R] region loads, ST[2R] stuck flags; then a second plan (slot table [R*N], route [R*P]) for the refit from
+// the static plan (step 5).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -234,31 +234,57 @@ __device__ void fit_loop(const FitDims& d, const FitState& s, int* fitted, i64* 
   __syncthreads();
 }
 
+// The workspace (offsets in int64 elements; the int arrays IE, ST, fitted and fitted2 as runs of int64s, two ints per
+// element): red [1 + R] (reductions, each source's share of a move), U [P], B [P], LD [2R], IE [P] and ST [2R] as
+// ints, the refit's slot table se2 [R*N] and route route2 [R*P], the two fits' placed-replica flags [R*N] each as
+// ints, and their (moves, overflow) out and out2 [2] each. Its size is `elems`. The host computes it (for
+// fit_workspace_elems and for every launch) and hands it to the kernel.
+struct FitLayout {
+  size_t red, U, B, LD, IE, ST, se2, route2, fitted, fitted2, out, out2, elems;
+};
+
+inline FitLayout fit_layout(int R, int E, int N) {
+  const size_t P = (size_t)E + (size_t)R * N, RN = (size_t)R * N;
+  FitLayout f;
+  Bump b;
+  f.red = b.take(1 + (size_t)R);
+  f.U = b.take(P);
+  f.B = b.take(P);
+  f.LD = b.take(2 * (size_t)R);
+  f.IE = b.take((P + 1) / 2);
+  f.ST = b.take(R);
+  f.se2 = b.take(RN);
+  f.route2 = b.take((size_t)R * P);
+  f.fitted = b.take((RN + 1) / 2);
+  f.fitted2 = b.take((RN + 1) / 2);
+  f.out = b.take(2);
+  f.out2 = b.take(2);
+  f.elems = b.end;
+  return f;
+}
+
 // info: [moves, overflow, refit (1: the refit from the static plan was kept), new replicas, then R*N flags of the
 // slots the step placed a replica in]
 __global__ void __launch_bounds__(kFitThreads) fit_kernel(const i64* __restrict__ omega, const bool* __restrict__ allow,
-                                                           FitDims d, i64* slot_expert, i64* route, i64* ws, i64* info) {
+                                                           FitDims d, FitLayout f, i64* slot_expert, i64* route,
+                                                           i64* ws, i64* info) {
   extern __shared__ unsigned char smem_raw[];
   d.allow_new = d.N > 0 && *allow;
   Cand* cands = reinterpret_cast<Cand*>(smem_raw);
   const int tid = threadIdx.x, RN = d.R * d.N;
-  // workspace (i64 elements, fit_workspace_elems): red [1 + R] (reductions, each source's share of a move), U [P],
-  // B [P], LD [2R], IE [P] and ST [2R] as ints, the refit's slot table [R*N] and route [R*P], the two fits'
-  // placed-replica flags [R*N] each as ints, and their (moves, overflow) [2] each
-  const i64 P = d.P, R = d.R;
-  i64* red = ws;
+  i64* red = ws + f.red;
   FitState s;
-  s.U = red + 1 + R;
-  s.B = s.U + P;
-  s.LD = s.B + P;
-  s.IE = (int*)(s.LD + 2 * R);
-  s.ST = (int*)(s.LD + 2 * R + (P + 1) / 2);
-  i64* se2 = s.LD + 2 * R + (P + 1) / 2 + R;
-  i64* route2 = se2 + RN;
-  int* fitted = (int*)(route2 + R * P);
-  int* fitted2 = (int*)(route2 + R * P + (RN + 1) / 2);
-  i64* out = route2 + R * P + 2 * ((RN + 1) / 2);
-  i64* out2 = out + 2;
+  s.U = ws + f.U;
+  s.B = ws + f.B;
+  s.LD = ws + f.LD;
+  s.IE = (int*)(ws + f.IE);
+  s.ST = (int*)(ws + f.ST);
+  i64* se2 = ws + f.se2;
+  i64* route2 = ws + f.route2;
+  int* fitted = (int*)(ws + f.fitted);
+  int* fitted2 = (int*)(ws + f.fitted2);
+  i64* out = ws + f.out;
+  i64* out2 = ws + f.out2;
   int had_replica = 0;
   for (int j = 0; j < RN; ++j) had_replica |= slot_expert[j] >= 0;  // every thread, the same answer
   for (int j = tid; j < RN; j += blockDim.x) { fitted[j] = 0; fitted2[j] = 0; }
@@ -305,10 +331,7 @@ __global__ void __launch_bounds__(kFitThreads) fit_kernel(const i64* __restrict_
 
 }  // namespace
 
-size_t fit_workspace_elems(int R, int E, int N) {
-  const size_t P = (size_t)E + (size_t)R * N, RN = (size_t)R * N;
-  return (1 + R) + 2 * P + 2 * (size_t)R + (P + 1) / 2 + R + RN + (size_t)R * P + 2 * ((RN + 1) / 2) + 4;
-}
+size_t fit_workspace_elems(int R, int E, int N) { return fit_layout(R, E, N).elems; }
 
 cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_per_domain, int64_t capacity,
                          const bool* allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
@@ -322,8 +345,8 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
   d.rpd = ranks_per_domain;
   d.C = capacity;
   d.allow_new = 0;
-  fit_kernel<<<1, kFitThreads, kFitThreads * sizeof(Cand), stream>>>(omega, allow_new, d, slot_expert, route, ws,
-                                                                      info);
+  fit_kernel<<<1, kFitThreads, kFitThreads * sizeof(Cand), stream>>>(omega, allow_new, d, fit_layout(R, E, N),
+                                                                      slot_expert, route, ws, info);
   return cudaGetLastError();
 }
 

@@ -1,4 +1,5 @@
-// Launchers of the GPU planner (planner.cu). Called by bindings.cpp only.
+// The host interface of the GPU planner (planner_kernel.cu) and the capacity step (capacity.cu). Called by
+// bindings.cpp only.
 #pragma once
 #include <cuda_runtime.h>
 #include <stddef.h>
@@ -7,15 +8,11 @@
 namespace topoep {
 
 constexpr int kMaxRanksPerDomain = 1024;  // placement's shared rank order; refinement's 32 targets per lane
-// workspace head: %globaltimer stamps (kernel start, end of phases 1-6), then refinement counters of domain 0
-// (iterations, SM cycles in: busiest rank, existing candidates, new-candidate rounds, rounds, reduction,
-// move, whole loop)
-constexpr int kNumStamps = 15;
 constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and their state in shared memory
-// Stages the `topoep` kernel leaves out after set_skip_stages(mask), for latency measurements only (the
+// The bits of plan_topoep's skip_stages. Stages the `topoep` kernel leaves out, for latency measurements only (the
 // plan is then not the policy's): the refinement (the stage-1/2 plan is routed), the route phase (the
 // route is not written), or everything (the launch alone). kProfile (the plan is the policy's) also counts
-// the refinement's SM cycles per step (the counters after the stamps; the clock reads slow it down).
+// the refinement's SM cycles per step (the workspace's refinement counters; the clock reads slow it down).
 // kPlusGlobal (the plan is the policy's) makes topoep_plus take the path of plans too large for a copy of the
 // loads per block: block 0 moves the global state (tests).
 // kRouteSerial / kRouteLanes (tuning; the plan is the policy's): topoep_plus's route pass A with a thread per
@@ -24,16 +21,37 @@ constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and t
 constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4, kProfile = 8, kPlusGlobal = 16, kRouteSerial = 32,
               kRouteLanes = 64, kNoLocal = 128;
 
-// int64 elements of the workspace plan_topoep needs for (R, E, M domains, N slots); mirrored by
-// topoep/planners/cuda.py:workspace_elems.
-size_t workspace_elems(int R, int E, int M, int N);
-// Offset (int64 elements) of the kNumStamps phase timestamps (ns) in the workspace.
-size_t phase_ns_offset(int R, int E, int M, int N);
-// Leave stages out of every later plan_topoep launch (kSkip* bits; 0 restores the policy).
-void set_skip_stages(int mask);
-// The grid of every later multi-block plan_topoep launch (at most one block per SM; 0 restores the default, half
-// the SMs). The plan does not depend on it.
-void set_grid_blocks(int n);
+// Offsets of consecutive arrays in an int64 buffer: take(n) places the next n elements and returns their offset;
+// `end` is the size so far. The workspaces' layouts (workspace_layout, and those of their parts) are written with it.
+struct Bump {
+  size_t end = 0;
+  __host__ __device__ size_t take(size_t n) {
+    end += n;
+    return end - n;
+  }
+};
+
+// The planner's workspace (int64 elements). Its head has a fixed layout, written by block 0 for measurements: the
+// `topoep` phases' %globaltimer stamps (ns; the kernel's start, then the end of phases 1-6, the route's end being
+// the latest block's), the refinement's counters of domain 0 (written under kProfile: iterations, then SM cycles
+// in: busiest rank, existing candidates, new-candidate rounds, the number of rounds, reduction, move, whole loop),
+// topoep_plus's stamps and its number of moves. topoep_plus's stamps, in this order: after the staging of the loads
+// and the guard, after the first move iteration's busiest rank, after its best move (the pair scan and the block
+// reduction), after the moves, after the route's pass A (and its grid barrier), the route's end (the latest
+// block's); 0 where the plan has no such phase. The `topoep` state and the topoep_plus state follow the head
+// (planner_device.cuh: state_layout, plus_layout).
+constexpr int kPhaseStamps = 7, kRefineCounters = 8, kPlusStamps = 6;
+constexpr int kStampsAt = 0;
+constexpr int kRefineCountersAt = kStampsAt + kPhaseStamps;
+constexpr int kPlusStampsAt = kRefineCountersAt + kRefineCounters;
+constexpr int kMovesAt = kPlusStampsAt + kPlusStamps;
+constexpr int kHeadElems = kMovesAt + 1;
+struct WorkspaceLayout {
+  size_t state, plus;  // offsets of the `topoep` state and the topoep_plus state
+  size_t elems;        // the workspace's size
+};
+// The workspace for (R, E, M domains, N slots): plan_topoep carves it, the workspace_layout op hands it to Python.
+WorkspaceLayout workspace_layout(int R, int E, int M, int N);
 // Dynamic shared memory of the planner kernel.
 size_t smem_bytes(int R, int E, int M, int N);
 
@@ -45,18 +63,13 @@ struct PlusArgs {
 };
 
 // The `topoep` policy, or `topoep_plus` when plus is given. omega int64[R, E]; cost_fs int64[R, R]; outputs
-// slot_expert int64[R, N] and route int64[R, E + R*N]; ws: workspace_elems() int64 (topoep_plus also leaves
-// its move count at ws[plus_moves_offset()]). All device pointers, enqueued on `stream`.
+// slot_expert int64[R, N] and route int64[R, E + R*N]; ws: workspace_layout().elems int64 (topoep_plus also
+// leaves its number of moves at ws[kMovesAt]). All device pointers, enqueued on `stream`. num_blocks: the
+// cooperative grid of a multi-block plan (at most one block per SM; more are capped), 0 for the default, half the
+// SMs; the plan does not depend on it. skip_stages: kSkip* bits, 0 for the policy's plan.
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
-                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, cudaStream_t stream,
-                        const PlusArgs* plus = nullptr);
-// topoep_plus's %globaltimer stamps (ns), in this order: after the staging of the loads and the guard, after the
-// first move iteration's busiest rank, after its best move (the pair scan and the block reduction), after the
-// moves, after the route's pass A (and its grid barrier), the route's end (the latest block's).
-constexpr int kPlusStamps = 6;
-// Offset (int64 elements) of topoep_plus's move count in the workspace; its kPlusStamps stamps are the elements
-// before it.
-size_t plus_moves_offset(int R, int E, int M, int N);
+                        int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, int num_blocks,
+                        int skip_stages, cudaStream_t stream, const PlusArgs* plus = nullptr);
 // The capacity step (capacity.cu, topoep/planners/capacity.py) on a plan, in place: slot_expert int64[R, N] and
 // route int64[R, E + R*N] become the fitted plan; omega int64[R, E] (for the refit from the static plan); allow_new:
 // one bool on the device (false: no new replica; the runtime left the slots out); ws: fit_workspace_elems() int64;

@@ -1,6 +1,7 @@
 """Build test (CPU): csrc/ compiles and links with nvcc into a loadable library that registers the planner
-ops. CI has nvcc but no GPU, so a build break fails CI even though the kernels only run on the GPU machine.
-Skipped, saying so, where no CUDA toolkit is installed."""
+ops, their per-call grid and skip arguments, and the workspace layout the wrapper reads. CI has nvcc but no GPU,
+so a build break fails CI even though the kernels only run on the GPU machine. Skipped, saying so, where no CUDA
+toolkit is installed."""
 
 import os
 import subprocess
@@ -10,11 +11,26 @@ import pytest
 
 from topoep.planners.cuda import cuda_home
 
-CHECK = ("import torch; from topoep.planners.cuda import load_extension; lib = load_extension(); "
-         "assert lib.exists() and lib.stat().st_size > 0; "
-         "assert hasattr(torch.ops.topoep, 'plan_topoep') and hasattr(torch.ops.topoep, 'plan_static'); "
-         "assert hasattr(torch.ops.topoep, 'set_skip_stages'); "
-         "from topoep.planners.cuda import set_grid_blocks; set_grid_blocks(7); set_grid_blocks(0); print(lib)")
+CHECK = """
+import torch
+from topoep.planners.cuda import PHASES, PLUS_PHASES, REFINE_COUNTERS, WORKSPACE_FIELDS, load_extension
+lib = load_extension()
+assert lib.exists() and lib.stat().st_size > 0
+ops = torch.ops.topoep
+for name in ("plan_topoep", "plan_topoep_plus", "plan_static", "fit_capacity", "workspace_layout"):
+    assert hasattr(ops, name), name
+for name in ("set_skip_stages", "set_grid_blocks"):  # no process-wide settings: both are arguments of a plan
+    assert not hasattr(ops, name), name
+for op in (ops.plan_topoep, ops.plan_topoep_plus):
+    assert str(op.default._schema).endswith("Tensor(c!) workspace, int num_blocks=0, int skip_stages=0) -> ()"), op
+lay = dict(zip(WORKSPACE_FIELDS, ops.workspace_layout(32, 640, 4, 2), strict=True))
+heads = [(lay[n], lay["num_" + n]) for n in ("stamps", "refine_counters", "plus_stamps")]
+assert [k for _, k in heads] == [len(PHASES) + 1, len(REFINE_COUNTERS), len(PLUS_PHASES)], lay
+ends = sorted((at, at + k) for at, k in heads + [(lay["moves"], 1)])
+assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])) and ends[-1][1] <= lay["elems"], lay
+assert ops.fit_workspace_elems(32, 640, 2) > 0
+print(lib)
+"""
 
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")

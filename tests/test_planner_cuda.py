@@ -115,19 +115,16 @@ def test_phase_stamps_cover_the_plan():
     assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
 
 
-def test_skip_stages_time_a_valid_plan_and_reset():
-    """The latency variants (set_skip_stages) still route every token, and mask 0 gives the policy back."""
+def test_skip_stages_time_a_valid_plan_and_stay_in_their_call():
+    """The latency variants (skip_stages) still route every token, the next plan without them is the policy's,
+    and the op refuses a mask beyond the known bits and the wrapper a negative grid."""
     R, E, N = 16, 320, 2
     topo = Topology(num_domains=2, ranks_per_domain=8)
     omega = biased_routing(R, E, 512, 8, -3.0, seed=9).cuda()
     planner = CudaPlanner(R, E, topo.num_domains, N, "cuda")
     se = torch.empty(R, N, dtype=torch.int64, device="cuda")
     rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
-    try:
-        torch.ops.topoep.set_skip_stages(1)  # no refinement: the stage-1/2 plan, routed
-        planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
-    finally:
-        torch.ops.topoep.set_skip_stages(0)
+    planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt, skip_stages=1)  # no refinement: stage 1/2, routed
     assert torch.equal(rt.sum(1), omega.sum(1))  # every source's tokens are routed
     inst_expert = torch.cat([torch.arange(E, device="cuda"), se.flatten()])
     per_expert = torch.zeros(R, E, dtype=torch.int64, device="cuda")
@@ -137,6 +134,24 @@ def test_skip_stages_time_a_valid_plan_and_reset():
     planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt)
     ref = solve(omega.cpu(), topo, num_slots=N, backend="reference")
     assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route)
+    with pytest.raises(RuntimeError, match="skip_stages must be a combination"):
+        planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt, skip_stages=256)
+    with pytest.raises(ValueError, match="grid_blocks must be an integer >= 0"):
+        planner.plan(omega, topo, "topoep", 9_437_184, 4096, se, rt, grid_blocks=-1)
+
+
+def test_solve_takes_the_grid_per_call():
+    """solve's grid_blocks reaches the CUDA planner for its call alone: every grid gives the reference's plan,
+    before and after a plan on another grid."""
+    R, E, N = 32, 640, 2
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    omega = biased_routing(R, E, 1024, 8, -3.0, seed=21)
+    for policy in ("topoep", "topoep_plus"):
+        ref = solve(omega, topo, num_slots=N, policy=policy, backend="reference")
+        for blocks in (0, 3, 0, 132, 1):
+            got = solve(omega.cuda(), topo, num_slots=N, policy=policy, backend="cuda", grid_blocks=blocks)
+            assert torch.equal(got.slot_expert.cpu(), ref.slot_expert), (policy, blocks)
+            assert torch.equal(got.route.cpu(), ref.route), (policy, blocks)
 
 
 def test_topoep_plus_moves_and_its_two_level_rule():
@@ -175,7 +190,7 @@ ODD_DOMAIN_CASES = [(24, 96, 4, 2, -3.0, "random"), (24, 240, 2, 4, -4.0, "clust
 @pytest.mark.parametrize("case", ODD_DOMAIN_CASES, ids=lambda c: f"R{c[0]}-E{c[1]}-M{c[2]}-N{c[3]}")
 def test_plans_for_any_domain_size_grid_and_move_path(case):
     """Domains whose size is not a power of two (the random cases have only powers of two), each planned with
-    the default grid, with 3 and 132 blocks (set_grid_blocks), and for topoep_plus with its moves on the global
+    the default grid, with 3 and 132 blocks (grid_blocks), and for topoep_plus with its moves on the global
     loads (kPlusGlobal = 16, the path of plans too large for a copy per block) and with its route's pass A forced
     to a thread (32) or a lane group (64) per group, and the one-domain case on a grid instead of its one block
     (kNoLocal = 128): every plan equals the reference's."""
@@ -189,11 +204,5 @@ def test_plans_for_any_domain_size_grid_and_move_path(case):
         ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
                     backend="reference")
         for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64), (0, 128), (5, 144)]:
-            torch.ops.topoep.set_grid_blocks(blocks)
-            torch.ops.topoep.set_skip_stages(mask)
-            try:
-                planner.plan(omega.cuda(), topo, policy, 9_437_184, 4096, se, rt)
-            finally:
-                torch.ops.topoep.set_grid_blocks(0)
-                torch.ops.topoep.set_skip_stages(0)
+            planner.plan(omega.cuda(), topo, policy, 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
             assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (policy, blocks, mask)

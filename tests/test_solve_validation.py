@@ -70,11 +70,18 @@ def test_offline_policies_are_solved_but_not_runtime_policies():
     assert solve(OM, TOPO, num_slots=1, policy="joint").check().policy == "joint"
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto", "cuda"])
 @pytest.mark.parametrize("bad", [-1, True, 2.0, "8"])
-def test_planner_grid_setting_names_the_value(bad):
-    """topoep.planners.cuda.set_grid_blocks (eplb.planner_blocks) checks its argument before it loads the CUDA
-    extension, so a wrong value fails the same way on any machine."""
-    from topoep.planners.cuda import set_grid_blocks
+def test_planner_grid_blocks_names_the_value(bad, backend):
+    """solve's grid_blocks (the CUDA planner's grid, eplb.planner_blocks) is checked on every backend before any
+    planning or CUDA work (backend cuda would otherwise refuse this CPU omega), so a wrong value fails the same way
+    on any machine."""
+    with pytest.raises(ValueError, match=r"grid_blocks must be an integer >= 0 \(0: half the SMs\), got " + repr(bad)):
+        solve(OM, TOPO, num_slots=1, backend=backend, grid_blocks=bad)
 
-    with pytest.raises(ValueError, match=r"num_blocks must be an integer >= 0 \(0: half the SMs\), got " + repr(bad)):
-        set_grid_blocks(bad)
+
+def test_planner_grid_blocks_leaves_the_reference_plan_alone():
+    """The reference planners ignore grid_blocks: the plan is the one without it."""
+    want = solve(OM, TOPO, num_slots=1, backend="reference")
+    got = solve(OM, TOPO, num_slots=1, backend="reference", grid_blocks=7)
+    assert torch.equal(got.slot_expert, want.slot_expert) and torch.equal(got.route, want.route)

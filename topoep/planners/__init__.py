@@ -61,7 +61,7 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto",
-          capacity: int | None = None) -> Plan:
+          capacity: int | None = None, grid_blocks: int = 0) -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -91,6 +91,10 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             and its replica slots are two regions); the policy's plan then goes through the capacity step, which
             moves rows (to other instances, or to new replicas in free slots) until every region fits, and
             reports what could not fit in info["capacity"]["overflow"]. None (default): no capacity step.
+        grid_blocks: the CUDA planner's cooperative grid for this plan: that many blocks (at most one per SM),
+            0 (default) for half the SMs (`topoep.planners.cuda.CudaPlanner.plan`). A smaller grid waits less for
+            kernels running beside it. The plans do not depend on it; the reference planners ignore it. An integer
+            >= 0 (checked on every backend).
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -98,6 +102,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    from topoep.planners.cuda import check_grid_blocks
+
+    check_grid_blocks(grid_blocks, "grid_blocks")
     if backend == "auto":
         use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and main_rank is None
                     and isinstance(topology, Topology) and has_cuda_kernel(policy, topology))
@@ -118,7 +125,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             raise ValueError(f"backend='cuda' implements the policies {', '.join(CUDA_POLICIES)}, not {policy!r}; "
                              "use backend='reference'")
         plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
-                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
+                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks)
         return plan if capacity is None else fit_capacity_cuda(plan, capacity)
     kw = {}
     if policy in T_FFN_POLICIES:

@@ -1,5 +1,5 @@
-"""The GPU planner (csrc/planner.cu): `static`, `topoep` and `topoep_plus`, and the capacity step
-(csrc/capacity.cu), bit-equal to the reference planners.
+"""The GPU planner (csrc/planner_kernel.cu and the phases it includes): `static`, `topoep` and `topoep_plus`, and
+the capacity step (csrc/capacity.cu), bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
@@ -20,7 +20,9 @@ import torch
 from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("bindings.cpp", "planner.cu", "capacity.cu")
+# the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
+SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu")
+SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
 CUDA_POLICIES = ("static", "topoep", "topoep_plus")
 _loaded = False
 
@@ -47,8 +49,8 @@ def cuda_home() -> str | None:
 def build_dir() -> Path:
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
     h = hashlib.sha256(f"{torch.__version__}|{arch}".encode())
-    for name in SOURCES + ("planner.h",):
-        h.update((CSRC / name).read_bytes())
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in SOURCE_SUFFIXES):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("TOPOEP_EXT_DIR", CSRC.parent / "build" / "ext"))
     return root / f"topoep_planner_{h.hexdigest()[:16]}"
 
@@ -81,12 +83,13 @@ def load_extension(verbose: bool = False) -> Path:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("topoep::plan_topoep")
-    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace):
+    def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace,
+          num_blocks=0, skip_stages=0):
         return None
 
     @torch.library.register_fake("topoep::plan_topoep_plus")
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, a2, bb, max_moves, slot_expert, route,
-          workspace):
+          workspace, num_blocks=0, skip_stages=0):
         return None
 
     @torch.library.register_fake("topoep::plan_static")
@@ -99,11 +102,15 @@ def _register_fakes() -> None:
 
 
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
-PROFILE = 8  # set_skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
+PROFILE = 8  # skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
 PLUS_PHASES = ("guard", "busiest", "best move", "more moves", "route A", "route B")
-PLUS_STAMPS = len(PLUS_PHASES)  # csrc/planner.h kPlusStamps
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
                    "move_cycles", "loop_cycles")
+# the names of the values the workspace_layout op returns (csrc/bindings.cpp; the layout is csrc/planner.h's): the
+# workspace's size in int64 elements, then offset and count of each measurement array in its head, and the offset
+# of topoep_plus's number of moves
+WORKSPACE_FIELDS = ("elems", "stamps", "num_stamps", "refine_counters", "num_refine_counters", "plus_stamps",
+                    "num_plus_stamps", "moves")
 
 
 def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
@@ -114,20 +121,11 @@ def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
 
 
 def check_grid_blocks(num_blocks, name: str = "num_blocks") -> None:
-    """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0 (set_grid_blocks'
-    argument; the trainer checks eplb.planner_blocks with it before any GPU work)."""
+    """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0: the grid of a CUDA
+    plan (`CudaPlanner.plan`'s and `topoep.solve`'s grid_blocks; the trainer checks eplb.planner_blocks with it
+    before any GPU work)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
         raise ValueError(f"{name} must be an integer >= 0 (0: half the SMs), got {num_blocks!r}")
-
-
-def set_grid_blocks(num_blocks: int) -> None:
-    """The cooperative grid of every later multi-block CUDA plan in this process: num_blocks blocks (at most one
-    per SM; more are capped), 0 for the default, half the SMs. A block takes a whole SM (its registers) and the
-    grid starts only when every block has one, so a smaller grid waits less for kernels that run beside it (a
-    collective on another stream). The plans do not depend on it; CUDA graphs keep the grid they captured."""
-    check_grid_blocks(num_blocks)
-    load_extension()
-    torch.ops.topoep.set_grid_blocks(num_blocks)
 
 
 class CudaPlanner:
@@ -137,23 +135,34 @@ class CudaPlanner:
         load_extension()
         self.R, self.E, self.M, self.N = num_ranks, num_experts, num_domains, num_slots
         self.device = torch.device(device)
-        elems, self._stamps_at, self._moves_at = torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N)
-        self.workspace = torch.zeros(elems, dtype=torch.int64, device=self.device)
+        self.layout = dict(zip(WORKSPACE_FIELDS, torch.ops.topoep.workspace_layout(self.R, self.E, self.M, self.N),
+                               strict=True))
+        self.workspace = torch.zeros(self.layout["elems"], dtype=torch.int64, device=self.device)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
-             slot_expert: torch.Tensor, route: torch.Tensor) -> None:
-        """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync)."""
+             slot_expert: torch.Tensor, route: torch.Tensor, *, grid_blocks: int = 0, skip_stages: int = 0) -> None:
+        """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync).
+
+        grid_blocks: the cooperative grid of a multi-block plan (topoep, topoep_plus): that many blocks (at most one
+        per SM; more are capped), 0 for the default, half the SMs; one-block plans keep their block. A block takes a
+        whole SM (its registers) and the grid starts only when every block has one, so a smaller grid waits less
+        for kernels that run beside it (a collective on another stream). The plans do not depend on it; a CUDA
+        graph replays the grid it captured.
+        skip_stages: csrc/planner.h's kSkip* bits, for latency measurements and tests only: stages left out
+        (1 the refinement, 2 the route, 4 everything: the plan is then not the policy's), PROFILE (the
+        refinement's cycle counters), and tuning bits that force one path (16, 32, 64, 128: the policy's plan).
+        The static policy takes neither."""
+        check_grid_blocks(grid_blocks, "grid_blocks")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         elif policy == "topoep_plus":
             a2, bb = self.plus_costs(topology, token_bytes)
             torch.ops.topoep.plan_topoep_plus(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
                                               token_bytes, a2, bb, 4 * self.R * (self.E // self.R + self.N),
-                                              slot_expert, route, self.workspace)
+                                              slot_expert, route, self.workspace, grid_blocks, skip_stages)
         else:
-            torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes, token_bytes,
-                                         slot_expert, route, self.workspace)
-
+            torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
+                                         token_bytes, slot_expert, route, self.workspace, grid_blocks, skip_stages)
 
     def plus_costs(self, topology, token_bytes: int) -> tuple[int, int]:
         """(a2, bb) of topoep_plus for this topology (host only: its cost matrix lives on the CPU); raises
@@ -166,9 +175,15 @@ class CudaPlanner:
                              "intra-domain and one inter-domain cost); use backend='reference' for this topology")
         return 2 * token_bytes * a, 2 * token_bytes * (b - a)
 
+    def _head(self, name: str) -> list[int]:
+        """The measurement array `name` of the workspace's head: stamps, refine_counters or plus_stamps
+        (synchronises the host)."""
+        at = self.layout[name]
+        return self.workspace[at:at + self.layout["num_" + name]].tolist()
+
     def moves(self) -> int:
         """The free moves of the last topoep_plus plan (synchronises the host: for tests and benchmarks)."""
-        return int(self.workspace[self._moves_at])
+        return int(self.workspace[self.layout["moves"]])
 
     def plus_phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of topoep_plus's phases after the refinement in the last
@@ -177,15 +192,15 @@ class CudaPlanner:
         after it, the route's pass A (per (expert, domain) group, with the grid barrier after it) and pass B (per
         (source, instance); its end is the latest block's). Empty when the plan has no such phases (the guard fired:
         the plan is static's, and its stamps stay 0)."""
-        t = self.workspace[self._moves_at - PLUS_STAMPS:self._moves_at].tolist()
+        t = self._head("plus_stamps")
         if 0 in t:
             return {}
-        return stamp_gaps(PLUS_PHASES, [int(self.workspace[self._stamps_at + PHASES.index("refine") + 1])] + t)
+        return stamp_gaps(PLUS_PHASES, [self._head("stamps")[PHASES.index("refine") + 1]] + t)
 
     def phase_ns(self) -> dict[str, int]:
         """GPU time (ns, %globaltimer of block 0) of each phase of the last `topoep` plan (synchronises the
         host: for benchmarks, never on the training path)."""
-        return stamp_gaps(PHASES, self.workspace[self._stamps_at:self._stamps_at + len(PHASES) + 1].tolist())
+        return stamp_gaps(PHASES, self._head("stamps"))
 
     def refine_profile(self, omega: torch.Tensor, topology, expert_bytes: int, token_bytes: int) -> dict[str, int]:
         """Plans omega once more with the refinement's cycle counters on (they slow it down, so plans
@@ -194,22 +209,17 @@ class CudaPlanner:
         candidate reduction, the move, and the whole loop (synchronises the host; for benchmarks)."""
         se = torch.empty(self.R, self.N, dtype=torch.int64, device=self.device)
         rt = torch.empty(self.R, self.E + self.R * self.N, dtype=torch.int64, device=self.device)
-        torch.ops.topoep.set_skip_stages(PROFILE)
-        try:
-            self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt)
-        finally:
-            torch.ops.topoep.set_skip_stages(0)
-        at = self._stamps_at + len(PHASES) + 1
-        v = self.workspace[at:at + len(REFINE_COUNTERS)].tolist()
-        return dict(zip(REFINE_COUNTERS, v))
+        self.plan(omega, topology, "topoep", expert_bytes, token_bytes, se, rt, skip_stages=PROFILE)
+        return dict(zip(REFINE_COUNTERS, self._head("refine_counters"), strict=True))
 
 
 _planners: dict = {}
 
 
 def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
-               expert_bytes: int, token_bytes: int) -> Plan:
-    """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached."""
+               expert_bytes: int, token_bytes: int, grid_blocks: int = 0) -> Plan:
+    """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached.
+    grid_blocks: the grid of multi-block plans (CudaPlanner.plan)."""
     R, E = omega.shape
     key = (omega.device, R, E, topology.num_domains, num_slots)
     planner = _planners.get(key)
@@ -217,7 +227,8 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
         planner = _planners[key] = CudaPlanner(R, E, topology.num_domains, num_slots, omega.device)
     slot_expert = torch.empty(R, num_slots, dtype=torch.int64, device=omega.device)
     route = torch.empty(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
-    planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route)
+    planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route,
+                 grid_blocks=grid_blocks)
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
                 info={"backend": "cuda"})

@@ -41,7 +41,7 @@ demand of domain d's sources):
    exactly two-level topology it never fires (tests/test_topoep_plus.py).
 
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES binds it like `topoep`: step 2 adds no
-replica), no duplicate instance, integer decisions, lowest-index ties. The CUDA planner (csrc/planner.cu,
+replica), no duplicate instance, integer decisions, lowest-index ties. The CUDA planner (csrc/planner_kernel.cu,
 phases 7-9 after topoep's refinement) returns the same plan bit for bit on exactly two-level cost matrices
 (where step 4 never fires), without host synchronisation; `topoep.solve` uses it for CUDA omega there.
 """
