@@ -122,8 +122,8 @@ def stamp_gaps(names, stamps: list[int]) -> dict[str, int]:
 
 def check_grid_blocks(num_blocks, name: str = "num_blocks") -> None:
     """Raises ValueError, naming `name` and the value, unless num_blocks is an integer >= 0: the grid of a CUDA
-    plan (`CudaPlanner.plan`'s and `topoep.solve`'s grid_blocks; the trainer checks eplb.planner_blocks with it
-    before any GPU work)."""
+    plan (`CudaPlanner.plan`'s and `topoep.solve`'s grid_blocks, which ExpertParallelMoE takes from
+    LayerConfig.planner_blocks)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
         raise ValueError(f"{name} must be an integer >= 0 (0: half the SMs), got {num_blocks!r}")
 

@@ -210,7 +210,7 @@ class ExpertParallelMoE(nn.Module):
         plan and keeps the capacity step off the slots: the host left this call's replica machinery out."""
         N = self.num_slots
         plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                     token_bytes=token_bytes, t_ffn=self.t_ffn)
+                     token_bytes=token_bytes, t_ffn=self.t_ffn, grid_blocks=self.config.planner_blocks)
         guard_stats = torch.zeros(4, dtype=torch.float64, device=omega.device)
         wanted = None
         if self.guard is not None and self.policy != "static" and N > 0:
