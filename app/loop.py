@@ -104,8 +104,11 @@ def job_from_config(cfg) -> tuple[Job, dict]:
     return Job(**parts, data=to_data_config(cfg.data)), resolved
 
 
-def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list[dict]:
+def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_harness: bool = False) -> list[dict]:
     """Train; returns the per-step metrics (rank 0; other ranks get an empty list).
+
+    cpu_harness: tests only (tests/train_cpu_harness.py): eplb.backend=cuda's layers run backend cuda's code on the
+    CPU processes over gloo, with torch references for its kernels.
 
     keep_distributed: leave the process group and megatron's parallel state initialised at the end, for
     the next job of the same process (bench/eval_worker.py runs many short jobs in one torchrun). A job
@@ -150,7 +153,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False) -> list
                           seed=tr.seed, progress=is_logger)
     vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
     tc = setup.transformer_config(mc, par, tr, job.router)
-    topoep_cfg = (TopoEPSpec(topology, ec.layer_config(t_ffn=setup.default_t_ffn(mc, ec))) if ec.enabled else None)
+    topoep_cfg = (TopoEPSpec(topology, ec.layer_config(t_ffn=setup.default_t_ffn(mc, ec)), cpu_harness=cpu_harness)
+                  if ec.enabled else None)
     model = build_gpt_model(tc, vocab_size=vocab, max_sequence_length=tr.seq_length, topoep=topoep_cfg,
                             rotary_base=mc.rotary_base, rotary_percent=mc.rotary_percent,
                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())

@@ -1,6 +1,6 @@
-"""Multi-rank CPU tests (gloo) of the capacity-bounded layer: backend cuda's code on the CPU harness (transport
-"gloo": its receive regions sized by the capacity, the planner's capacity step, the spill path with the torch
-references of its kernels) and backend torch, against an fp64 reference, on adversarial routing at EP 2-16 as 1-4
+"""Multi-rank CPU tests (gloo) of the capacity-bounded layer: backend cuda's code on the CPU harness
+(test_cuda_backend_cpu.harness: its receive regions sized by the capacity, the planner's capacity step, the spill
+path with the torch references of its kernels) and backend torch, against an fp64 reference, on adversarial routing at EP 2-16 as 1-4
 domains: every token of every rank on one expert; on one rank's experts; on one domain's experts; zero tokens on
 some ranks; uneven token counts. Outputs and all gradients within 2x backend torch's bf16 error, both backends with
 the same plan, and the capacity respected (region loads) or the rows beyond it spilled and counted

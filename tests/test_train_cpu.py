@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 50
 
 
-def train(run_dir: Path, *overrides: str, nproc: int = 4, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+def train(run_dir: Path, *overrides: str, nproc: int = 4, check: bool = True,
+          script: str = "train.py") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
            "model=tiny", "trainer=cpu", f"trainer.run_dir={run_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -96,10 +97,11 @@ def test_topoep_follows_megatron_baseline(runs):
 
 
 def test_backend_cuda_logic_trains_on_the_cpu_like_backend_torch(tmp_path):
-    """eplb.backend=cuda with eplb.transport=gloo (backend cuda's code on CPU processes, torch references for its
-    kernels; bf16 as on the GPU) trains like backend torch: the same losses up to bf16 rounding."""
+    """eplb.backend=cuda on the internal CPU harness (tests/train_cpu_harness.py: backend cuda's code on CPU
+    processes, torch references for its kernels; bf16 as on the GPU) trains like backend torch: the same losses up
+    to bf16 rounding."""
     steps = ("trainer.steps=3", "trainer.bf16=true", "logger=none")
-    train(tmp_path / "cuda", "eplb=topoep", "eplb.backend=cuda", "eplb.transport=gloo", *steps)
+    train(tmp_path / "cuda", "eplb=topoep", "eplb.backend=cuda", *steps, script="tests/train_cpu_harness.py")
     train(tmp_path / "torch", "eplb=topoep", *steps)
     a, b = metrics(tmp_path / "cuda"), metrics(tmp_path / "torch")
     assert [r["step"] for r in a] == [1, 2, 3]

@@ -28,6 +28,7 @@ class TopoEPSpec:
 
     topology: Topology
     config: LayerConfig = field(default_factory=LayerConfig)
+    cpu_harness: bool = False  # tests: backend cuda's code on CPU processes over gloo (ExpertParallelMoE._cpu_harness)
 
 
 def expert_weight_lists(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -74,7 +75,7 @@ class TopoEPMoELayer(MoELayer):
             ffn_hidden_size=config.moe_ffn_hidden_size, topology=topoep.topology, config=topoep.config,
             group=self.ep_group, dtype=config.params_dtype,
             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
-            expert_weights=lambda: expert_weight_lists(self.experts))
+            expert_weights=lambda: expert_weight_lists(self.experts), _cpu_harness=topoep.cpu_harness)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
