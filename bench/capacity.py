@@ -33,8 +33,8 @@ if __package__ in (None, ""):
 from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.planners.capacity import fit_capacity, overflow_rows  # noqa: E402
-from topoep.sim import sample_routing  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
+from topoep_research.sim import sample_routing  # noqa: E402
 
 
 def workloads(R: int, E: int, T: int, k: int, seed: int):

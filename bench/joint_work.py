@@ -22,9 +22,9 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import topoep_research.joint as joint_mod  # noqa: E402
+import topoep_research.joint_search as search_mod  # noqa: E402
 from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
-import topoep.planners.joint as joint_mod  # noqa: E402
-import topoep.planners.joint_search as search_mod  # noqa: E402
 from bench.planner_latency import workload  # noqa: E402
 from topoep import solve  # noqa: E402
 

@@ -35,11 +35,11 @@ from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.planners import QWEN3_EXPERT_BYTES, QWEN3_TOKEN_BYTES  # noqa: E402
 from topoep.metrics import fit_t_ffn  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
-from topoep.planners.bound import lp_lower_bound, makespan_lower_bound  # noqa: E402
-from topoep.planners.joint import solve_joint  # noqa: E402
-from topoep.planners.milp import solve_milp  # noqa: E402
 from topoep.workloads import (FIG10, FIG10_ROUTER_SKEW, FIG10_SEED, LAYOUTS, biased_routing,  # noqa: E402
                               fig10_workload)
+from topoep_research.bound import lp_lower_bound, makespan_lower_bound  # noqa: E402
+from topoep_research.joint import solve_joint  # noqa: E402
+from topoep_research.milp import solve_milp  # noqa: E402
 
 # the runtime policies and the offline ones (joint): every policy this benchmark compares
 ALL_POLICIES = POLICIES + OFFLINE_POLICIES
@@ -507,7 +507,7 @@ def one_domain_report(od) -> str:
     lines = ["## One domain (pure balance) against the best lower bound\n",
              "8 ranks in one NVLink domain, the Fig. 10 router (skew -2.5, seed 13, top-8, 4096 tokens per rank) "
              "with every layout. Bound: max(MILP makespan dual bound under "
-             "a time limit, combinatorial slot bound of `topoep.planners.bound.makespan_lower_bound`); "
+             "a time limit, combinatorial slot bound of `topoep_research.bound.makespan_lower_bound`); "
              "`joint (balance)` is joint with t_ffn = 1 ms per assignment, where compute dominates every transfer "
              "(what UltraEP and MoonEP optimise); `joint` uses the default t_ffn and trades balance against "
              "replica transfers as eq. 8 says. Imbalances are max / mean.\n",

@@ -1,4 +1,4 @@
-"""Cluster-scale simulation (topoep/sim.py): calibration on the GPU machine's measurements, the paper's
+"""Cluster-scale simulation (topoep_research/sim.py): calibration on the GPU machine's measurements, the paper's
 testbed against its Fig. 12/13/15, and every policy at EP 8-1024 with 0-4 slots on the presets.
 
     python bench/simulate.py                      # everything (~6 min on one CPU core; ~2.5 min, plan cache warm)
@@ -49,8 +49,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from bench.common import REPO, markdown_table, run_info  # noqa: E402
 from topoep import POLICIES, metrics  # noqa: E402
-from topoep import sim  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
+from topoep_research import sim  # noqa: E402
 
 WORKLOADS = ("natural", "-1", "-2", "-3", "-4")
 PAPER_MODELS = (("qwen3", 32), ("glm45air", 16), ("deepseek_v2", 16))
@@ -429,7 +429,7 @@ def choice_md(cals, choice) -> str:
                  "2-3 run the `topoep` and `megatron` execution models.")
     lib = sim.CLUSTERS["h200"]
     same = not (_differs(lib.gemm_flops_per_s, gemm) or _differs(lib.nvlink_bytes_per_s, nvl))
-    lines.append(f"- Library defaults (`sim.CLUSTERS`, topoep/sim.py H200_GEMM_FLOPS / H200_NVLINK_BYTES_PER_S): "
+    lines.append("- Simulator defaults (`sim.CLUSTERS`, topoep_research/sim.py H200_GEMM_FLOPS / H200_NVLINK_BYTES_PER_S): "
                  f"{lib.gemm_flops_per_s / 1e12:.0f} TFLOP/s, {lib.nvlink_bytes_per_s / 1e9:.0f} GB/s: "
                  + ("this fit (within 1 %)." if same else "**differ from this fit by more than 1 %: update them.**"))
     for b, (full, _) in cals.items():
@@ -935,7 +935,7 @@ def write_tables(path: Path, info: dict, tables: dict[str, list[dict]]) -> None:
 def uncommitted() -> str:
     import subprocess
 
-    files = ["topoep/sim.py", "bench/simulate.py", "bench/common.py", "topoep/planners", "topoep/plan.py",
+    files = ["topoep_research/sim.py", "bench/simulate.py", "bench/common.py", "topoep/planners", "topoep/plan.py",
              "topoep/topology.py", "topoep/workloads.py", "topoep/metrics.py", "topoep/runtime/guard.py",
              "results/moe_layer.json", "results/moe_layer_slots8.json"]  # what the numbers depend on
     try:
@@ -1093,9 +1093,9 @@ def main(argv=None) -> int:
     info["plan_cache"] = ({"hits": cache.hits, "misses": cache.misses, "written": cache.written} if cache else None)
     args.out.mkdir(parents=True, exist_ok=True)
     pngs = plots(cals, summary, sweep_rows, policies, args, args.out)
-    md = ["# Cluster-scale simulation of one MoE layer (topoep/sim.py)\n",
+    md = ["# Cluster-scale simulation of one MoE layer (topoep_research/sim.py)\n",
           f"- date: {info['date']}; commit: `{info['commit']}`; hardware (where the simulator ran): {info['hardware']}",
-          "- every time below is a model prediction (`topoep.sim`), except the measured column of section 1",
+          "- every time below is a model prediction (`topoep_research.sim`), except the measured column of section 1",
           uncommitted(),
           f"- reproduce: `python bench/simulate.py` ({elapsed:.0f} s here{cached})\n",
           findings(cals, choice, summary, sweep_rows, policies, args, holdout_rows),

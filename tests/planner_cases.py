@@ -36,7 +36,7 @@ DIGESTS = ROOT / "tests" / "data" / "planner_ref_digests.json"
 # what the cases and the reference plans depend on
 SOURCES = ("topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
            "topoep/planners/__init__.py", "topoep/planners/common.py", "topoep/planners/reference.py",
-           "topoep/planners/plus.py", "topoep/planners/joint.py", "topoep/planners/joint_search.py")
+           "topoep/planners/plus.py")
 W_CHOICES = (200_000, 9_437_184, 4096)
 CHUNKS, CASES_PER_CHUNK = 4, 600  # 2400 cases
 POLICIES = ("topoep", "static", "topoep_plus")

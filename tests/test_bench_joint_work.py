@@ -1,7 +1,7 @@
 """bench/joint_work.py: its counters see the joint reference's search and leave the planner as they found it."""
 
-import topoep.planners.joint as joint_mod
-import topoep.planners.joint_search as search_mod
+import topoep_research.joint as joint_mod
+import topoep_research.joint_search as search_mod
 from bench.joint_work import count_work
 from topoep import Topology, solve
 from topoep.workloads import biased_routing

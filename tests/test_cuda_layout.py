@@ -9,6 +9,7 @@ import torch
 
 from interpreter import interpreted_cases
 from topoep.runtime.layout import count_keys, receive_positions, received_sizes
+from topoep_research import POLICIES as RESEARCH_POLICIES
 
 
 def _reference(keys, R, G, E_loc, d):
@@ -101,7 +102,7 @@ def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
     assert stats.numel() > 0 and route.shape == (1, E + N)
 
 
-@pytest.mark.parametrize("policy", ["static", "topoep", "deepseek", "joint"])
+@pytest.mark.parametrize("policy", ["static", "topoep", "deepseek", *RESEARCH_POLICIES])
 @pytest.mark.parametrize("R,E_loc,N,T,k,seed", [(2, 4, 2, 30, 2, 0), (4, 3, 1, 25, 3, 1), (4, 2, 2, 0, 2, 2),
                                                  (8, 2, 3, 40, 4, 3)])
 def test_send_layout_equals_the_stable_sort_and_its_counts_the_exchange(policy, R, E_loc, N, T, k, seed):

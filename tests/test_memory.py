@@ -4,8 +4,8 @@ results/layer_memory.md (bench/layer_memory.py on the GPU machine)."""
 
 import pytest
 
-from topoep import sim
 from topoep.memory import layer_memory
+from topoep_research import sim
 
 QWEN3 = dict(num_experts=128, hidden=2048, ffn_hidden=768, top_k=8, tokens=4096, num_slots=2)
 MIB = 2 ** 20

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve
-from topoep.planners.milp import solve_milp
 from topoep.workloads import biased_routing
+from topoep_research.milp import solve_milp
 
 W, S = 200_000, 4096
 

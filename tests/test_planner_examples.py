@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve
+from topoep import POLICIES, Topology, metrics, solve
+from topoep_research import POLICIES as RESEARCH_POLICIES
 
 
 def fig9_omega():
@@ -66,7 +67,7 @@ def test_single_domain_refinement_spreads_a_hot_expert():
 def test_zero_demand_and_zero_slots():
     topo = Topology(num_domains=2, ranks_per_domain=2)
     om = torch.zeros(4, 8, dtype=torch.int64)
-    for policy in POLICIES + OFFLINE_POLICIES:
+    for policy in POLICIES + RESEARCH_POLICIES:
         for n in (0, 2):
             plan = solve(om, topo, num_slots=n, policy=policy).check()
             assert plan.rank_load.sum() == 0 and plan.num_replicas == 0
@@ -97,7 +98,7 @@ def test_interval_route_matches_loads():
     assert route.tolist() == [[3, 0, 0, 0], [1, 0, 4, 0], [0, 0, 0, 0], [0, 0, 0, 2]]
 
 
-@pytest.mark.parametrize("policy", POLICIES + OFFLINE_POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + RESEARCH_POLICIES)
 def test_every_policy_on_fig9(policy):
     topo = Topology(num_domains=2, ranks_per_domain=2)
     plan = solve(fig9_omega(), topo, num_slots=2, policy=policy, expert_bytes=1000, token_bytes=100).check()

@@ -1,4 +1,4 @@
-"""Unit tests (CPU): the `joint` policy (topoep.planners.joint), its lower bounds and the t_ffn fit.
+"""Unit tests (CPU): the `joint` policy (topoep_research.joint), its lower bounds and the t_ffn fit.
 
 Contract on random instances, determinism, never worse than static / topoep in modelled time, the
 Pareto guard, lowest-index ties, integer caps, the tree form of the routing cost, and a small comparison
@@ -11,14 +11,14 @@ import torch
 from topoep import Topology, metrics, solve
 from topoep.metrics import DEFAULT_T_FFN, fit_t_ffn
 from topoep.plan import default_main_rank
-from topoep.planners.bound import lp_lower_bound, makespan_lower_bound
 from topoep.planners.common import (hierarchical_route, max_load_and_inter, modelled_fs, top_k,
                                     two_level_costs)
-from topoep.planners.joint import _locality_candidates, even_caps, thresholds
-from topoep.planners.joint_search import Data
 from topoep.topology import FEMTO
-from topoep.planners.milp import solve_milp
 from topoep.workloads import biased_routing
+from topoep_research.bound import lp_lower_bound, makespan_lower_bound
+from topoep_research.joint import _locality_candidates, even_caps, thresholds
+from topoep_research.joint_search import Data
+from topoep_research.milp import solve_milp
 
 S = 4096
 
@@ -206,7 +206,7 @@ def test_dense_cap_portfolio_is_never_worse_and_helps():
     led the later stages astray (instances of bench/plan_quality.py's small study that were 3-4 % off the
     MILP optimum with one grid)."""
     from bench.plan_quality import small_instance
-    from topoep.planners.joint import solve_joint
+    from topoep_research.joint import solve_joint
 
     S = 4096
     better = 0
@@ -229,7 +229,7 @@ def test_dense_cap_portfolio_is_never_worse_and_helps():
 def test_fill_to_cap_keeps_the_contract_and_the_inter_domain_traffic(inst, rule):
     """The fill-to-cap candidates are valid plans (C1-C5, C4 for joint), place replicas only inside their
     main's domain (so no assignment leaves its domain that static keeps in it), and never raise L_max."""
-    from topoep.planners.joint import fill_to_cap
+    from topoep_research.joint import fill_to_cap
 
     R, M, E, N, W, skew, layout, seed = inst
     topo = Topology(num_domains=M, ranks_per_domain=R // M)
@@ -248,7 +248,7 @@ def test_fill_to_cap_keeps_the_contract_and_the_inter_domain_traffic(inst, rule)
 def test_pure_balance_reaches_the_optimum_where_the_move_search_stalled():
     """results/plan_quality.md's one-domain instance E 640, random layout, 1 slot: the move search alone
     stalled at 1.0643 x mean; the MILP optimum is 1.0231 x mean (HiGHS, 2.6 s on this machine)."""
-    from topoep.planners.joint import fill_to_cap
+    from topoep_research.joint import fill_to_cap
     from topoep.workloads import FIG10, FIG10_ROUTER_SKEW, FIG10_SEED
 
     om = biased_routing(8, 640, FIG10["tokens_per_rank"], FIG10["top_k"], FIG10_ROUTER_SKEW, seed=FIG10_SEED,

@@ -1,7 +1,8 @@
 """Property tests (CPU, hypothesis): every policy's plan satisfies the contract on random instances.
 
 Shapes up to R=64 and E=1280, zero rows, skews from uniform to extreme, 0-3 slots, 1..R domains. The
-offline policy `joint` (seconds per plan at EP 32) has its own test on shapes up to R=16 and E=256.
+offline policies of topoep_research (`joint`: seconds per plan at EP 32) have their own test on shapes up to
+R=16 and E=256.
 """
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from topoep import POLICIES, Topology, metrics, solve
 from topoep.workloads import biased_routing
+from topoep_research import POLICIES as RESEARCH_POLICIES
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     derandomize=True)
@@ -73,15 +75,16 @@ def test_topoep_respects_c4_and_keeps_tokens_local(inst):
     assert metrics(plan)["internode_fraction"] <= metrics(static)["internode_fraction"] + 1e-12
 
 
+@pytest.mark.parametrize("policy", RESEARCH_POLICIES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(instances(max_ranks=16, max_experts=256))
-def test_joint_satisfies_the_contract_and_is_deterministic(inst):
+def test_offline_policy_satisfies_the_contract_and_is_deterministic(policy, inst):
     om, topo, slots, W = inst
-    plan = solve(om, topo, num_slots=slots, policy="joint", expert_bytes=W, token_bytes=4096)
+    plan = solve(om, topo, num_slots=slots, policy=policy, expert_bytes=W, token_bytes=4096)
     plan.check(c4=True)  # C1-C5, no duplicate
     assert plan.route.dtype == torch.int64 and plan.slot_expert.dtype == torch.int64
     assert int(plan.rank_load.sum()) == int(om.sum())
-    again = solve(om.clone(), topo, num_slots=slots, policy="joint", expert_bytes=W, token_bytes=4096)
+    again = solve(om.clone(), topo, num_slots=slots, policy=policy, expert_bytes=W, token_bytes=4096)
     assert torch.equal(plan.slot_expert, again.slot_expert) and torch.equal(plan.route, again.route)
 
 

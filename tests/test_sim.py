@@ -1,4 +1,4 @@
-"""Unit tests (CPU): topoep.sim, the cluster-scale cost simulator, on hand-made plans with known answers
+"""Unit tests (CPU): topoep_research.sim, the cluster-scale cost simulator, on hand-made plans with known answers
 (traffic accounting, busiest links, DeepEP-style deduplication), the two-stream schedule, presets,
 config validation, workload sampling and the calibration's recovery of known constants."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from topoep import POLICIES, Topology, solve, workloads
-from topoep import sim
 from topoep.plan import Plan
+from topoep_research import sim
 
 REPO = Path(__file__).resolve().parent.parent
 

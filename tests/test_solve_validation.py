@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from topoep import Topology, solve
+import topoep_research
 
 TOPO = Topology(num_domains=2, ranks_per_domain=2)
 OM = torch.ones(4, 8, dtype=torch.int64)
@@ -56,7 +57,7 @@ def test_joint_rejects_inputs_whose_int64_costs_could_overflow():
     topo = Topology(num_domains=2, ranks_per_domain=4)
     with pytest.raises(ValueError, match=r"2\^62.*t_ffn=0.1 .*check its unit"):
         solve(om, topo, num_slots=1, policy="joint", t_ffn=0.1)
-    from topoep.planners.joint import check_fs_range
+    from topoep_research.joint import check_fs_range
 
     check_fs_range(om, topo, 1, 9_437_184, 4096, 70e-9)  # the same input at a realistic t_ffn is fine
     with pytest.raises(ValueError, match=r"2\^62"):  # huge tokens: the token term alone
@@ -68,6 +69,20 @@ def test_offline_policies_are_solved_but_not_runtime_policies():
 
     assert "joint" in OFFLINE_POLICIES and not set(OFFLINE_POLICIES) & set(POLICIES)
     assert solve(OM, TOPO, num_slots=1, policy="joint").check().policy == "joint"
+
+
+@pytest.mark.parametrize("name, kwargs, match", [
+    ("topoep", dict(offline=True, takes_t_ffn=False), "one of OFFLINE_POLICIES"),
+    ("my_planner", dict(offline=True, takes_t_ffn=False), "one of OFFLINE_POLICIES"),
+    ("joint", dict(offline=False, takes_t_ffn=True), "offline=True, takes_t_ffn=True"),
+    ("joint", dict(offline=True, takes_t_ffn=False), "offline=True, takes_t_ffn=True"),
+])
+def test_register_policy_binds_only_the_offline_policies_as_the_tables_describe_them(name, kwargs, match):
+    from topoep.planners import _REGISTERED, register_policy
+
+    with pytest.raises(ValueError, match=match):
+        register_policy(name, topoep_research.solve_joint, **kwargs)
+    assert _REGISTERED == {"joint": topoep_research.solve_joint}
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto", "cuda"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ QWEN3_TOKEN_BYTES = 2048 * 2
 
 
 def _policies():
-    from topoep.planners import baselines, joint, plus, reference
+    from topoep.planners import baselines, plus, reference
 
     return {
         "static": reference.solve_static,
@@ -25,17 +26,36 @@ def _policies():
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
-        "joint": joint.solve_joint,
+        **_REGISTERED,
     }
 
 
 # Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
 POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
-# Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. "joint" takes
-# seconds per plan on the CPU reference at EP 32 and its search needs K x R^3 tensors (topoep.planners.joint).
+# Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. Their planners live
+# outside the library and are bound by `register_policy`: "joint" by `import topoep_research` (seconds per
+# plan on the CPU reference at EP 32; its search needs K x R^3 tensors).
 OFFLINE_POLICIES = ("joint",)
 # Policies that weigh expert compute against transfers, and so take t_ffn.
 T_FFN_POLICIES = ("fastermoe", "joint")
+# The offline policies' planners, name -> fn, as `register_policy` bound them.
+_REGISTERED: dict[str, Callable[..., Plan]] = {}
+
+
+def register_policy(name: str, fn: Callable[..., Plan], *, offline: bool, takes_t_ffn: bool) -> None:
+    """Bind the planner `fn` to policy `name` for `solve`. fn(omega, topology, *, num_slots, main_rank,
+    expert_bytes, token_bytes[, t_ffn]) gets `validate`d inputs and returns a `Plan`. The name must be one of
+    OFFLINE_POLICIES (the tables here decide validation, integer range and the runtime's refusal), so offline
+    must be True and takes_t_ffn must say whether it is in T_FFN_POLICIES. Registering a name again rebinds it."""
+    if name not in OFFLINE_POLICIES:
+        raise ValueError(f"register_policy binds one of OFFLINE_POLICIES ({', '.join(OFFLINE_POLICIES)}), "
+                         f"got {name!r}")
+    if offline is not True or takes_t_ffn is not (name in T_FFN_POLICIES):
+        raise ValueError(f"policy {name!r} is offline=True, takes_t_ffn={name in T_FFN_POLICIES}; "
+                         f"got offline={offline!r}, takes_t_ffn={takes_t_ffn!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    _REGISTERED[name] = fn
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -71,9 +91,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         num_slots: N, replica slots per rank besides its main experts (>= 0).
         policy: one of POLICIES or OFFLINE_POLICIES. "topoep_plus" (topoep.planners.plus) is `topoep`
             with its own-rank-first route and free load moves across domains: never worse in any term
-            of eq. 8. "joint" (topoep.planners.joint, offline: seconds
-            per plan) chooses placement and split together to minimise the modelled time
-            t_ffn L_max + T_token + T_replica of eq. 5-8.
+            of eq. 8. "joint" (topoep_research.joint, offline: seconds
+            per plan; `import topoep_research` registers it) chooses placement and split together to
+            minimise the modelled time t_ffn L_max + T_token + T_replica of eq. 5-8.
         expert_bytes: W, bytes of one expert's parameters as transferred (default: Qwen3-30B-A3B, BF16).
         token_bytes: S_tok, bytes of one routed activation (default: hidden 2048 in BF16).
         main_rank: int64[E], rank owning each expert; default e // (E // R) (megatron's placement).
@@ -98,7 +118,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
-        femtosecond arithmetic could overflow: `topoep.planners.joint.check_fs_range`).
+        femtosecond arithmetic could overflow: `topoep_research.joint.check_fs_range`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -205,6 +225,9 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
                              "tokens x top_k per rank, far fewer")
     if policy not in POLICIES + OFFLINE_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES + OFFLINE_POLICIES)}")
+    if policy in OFFLINE_POLICIES and policy not in _REGISTERED:
+        raise ValueError(f"policy {policy!r} is an offline planner of the topoep_research package, not of the "
+                         f"library: `import topoep_research` registers it (topoep.planners.register_policy)")
     if main_rank is None:
         main_rank = default_main_rank(E, R, omega.device)
     elif not check_values:

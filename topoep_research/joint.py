@@ -1,10 +1,11 @@
 """`joint`: replica placement and token split chosen together to minimise the modelled exposed time of
 eq. 5-8, T_comp + T_token + T_replica, for the given topology costs, expert and token sizes and t_ffn.
 
-An offline planner (`topoep.planners.OFFLINE_POLICIES`): use it through `topoep.solve(policy="joint")`
-or bench/plan_quality.py, not in the training runtime. The reference takes 3.8-7.4 s per plan at the
-Fig. 10 scale (32 ranks x 640 experts, 1-4 slots, one CPU core; results/plan_quality.md), synchronises the
-host hundreds of times per plan, and its search holds K x R^3 tensors (about 100 GB at EP 1024).
+An offline planner (`topoep.planners.OFFLINE_POLICIES`): `import topoep_research` registers it, then use it
+through `topoep.solve(policy="joint")` or bench/plan_quality.py, not in the training runtime. The reference
+takes 3.8-7.4 s per plan at the Fig. 10 scale (32 ranks x 640 experts, 1-4 slots, one CPU core;
+results/plan_quality.md), synchronises the host hundreds of times per plan, and its search holds K x R^3
+tensors (about 100 GB at EP 1024).
 
 Unlike `topoep` (paper 4.3), nothing here keeps tokens inside their domain at any price: load moves
 between domains whenever the model says it pays, and a replica slot goes to whichever use (locality or
@@ -72,9 +73,9 @@ import torch
 from topoep.metrics import DEFAULT_T_FFN
 from topoep.plan import Plan
 from topoep.planners.common import hierarchical_route, max_load_and_inter, modelled_fs, top_k
-from topoep.planners.joint_search import (BIG, EXCLUDED, Data, State, breakpoints, dominated, lns, move_cost,
-                                          search)
 from topoep.topology import FEMTO, Topology
+from topoep_research.joint_search import (BIG, EXCLUDED, Data, State, breakpoints, dominated, lns, move_cost,
+                                          search)
 
 DEFAULT_WORK_BUDGET = 2 * 10 ** 8
 # How far the int64 fs arithmetic may go: the objective of a plan stays below it (EXCLUDED marks plans

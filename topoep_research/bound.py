@@ -1,4 +1,4 @@
-"""Lower bounds on problem (8) for instances too large for the exact MILP (`topoep.planners.milp`), so
+"""Lower bounds on problem (8) for instances too large for the exact MILP (`topoep_research.milp`), so
 that every heuristic's distance to the optimum is visible at the Fig. 10 scale.
 
 `makespan_lower_bound` (combinatorial, any topology, C4 ignored so valid for every policy): the smallest
@@ -90,7 +90,7 @@ def lp_lower_bound(omega: torch.Tensor, topology: Topology, *, num_slots: int, e
     """Lower bound on the modelled time of problem (8) (see module docstring). Needs two-level costs."""
     from scipy.optimize import linprog
 
-    from topoep.planners.milp import compact_model
+    from topoep_research.milp import compact_model
 
     t0 = time.perf_counter()
     omega = omega.cpu().to(torch.int64)

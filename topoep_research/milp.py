@@ -23,7 +23,7 @@ first serves its own rank, then its own domain (`topoep.planners.common.hierarch
 that routing). The model keeps the captured amounts z[e, r] <= min(omega[r, e] x[e, r], U[e, r]) and
 y[e, d] <= min(D[d, e], U_d[e]) and maximises them; it is several times smaller, which is what makes
 the 500-instance study of bench/plan_quality.py affordable. `compact_model` is also the LP that
-`topoep.planners.bound` relaxes.
+`topoep_research.bound` relaxes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ counts can be compared at scales we cannot run. Three typed configs describe wha
 
 Usage (no build step; CPU only):
 
-    from topoep import sim
+    from topoep_research import sim
     cluster, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"]
     omega = sim.sample_routing(32, model.num_experts, model.tokens_per_rank, model.top_k, router_skew=-4.0)
     res = sim.simulate(omega, cluster, model=model, policy="topoep", num_slots=2)
@@ -80,6 +80,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import topoep
 from topoep import workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.plan import Plan
@@ -566,12 +567,14 @@ PLAN_CACHE_FORMAT = 1
 
 
 def planner_fingerprint() -> str:
-    """sha256 of the planners' source (topoep/plan.py, topology.py, planners/*.py): a cached plan is
-    reused only by the planner code that made it."""
-    root = Path(__file__).resolve().parent
+    """sha256 of the planners' source (topoep/plan.py, topology.py, planners/*.py, and the joint policy's
+    topoep_research/joint.py, joint_search.py): a cached plan is reused only by the planner code that made it."""
+    lib, research = Path(topoep.__file__).resolve().parent, Path(__file__).resolve().parent
+    planners = sorted(f"planners/{f.name}" for f in (lib / "planners").glob("*.py"))
     h = hashlib.sha256()
-    for f in [root / "plan.py", root / "topology.py", *sorted((root / "planners").glob("*.py"))]:
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    for root, names in ((lib, ["plan.py", "topology.py", *planners]), (research, ["joint.py", "joint_search.py"])):
+        for name in names:
+            h.update(f"{root.name}/{name}".encode() + b"\0" + (root / name).read_bytes() + b"\0")
     return h.hexdigest()
 
 

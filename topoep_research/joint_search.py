@@ -1,4 +1,4 @@
-"""The move search of the `joint` policy (`topoep.planners.joint`): K plans under construction, the
+"""The move search of the `joint` policy (`topoep_research.joint`): K plans under construction, the
 rank graph of one step, the moves, the search loop and destroy-and-repair.
 
 Costs are integer femtoseconds (fs) of the tree formula (see `joint`): for instance loads U[e, r],
