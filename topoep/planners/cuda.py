@@ -102,6 +102,7 @@ def _register_fakes() -> None:
 
 
 PHASES = ("demand", "placement", "instances", "split", "refine", "route")
+SKIP_LIMIT = 256  # skip_stages < SKIP_LIMIT: every kSkip* bit of csrc/planner.h
 PROFILE = 8  # skip_stages bit: count the refinement's cycles (csrc/planner.h kProfile)
 PLUS_PHASES = ("guard", "busiest", "best move", "more moves", "route A", "route B")
 REFINE_COUNTERS = ("iterations", "busiest_cycles", "existing_cycles", "rounds_cycles", "rounds", "reduce_cycles",
@@ -153,6 +154,9 @@ class CudaPlanner:
         refinement's cycle counters), and tuning bits that force one path (16, 32, 64, 128: the policy's plan).
         The static policy takes neither."""
         check_grid_blocks(grid_blocks, "grid_blocks")
+        if isinstance(skip_stages, bool) or not isinstance(skip_stages, int) or not 0 <= skip_stages < SKIP_LIMIT:
+            raise ValueError(f"skip_stages must be a combination of csrc/planner.h's kSkip* bits (an integer in "
+                             f"[0, {SKIP_LIMIT})), got {skip_stages!r}")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         elif policy == "topoep_plus":
