@@ -11,6 +11,7 @@ the profile, compose the config, validate it, hand it to app.loop.
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -34,6 +35,18 @@ def trainer_profile(argv: list[str]) -> tuple[list[str], str]:
                                         "choose)")
 
 
+def check_composition(argv: list[str]) -> None:
+    """Compose the config from the command line's overrides once before Hydra's run, so that an override Hydra
+    cannot apply (an unknown group option, a value of the wrong type) is reported like every config error: once,
+    by rank 0, naming the field."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [a for a in argv[1:] if not a.startswith(("-", "hydra.", "+hydra.", "~hydra."))]
+    with config_errors(), initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"),
+                                                version_base="1.3"):
+        compose("config", overrides=overrides)
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     with config_errors():
@@ -45,4 +58,5 @@ if __name__ == "__main__":
     sys.argv, header = trainer_profile(sys.argv)
     if int(os.environ.get("RANK", "0")) == 0:
         print(header, flush=True)
+    check_composition(sys.argv)
     main()

@@ -71,16 +71,18 @@ def _quiet_megatron() -> None:
 
 @contextlib.contextmanager
 def config_errors():
-    """A config error (a ValueError of the configs' checks, which names the field and the fix, or OmegaConf's type
-    error) is printed once, by rank 0, without a traceback, and every rank exits with status 2 (every rank checks
+    """A config error (a ValueError of the configs' checks, which names the field and the fix, OmegaConf's type error
+    or Hydra's composition error) is printed once, by rank 0, without a traceback, and every rank exits with status 2 (every rank checks
     the same config, so every rank stops)."""
+    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         yield
-    except (ValueError, OmegaConfBaseException) as e:
+    except (ValueError, OmegaConfBaseException, HydraException) as e:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {e}", file=sys.stderr, flush=True)
+            cause = f"\n{e.__cause__}" if e.__cause__ is not None else ""  # Hydra's override errors keep it there
+            print(f"config error: {e}{cause}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -186,6 +186,25 @@ step_planner() {  # CUDA planner: bit-equality with the reference, no host sync,
   [ "${PLANNER_BENCH:-1}" = 0 ] && return
   timeout ${PLANNER_BENCH_TIMEOUT:-240} python3 bench/planner_latency.py --profile --out "$OUT" 2>&1 | grep -v -i warn \
     | tail -30
+}
+
+step_shape() {  # the GPU tests after a change of the code's shape (config, package split, planner files), on one
+  # GPU: the capacity and spill kernels, the planner's skip-stage test, backend cuda at EP 1 (with the runtime's GPU
+  # tests and the sync audit), at EP 2 as 2 domains of 1 and at EP 8 as 2 domains of 4 with two chunks and the
+  # prefetch bank, the ranks sharing the GPU. Short logs into $OUT/shape/ (step planner: the planner's full set)
+  mkdir -p "$OUT/shape"
+  _t() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; echo "$name: rc=$? $(tail -1 "$RUNS-$name.log")"
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|synchronising" "$RUNS-$name.log" > "$OUT/shape/$name.log"; }
+  _t capacity_spill timeout 200 python3 -m pytest -q -rA tests/test_capacity_cuda.py tests/test_spill.py
+  _t skip_test timeout 60 python3 -m pytest -q -rA \
+    "tests/test_planner_cuda.py::test_skip_stages_time_a_valid_plan_and_stay_in_their_call"
+  _t ep1 TOPOEP_GPU_WORLD=1 timeout 200 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py tests/test_weighting.py \
+    tests/test_runtime_gpu.py
+  _t audit_ep1 TOPOEP_GPU_WORLD=1 timeout 100 python3 tools/sync_audit.py
+  _t ep2_shared_rpd1 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=2 TOPOEP_GPU_RPD=1 timeout -k 10 250 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py
+  _t ep8_shared_rpd4_chunks2_prefetch TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_CHUNKS=2 \
+    TOPOEP_GPU_PREFETCH=1 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2, 4, 8 (EPS), the ranks sharing the
