@@ -4,7 +4,7 @@ Per call: all-gather the local routing counts into omega, plan with `topoep.solv
 net-benefit guard (`guard.py`, paper eq. 2) fall back to the static plan when balancing would not pay,
 fetch replica weights into the shared slot pool, dispatch every assignment to the instance the plan
 gives, run the experts (main and replica, grouped), combine, and weight by topk_weights. Backward
-returns replica weight gradients to the main ranks (see `function.py`).
+returns replica weight gradients to the main ranks (see `torch_function.py` and `cuda_function.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from topoep.planners.cuda import device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
 from topoep.runtime.backend import capacity_rows, make_backend
-from topoep.runtime.function import ExpertParallelFunction, LayerCall
+from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
@@ -249,7 +249,7 @@ class ExpertParallelMoE(nn.Module):
         self._stats_calls += 1
 
     def _experts_torch(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
-        """Backend torch: [T * k, H] expert outputs per assignment (function.py)."""
+        """Backend torch: [T * k, H] expert outputs per assignment (torch_function.py)."""
         T, k = topk_idx.shape
         R, E, N = self.topology.num_ranks, self.num_experts, self.num_slots
         be, tm = self.backend, self.timer
