@@ -333,7 +333,7 @@ EXECUTIONS = {
     # megatron-core alltoall dispatcher: no planner, no replicas, dispatch -> experts -> combine in order
     "megatron": Execution(name="megatron", pipelined=False, layer_overhead_s=2e-4, dedup=False),
     # backend torch on the GPU machine: every phase blocking (NCCL, host syncs), two chunks without overlap;
-    # constants from calibrate() on results/moe_layer.json of 75d7c67 (see bench/simulate.py)
+    # constants from calibrate() on results/moe_layer.json (bench/simulate.py; the report names its commit)
     "torch": Execution(name="torch", pipelined=False, reload_hidden=False, grad_return_hidden=False, dedup=False,
                        layer_overhead_s=2.6e-6, row_overhead_s=6.96e-8, expert_overhead_s=3.06e-3,
                        comm_overhead_s=4.94e-3, replica_latency_s=4.3e-4, static_plan_s=2.26e-3, plan_s=3.19e-3),
