@@ -1,6 +1,6 @@
 """TopoEP: GPU-native, topology-aware load balancing for expert-parallel MoE training."""
 
-from topoep import workloads
+from topoep import links, workloads
 from topoep.config import LayerConfig
 from topoep.metrics import DEFAULT_T_FFN, ffn_time_per_assignment, metrics, plan_stats
 from topoep.plan import Plan
@@ -9,4 +9,4 @@ from topoep.runtime import ExpertParallelMoE, ReplicaPool
 from topoep.topology import Topology
 
 __all__ = ["DEFAULT_T_FFN", "OFFLINE_POLICIES", "POLICIES", "ExpertParallelMoE", "LayerConfig", "Plan", "ReplicaPool", "Topology",
-           "ffn_time_per_assignment", "metrics", "plan_stats", "solve", "workloads"]
+           "ffn_time_per_assignment", "links", "metrics", "plan_stats", "solve", "workloads"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from topoep.links import LINK_STAT_NAMES, link_stats
 from topoep.plan import Plan
 
 # Forward + backward FLOPs of one token through one SwiGLU expert (3 matrices H x F):
@@ -87,8 +88,10 @@ def plan_stats(plan: Plan, t_ffn: float = DEFAULT_T_FFN) -> torch.Tensor:
 
 def metrics(plan: Plan, t_ffn: float = DEFAULT_T_FFN) -> dict[str, float]:
     """Imbalance, inter-node and replica-served fractions, bytes moved and the modelled cost terms of
-    eq. 5-8 (seconds, for `t_ffn` seconds of expert time per assignment), as Python floats."""
-    return dict(zip(STAT_NAMES, plan_stats(plan, t_ffn).tolist()))
+    eq. 5-8 (seconds, for `t_ffn` seconds of expert time per assignment), then the per-link terms of
+    `topoep.links` (the busiest NVLink port's and NIC's bytes and time per phase, the largest replica fan-out), as
+    Python floats."""
+    return dict(zip(STAT_NAMES, plan_stats(plan, t_ffn).tolist())) | dict(zip(LINK_STAT_NAMES, link_stats(plan).tolist()))
 
 
 def fit_t_ffn(assignments, seconds, *, intercept: bool = True) -> tuple[float, float]:

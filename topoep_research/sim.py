@@ -81,8 +81,9 @@ import numpy as np
 import torch
 
 import topoep
-from topoep import workloads
+from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
+from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
@@ -410,31 +411,9 @@ def sample_routing(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k
 
 
 # -- traffic accounting ------------------------------------------------------------------------------
-def token_matrix(plan: Plan) -> torch.Tensor:
-    """int64[R, R]: A[s, r] = assignments of source s executed on rank r (one dispatch's rows s -> r)."""
-    R = plan.num_ranks
-    return torch.zeros(R, R, dtype=torch.int64, device=plan.route.device).index_add_(1, plan.instance_rank, plan.route)
-
-
-def replica_matrix(plan: Plan) -> torch.Tensor:
-    """int64[R, R]: B[m, r] = replicas on rank r whose main instance is on rank m (one fetch's W-sized
-    transfers m -> r; the gradient return is its transpose)."""
-    R, N = plan.num_ranks, plan.num_slots
-    se = plan.slot_expert.reshape(-1)
-    occ = se >= 0
-    dst = torch.arange(R, device=se.device).repeat_interleave(N)[occ]
-    src = plan.main_rank[se[occ]]
-    return torch.zeros(R * R, dtype=torch.int64, device=se.device).index_add_(
-        0, src * R + dst, torch.ones_like(src)).view(R, R)
-
-
 def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-GPU bytes of one transfer with flows float64[R, R] (bytes s -> r): NVLink out/in (same domain,
-    s != r) and NIC out/in (different domains), each float64[R]."""
-    same = domain_of[:, None] == domain_of[None, :]
-    f = flows.double() * (1 - torch.eye(flows.shape[0], dtype=torch.float64, device=flows.device))
-    intra, inter = f * same, f * ~same
-    return {"nvl_out": intra.sum(1), "nvl_in": intra.sum(0), "nic_out": inter.sum(1), "nic_in": inter.sum(0)}
+    """`topoep.links.link_loads` as a dict of float64[R] (nvl_out, nvl_in, nic_out, nic_in)."""
+    return links.link_loads(flows, domain_of).as_dict()
 
 
 def token_link_loads(plan: Plan, token_bytes: float, top_k: int, dedup: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,123 @@
+"""Per-link cost model of a plan: bytes on every rank's NVLink port and NIC, each direction, per transfer phase, and the
+time of the busiest link.
+
+The paper's eq. 6-7 (`topoep.metrics`: t_token, t_replica) sum bytes x per-byte cost over all transfers. A transfer
+phase ends when its busiest link is done: one rank's NIC, one rank's NVLink port, or, for replicas, the rank that
+sends every copy of a hot expert. Here every phase of one layer call is a matrix of flows F[s, r] (bytes from rank s
+to rank r); a flow between two ranks of one domain crosses the sender's NVLink port out and the receiver's in, a flow
+between domains the sender's NIC out and the receiver's NIC in. A link's time is the sum of its flows' bytes times
+their per-byte cost (the topology's cost matrix: intra_cost on NVLink, inter_cost on the NICs of a two-level
+topology), and a phase takes its busiest link's time; NVLink and the NICs run at the same time.
+
+Phases of one call: dispatch (token rows s -> the rank of each instance, `token_matrix`), combine (its transpose),
+replica fetch (one expert's weights from its main rank to each replica's rank, `replica_matrix`; the backward reload
+is the same transfer again) and gradient return (the fetch's transpose). The simulator (`topoep_research.sim`) and
+`topoep.metrics` read these functions; nothing here synchronises the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from topoep.plan import Plan
+
+PHASES = ("dispatch", "combine", "replica_fetch", "grad_return")
+
+
+@dataclass(frozen=True)
+class LinkLoads:
+    """Bytes of one transfer phase on every rank's links, float64[R] each."""
+
+    nvl_out: torch.Tensor
+    nvl_in: torch.Tensor
+    nic_out: torch.Tensor
+    nic_in: torch.Tensor
+
+    def busiest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bytes on the busiest NVLink port, bytes on the busiest NIC), 0-d float64 tensors (either direction)."""
+        return torch.maximum(self.nvl_out, self.nvl_in).max(), torch.maximum(self.nic_out, self.nic_in).max()
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {"nvl_out": self.nvl_out, "nvl_in": self.nvl_in, "nic_out": self.nic_out, "nic_in": self.nic_in}
+
+    def transposed(self) -> "LinkLoads":
+        """The loads of the reverse transfer (every flow r -> s): out and in swap."""
+        return LinkLoads(self.nvl_in, self.nvl_out, self.nic_in, self.nic_out)
+
+
+def token_matrix(plan: Plan) -> torch.Tensor:
+    """int64[R, R]: A[s, r] = assignments of source s executed on rank r (one dispatch's rows s -> r)."""
+    R = plan.num_ranks
+    return torch.zeros(R, R, dtype=torch.int64, device=plan.route.device).index_add_(1, plan.instance_rank, plan.route)
+
+
+def replica_matrix(plan: Plan) -> torch.Tensor:
+    """int64[R, R]: B[m, r] = replicas on rank r whose main instance is on rank m (one fetch's W-sized transfers
+    m -> r; the gradient return is its transpose)."""
+    R, N = plan.num_ranks, plan.num_slots
+    se = plan.slot_expert.reshape(-1)
+    occ = se >= 0
+    dst = torch.arange(R, device=se.device).repeat_interleave(N)[occ]
+    src = plan.main_rank.to(se.device)[se[occ]]
+    return torch.zeros(R * R, dtype=torch.int64, device=se.device).index_add_(
+        0, src * R + dst, torch.ones_like(src)).view(R, R)
+
+
+def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> LinkLoads:
+    """The link loads of one transfer with flows [R, R] (bytes s -> r; the diagonal stays on its rank)."""
+    domain_of = domain_of.to(flows.device)
+    same = domain_of[:, None] == domain_of[None, :]
+    f = flows.double() * (1 - torch.eye(flows.shape[0], dtype=torch.float64, device=flows.device))
+    intra, inter = f * same, f * ~same
+    return LinkLoads(intra.sum(1), intra.sum(0), inter.sum(1), inter.sum(0))
+
+
+def phase_flows(plan: Plan) -> dict[str, torch.Tensor]:
+    """{phase: float64[R, R] bytes s -> r} of one layer call's transfers (PHASES), at the plan's token_bytes and
+    expert_bytes."""
+    dispatch = token_matrix(plan).double() * float(plan.token_bytes)
+    fetch = replica_matrix(plan).double() * float(plan.expert_bytes)
+    return {"dispatch": dispatch, "combine": dispatch.t(), "replica_fetch": fetch, "grad_return": fetch.t()}
+
+
+def phase_loads(plan: Plan) -> dict[str, LinkLoads]:
+    """{phase: LinkLoads in bytes} of one layer call's transfers."""
+    dom = plan.topology.domain_of
+    return {k: link_loads(f, dom) for k, f in phase_flows(plan).items()}
+
+
+def transfer_seconds(flows: torch.Tensor, topology) -> torch.Tensor:
+    """Seconds of one transfer with flows [R, R] (bytes): its busiest link's time, each flow's bytes at its per-byte
+    cost (0-d float64, on the flows' device)."""
+    topo = topology.on(flows.device)
+    seconds = link_loads(flows.double() * topo.cost, topo.domain_of)
+    return torch.stack([t.max() for t in seconds.as_dict().values()]).max()
+
+
+LINK_STAT_NAMES = (
+    "t_dispatch_link",  # seconds of one dispatch at its busiest link (the combine mirrors it)
+    "t_fetch_link",  # seconds of one replica fetch at its busiest link (the reload repeats it, the return mirrors it)
+    "dispatch_nic_max_bytes",  # the busiest NIC's bytes in one dispatch (either direction)
+    "dispatch_nvlink_max_bytes",  # the busiest NVLink port's bytes in one dispatch
+    "fetch_nic_max_bytes",
+    "fetch_nvlink_max_bytes",
+    "replica_max_sends",  # the most replica copies one rank sends in one fetch (its fan-out)
+    "t_link_total",  # 2 dispatch-like transfers per pass (dispatch + combine), 2 passes, plus 2 fetches and a return
+)
+
+
+def link_stats(plan: Plan) -> torch.Tensor:
+    """float64[len(LINK_STAT_NAMES)] on the plan's device, in LINK_STAT_NAMES order. No host synchronisation.
+    t_link_total is the per-link counterpart of eq. 6 + 7's t_token + t_replica: forward and backward each dispatch
+    and combine (4 token transfers), the replicas are fetched twice (forward, backward reload) and their gradients
+    return once, every transfer at its busiest link and none overlapping another."""
+    flows = phase_flows(plan)
+    dom = plan.topology.domain_of
+    t_d, t_f = (transfer_seconds(flows[k], plan.topology) for k in ("dispatch", "replica_fetch"))
+    d_nvl, d_nic = link_loads(flows["dispatch"], dom).busiest()
+    f_nvl, f_nic = link_loads(flows["replica_fetch"], dom).busiest()
+    sends = replica_matrix(plan)
+    sends = (sends - torch.diag(torch.diagonal(sends))).sum(1).max().double()
+    return torch.stack([t_d, t_f, d_nic, d_nvl, f_nic, f_nvl, sends, 4 * t_d + 3 * t_f]).to(torch.float64)
