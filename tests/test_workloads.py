@@ -130,3 +130,34 @@ def test_bad_arguments():
         wl.biased_routing(2, 8, 4, 9, -1.0)
     with pytest.raises(ValueError, match="multiple"):
         wl.expert_bias(10, -1.0, num_ranks=4)
+
+
+def test_scenarios_of_the_link_aware_work():
+    """Every scenario: omega int64[R, E], each source's assignments T x k (source_ragged: its own T), the same for
+    the same seed, and the property its name promises."""
+    from topoep.workloads import SCENARIOS, scenario
+
+    R, E, T, k, d = 8, 64, 64, 4, 4
+    loads = {}
+    for name in SCENARIOS:
+        om = scenario(name, R, E, T, k, ranks_per_domain=d, seed=3)
+        assert om.shape == (R, E) and om.dtype == torch.int64 and (om >= 0).all(), name
+        assert torch.equal(om, scenario(name, R, E, T, k, ranks_per_domain=d, seed=3)), name
+        sent = om.sum(1).tolist()
+        if name == "source_ragged":
+            assert sent == [T * (R - 1 + 3 * s) // (4 * (R - 1)) * k for s in range(R)]
+        else:
+            assert sent == [T * k] * R, name
+        loads[name] = om.sum(0).double()
+    per_domain = E // R * d
+    assert (loads["zero_load"][::4] == 0).all() and (loads["zero_load"][1::4] > 0).any()
+    hot = loads["hot_domain"]
+    assert hot[:per_domain].topk(4).values.min() > 5 * hot.mean()  # 4 very hot experts, all in domain 0
+    assert hot[per_domain:].max() < 2 * hot.mean()
+    warm = loads["warm_domain"]
+    assert warm[:per_domain].sum() > 3 * warm[per_domain:].sum() and warm[:per_domain].min() > warm[per_domain:].mean()
+    rank_loads = loads["hot_rank"].view(R, -1).sum(1)
+    assert rank_loads.argmax() == 0 and rank_loads[0] > 2 * rank_loads.mean()
+    assert not torch.equal(loads["burst"], loads["random_bias"])
+    with pytest.raises(ValueError, match="unknown scenario 'hot'"):
+        scenario("hot", R, E, T, k, ranks_per_domain=d)

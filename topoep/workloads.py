@@ -289,3 +289,55 @@ def _check_trace(omega) -> None:
 __all__ = ["FIG10", "FIG10_ROUTER_SKEW", "FIG10_SEED", "LAYOUTS", "arrange", "balanced_routing", "balanced_topk",
            "biased_routing", "biased_topk", "calibrate_skew", "drifting_trace", "expert_bias", "fig10_workload",
            "load_trace", "routing_counts", "save_trace", "static_imbalance", "topk_change_fraction", "zipf_routing"]
+
+
+# -- scenarios of the link-aware planning work: one omega per (scenario, R, E) -----------------------------------
+SCENARIOS = ("uniform", "random_bias", "natural", "hot_rank", "hot_domain", "warm_domain", "source_ragged",
+             "zero_load", "drifting", "burst")
+"""uniform: skew 0 (balanced in expectation). random_bias: megatron's fixed random bias (skew -4, hot experts on
+random ranks). natural: Zipf-like popularity (alpha 1) on random ranks. hot_rank: skew -4 with rank 0's experts the
+hottest ("concentrated"). hot_domain: a few very hot experts (4, bias +4 over uniform logits), all in domain 0.
+warm_domain: popularity falling smoothly with the expert id (log weight -2 per domain's worth of experts), so every
+expert of domain 0 is busier than the other domains' average. source_ragged: random_bias with the sources' token
+counts from T/4 to T (rank s sends floor(T (R - 1 + 3 s) / (4 (R - 1))) tokens). zero_load: random_bias where every fourth expert is never chosen.
+drifting: the second step of a drifting trace (about 18 % of the hot set moved). burst: random_bias with the bias
+drawn afresh (seed + 1): a step whose hot set differs from `random_bias`'s."""
+
+
+def scenario(name: str, num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int, *,
+             ranks_per_domain: int, seed: int = 0) -> torch.Tensor:
+    """omega int64[R, E] of one SCENARIOS routing (the docstring above); deterministic in `seed`."""
+    R, E, T, k = num_ranks, num_experts, tokens_per_rank, top_k
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+    if E < 1 or E % R or R % ranks_per_domain:
+        raise ValueError(f"num_experts={E} must be a multiple of num_ranks={R}, itself a multiple of "
+                         f"ranks_per_domain={ranks_per_domain}")
+    per_domain = E // R * ranks_per_domain
+    if name == "uniform":
+        return biased_routing(R, E, T, k, 0.0, seed=seed)
+    if name in ("random_bias", "burst"):
+        return biased_routing(R, E, T, k, -4.0, seed=seed + (name == "burst"))
+    if name == "natural":
+        return zipf_routing(R, E, T, k, 1.0, seed=seed)
+    if name == "hot_rank":
+        return biased_routing(R, E, T, k, -4.0, seed=seed, layout="concentrated")
+    if name == "hot_domain":
+        g = torch.Generator().manual_seed(seed + 17)
+        logw = torch.zeros(E)
+        logw[torch.randperm(per_domain, generator=g)[:min(4, per_domain)]] = 4.0
+        return routing_from_logits_bias(R, T, k, logw, "normal", seed)
+    if name == "warm_domain":
+        logw = -2.0 * torch.arange(E, dtype=torch.float32) / per_domain
+        return routing_from_logits_bias(R, T, k, logw, "gumbel", seed)
+    if name == "source_ragged":
+        idx = biased_topk(R, E, T, k, -4.0, seed=seed)
+        counts = [T * (R - 1 + 3 * s) // (4 * (R - 1)) if R > 1 else T for s in range(R)]
+        return torch.stack([routing_counts(idx[s:s + 1, :counts[s]], E)[0] for s in range(R)])
+    if name == "zero_load":
+        logw = expert_bias(E, -4.0, num_ranks=R, seed=seed)
+        logw[::4] = float("-inf")
+        if E - (E + 3) // 4 < k:
+            raise ValueError(f"zero_load leaves {E - (E + 3) // 4} experts, fewer than top_k={k}")
+        return routing_from_logits_bias(R, T, k, logw, "normal", seed)
+    return drifting_trace(R, E, T, k, -4.0, num_steps=2, seed=seed)[1, 0]
