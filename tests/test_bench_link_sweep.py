@@ -1,0 +1,23 @@
+"""bench/link_sweep.py on a few small cells: one row per (preset, EP, slots, scenario) with every policy's simulated
+time, the balanced bound below static's, the verdict of the issue's targets, and a report that lists the misses."""
+
+import json
+
+from bench import link_sweep
+
+
+def test_link_sweep_small(tmp_path):
+    args = ["--presets", "paper_h800", "--eps", "8", "16", "--slots", "2", "--scenarios", "uniform", "hot_rank",
+            "--tokens", "2048", "--out", str(tmp_path), "--name", "ls"]
+    link_sweep.main(args)
+    rows = json.loads((tmp_path / "ls.json").read_text())["rows"]
+    assert [(r["ep"], r["scenario"]) for r in rows] == [(8, "uniform"), (8, "hot_rank"), (16, "uniform"),
+                                                        (16, "hot_rank")]
+    for r in rows:
+        assert all(r[f"{p}_ms"] > 0 for p in link_sweep.POLICIES)
+        assert r["bound_ms"] <= r["static_ms"] * 1.0001
+    hot = [r for r in rows if r["scenario"] == "hot_rank"]
+    assert all(r["topoep_plus_ms"] < r["static_ms"] for r in hot)  # a hot rank: balancing pays
+    text = (tmp_path / "ls.md").read_text()
+    misses = sum(not link_sweep.verdict(r)["ok"] for r in rows)
+    assert f"## Cells where topoep_plus misses a target: {misses} of 4" in text
