@@ -28,13 +28,14 @@ from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research import sim  # noqa: E402
 
 POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
+RELAY = "topoep_plus_relay"  # topoep_plus's plans with their replica fetches down relay trees of 2 (topoep.relay)
 PEERS = ("topoep", "deepseek", "fastermoe", "flexmoe")  # what topoep_plus must match (issue: within 1.01x the best)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["paper_h800", "h200", "gb200_nvl72"], choices=list(sim.CLUSTERS))
-    ap.add_argument("--eps", type=int, nargs="+", default=[16, 32, 64, 128], help="EP sizes")
+    ap.add_argument("--eps", type=int, nargs="+", default=[16, 32, 64], help="EP sizes (128 and more: 10-20 s per cell on this CPU)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 2, 4], help="replica slots per rank")
     ap.add_argument("--scenarios", nargs="+", default=list(workloads.SCENARIOS), choices=list(workloads.SCENARIOS))
     ap.add_argument("--model", default="qwen3", choices=list(sim.MODELS))
@@ -82,9 +83,10 @@ def run(args) -> list[dict]:
             bounds[(preset, ep)] = sim.simulate(bal, cl, model=model, policy="static", num_slots=0).layer_s
         row = {"preset": preset, "ep": ep, "domains": ep // d, "slots": slots, "scenario": scen,
                "bound_ms": 1e3 * bounds[(preset, ep)]}
-        for policy in POLICIES:
-            r = sim.simulate(omegas[key], cl, model=model, policy=policy, num_slots=slots,
-                             guard=None if policy == "static" else guard)
+        for policy in POLICIES + (RELAY,):
+            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=2) if policy == RELAY else None
+            r = sim.simulate(omegas[key], cl, model=model, policy=policy.removesuffix("_relay"), num_slots=slots,
+                             guard=None if policy == "static" else guard, execution=ex)
             row[f"{policy}_ms"] = 1e3 * r.layer_s
             row[f"{policy}_imbalance"] = r.stats["imbalance"]
             row[f"{policy}_fetch_nic_bytes"] = r.traffic.get("replica_nic_bytes", 0.0)
@@ -112,15 +114,17 @@ def report(args, rows: list[dict]) -> str:
         f"- model {args.model} expert shape, {args.experts_per_rank} experts per rank, top-{sim.MODELS[args.model].top_k}, "
         f"{args.tokens} tokens per rank, seed {args.seed}; NIC bandwidth x {args.nic_scale:g}",
         "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy; "
-        "each policy column is its time / static's; bound: topoep_plus / the static layer on perfectly balanced "
-        "routing",
+        "each policy column is its time / static's; topoep_plus_relay: topoep_plus's plans with the replica fetch down "
+        "relay trees of 2 children per node (`topoep.relay`, modelled only: the runtime does not relay yet); bound: "
+        "topoep_plus / the static layer on perfectly balanced routing",
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]
     verdicts = [verdict(r) for r in rows]
-    header = ["preset", "EP", "slots", "scenario", "static ms"] + [p for p in POLICIES if p != "static"] + ["plus / bound"]
+    shown = [p for p in POLICIES if p != "static"] + [RELAY]
+    header = ["preset", "EP", "slots", "scenario", "static ms"] + shown + ["plus / bound"]
     body = [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{r['static_ms']:.2f}"]
-            + [f"{r[f'{p}_ms'] / r['static_ms']:.2f}" for p in POLICIES if p != "static"] + [f"{v['vs_bound']:.2f}"]
+            + [f"{r[f'{p}_ms'] / r['static_ms']:.2f}" for p in shown] + [f"{v['vs_bound']:.2f}"]
             for r, v in zip(rows, verdicts)]
     bad = [(r, v) for r, v in zip(rows, verdicts) if not v["ok"]]
     lines += [f"## Cells where topoep_plus misses a target: {len(bad)} of {len(rows)}", "",

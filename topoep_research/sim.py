@@ -85,6 +85,7 @@ from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan
+from topoep.relay import relay_levels, relay_sources
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
 
@@ -245,9 +246,15 @@ class Execution:
     capacity_factor: float | None = 1.25
     """Backend cuda's receive regions for `SimResult.memory` (topoep.memory; None: sized for the worst case).
     The times do not model the capacity step (it changes only plans that overflow a region)."""
+    relay_fanout: int | None = None
+    """Replica fetches down relay trees of this many children per node (topoep.relay; the levels one after the
+    other, each at its busiest link; the traffic columns stay the direct fetch's); None: every copy from its home in
+    one transfer."""
 
     def __post_init__(self):
         _check(self, "num_chunks", "int", 1)
+        if self.relay_fanout is not None:
+            _check(self, "relay_fanout", "int", 1)
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
                      "replica_latency_s", "static_plan_s", "host_round_trip_s"):
             _check(self, name, "float", 0.0)
@@ -756,6 +763,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     B = replica_matrix(plan)
     has_rep = bool(B.any())
     t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
+    if has_rep and execution.relay_fanout is not None:  # the relay trees' levels, one after the other
+        t_rep = sum(transfer_time(link_loads(level.double() * W, dom), cluster)[0]
+                    for level in relay_levels(plan, *relay_sources(plan, execution.relay_fanout)))
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)

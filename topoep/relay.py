@@ -1,0 +1,97 @@
+"""Relay trees for replica fetches: where each slot fetches its replica from, so that no rank sends every copy.
+
+Without relays every copy of expert e comes from its home rank h = main_rank[e]: a hot expert with a copy on every
+rank makes h send R - 1 copies through one NVLink port and one NIC. With relays (`relay_sources`), the copies of e
+form one tree per domain, in a fixed order that every rank computes alike from the plan:
+  - in h's domain the tree's root is h; elsewhere its root is the domain's first copy, which fetches from h over the
+    NIC (the only copy of e that crosses into that domain);
+  - the domain's copies, in slot order (rank, then slot), hang below the root as a heap of `fanout` children per
+    node: node i of the list [root, copy 1, copy 2, ...] fetches from node (i - 1) // fanout.
+A copy can only be sent once it has arrived, so a relayed fetch runs in levels (the copies at depth 1 first, then
+depth 2, ...); each level is one transfer, timed at its busiest link (`topoep.links`). The gradient return follows the
+trees in reverse, deepest level first, every node summing its children's gradients in list order onto its own before
+sending (a fixed order: the sums stay bit-reproducible).
+
+Everything here is tensor code on the plan's device, without host synchronisation (the number of levels is bounded by
+the shapes). The runtime does not execute relayed fetches yet; the simulator and `topoep.links` model them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from topoep.plan import Plan
+
+
+def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tensor:
+    """Depth of node `index` in a heap of `fanout` children per node (root 0 at depth 0)."""
+    depth = torch.zeros_like(index)
+    j = index.clone()
+    for _ in range(max_depth):
+        up = j > 0
+        depth += up.to(depth.dtype)
+        j = torch.where(up, torch.div(j - 1, fanout, rounding_mode="floor"), j)
+    return depth
+
+
+def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source int64[R, N], level int64[R, N]): the rank each slot fetches its replica from and the level of that
+    transfer (1: from the home, or the first hop of a tree; -1 and 0 for an empty slot). Deterministic: the same plan
+    gives the same trees on every rank and device."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+        raise ValueError(f"fanout must be an integer >= 1 (copies one node of a relay tree sends), got {fanout!r}")
+    R, N = plan.num_ranks, plan.num_slots
+    se = plan.slot_expert.reshape(-1)
+    dev = se.device
+    source = torch.full((R * N,), -1, dtype=torch.int64, device=dev)
+    level = torch.zeros(R * N, dtype=torch.int64, device=dev)
+    if R * N == 0:
+        return source.view(R, N), level.view(R, N)
+    d = plan.topology.ranks_per_domain
+    M = plan.topology.num_domains
+    slot_rank = torch.arange(R * N, device=dev) // max(N, 1)
+    occ = se >= 0
+    home = plan.main_rank.to(dev)[se.clamp(min=0)]
+    dom, home_dom = slot_rank // d, home // d
+    # copies sorted by (expert, slot index): slot index order is (domain, rank, slot) since domains are contiguous
+    big = plan.num_experts * R * N
+    key = torch.where(occ, se * (R * N) + torch.arange(R * N, device=dev), torch.full_like(se, big + R * N))
+    order = torch.argsort(key)
+    group = torch.where(occ, se * M + dom, torch.full_like(se, plan.num_experts * M))[order]  # (expert, domain)
+    pos_sorted = torch.arange(R * N, device=dev)
+    first = torch.ones(R * N, dtype=torch.bool, device=dev)
+    first[1:] = group[1:] != group[:-1]
+    start = torch.cummax(torch.where(first, pos_sorted, torch.zeros_like(pos_sorted)), 0).values
+    p = pos_sorted - start  # position of the copy within its (expert, domain) group
+    o_home, o_dom, o_hdom = home[order], dom[order], home_dom[order]
+    local = o_dom == o_hdom
+    # list index of the copy in its tree and of its parent: [home, copies...] at home, [copies...] elsewhere
+    idx = torch.where(local, p + 1, p)
+    parent_idx = torch.div(idx - 1, fanout, rounding_mode="floor")
+    # the parent's rank: the home (list index 0 at home), else the copy at that list index of the same group
+    parent_pos = torch.where(local, parent_idx - 1, parent_idx)  # its position within the group
+    parent_sorted = (start + parent_pos.clamp(min=0)).clamp(max=R * N - 1)
+    parent_rank = slot_rank[order][parent_sorted]
+    src = torch.where(local & (parent_idx == 0), o_home, parent_rank)
+    src = torch.where(~local & (idx == 0), o_home, src)  # a remote domain's root fetches from the home
+    max_depth = R * N if fanout == 1 else int(R * N).bit_length() + 1  # a chain, or a heap's depth at most
+    lvl = _heap_depth(idx, fanout, max_depth) + (~local).to(torch.int64)
+    o_occ = occ[order]
+    source[order] = torch.where(o_occ, src, torch.full_like(src, -1))
+    level[order] = torch.where(o_occ, lvl, torch.zeros_like(lvl))
+    return source.view(R, N), level.view(R, N)
+
+
+def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+    """int64[L, R, R]: the replica transfers of each level (copies src -> dst), L = the largest level (at least 1).
+    Level l's transfers can start once level l - 1's are done."""
+    R, N = plan.num_ranks, plan.num_slots
+    dev = source.device
+    occ = source.reshape(-1) >= 0
+    lv = level.reshape(-1)
+    L = max(1, int(lv.max()) if lv.numel() else 1)  # the host reads one number: a model, not the runtime's path
+    dst = (torch.arange(R * N, device=dev) // max(N, 1))[occ]
+    src, lv = source.reshape(-1)[occ], lv[occ]
+    flat = torch.zeros(L * R * R, dtype=torch.int64, device=dev)
+    flat.index_add_(0, (lv - 1) * R * R + src * R + dst, torch.ones_like(src))
+    return flat.view(L, R, R)
