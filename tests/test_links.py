@@ -24,7 +24,7 @@ def _plans():
 
 def _brute(plan):
     """{phase: (nvl_out, nvl_in, nic_out, nic_in) as lists} by walking every route entry and replica."""
-    R, E = plan.num_ranks, plan.num_experts
+    R = plan.num_ranks
     dom = [r // plan.topology.ranks_per_domain for r in range(R)]
     inst_rank = plan.instance_rank.tolist()
     route = plan.route.tolist()

@@ -54,6 +54,8 @@ REPORTS = [
           "- (workloads generated; t_ffn fitted on moe_layer.json, reported only)", "CPU",
           "make plan-quality"),
     Entry(("capacity.md", "capacity.json"), "bench/capacity.py", "-", "CPU", "python bench/capacity.py"),
+    Entry(("link_sweep.md", "link_sweep.json"), "bench/link_sweep.py", "- (scenarios generated; the simulator's presets)",
+          "CPU", "python bench/link_sweep.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
     Entry(("simulation.md", "simulation.json", "simulation_*.png"), "bench/simulate.py",
           "moe_layer.json, moe_layer_slots8.json (calibration and hold-out)", "CPU", "python bench/simulate.py"),
