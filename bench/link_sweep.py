@@ -115,7 +115,7 @@ def report(args, rows: list[dict]) -> str:
         f"{args.tokens} tokens per rank, seed {args.seed}; NIC bandwidth x {args.nic_scale:g}",
         "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy; "
         "each policy column is its time / static's; topoep_plus_relay: topoep_plus's plans with the replica fetch down "
-        "relay trees of 2 children per node (`topoep.relay`, modelled only: the runtime does not relay yet); bound: "
+        "relay trees of 2 children per node (`topoep.relay`; backend torch executes it, backend cuda does not yet); bound: "
         "topoep_plus / the static layer on perfectly balanced routing",
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",

@@ -136,8 +136,38 @@ class TorchBackend:
         dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
         return list(out.split(n)) if from_peer else []
 
-    def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool) -> None:
-        """Copy every replicated expert's weights from its main rank into the slot the plan gives it."""
+    def _relay_routes(self, plan: Plan, fanout: int):
+        """Per level of the relay trees (topoep.relay), for this rank: [(dest r, slot j, expert e)] it sends and
+        [(src s, slot j, expert e)] it receives, both in (peer, slot) order; None when no rank holds a replica."""
+        from topoep.relay import relay_sources
+
+        R, N = plan.num_ranks, plan.num_slots
+        se = plan.slot_expert.tolist()
+        if all(e < 0 for row in se for e in row):
+            return None
+        source, level = (t.tolist() for t in relay_sources(plan, fanout))
+        levels = max(max(row) for row in level)
+        out = []
+        for lv in range(1, levels + 1):
+            send = [(r, j, se[r][j]) for r in range(R) for j in range(N)
+                    if level[r][j] == lv and source[r][j] == self.rank]
+            recv = sorted((source[self.rank][j], j, se[self.rank][j]) for j in range(N) if level[self.rank][j] == lv)
+            out.append((send, recv))
+        return out
+
+    def _held(self, e: int, plan_row: list, main: list, pool_tensor, E_loc: int):
+        """This rank's copy of expert e: its main weights when e is its own (a self-replica included), else the slot
+        that holds it (one per rank)."""
+        if e_main(e, E_loc) == self.rank:
+            return main[e - self.rank * E_loc]
+        return pool_tensor[plan_row.index(e)]
+
+    def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool,
+                       relay_fanout: int | None = None) -> None:
+        """Copy every replicated expert's weights into the slot the plan gives it: from its main rank, or with
+        relay_fanout down the relay trees of topoep.relay, level by level (a copy is sent on once it has arrived)."""
+        if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
+            return self._fetch_relayed(plan, main_fc1, main_fc2, pool, relay_fanout)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:  # no replica anywhere (the same on every rank)
             return
@@ -150,9 +180,46 @@ class TorchBackend:
             pool.fc1[j].copy_(row[:n1].view_as(pool.fc1[j]))
             pool.fc2[j].copy_(row[n1:].view_as(pool.fc2[j]))
 
-    def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list) -> None:
+    def _fetch_relayed(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int) -> None:
+        routes = self._relay_routes(plan, fanout)
+        if routes is None:
+            return
+        E_loc, n1, dtype = plan.num_experts // plan.num_ranks, pool.fc1[0].numel(), pool.fc1.dtype
+        row = plan.slot_expert[self.rank].tolist()
+        for send, recv in routes:
+            rows = [torch.cat([self._held(e, row, main_fc1, pool.fc1, E_loc).detach().reshape(-1).to(dtype),
+                               self._held(e, row, main_fc2, pool.fc2, E_loc).detach().reshape(-1).to(dtype)])
+                    for _, _, e in send]
+            got = self._exchange(rows, [r for r, _, _ in send], [s for s, _, _ in recv], pool)
+            for data, (_, j, _) in zip(got, recv):
+                pool.fc1[j].copy_(data[:n1].view_as(pool.fc1[j]))
+                pool.fc2[j].copy_(data[n1:].view_as(pool.fc2[j]))
+
+    def _return_relayed(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list, fanout: int) -> None:
+        """The relay trees in reverse, deepest level first: every copy sends its gradient (its own plus what its
+        children sent, added in (child rank, slot) order) to the rank it fetched from."""
+        routes = self._relay_routes(plan, fanout)
+        if routes is None:
+            return
+        E_loc, n1 = plan.num_experts // plan.num_ranks, pool.fc1[0].numel()
+        row = plan.slot_expert[self.rank].tolist()
+        for send, recv in reversed(routes):
+            rows = [torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv]
+            got = self._exchange(rows, [s for s, _, _ in recv], [r for r, _, _ in send], pool)
+            for data, (_, j, e) in zip(got, send):  # (child rank, slot) order: a fixed summation order
+                # the parent's copy of e: its main gradient, or (a relay) the slot it holds e in
+                g1 = self._held(e, row, grad_fc1, pool.fc1, E_loc)
+                g2 = self._held(e, row, grad_fc2, pool.fc2, E_loc)
+                g1.add_(data[:n1].view_as(g1))
+                g2.add_(data[n1:].view_as(g2))
+
+    def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list,
+                     relay_fanout: int | None = None) -> None:
         """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
-        grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order."""
+        grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order; with relay_fanout up the
+        relay trees (`_return_relayed`)."""
+        if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
+            return self._return_relayed(plan, pool, grad_fc1, grad_fc2, relay_fanout)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:
             return

@@ -269,7 +269,8 @@ class ExpertParallelMoE(nn.Module):
         if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
             # the model was cast or moved after construction (e.g. megatron's Float16Module)
             self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
-        call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm)
+        call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm,
+                         relay_fanout=self.config.relay_fanout)
         return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def _experts_cuda(self, x, topk_idx, topk_weights, fc1, fc2) -> torch.Tensor:
