@@ -35,7 +35,8 @@ PEERS = ("topoep", "deepseek", "fastermoe", "flexmoe")  # what topoep_plus must 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["paper_h800", "h200", "gb200_nvl72"], choices=list(sim.CLUSTERS))
-    ap.add_argument("--eps", type=int, nargs="+", default=[16, 32, 64], help="EP sizes (128 and more: 10-20 s per cell on this CPU)")
+    ap.add_argument("--eps", type=int, nargs="+", default=[16, 32, 64],
+                    help="EP sizes (128 and more: 10-20 s per cell on this CPU)")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 2, 4], help="replica slots per rank")
     ap.add_argument("--scenarios", nargs="+", default=list(workloads.SCENARIOS), choices=list(workloads.SCENARIOS))
     ap.add_argument("--model", default="qwen3", choices=list(sim.MODELS))
@@ -111,12 +112,13 @@ def report(args, rows: list[dict]) -> str:
         "",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']} (a prediction: nothing here "
         "ran on a GPU)",
-        f"- model {args.model} expert shape, {args.experts_per_rank} experts per rank, top-{sim.MODELS[args.model].top_k}, "
+        f"- model {args.model} expert shape, {args.experts_per_rank} experts per rank, "
+        f"top-{sim.MODELS[args.model].top_k}, "
         f"{args.tokens} tokens per rank, seed {args.seed}; NIC bandwidth x {args.nic_scale:g}",
         "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy; "
         "each policy column is its time / static's; topoep_plus_relay: topoep_plus's plans with the replica fetch down "
-        "relay trees of 2 children per node (`topoep.relay`; backend torch executes it, backend cuda does not yet); bound: "
-        "topoep_plus / the static layer on perfectly balanced routing",
+        "relay trees of 2 children per node (`topoep.relay`; backend torch executes it, backend cuda does not yet); "
+        "bound: topoep_plus / the static layer on perfectly balanced routing",
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]
