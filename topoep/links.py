@@ -113,11 +113,12 @@ def link_stats(plan: Plan) -> torch.Tensor:
     t_link_total is the per-link counterpart of eq. 6 + 7's t_token + t_replica: forward and backward each dispatch
     and combine (4 token transfers), the replicas are fetched twice (forward, backward reload) and their gradients
     return once, every transfer at its busiest link and none overlapping another."""
-    flows = phase_flows(plan)
+    copies = replica_matrix(plan)
+    dispatch = token_matrix(plan).double() * float(plan.token_bytes)
+    fetch = copies.double() * float(plan.expert_bytes)
     dom = plan.topology.domain_of
-    t_d, t_f = (transfer_seconds(flows[k], plan.topology) for k in ("dispatch", "replica_fetch"))
-    d_nvl, d_nic = link_loads(flows["dispatch"], dom).busiest()
-    f_nvl, f_nic = link_loads(flows["replica_fetch"], dom).busiest()
-    sends = replica_matrix(plan)
-    sends = (sends - torch.diag(torch.diagonal(sends))).sum(1).max().double()
+    t_d, t_f = transfer_seconds(dispatch, plan.topology), transfer_seconds(fetch, plan.topology)
+    d_nvl, d_nic = link_loads(dispatch, dom).busiest()
+    f_nvl, f_nic = link_loads(fetch, dom).busiest()
+    sends = (copies - torch.diag(torch.diagonal(copies))).sum(1).max().double()
     return torch.stack([t_d, t_f, d_nic, d_nvl, f_nic, f_nvl, sends, 4 * t_d + 3 * t_f]).to(torch.float64)
