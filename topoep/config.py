@@ -142,9 +142,6 @@ class LayerConfig:
                              f"{', '.join(sorted(known))}")
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def _check_int(cfg, name: str, low: int) -> None:
     v = getattr(cfg, name)

@@ -42,10 +42,6 @@ class LinkLoads:
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {"nvl_out": self.nvl_out, "nvl_in": self.nvl_in, "nic_out": self.nic_out, "nic_in": self.nic_in}
 
-    def transposed(self) -> "LinkLoads":
-        """The loads of the reverse transfer (every flow r -> s): out and in swap."""
-        return LinkLoads(self.nvl_in, self.nvl_out, self.nic_in, self.nic_out)
-
 
 def token_matrix(plan: Plan) -> torch.Tensor:
     """int64[R, R]: A[s, r] = assignments of source s executed on rank r (one dispatch's rows s -> r)."""
