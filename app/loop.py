@@ -69,11 +69,15 @@ def _quiet_megatron() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl\.logging).*")
 
 
+RANK_EXIT_DELAY_S = 5.0  # config_errors: how long ranks other than 0 wait before they exit
+
+
 @contextlib.contextmanager
 def config_errors():
     """A config error (a ValueError of the configs' checks, which names the field and the fix, OmegaConf's type error
-    or Hydra's composition error) is printed once, by rank 0, without a traceback, and every rank exits with status 2 (every rank checks
-    the same config, so every rank stops)."""
+    or Hydra's composition error) is printed once, by rank 0, without a traceback, and every rank exits with status 2
+    (every rank checks the same config, so every rank stops). The other ranks wait RANK_EXIT_DELAY_S first: torchrun
+    stops every rank as soon as one exits, and rank 0 must have printed by then."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -83,6 +87,8 @@ def config_errors():
         if int(os.environ.get("RANK", "0")) == 0:
             cause = f"\n{e.__cause__}" if e.__cause__ is not None else ""  # Hydra's override errors keep it there
             print(f"config error: {e}{cause}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(RANK_EXIT_DELAY_S)
         sys.exit(2)
 
 
