@@ -31,8 +31,13 @@ void check_outputs(const at::Tensor& omega, int64_t N, const at::Tensor& slot_ex
 // skip_stages: stages the planner leaves out, and tuning bits (planner.h kSkip*; latency measurements and tests)
 void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
           int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route, at::Tensor workspace,
-          int64_t num_blocks, int64_t skip_stages, const topoep::PlusArgs* plus) {
+          int64_t num_blocks, int64_t skip_stages, const topoep::PlusArgs* plus,
+          const c10::optional<at::Tensor>& enable) {
   check_i64_cuda(omega, "omega");
+  if (enable.has_value())
+    TORCH_CHECK(enable->is_cuda() && enable->scalar_type() == at::kBool && enable->numel() == 1 &&
+                    enable->device() == omega.device(),
+                "enable must be one bool on omega's device (topoep.solve's enable), or None");
   check_i64_cuda(cost_fs, "cost_fs");
   check_i64_cuda(workspace, "workspace");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
@@ -61,26 +66,28 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
                                      (int)num_domains, (int)num_slots, expert_bytes, token_bytes,
                                      slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
                                      workspace.data_ptr<int64_t>(), (int)num_blocks, (int)skip_stages,
-                                     c10::cuda::getCurrentCUDAStream().stream(), plus));
+                                     c10::cuda::getCurrentCUDAStream().stream(), plus,
+                                     enable.has_value() ? enable->data_ptr<bool>() : nullptr));
 }
 
 void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
                  int64_t expert_bytes, int64_t token_bytes, at::Tensor slot_expert, at::Tensor route,
-                 at::Tensor workspace, int64_t num_blocks, int64_t skip_stages) {
+                 at::Tensor workspace, int64_t num_blocks, int64_t skip_stages,
+                 const c10::optional<at::Tensor>& enable) {
   plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, num_blocks,
-       skip_stages, nullptr);
+       skip_stages, nullptr, enable);
 }
 
 // topoep_plus: a2 and bb from common.two_level_costs of an exactly two-level cost matrix (checked by the caller)
 void plan_topoep_plus(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
                       int64_t expert_bytes, int64_t token_bytes, int64_t a2, int64_t bb, int64_t max_moves,
                       at::Tensor slot_expert, at::Tensor route, at::Tensor workspace, int64_t num_blocks,
-                      int64_t skip_stages) {
+                      int64_t skip_stages, const c10::optional<at::Tensor>& enable) {
   TORCH_CHECK(a2 >= 0 && bb >= 0, "a2 and bb must be >= 0");
   TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
   const topoep::PlusArgs plus{(int)max_moves, a2, bb};
   plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, num_blocks,
-       skip_stages, &plus);
+       skip_stages, &plus, enable);
 }
 
 void plan_static(const at::Tensor& omega, int64_t num_slots, at::Tensor slot_expert, at::Tensor route) {
@@ -135,10 +142,10 @@ std::vector<int64_t> workspace_layout(int64_t R, int64_t E, int64_t num_domains,
 TORCH_LIBRARY(topoep, m) {
   m.def("plan_topoep(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, Tensor(a!) slot_expert, Tensor(b!) route, Tensor(c!) workspace, int num_blocks=0, "
-        "int skip_stages=0) -> ()");
+        "int skip_stages=0, Tensor? enable=None) -> ()");
   m.def("plan_topoep_plus(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
-        "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0) -> ()");
+        "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, Tensor? enable=None) -> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, Tensor allow_new, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");

@@ -66,10 +66,13 @@ struct PlusArgs {
 // slot_expert int64[R, N] and route int64[R, E + R*N]; ws: workspace_layout().elems int64 (topoep_plus also
 // leaves its number of moves at ws[kMovesAt]). All device pointers, enqueued on `stream`. num_blocks: the
 // cooperative grid of a multi-block plan (at most one block per SM; more are capped), 0 for the default, half the
-// SMs; the plan does not depend on it. skip_stages: kSkip* bits, 0 for the policy's plan.
+// SMs; the plan does not depend on it. skip_stages: kSkip* bits, 0 for the policy's plan. enable: one bool on the
+// device, or null: when it holds false the kernel writes the static plan and plans nothing (the net-benefit guard's
+// pre-plan bound, topoep/runtime/guard.py), so a CUDA graph replays either case.
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
                         int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, int num_blocks,
-                        int skip_stages, cudaStream_t stream, const PlusArgs* plus = nullptr);
+                        int skip_stages, cudaStream_t stream, const PlusArgs* plus = nullptr,
+                        const bool* enable = nullptr);
 // The capacity step (capacity.cu, topoep/planners/capacity.py) on a plan, in place: slot_expert int64[R, N] and
 // route int64[R, E + R*N] become the fitted plan; omega int64[R, E] (for the refit from the static plan); allow_new:
 // one bool on the device (false: no new replica; the runtime left the slots out); ws: fit_workspace_elems() int64;

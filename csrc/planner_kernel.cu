@@ -55,10 +55,20 @@
 
 namespace topoep {
 
+// The static plan (every assignment on its expert's main instance, no slot used), grid-strided from thread `i`.
+__device__ __forceinline__ void write_static(const i64* __restrict__ omega, const Dims& d, i64* __restrict__ slot_expert,
+                                             i64* __restrict__ route, i64 i, i64 stride) {
+  for (i64 q = i; q < (i64)d.R * d.N; q += stride) slot_expert[q] = -1;
+  for (; i < (i64)d.R * d.P; i += stride) {
+    int s = (int)(i / d.P), p = (int)(i % d.P);
+    route[i] = p < d.E ? omega[(i64)s * d.E + p] : 0;
+  }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restrict__ omega, const i64* __restrict__ cost_fs,
                                                             Dims d, Work w, Plus pl, i64* __restrict__ slot_expert,
-                                                            i64* __restrict__ route) {
+                                                            i64* __restrict__ route, const bool* __restrict__ enable) {
   extern __shared__ i64 smem[];
   __shared__ int num_listed;
   stamp(w, 0);
@@ -67,6 +77,11 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
     if (pl.on) for (int i = 0; i < kPlusStamps; ++i) pl.pst[i] = 0;
   }
   if (d.skip & kSkipAll) return;
+  if (enable != nullptr && !*enable) {  // the guard's pre-plan bound says no plan can pay: the static plan, no moves
+    if (pl.on && blockIdx.x == 0 && threadIdx.x == 0) *pl.moves = 0;
+    write_static(omega, d, slot_expert, route, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
+    return;  // every block returns here: no grid barrier is left waiting
+  }
   i64* scratch = smem;  // per-phase shared memory (smem_bytes)
   const ListState ls = {(int*)scratch + 2 * d.R * d.N, &num_listed};  // after the two slot tables
   if (d.local) {        // omega and the state move into shared memory, after the scratch area
@@ -160,12 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) topoep_kernel(const i64* __restri
 
 __global__ void static_kernel(const i64* __restrict__ omega, Dims d, i64* __restrict__ slot_expert,
                               i64* __restrict__ route) {
-  i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < (i64)d.R * d.N) slot_expert[i] = -1;
-  if (i < (i64)d.R * d.P) {
-    int s = (int)(i / d.P), p = (int)(i % d.P);
-    route[i] = p < d.E ? omega[(i64)s * d.E + p] : 0;
-  }
+  write_static(omega, d, slot_expert, route, (i64)blockIdx.x * blockDim.x + threadIdx.x, (i64)gridDim.x * blockDim.x);
 }
 
 static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t); }
@@ -220,7 +230,7 @@ static int grid_blocks(const Dims& d, int sms, size_t* smem, bool plus) {
 
 cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int E, int M, int N, int64_t W,
                         int64_t S, int64_t* slot_expert, int64_t* route, int64_t* ws, int num_blocks,
-                        int skip_stages, cudaStream_t stream, const PlusArgs* plus) {
+                        int skip_stages, cudaStream_t stream, const PlusArgs* plus, const bool* enable) {
   Dims d = make_dims(R, E, M, N);
   d.W = W; d.S = S; d.skip = skip_stages;
   const WorkspaceLayout layout = workspace_layout(R, E, M, N);
@@ -254,7 +264,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
     smem += plus_smem;
   }
   // the refinement's slot loops are unrolled for 1-4 slots
-  void (*kernel)(const i64*, const i64*, Dims, Work, Plus, i64*, i64*) =
+  void (*kernel)(const i64*, const i64*, Dims, Work, Plus, i64*, i64*, const bool*) =
       N == 1 ? topoep_kernel<1> : N == 2 ? topoep_kernel<2> : N == 3 ? topoep_kernel<3> : N == 4 ? topoep_kernel<4>
                                                                                            : topoep_kernel<0>;
   static int max_smem_set[5] = {0, 0, 0, 0, 0};  // allow more than 48 KiB of dynamic shared memory
@@ -274,7 +284,7 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = blocks > 1 ? 1 : 0;  // one block synchronises with block barriers: a plain launch
-  return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, pl, slot_expert, route);
+  return cudaLaunchKernelEx(&cfg, kernel, omega, cost_fs, d, w, pl, slot_expert, route, enable);
 }
 
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,

@@ -22,7 +22,8 @@ for name in ("plan_topoep", "plan_topoep_plus", "plan_static", "fit_capacity", "
 for name in ("set_skip_stages", "set_grid_blocks"):  # no process-wide settings: both are arguments of a plan
     assert not hasattr(ops, name), name
 for op in (ops.plan_topoep, ops.plan_topoep_plus):
-    assert str(op.default._schema).endswith("Tensor(c!) workspace, int num_blocks=0, int skip_stages=0) -> ()"), op
+    assert str(op.default._schema).endswith("Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, "
+                                            "Tensor? enable=None) -> ()"), op
 lay = dict(zip(WORKSPACE_FIELDS, ops.workspace_layout(32, 640, 4, 2), strict=True))
 heads = [(lay[n], lay["num_" + n]) for n in ("stamps", "refine_counters", "plus_stamps")]
 assert [k for _, k in heads] == [len(PHASES) + 1, len(REFINE_COUNTERS), len(PLUS_PHASES)], lay

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from topoep import Topology, links, metrics, solve
+from topoep import Plan, Topology, links, metrics, solve
 from topoep.workloads import biased_routing
 
 POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
@@ -107,3 +107,13 @@ def test_the_simulator_reads_the_same_functions():
     f = links.phase_flows(plan)["dispatch"]
     assert {k: v.tolist() for k, v in sim.link_loads(f, plan.topology.domain_of).items()} == \
         {k: v.tolist() for k, v in links.link_loads(f, plan.topology.domain_of).as_dict().items()}
+
+
+def test_link_stats_read_no_tensor_values():
+    """No host synchronisation (the guard runs these every call): every input on the meta device, where reading a
+    value (a boolean mask's size, .item()) raises."""
+    plan = next(iter(_plans()))
+    meta = Plan(omega=plan.omega.to("meta"), topology=plan.topology, num_slots=plan.num_slots,
+                main_rank=plan.main_rank.to("meta"), slot_expert=plan.slot_expert.to("meta"),
+                route=plan.route.to("meta"), policy=plan.policy, expert_bytes=10, token_bytes=1)
+    assert links.link_stats(meta).is_meta and links.replica_matrix(meta).is_meta

@@ -91,6 +91,44 @@ def test_graph_replay_equals_eager(policy):
         assert torch.equal(replayed[0].cpu(), ref.slot_expert) and torch.equal(replayed[1].cpu(), ref.route)
 
 
+@pytest.mark.parametrize("policy", ["topoep", "topoep_plus"])
+def test_enable_flag_is_read_on_the_device(policy):
+    """enable False: the kernel writes the static plan (and topoep_plus 0 moves); True: the policy's plan. One
+    captured graph replays both values of the flag, and both grids (one block, many blocks) honour it."""
+    R, E, N = 32, 640, 2
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    omega = biased_routing(R, E, 1024, 8, -3.0, seed=5, layout="clustered").cuda()
+    static = solve(omega.cpu(), topo, num_slots=N, policy="static", backend="reference")
+    ref = solve(omega.cpu(), topo, num_slots=N, policy=policy, backend="reference")
+    assert not torch.equal(ref.route, static.route)
+    planner = CudaPlanner(R, E, topo.num_domains, N, "cuda")
+    flag = torch.ones((), dtype=torch.bool, device="cuda")
+    se = torch.empty(R, N, dtype=torch.int64, device="cuda")
+    rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
+    args = (topo, policy, 9_437_184, 4096, se, rt)
+    for blocks in (1, 0):
+        for on, want in ((False, static), (True, ref), (False, static)):
+            flag.fill_(on)
+            planner.plan(omega, *args, grid_blocks=blocks, enable=flag)
+            assert torch.equal(se.cpu(), want.slot_expert) and torch.equal(rt.cpu(), want.route), (blocks, on)
+            if policy == "topoep_plus" and not on:
+                assert planner.moves() == 0
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        planner.plan(omega, *args, enable=flag)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planner.plan(omega, *args, enable=flag)
+    for on, want in ((True, ref), (False, static), (True, ref)):
+        flag.fill_(on)
+        graph.replay()
+        assert torch.equal(se.cpu(), want.slot_expert) and torch.equal(rt.cpu(), want.route), on
+    plan = solve(omega, topo, num_slots=N, policy=policy, enable=flag.fill_(False))
+    assert plan.info.get("backend") == "cuda" and torch.equal(plan.route.cpu(), static.route)
+
+
 def test_auto_backend_uses_cuda_for_gpu_omega():
     omega = biased_routing(8, 64, 64, 2, -2.0, seed=1).cuda()
     plan = solve(omega, Topology(num_domains=2, ranks_per_domain=4), num_slots=1)

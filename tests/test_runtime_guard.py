@@ -28,25 +28,127 @@ def hand_plan():
 
 def test_prediction_and_selection_on_a_hand_worked_plan():
     plan = hand_plan()
-    g = NetBenefitGuard()  # plan 100 us, 20 us per exposed transfer, the topology's 200 GB/s
+    # plan 100 us, 20 us per exposed transfer, the topology's 200 GB/s; 2 token transfers, priced serially
+    g = NetBenefitGuard(token_transfers=2, token_overlap=0.0)
     # one replica of 1000 B over 200 GB/s = 5 ns, 3 exposed transfers (backend torch)
     cost = 1e-4 + 3 * (1000 / 200e9 + 2e-5)
     assert g.transfer_time(plan, 3).item() == pytest.approx(3 * (1000 / 200e9 + 2e-5), rel=1e-12)
-    # t_ffn 1 us: saving 8 assignments x 1 us = 8 us < 160 us -> static plan
+    # tokens: static sends rank 1's 8 assignments x 10 B to rank 0 (80 B on its port), the plan 3 each way (30 B);
+    # 2 token transfers save 2 x 50 B at 200 GB/s
+    tokens = 2 * (80 - 30) / 200e9
+    assert g.static_dispatch_time(plan).item() == pytest.approx(80 / 200e9, rel=1e-12)
+    assert g.dispatch_time(plan).item() == pytest.approx(30 / 200e9, rel=1e-12)
+    # t_ffn 1 us: saving 8 assignments x 1 us (+ the tokens) < 160 us -> static plan
     executed, fired, saved, c = g.select(plan, 1e-6, 3)
-    assert fired.item() and saved.item() == pytest.approx(8e-6) and c.item() == pytest.approx(cost)
+    assert fired.item() and saved.item() == pytest.approx(8e-6 + tokens, rel=1e-12)
+    assert c.item() == pytest.approx(cost)
+    assert NetBenefitGuard(token_transfers=0).predict(plan, 1e-6, 3)[0].item() == pytest.approx(8e-6, rel=1e-12)
     static = solve(plan.omega, plan.topology, num_slots=1, policy="static", expert_bytes=1000, token_bytes=10)
     assert torch.equal(executed.slot_expert, static.slot_expert) and torch.equal(executed.route, static.route)
     executed.check()
     # t_ffn 100 us: saving 800 us > 160 us -> the balanced plan, unchanged
     executed, fired, saved, _ = g.select(plan, 1e-4, 3)
-    assert not fired.item() and saved.item() == pytest.approx(8e-4)
+    assert not fired.item() and saved.item() == pytest.approx(8e-4 + tokens, rel=1e-12)
     assert torch.equal(executed.slot_expert, plan.slot_expert) and torch.equal(executed.route, plan.route)
+    # overlap: X = x + m t - h min(x, m t) for static (x 16 us, t 0.4 ns) and the plan (8 us, 0.15 ns), m 4
+    x_s, t_s, x_p, t_p = 16e-6, 80 / 200e9, 8e-6, 30 / 200e9
+    for h in (0.0, 0.5, 0.8, 1.0):
+        saved_h = NetBenefitGuard(token_overlap=h).predict(plan, 1e-6, 3)[0].item()
+        want = (x_s + 4 * t_s - h * min(x_s, 4 * t_s)) - (x_p + 4 * t_p - h * min(x_p, 4 * t_p))
+        assert saved_h == pytest.approx(want, rel=1e-12), h
     # a slow link moves the decision: 1000 B at 10 B/s = 100 s per transfer
     assert NetBenefitGuard(bytes_per_s=10.0).select(plan, 1e-4, 1)[1].item()
     # no planning cost, one exposed transfer: 8 us saved < 5 ns + 20 us latency; without the latency > 5 ns
     assert NetBenefitGuard(plan_s=0.0).select(plan, 1e-6, 1)[1].item()
     assert not NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0).select(plan, 1e-6, 1)[1].item()
+
+
+def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
+    """Two domains of two ranks, NVLink 200 GB/s and NICs 50 GB/s: the replica fetch and the dispatch take their
+    busiest link's time, counted here link by link from the plan's instances."""
+    topo = Topology(num_domains=2, ranks_per_domain=2)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        omega = torch.randint(0, 50, (4, 8), generator=g)
+        omega[:, trial % 8] *= 8  # one hot expert
+        plan = solve(omega, topo, num_slots=2, policy="topoep_plus", expert_bytes=1000, token_bytes=10)
+        dom = [r // 2 for r in range(4)]
+        cost = lambda s, r: 1 / 200e9 if dom[s] == dom[r] else 1 / 50e9  # noqa: E731
+
+        def busiest(flows):  # flows[(s, r)] = bytes
+            links = {}
+            for (s, r), b in flows.items():
+                if s != r:
+                    kind = "nvl" if dom[s] == dom[r] else "nic"
+                    links[(kind, "out", s)] = links.get((kind, "out", s), 0.0) + b * cost(s, r)
+                    links[(kind, "in", r)] = links.get((kind, "in", r), 0.0) + b * cost(s, r)
+            return max(links.values(), default=0.0)
+
+        E, N = 8, 2
+        fetch, tok, tok_static = {}, {}, {}
+        for r in range(4):
+            for j in range(N):
+                e = int(plan.slot_expert[r, j])
+                if e >= 0:
+                    m = int(plan.main_rank[e])
+                    fetch[(m, r)] = fetch.get((m, r), 0) + 1000
+        for s in range(4):
+            for p in range(E + 4 * N):
+                r, a = int(plan.instance_rank[p]), int(plan.route[s, p])
+                tok[(s, r)] = tok.get((s, r), 0) + 10 * a
+            for e in range(E):
+                m = int(plan.main_rank[e])
+                tok_static[(s, m)] = tok_static.get((s, m), 0) + 10 * int(omega[s, e])
+        n_rep = bool((plan.slot_expert >= 0).any())
+        assert NetBenefitGuard().transfer_time(plan, 3).item() == pytest.approx(
+            3 * (busiest(fetch) + 2e-5) if n_rep else 0.0, rel=1e-12)
+        assert NetBenefitGuard().dispatch_time(plan).item() == pytest.approx(busiest(tok), rel=1e-12)
+        assert NetBenefitGuard().static_dispatch_time(plan).item() == pytest.approx(busiest(tok_static), rel=1e-12)
+
+
+def test_worth_planning_skips_only_where_no_plan_can_pay():
+    """worth_planning False => the guard fires on every policy's plan (no plan's compute saving pays for planning
+    and a replica), over routing from uniform to skewed; it is True where a plan does pay; 1 rank: False."""
+    from topoep.workloads import biased_routing
+
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    g = NetBenefitGuard(token_transfers=0)
+    seen = set()
+    for skew in (0.0, -0.5, -1.0, -2.0, -4.0):
+        for seed in range(3):
+            omega = biased_routing(8, 32, 256, 4, skew, seed=seed)
+            for t_ffn in (1e-7, 1e-6, 1e-5):
+                worth = g.worth_planning(omega, topo, torch.arange(32) // 4, t_ffn, 10_000, 3)
+                seen.add(bool(worth))
+                for policy in ("topoep", "topoep_plus", "deepseek", "flexmoe"):
+                    plan = solve(omega, topo, num_slots=2, policy=policy, expert_bytes=10_000, token_bytes=10)
+                    saved, cost = g.predict(plan, t_ffn, 3)
+                    if not worth:
+                        assert saved.item() <= cost.item(), (skew, seed, t_ffn, policy)
+    assert seen == {True, False}
+    one = Topology(num_domains=1, ranks_per_domain=1)
+    assert not g.worth_planning(torch.tensor([[5, 0]]), one, torch.zeros(2, dtype=torch.int64), 1.0, 1, 3).item()
+
+
+def test_solve_enable_false_plans_nothing():
+    """solve(enable=False) returns the static plan under the policy's name without running the policy."""
+    from unittest import mock
+
+    from topoep.planners import reference
+
+    plan = hand_plan()
+    static = solve(plan.omega, plan.topology, num_slots=1, policy="static", expert_bytes=1000, token_bytes=10)
+    with mock.patch.object(reference, "solve_topoep", side_effect=AssertionError("the planner ran")) as planner:
+        got = solve(plan.omega, plan.topology, num_slots=1, policy="topoep", expert_bytes=1000, token_bytes=10,
+                    enable=torch.tensor(False))
+    assert planner.call_count == 0
+    assert got.policy == "topoep" and torch.equal(got.route, static.route)
+    assert torch.equal(got.slot_expert, static.slot_expert)
+    got = solve(plan.omega, plan.topology, num_slots=1, policy="topoep", expert_bytes=1000, token_bytes=10,
+                enable=torch.tensor(True))
+    assert torch.equal(got.route, plan.route)
+    with pytest.raises(ValueError, match="enable must be None or a 0-d bool tensor"):
+        solve(plan.omega, plan.topology, num_slots=1, enable=True)
 
 
 def test_allow_false_forces_the_static_plan():
@@ -87,11 +189,16 @@ def test_guard_reads_no_tensor_values():
     executed, fired, saved, cost = NetBenefitGuard().select(meta, 1e-6, 3)
     assert executed.route.is_meta and executed.route.shape == p.route.shape and fired.shape == ()
     assert NetBenefitGuard(bytes_per_s=1e9).transfer_time(meta, 3).is_meta
+    worth = NetBenefitGuard().worth_planning(meta.omega, meta.topology, meta.main_rank, 1e-6, 1000, 3)
+    assert worth.is_meta and worth.dtype == torch.bool and worth.shape == ()
 
 
 def test_bad_guard_arguments():
     for kw, match in [(dict(plan_s=-1.0), "plan_s"), (dict(transfer_latency_s=float("inf")), "transfer_latency_s"),
-                      (dict(bytes_per_s=0), "bytes_per_s"), (dict(exposed_transfers=-1), "exposed_transfers")]:
+                      (dict(bytes_per_s=0), "bytes_per_s"), (dict(exposed_transfers=-1), "exposed_transfers"),
+                      (dict(token_transfers=1.5), "token_transfers"), (dict(token_transfers=-1), "token_transfers"),
+                      (dict(token_top_k=0), "token_top_k"), (dict(token_top_k=True), "token_top_k"),
+                      (dict(token_overlap=1.5), "token_overlap"), (dict(token_overlap=None), "token_overlap")]:
         with pytest.raises(ValueError, match=match):
             NetBenefitGuard(**kw)
     topo = Topology(num_domains=1, ranks_per_domain=1)
@@ -137,7 +244,7 @@ def _guarded_layers(rank, world):
         ref = run(layer("static" if name == "balanced" else "topoep", False), idx)
         out[name] = dict(fired=s["guard_fired"], replicas=s["num_replicas"], saved=s["guard_saved_ms"],
                          cost=s["guard_cost_ms"], wanted=s["guard_wanted"],
-                         skip=(s["slot_skipped"], s["slot_skip_missed"]),
+                         skip=(s["slot_skipped"], s["slot_skip_missed"]), plan_skipped=s["plan_skipped"],
                          bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
     unguarded = layer("topoep", False)
     run(unguarded, workloads["skewed"])
@@ -158,6 +265,8 @@ def test_balanced_routing_fires_the_guard_and_skewed_routing_does_not():
         assert skew["bit_equal"], "guard did not fire: the layer must compute exactly what it computes unguarded"
         assert r["unguarded_replicas"] == skew["replicas"]
         assert (bal["wanted"], skew["wanted"]) == (0.0, 1.0)  # the guard's own decision
+        # balanced routing: no plan can save compute, so planning was left out (worth_planning); skewed: planned
+        assert (bal["plan_skipped"], skew["plan_skipped"]) == (1.0, 0.0)
         assert bal["skip"] == skew["skip"] == (0.0, 0.0)  # backend torch never leaves the replicas out
         assert r["pop"] == (pytest.approx(2.0), 3)  # fired in 2 of 3 calls
     assert len({(r["skewed"]["replicas"], r["balanced"]["fired"]) for r in results}) == 1  # one decision

@@ -181,7 +181,17 @@ def test_simulate_applies_the_net_benefit_guard():
     om = workloads.balanced_routing(8, 128, 256, 8)  # nothing to win: the guard executes the static plan
     model = replace(model, tokens_per_rank=256)
     r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
-    assert r.stats["num_replicas"] == 0 and r.policy == "topoep"  # topoep's planning time is still paid
+    static = sim.simulate(om, cl, model=model, policy="static")
+    assert r.stats["num_replicas"] == 0 and r.policy == "topoep"
+    # no plan could pay: planning was left out, the call costs what the static one does (both gather the counts,
+    # as megatron's dispatcher does)
+    assert r.terms["plan"] == static.terms["plan"] == sim.gather_s(8, 128, cl) > 0
+    assert r.layer_s == static.layer_s
+    # skewed routing: planned (the planner's latency on top of the gather) and executed
+    om = workloads.biased_routing(8, 128, 256, 8, -3.0, seed=1, layout="concentrated")
+    r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
+    assert r.stats["num_replicas"] > 0 and r.terms["plan"] == pytest.approx(sim.gather_s(8, 128, cl)
+                                                                             + sim.gpu_planner_s(8))
 
 
 def test_simulate_rejects_mismatched_plans():
@@ -463,7 +473,8 @@ def test_measured_cases_rebuild_the_executed_plans():
         if c.guard_fired is not None:  # the recorded decision is the guard's on the rebuilt plan
             balanced = solve(c.plan.omega, c.plan.topology, num_slots=2, policy="topoep",
                              expert_bytes=c.plan.expert_bytes, token_bytes=c.plan.token_bytes)
-            fired = NetBenefitGuard().select(balanced, ffn_time_per_assignment(2048, 768), 3)[1]
+            # the guard of those runs priced compute and replicas only: token_transfers=0
+            fired = NetBenefitGuard(token_transfers=0).select(balanced, ffn_time_per_assignment(2048, 768), 3)[1]
             assert bool(fired) == c.guard_fired
     with pytest.raises(ValueError, match="no 'absent/static'"):  # a backend the bench did not run
         sim.measured_cases(REPO / "results" / "moe_layer.json", backend="absent")

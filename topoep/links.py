@@ -54,11 +54,11 @@ def replica_matrix(plan: Plan) -> torch.Tensor:
     m -> r; the gradient return is its transpose)."""
     R, N = plan.num_ranks, plan.num_slots
     se = plan.slot_expert.reshape(-1)
-    occ = se >= 0
-    dst = torch.arange(R, device=se.device).repeat_interleave(N)[occ]
-    src = plan.main_rank.to(se.device)[se[occ]]
+    occ = se >= 0  # an empty slot adds 0 (no boolean indexing: that would synchronise the host)
+    dst = torch.arange(R, device=se.device).repeat_interleave(N)
+    src = plan.main_rank.to(se.device)[se.clamp(min=0)]
     return torch.zeros(R * R, dtype=torch.int64, device=se.device).index_add_(
-        0, src * R + dst, torch.ones_like(src)).view(R, R)
+        0, src * R + dst, occ.to(torch.int64)).view(R, R)
 
 
 def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> LinkLoads:
@@ -68,6 +68,48 @@ def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> LinkLoads:
     f = flows.double() * (1 - torch.eye(flows.shape[0], dtype=torch.float64, device=flows.device))
     intra, inter = f * same, f * ~same
     return LinkLoads(intra.sum(1), intra.sum(0), inter.sum(1), inter.sum(0))
+
+
+def token_loads(plan: Plan, top_k: int | None = None, token_bytes: float | None = None) -> LinkLoads:
+    """Bytes of one dispatch on every link (the combine mirrors it) at `token_bytes` per row (default the plan's).
+
+    top_k None: one row per assignment, rank to rank (`token_matrix`; an all-to-all of permuted rows). An integer:
+    DeepEP-style deduplication, estimated from the route: a token crosses to rank r once whatever number of its
+    assignments r executes. A token of s selects instance p with probability route[s, p] / T_s (T_s = omega[s].sum()
+    / top_k tokens; a token selects an expert at most once, each assignment runs on one instance); taking instances
+    as independent, T_s (1 - prod_p (1 - route[s, p] / T_s)) tokens go to rank r (product over r's instances). Across
+    domains a token crosses the NIC once per destination domain (the same product over the domain's instances), into
+    the GPU of s's local index there, which forwards it over NVLink to every other destination rank of that domain.
+    Domains are contiguous blocks of ranks (`Topology`)."""
+    S = float(plan.token_bytes if token_bytes is None else token_bytes)
+    dom = plan.topology.domain_of.to(plan.route.device)
+    if top_k is None:
+        return link_loads(token_matrix(plan).double() * S, dom)
+    R, M, d = plan.num_ranks, plan.topology.num_domains, plan.topology.ranks_per_domain
+    T = (plan.omega.sum(1).double() / top_k).clamp(min=1e-9)
+    miss = torch.log1p(-(plan.route.double() / T[:, None]).clamp(max=1 - 1e-12))  # [R, P] log P(token skips p)
+    miss_rank = torch.zeros(R, R, dtype=torch.float64, device=miss.device).index_add_(1, plan.instance_rank, miss)
+    rows = T[:, None] * -torch.expm1(miss_rank)  # distinct tokens s -> r
+    rows = rows * (1 - torch.eye(R, dtype=torch.float64, device=miss.device))
+    rows_dom = T[:, None] * -torch.expm1(miss_rank.view(R, M, d).sum(2))  # [R, M]
+    rows_dom = rows_dom * (torch.arange(M, device=miss.device)[None, :] != dom[:, None])
+    same = dom[:, None] == dom[None, :]
+    local = torch.arange(R, device=miss.device) % d
+    intra = rows * same
+    peer = torch.arange(M, device=miss.device)[None, :] * d + local[:, None]  # [R, M] GPU receiving s's tokens in d
+    nic_in = torch.zeros(R, dtype=torch.float64, device=miss.device).index_add_(0, peer.reshape(-1), rows_dom.reshape(-1))
+    fwd = rows * ~same * (local[:, None] != local[None, :])  # tokens s -> r that the peer forwards over NVLink
+    fwd_src = (dom[None, :] * d + local[:, None]).expand(R, R)  # the peer of (s, dom(r))
+    nvl_out = intra.sum(1).index_add_(0, fwd_src.reshape(-1), fwd.reshape(-1))
+    nvl_in = intra.sum(0) + fwd.sum(0)
+    return LinkLoads(nvl_out * S, nvl_in * S, rows_dom.sum(1) * S, nic_in * S)
+
+
+def loads_seconds(loads: LinkLoads, topology) -> torch.Tensor:
+    """Seconds of one transfer with these link loads (bytes): its busiest link's, NVLink at the topology's
+    intra_cost and NICs at its inter_cost per byte (0-d float64)."""
+    nvl, nic = loads.busiest()
+    return torch.maximum(nvl * float(topology.intra_cost), nic * float(topology.inter_cost))
 
 
 def phase_flows(plan: Plan) -> dict[str, torch.Tensor]:

@@ -46,10 +46,14 @@ The model (all per layer call, forward + backward, one microbatch):
     replicas   forward fetch and backward reload of W bytes main(e) -> slot rank, gradient return
                back; same busiest-link rule (a main rank sending one hot expert to many slots is a
                hotspot); plus `replica_latency_s` per transfer.
-    plan       count all-gather (R * E int64 over the same links) + planner latency: the measured GPU
-               planner (results/planner_latency.md, H200) for policies with a CUDA kernel; for the others
-               a host round trip + omega over PCIe + a solve as fast as the GPU planner (or, with
-               Execution.measured_host_plan, the CPU reference's measured wall time: an upper bound).
+    plan       count all-gather (R * E int64 over the same links), paid by every policy: megatron's
+               alltoall token dispatcher all-gathers the same [EP, E] counts in every call (its
+               `preprocess`), and ours plans from them; + planner latency for the balancing policies: the
+               measured GPU planner (results/planner_latency.md, H200) for policies with a CUDA kernel; for
+               the others a host round trip + omega over PCIe + a solve as fast as the GPU planner (or, with
+               Execution.measured_host_plan, the CPU reference's measured wall time: an upper bound). With
+               the guard, a call whose routing no plan can pay for (`NetBenefitGuard.worth_planning`) runs
+               the static plan and pays no planner.
     schedule   paper 3.3: plan and fetch precede dispatch; tokens in `num_chunks` chunks on a comm
                stream (all dispatches, then each combine after its chunk's compute) beside a compute
                stream; backward: data gradients per chunk, combines after them, weight gradients last;
@@ -84,7 +88,7 @@ import topoep
 from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
-from topoep.plan import Plan
+from topoep.plan import Plan, default_main_rank
 from topoep.relay import relay_levels, relay_sources
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
@@ -228,9 +232,10 @@ class Execution:
     replica_latency_s: float = 0.0
     """Added to each replica transfer (fetch, reload, return) when the plan has a replica."""
     static_plan_s: float = 0.0
-    """Planning time when the policy is static (no planner runs: 0; backend torch still gathers counts)."""
+    """Planning time when the policy is static, besides the count all-gather (no planner runs: 0)."""
     plan_s: float | None = None
-    """Planning time of the balancing policies, all included; None: count all-gather + planner
+    """Planning time of the balancing policies, all included (the static plan then takes static_plan_s, all
+    included: the calibrated executions, whose constants were fitted on measured layers); None: count all-gather + planner
     latency: the GPU planner's (policies with a CUDA kernel) or a host planner's (round trip + copy of
     omega over PCIe + solve time, see measured_host_plan)."""
     host_round_trip_s: float = 50e-6
@@ -424,36 +429,9 @@ def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> dict[str, torch.
 
 
 def token_link_loads(plan: Plan, token_bytes: float, top_k: int, dedup: bool) -> dict[str, torch.Tensor]:
-    """Per-GPU bytes of one token transfer (a dispatch; the combine is its mirror image, same busiest
-    link). Without dedup: A[s, r] rows s -> r. With dedup (DeepEP): a token crosses to rank r once
-    whatever number of its assignments r executes. A token of s selects expert instance p with
-    probability route[s, p] / T_s (T_s = its tokens; a token selects an expert at most once, and each
-    assignment runs on one instance); taking instances as independent, T_s (1 - prod_p (1 - route[s, p]
-    / T_s)) tokens go to rank r (product over r's instances). Across domains a token crosses the NIC
-    once per destination domain (same product over the domain's instances), into the GPU of s's local
-    index there, which forwards it over NVLink to every other destination rank of that domain."""
-    dom = plan.topology.domain_of.to(plan.route.device)
-    if not dedup:
-        return link_loads(token_matrix(plan).double() * token_bytes, dom)
-    R, M, d = plan.num_ranks, plan.topology.num_domains, plan.topology.ranks_per_domain
-    T = (plan.omega.sum(1).double() / top_k).clamp(min=1e-9)
-    miss = torch.log1p(-(plan.route.double() / T[:, None]).clamp(max=1 - 1e-12))  # [R, P] log P(token skips p)
-    miss_rank = torch.zeros(R, R, dtype=torch.float64, device=miss.device).index_add_(1, plan.instance_rank, miss)
-    rows = T[:, None] * -torch.expm1(miss_rank)  # distinct tokens s -> r
-    rows.fill_diagonal_(0.0)
-    rows_dom = T[:, None] * -torch.expm1(miss_rank.view(R, M, d).sum(2))  # [R, M]
-    rows_dom[torch.arange(R), dom] = 0.0
-    same = dom[:, None] == dom[None, :]
-    local = torch.arange(R, device=miss.device) % d
-    intra = rows * same
-    peer = torch.arange(M, device=miss.device)[None, :] * d + local[:, None]  # [R, M] GPU receiving s's tokens in d
-    nic_in = torch.zeros(R, dtype=torch.float64, device=miss.device).index_add_(0, peer.reshape(-1), rows_dom.reshape(-1))
-    fwd = rows * ~same * (local[:, None] != local[None, :])  # tokens s -> r that the peer forwards over NVLink
-    fwd_src = (dom[None, :] * d + local[:, None]).expand(R, R)  # the peer of (s, dom(r))
-    nvl_out = intra.sum(1).index_add_(0, fwd_src.reshape(-1), fwd.reshape(-1))
-    nvl_in = intra.sum(0) + fwd.sum(0)
-    return {"nvl_out": nvl_out * token_bytes, "nvl_in": nvl_in * token_bytes, "nic_out": rows_dom.sum(1) * token_bytes,
-            "nic_in": nic_in * token_bytes}
+    """Per-GPU bytes of one token transfer (a dispatch; the combine is its mirror image, same busiest link):
+    `topoep.links.token_loads` at `token_bytes` per row, deduplicated (DeepEP) when `dedup`."""
+    return links.token_loads(plan, top_k if dedup else None, token_bytes).as_dict()
 
 
 def transfer_time(loads: dict[str, torch.Tensor], cluster: Cluster) -> tuple[float, dict]:
@@ -700,7 +678,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
         which is planned here with `policy` and `num_slots` (the solve is timed: host planners' plan time).
     execution: default EXECUTIONS["topoep"]. plan_s: planner seconds to use instead of the model.
-    guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None.
+    guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None. With a
+        deduplicating execution (`Execution.dedup`) a guard that prices a row per assignment prices the tokens
+        as the execution sends them instead (token_top_k = the model's top-k).
     plan_cache: a `PlanCache` to plan omega through (the same plan; its solve time is the one measured
         when the plan was made), or None: solve here.
     """
@@ -720,26 +700,47 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         omega = plan_or_omega
         if not isinstance(omega, torch.Tensor) or omega.dim() != 2:
             raise ValueError("plan_or_omega must be a topoep.Plan or an int64[R, E] routing matrix")
+    t_ffn = cluster.t_ffn(model)
+    n_rep = execution.exposed_replica_transfers
+    if guard is not None and execution.dedup and guard.token_top_k is None:
+        guard = replace(guard, token_top_k=model.top_k)
+    skipped = False  # the guard's pre-plan bound left planning out: the static plan, no planner
+    if guard is not None and policy != "static" and num_slots > 0 and not isinstance(plan_or_omega, Plan):
+        topo = cluster.topology(omega.shape[0])
+        skipped = not bool(guard.worth_planning(omega, topo, default_main_rank(omega.shape[1], omega.shape[0]), t_ffn,
+                                                model.expert_bytes, n_rep))
+    if skipped:
+        plan = solve(omega, topo, num_slots=num_slots, policy="static", expert_bytes=model.expert_bytes,
+                     token_bytes=model.token_bytes)
+        plan.policy = policy  # the policy's call, which ran the static plan
+    elif not isinstance(plan_or_omega, Plan):
         kw = dict(num_slots=num_slots, policy=policy, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
-                  t_ffn=cluster.t_ffn(model))
+                  t_ffn=t_ffn)
         if plan_cache is not None:
             plan, measured = plan_cache.solve(omega, cluster.topology(omega.shape[0]), **kw)
         else:
             t0 = time.perf_counter()
             plan = solve(omega, cluster.topology(omega.shape[0]), backend="reference", **kw)
             measured = time.perf_counter() - t0
-    t_ffn = cluster.t_ffn(model)
-    if guard is not None and plan.policy != "static" and plan.num_slots > 0:
-        plan = guard.select(plan, t_ffn, execution.exposed_replica_transfers)[0]
+    if guard is not None and plan.policy != "static" and plan.num_slots > 0 and not skipped:
+        if not bool(guard.worth_planning(plan.omega, plan.topology, plan.main_rank, t_ffn, plan.expert_bytes, n_rep)):
+            skipped = True  # a given plan: its routing would not have been planned
+            name = plan.policy
+            plan = solve(plan.omega, plan.topology, num_slots=plan.num_slots, policy="static",
+                         expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes)
+            plan.policy = name
+        else:
+            plan = guard.select(plan, t_ffn, n_rep)[0]
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
 
     # plan
-    if plan.policy == "static":
-        t_plan, t_gather = execution.static_plan_s, 0.0
-    elif execution.plan_s is not None:
-        t_plan, t_gather = execution.plan_s, 0.0
+    if execution.plan_s is not None:  # a calibrated execution: its fitted constants, all included
+        t_plan, t_gather = (execution.static_plan_s if plan.policy == "static" or skipped else execution.plan_s), 0.0
+    elif plan.policy == "static" or skipped:
+        t_gather = gather_s(R, E, cluster)
+        t_plan = t_gather + execution.static_plan_s
     else:
         from topoep.planners.cuda import CUDA_POLICIES
 
@@ -874,7 +875,7 @@ def measured_cases(path, backend: str = "torch") -> list[MeasuredCase]:
         plan = solve(omega, topo, num_slots=cfg["slots"], policy=pol, expert_bytes=W, token_bytes=S, backend="reference")
         fired = None
         if pol != "static" and cfg["slots"] > 0 and r.get("guard_fired") is not None:
-            fired = r["guard_fired"] >= 0.5  # what ran; NetBenefitGuard() with the bench's t_ffn decides the same
+            fired = r["guard_fired"] >= 0.5  # what ran (the guard of those runs priced compute and replicas only)
             if fired:
                 plan = solve(omega, topo, num_slots=cfg["slots"], policy="static", expert_bytes=W, token_bytes=S)
         phases = {p: r[f"{p}_ms"] for p in ("plan", "fetch", "dispatch_combine", "experts", "grad_return")}

@@ -81,7 +81,7 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto",
-          capacity: int | None = None, grid_blocks: int = 0) -> Plan:
+          capacity: int | None = None, grid_blocks: int = 0, enable: torch.Tensor | None = None) -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -115,6 +115,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             0 (default) for half the SMs (`topoep.planners.cuda.CudaPlanner.plan`). A smaller grid waits less for
             kernels running beside it. The plans do not depend on it; the reference planners ignore it. An integer
             >= 0 (checked on every backend).
+        enable: None (plan), or a 0-d bool tensor on omega's device: False returns the static plan without planning
+            (`topoep.runtime.NetBenefitGuard.worth_planning` decides it). The CUDA planner reads it on the device (no
+            host synchronisation; a CUDA graph replays either case); the reference planners read it on the host.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -125,6 +128,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     from topoep.planners.cuda import check_grid_blocks
 
     check_grid_blocks(grid_blocks, "grid_blocks")
+    if enable is not None and not (isinstance(enable, torch.Tensor) and enable.dtype == torch.bool
+                                   and enable.numel() == 1):
+        raise ValueError(f"enable must be None or a 0-d bool tensor (NetBenefitGuard.worth_planning), got {enable!r}")
     if backend == "auto":
         use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and main_rank is None
                     and isinstance(topology, Topology) and has_cuda_kernel(policy, topology))
@@ -144,8 +150,11 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         if policy not in CUDA_POLICIES:
             raise ValueError(f"backend='cuda' implements the policies {', '.join(CUDA_POLICIES)}, not {policy!r}; "
                              "use backend='reference'")
+        if enable is not None and policy == "static":
+            enable = None  # the static plan either way
         plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
-                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks)
+                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,
+                          enable=enable)
         return plan if capacity is None else fit_capacity_cuda(plan, capacity)
     kw = {}
     if policy in T_FFN_POLICIES:
@@ -157,8 +166,13 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
                              f"(forward + backward), got {t!r}; omit it for DEFAULT_T_FFN ({DEFAULT_T_FFN:.3g} s) "
                              "or calibrate it with topoep.metrics.fit_t_ffn")
         kw["t_ffn"] = float(t)
-    plan = _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
-                               expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
+    if enable is not None and not bool(enable):  # the static plan, under the policy's name (the guard's skip)
+        plan = _policies()["static"](omega, topology, num_slots=num_slots, main_rank=main_rank,
+                                     expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
+        plan.policy = policy
+    else:
+        plan = _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
+                                   expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
     if capacity is None:
         return plan
     from topoep.planners.capacity import fit_capacity

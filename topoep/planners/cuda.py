@@ -84,12 +84,12 @@ def load_extension(verbose: bool = False) -> Path:
 def _register_fakes() -> None:
     @torch.library.register_fake("topoep::plan_topoep")
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace,
-          num_blocks=0, skip_stages=0):
+          num_blocks=0, skip_stages=0, enable=None):
         return None
 
     @torch.library.register_fake("topoep::plan_topoep_plus")
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, a2, bb, max_moves, slot_expert, route,
-          workspace, num_blocks=0, skip_stages=0):
+          workspace, num_blocks=0, skip_stages=0, enable=None):
         return None
 
     @torch.library.register_fake("topoep::plan_static")
@@ -141,7 +141,8 @@ class CudaPlanner:
         self.workspace = torch.zeros(self.layout["elems"], dtype=torch.int64, device=self.device)
 
     def plan(self, omega: torch.Tensor, topology, policy: str, expert_bytes: int, token_bytes: int,
-             slot_expert: torch.Tensor, route: torch.Tensor, *, grid_blocks: int = 0, skip_stages: int = 0) -> None:
+             slot_expert: torch.Tensor, route: torch.Tensor, *, grid_blocks: int = 0, skip_stages: int = 0,
+             enable: torch.Tensor | None = None) -> None:
         """Write the plan into slot_expert int64[R, N] and route int64[R, E + R*N] (no host sync).
 
         grid_blocks: the cooperative grid of a multi-block plan (topoep, topoep_plus): that many blocks (at most one
@@ -152,7 +153,8 @@ class CudaPlanner:
         skip_stages: csrc/planner.h's kSkip* bits, for latency measurements and tests only: stages left out
         (1 the refinement, 2 the route, 4 everything: the plan is then not the policy's), PROFILE (the
         refinement's cycle counters), and tuning bits that force one path (16, 32, 64, 128: the policy's plan).
-        The static policy takes neither."""
+        enable: None, or a 0-d bool tensor on the planner's device, read there: False writes the static plan and
+        plans nothing (`topoep.solve`'s enable). The static policy takes none of these."""
         check_grid_blocks(grid_blocks, "grid_blocks")
         if isinstance(skip_stages, bool) or not isinstance(skip_stages, int) or not 0 <= skip_stages < SKIP_LIMIT:
             raise ValueError(f"skip_stages must be a combination of csrc/planner.h's kSkip* bits (an integer in "
@@ -163,10 +165,11 @@ class CudaPlanner:
             a2, bb = self.plus_costs(topology, token_bytes)
             torch.ops.topoep.plan_topoep_plus(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
                                               token_bytes, a2, bb, 4 * self.R * (self.E // self.R + self.N),
-                                              slot_expert, route, self.workspace, grid_blocks, skip_stages)
+                                              slot_expert, route, self.workspace, grid_blocks, skip_stages, enable)
         else:
             torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
-                                         token_bytes, slot_expert, route, self.workspace, grid_blocks, skip_stages)
+                                         token_bytes, slot_expert, route, self.workspace, grid_blocks, skip_stages,
+                                         enable)
 
     def plus_costs(self, topology, token_bytes: int) -> tuple[int, int]:
         """(a2, bb) of topoep_plus for this topology (host only: its cost matrix lives on the CPU); raises
@@ -221,9 +224,9 @@ _planners: dict = {}
 
 
 def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
-               expert_bytes: int, token_bytes: int, grid_blocks: int = 0) -> Plan:
+               expert_bytes: int, token_bytes: int, grid_blocks: int = 0, enable: torch.Tensor | None = None) -> Plan:
     """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached.
-    grid_blocks: the grid of multi-block plans (CudaPlanner.plan)."""
+    grid_blocks: the grid of multi-block plans, enable: plan or write the static plan (CudaPlanner.plan)."""
     R, E = omega.shape
     key = (omega.device, R, E, topology.num_domains, num_slots)
     planner = _planners.get(key)
@@ -232,7 +235,7 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
     slot_expert = torch.empty(R, num_slots, dtype=torch.int64, device=omega.device)
     route = torch.empty(R, E + R * num_slots, dtype=torch.int64, device=omega.device)
     planner.plan(omega.contiguous(), topology, policy, expert_bytes, token_bytes, slot_expert, route,
-                 grid_blocks=grid_blocks)
+                 grid_blocks=grid_blocks, enable=enable)
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
                 info={"backend": "cuda"})

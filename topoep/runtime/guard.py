@@ -1,19 +1,30 @@
 """Net-benefit guard (paper eq. 2): execute the balanced plan only when it pays for itself.
 
-Balancing saves expert compute on the straggler rank and costs planning and replica transfers. Per
-layer call the guard predicts, from the balanced plan and the routing counts alone,
+Balancing saves expert compute on the straggler rank and may speed up or slow down the token transfers; it costs
+planning and replica transfers. Per layer call the guard predicts, from the balanced plan and the routing counts
+alone, with the per-link model of `topoep.links` (every transfer takes its busiest link's time: one rank's NVLink
+port or NIC, in one direction, at the topology's per-byte cost),
 
-    T_saved    = t_ffn * (L_max(static) - L_max(balanced))      straggler expert time saved (fwd + bwd)
-    T_plan     = plan_s                                         planning estimate (a constant)
-    T_transfer = n * (max over ranks of sum of W * c[main(e), r] over the replicas the rank
-                      receives (r) or sends (main(e))  +  transfer_latency_s)   (0 without replicas)
+    T_saved    = X(static) - X(balanced)           straggler expert and token transfer time saved (or lost)
+    X(plan)    = x + m * t - h * min(x, m * t),    x = t_ffn * L_max(plan), t = T_dispatch(plan)
+    T_plan     = plan_s                                                            planning estimate (a constant)
+    T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
 
-with n the replica transfers the critical path waits for, W = expert_bytes and c the topology's
-seconds per byte (or 1 / bytes_per_s). Transfers of different ranks run in parallel, so the busiest
-rank's bytes set the time. The balanced plan is used iff T_saved > T_plan + T_transfer; otherwise the
-call executes the static plan (no replicas: every assignment on its expert's main rank). T_plan counts
-as in eq. 2 although the plan exists by the time the guard decides: it is the margin balancing must
-clear to pay on such routing (and a later version may skip planning on its strength).
+with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
+DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
+the share of the smaller of x and m * t that the chunked pipeline runs beside the other (0: serial), T_fetch one
+replica fetch's busiest-link time (W = expert_bytes bytes from each replica's main rank) and n the replica
+transfers the critical path waits for. With `bytes_per_s` every link
+runs at that bandwidth instead of the topology's. The balanced plan is used iff T_saved > T_plan + T_transfer;
+otherwise the call executes the static plan (no replicas: every assignment on its expert's main rank).
+
+Before planning (`worth_planning`), the guard bounds what any plan could save in expert compute: no plan brings
+L_max below the mean rank load, and every plan that moves load has a replica, whose fetch costs at least one
+expert's bytes on the cheapest link. When t_ffn * (L_max(static) - ceil(mean)) <= T_plan + n * (W * cheapest
+per-byte cost + transfer_latency_s), planning is skipped and the call runs the static plan: balancing aims at
+the straggler's compute, and routing this even cannot pay for a replica (uniform routing pays neither the planner
+nor its statistics). Token-only gains are not pursued there: they exist (a replica in a domain saves that domain
+the tokens it would send over the NICs) but no policy plans for them.
 
 Backend cuda also skips the replica machinery of a call whose guard will fire (`skip_lag`, `SlotSkipHint`):
 with the decision on the device, the host still launches the slot fetch, the slot GEMMs and the gradient
@@ -23,20 +34,30 @@ rank). The host cannot know this call's decision without a sync, so it uses the 
 branch. When it skips, this call's plan is forced static on the device (the model's math is unchanged), and
 the guard's own decision on the balanced plan is recorded for the calls after.
 
-No host synchronisation: the decision is a 0-d bool device tensor and the executed plan's tensors are
+No host synchronisation: the decisions are 0-d bool device tensors and the executed plan's tensors are
 `torch.where(use_balanced, balanced, static)` (both plans have the same shapes), so the guard stays
-CUDA-graph friendly. The decision is a deterministic function of omega (the same on every rank) and
-of constants, never of measured times: every rank must execute the same plan.
+CUDA-graph friendly (the GPU planner reads `worth_planning`'s flag on the device and writes the static plan
+when it is False). The decisions are deterministic functions of omega (the same on every rank) and of
+constants, never of measured times: every rank must execute the same plan.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_seconds
 from topoep.plan import Plan, static_route
 from topoep.planners.common import static_rank_load
+from topoep.topology import Topology
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_topology(num_domains: int, ranks_per_domain: int, cost: float) -> Topology:
+    """A topology whose links all cost `cost` seconds per byte (one object per shape: its device copies are kept)."""
+    return Topology(num_domains=num_domains, ranks_per_domain=ranks_per_domain, intra_cost=cost, inter_cost=cost)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +79,22 @@ class NetBenefitGuard:
     and the gradient return are blocking collectives; the paper's pipeline (3.3) exposes only the
     forward fetch: 1)."""
 
+    token_transfers: int = 4
+    """Token transfers per layer call, each at its busiest link: forward and backward each dispatch and combine
+    (4). 0: the guard prices expert compute and replicas only."""
+
+    token_overlap: float = 0.8
+    """Share of the smaller of the straggler's expert time and the token transfers' time that runs beside the
+    other (module docstring: the chunked pipeline overlaps them; 0 for a serial layer). 0.8 fits the simulator's
+    pipelined execution (2 chunks): on four cells of bench/link_sweep.py (static and balanced plans, compute- and
+    transfer-bound) it predicts the simulated compute + exposed token time within 4 %. The runtime's own overlap
+    is not measured at scale."""
+
+    token_top_k: int | None = None
+    """How the token transfers are priced: None, one row per assignment rank to rank (the runtime's transports);
+    the router's top-k, deduplicated per destination rank and domain as DeepEP sends them (`topoep.links.token_loads`,
+    an estimate from the route; the simulator's default execution)."""
+
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
     call of the same layer `skip_lag` calls earlier (module docstring; `SlotSkipHint`). None: never."""
@@ -71,6 +108,16 @@ class NetBenefitGuard:
         if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")):
             raise ValueError(f"NetBenefitGuard.bytes_per_s must be a positive number of bytes/s or None (the "
                              f"topology's costs), got {b!r}")
+        m = self.token_transfers
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"NetBenefitGuard.token_transfers must be an integer >= 0, got {m!r}")
+        h = self.token_overlap
+        if not (isinstance(h, (int, float)) and not isinstance(h, bool) and 0 <= h <= 1):
+            raise ValueError(f"NetBenefitGuard.token_overlap must be a number in [0, 1], got {h!r}")
+        k = self.token_top_k
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"NetBenefitGuard.token_top_k must be None (a row per assignment) or the router's top-k "
+                             f"(an integer >= 1), got {k!r}")
         n = self.exposed_transfers
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise ValueError(f"NetBenefitGuard.exposed_transfers must be an integer >= 0 or None (the backend's), "
@@ -92,33 +139,70 @@ class NetBenefitGuard:
             return None
         raise ValueError(f"guard must be True, False or a topoep.runtime.NetBenefitGuard, got {guard!r}")
 
-    def transfer_time(self, plan: Plan, exposed_transfers: int) -> torch.Tensor:
-        """float64 0-d: T_transfer of `plan` (seconds) on the plan's device."""
-        dev = plan.omega.device
-        E = plan.num_experts
-        R = plan.num_ranks
-        se = plan.slot_expert.reshape(-1)
-        occupied = se >= 0
-        dst = plan.instance_rank[E:]  # rank of each slot
-        src = plan.main_rank[se.clamp(min=0)]  # main rank of each slot's expert
+    def _cost_topology(self, topology):
+        """The topology whose per-byte costs the guard prices links at: the plan's, or every link at bytes_per_s."""
         if self.bytes_per_s is None:
-            per_byte = plan.topology.on(dev).cost[src, dst]
-        else:
-            per_byte = torch.full_like(dst, 1.0 / self.bytes_per_s, dtype=torch.float64)
-        t = float(plan.expert_bytes) * per_byte * occupied
-        zero = torch.zeros(R, dtype=torch.float64, device=dev)
-        busiest = torch.maximum(zero.index_add(0, dst, t).max(), zero.index_add(0, src, t).max())
-        return exposed_transfers * (busiest + self.transfer_latency_s * occupied.any().to(torch.float64))
+            return topology
+        return _flat_topology(topology.num_domains, topology.ranks_per_domain, 1.0 / self.bytes_per_s)
+
+    def transfer_time(self, plan: Plan, exposed_transfers: int) -> torch.Tensor:
+        """float64 0-d: T_transfer of `plan` (seconds) on the plan's device: n fetches at the busiest link."""
+        occupied = (plan.slot_expert >= 0).any().to(torch.float64)
+        flows = replica_matrix(plan).double() * float(plan.expert_bytes)
+        t = transfer_seconds(flows, self._cost_topology(plan.topology)) + self.transfer_latency_s
+        return exposed_transfers * t * occupied
+
+    def dispatch_time(self, plan: Plan) -> torch.Tensor:
+        """float64 0-d: seconds of one dispatch of `plan` at its busiest link (the combine mirrors it)."""
+        topo = self._cost_topology(plan.topology)
+        if self.token_top_k is None:
+            return transfer_seconds(token_matrix(plan).double() * float(plan.token_bytes), topo)
+        return loads_seconds(token_loads(plan, self.token_top_k), topo)
+
+    def static_dispatch_time(self, plan: Plan) -> torch.Tensor:
+        """float64 0-d: `dispatch_time` of the static plan of `plan`'s routing (every assignment on its main rank)."""
+        static = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
+                      slot_expert=torch.full_like(plan.slot_expert, -1), route=static_route(plan.omega, plan.num_slots),
+                      policy="static", expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes)
+        return self.dispatch_time(static)
+
+    def predict(self, plan: Plan, t_ffn: float, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T_saved, T_plan + T_transfer): float64 0-d tensors, the module docstring's prediction for `plan`."""
+        static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
+        x_static = t_ffn * static_load.max().to(torch.float64)
+        x_plan = t_ffn * plan.rank_load.max().to(torch.float64)
+        if not self.token_transfers:
+            return x_static - x_plan, self.plan_s + self.transfer_time(plan, exposed_transfers)
+        m, h = self.token_transfers, self.token_overlap
+
+        def layer(x, t):  # straggler compute + token transfers, the overlapped part counted once
+            return x + m * t - h * torch.minimum(x, m * t)
+
+        saved = layer(x_static, self.static_dispatch_time(plan)) - layer(x_plan, self.dispatch_time(plan))
+        return saved, self.plan_s + self.transfer_time(plan, exposed_transfers)
+
+    def worth_planning(self, omega: torch.Tensor, topology, main_rank: torch.Tensor, t_ffn: float, expert_bytes: int,
+                       exposed_transfers: int) -> torch.Tensor:
+        """bool 0-d on omega's device: False when no plan can save more expert compute than planning and one
+        replica fetch cost (module docstring); the call then runs the static plan without planning."""
+        R = topology.num_ranks
+        if R < 2:
+            return torch.zeros((), dtype=torch.bool, device=omega.device)
+        load = static_rank_load(omega, main_rank.to(omega.device), R)
+        mean_ceil = torch.div(load.sum() + R - 1, R, rounding_mode="floor")
+        bound = t_ffn * (load.max() - mean_ceil).to(torch.float64)
+        cost = self._cost_topology(topology).cost
+        cheapest = float(cost.masked_fill(torch.eye(R, dtype=torch.bool), float("inf")).min())  # host constants
+        return bound > self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
 
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
 
         `plan` is the balanced plan; `fired` is True when the static plan is executed instead. `allow`
-        (bool 0-d, optional): False forces the static plan (the host left out the replica machinery);
-        `T_saved > T_plan + T_transfer` is the guard's own decision either way."""
-        static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
-        saved = t_ffn * (static_load.max() - plan.rank_load.max()).to(torch.float64)
-        cost = self.plan_s + self.transfer_time(plan, exposed_transfers)
+        (bool 0-d, optional): False forces the static plan (the host left out the replica machinery, or
+        `worth_planning` skipped the planner); `T_saved > T_plan + T_transfer` is the guard's own decision on
+        `plan` either way."""
+        saved, cost = self.predict(plan, t_ffn, exposed_transfers)
         use = saved > cost
         if allow is not None:
             use = use & allow

@@ -48,6 +48,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs)
     "guard_cost_ms",  # its predicted T_plan + T_transfer
     "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
+    "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
@@ -204,21 +205,27 @@ class ExpertParallelMoE(nn.Module):
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
                       capacity: int | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the plan after the net-benefit guard and the capacity step, float64[4] guard statistics, the guard's own
+        """(the plan after the net-benefit guard and the capacity step, float64[5] guard statistics, the guard's own
         decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard, float64[2] capacity
         statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
         plan and keeps the capacity step off the slots: the host left this call's replica machinery out."""
         N = self.num_slots
-        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                     token_bytes=token_bytes, t_ffn=self.t_ffn, grid_blocks=self.config.planner_blocks)
-        guard_stats = torch.zeros(4, dtype=torch.float64, device=omega.device)
-        wanted = None
-        if self.guard is not None and self.policy != "static" and N > 0:
+        guarded = self.guard is not None and self.policy != "static" and N > 0
+        worth = None
+        if guarded:  # no plan can pay on routing this even: leave planning out (guard.py)
             n = self.guard.exposed_transfers
             n = self.backend.exposed_replica_transfers if n is None else n
-            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow)
-            wanted = saved > cost
-            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64)])
+            main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
+            worth = self.guard.worth_planning(omega, self.topology, main_rank, self.t_ffn, self.expert_bytes, n)
+        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
+                     token_bytes=token_bytes, t_ffn=self.t_ffn, grid_blocks=self.config.planner_blocks, enable=worth)
+        guard_stats = torch.zeros(5, dtype=torch.float64, device=omega.device)
+        wanted = None
+        if guarded:
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, worth if allow is None else allow & worth)
+            wanted = (saved > cost) & worth
+            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
+                                       (~worth).to(torch.float64)])
         fit_stats = torch.zeros(2, dtype=torch.float64, device=omega.device)
         if capacity is not None:
             plan, fit_stats = self._fit(plan, capacity, allow)
@@ -238,13 +245,13 @@ class ExpertParallelMoE(nn.Module):
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict. stats: the plan's
-        STAT_NAMES, the guard's 4 (the last: wanted), the capacity step's 2."""
+        STAT_NAMES, the guard's 5 (fired, saved, cost, wanted, plan skipped), the capacity step's 2."""
         n = len(STAT_NAMES)
         self.last_plan = plan
         planner = torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device)
         skipped = torch.full((1,), float(slot_skipped), dtype=torch.float64, device=stats.device)
-        guard, fit = stats[n:n + 4], stats[n + 4:]
-        self.stats = torch.cat([stats[:n], planner, guard, skipped, skipped * guard[-1:], fit])
+        guard, fit = stats[n:n + 5], stats[n + 5:]
+        self.stats = torch.cat([stats[:n], planner, guard, skipped, skipped * guard[3:4], fit])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
 
