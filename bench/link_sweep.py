@@ -90,6 +90,9 @@ def run(args) -> list[dict]:
                              guard=None if policy == "static" else guard, execution=ex)
             row[f"{policy}_ms"] = 1e3 * r.layer_s
             row[f"{policy}_imbalance"] = r.stats["imbalance"]
+            if policy == "topoep_plus":  # which plan the guard kept: topoep_plus's, its local one, or static
+                row["topoep_plus_ran"] = ("static" if r.stats["num_replicas"] == 0 else
+                                          "local" if r.stats["local_plan"] else "plus")
             row[f"{policy}_fetch_nic_bytes"] = r.traffic.get("replica_nic_bytes", 0.0)
         rows.append(row)
     return rows
@@ -115,8 +118,11 @@ def report(args, rows: list[dict]) -> str:
         f"- model {args.model} expert shape, {args.experts_per_rank} experts per rank, "
         f"top-{sim.MODELS[args.model].top_k}, "
         f"{args.tokens} tokens per rank, seed {args.seed}; NIC bandwidth x {args.nic_scale:g}",
-        "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy; "
-        "each policy column is its time / static's; topoep_plus_relay: topoep_plus's plans with the replica fetch down "
+        "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy "
+        "(its per-link prediction; routing no plan can pay for is not planned); every policy, static included, pays "
+        "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
+        "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
+        "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: topoep_plus's plans with the replica fetch down "
         "relay trees of 2 children per node (`topoep.relay`; backend torch executes it, backend cuda does not yet); "
         "bound: topoep_plus / the static layer on perfectly balanced routing",
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
@@ -124,9 +130,10 @@ def report(args, rows: list[dict]) -> str:
     ]
     verdicts = [verdict(r) for r in rows]
     shown = [p for p in POLICIES if p != "static"] + [RELAY]
-    header = ["preset", "EP", "slots", "scenario", "static ms"] + shown + ["plus / bound"]
+    header = ["preset", "EP", "slots", "scenario", "static ms"] + shown + ["ran", "plus / bound"]
     body = [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{r['static_ms']:.2f}"]
-            + [f"{r[f'{p}_ms'] / r['static_ms']:.2f}" for p in shown] + [f"{v['vs_bound']:.2f}"]
+            + [f"{r[f'{p}_ms'] / r['static_ms']:.2f}" for p in shown] + [r.get("topoep_plus_ran", ""),
+                                                                        f"{v['vs_bound']:.2f}"]
             for r, v in zip(rows, verdicts)]
     bad = [(r, v) for r, v in zip(rows, verdicts) if not v["ok"]]
     lines += [f"## Cells where topoep_plus misses a target: {len(bad)} of {len(rows)}", "",

@@ -130,9 +130,30 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     ref = solve(omega_cpu, topo, num_slots=slots, policy="topoep_plus", backend="reference")
     ref_ms = 1e3 * (time.perf_counter() - t0)
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
+    pair_busy = _pair_graph_busy(omega, topo, slots, runs, warmup)
     return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
+                pair_graph_busy_us=pair_busy,
                 plus_moves=planner.moves(), plus_phases_us=phases,
                 grid_us=grid_sweeps(planner, omega, omega_cpu, topo, slots, runs, warmup, ref))
+
+
+def _pair_graph_busy(omega, topo, slots: int, runs: int, warmup: int) -> float:
+    """Graph replay on a busy stream (us) of what guarded topoep_plus plans in a layer: topoep_plus and its local
+    plan at the same time on two streams (`topoep.planners.plan_concurrently`)."""
+    from topoep.planners import plan_concurrently
+
+    kw = dict(num_slots=slots, expert_bytes=9_437_184, token_bytes=4096)
+    names = ("topoep_plus", "topoep_plus_local")
+    plan_concurrently(omega, topo, names, kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plans = plan_concurrently(omega, topo, names, kw)
+    graph.replay()
+    for p, name in zip(plans, names):
+        ref = solve(omega.cpu(), topo, policy=name, backend="reference", **kw)
+        assert torch.equal(ref.route, p.route.cpu()) and torch.equal(ref.slot_expert, p.slot_expert.cpu()), name
+    return _events_median(graph.replay, runs, warmup, busy=True)
 
 
 # the plans of the grid table beside the two policies' defaults: (name, policy, csrc/planner.h tuning bits):
@@ -190,12 +211,15 @@ def grid_table(rows: list[dict]) -> str:
 def plus_table(rows: list[dict]) -> str:
     return ("\n## topoep_plus\n\n`topoep` followed by the free moves across the EP group and the own-rank-first "
             "route (`topoep/planners/plus.py`; csrc/planner_kernel.cu phases 7-9), same workload and timing; every "
-            "plan equals the reference's.\n\n" + markdown_table(
+            "plan equals the reference's. With its local plan: the pair a guarded topoep_plus layer plans, "
+            "topoep_plus and topoep_plus_local on two streams at once (`topoep.planners.plan_concurrently`).\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep graph, busy us", "topoep_plus eager us", "topoep_plus graph us",
-                 "topoep_plus graph, busy us", "extra over topoep us", "moves", "reference ms"],
+                 "topoep_plus graph, busy us", "extra over topoep us", "with its local plan, graph, busy us", "moves",
+                 "reference ms"],
                 [[r["sweep"], r["ep"], r["experts"], f"{r['graph_busy_us']:.1f}", f"{r['plus_eager_us']:.1f}",
                   f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
-                  f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
+                  f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", f"{r['pair_graph_busy_us']:.1f}",
+                  r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
                  for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
             "stamps of block 0; `CudaPlanner.plus_phase_ns`): the staging of the loads and the guard; the free moves "
             "(every block makes the same moves on its own copy of the loads): the first iteration's busiest rank, its "

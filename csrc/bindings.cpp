@@ -82,10 +82,10 @@ void plan_topoep(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num
 void plan_topoep_plus(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domains, int64_t num_slots,
                       int64_t expert_bytes, int64_t token_bytes, int64_t a2, int64_t bb, int64_t max_moves,
                       at::Tensor slot_expert, at::Tensor route, at::Tensor workspace, int64_t num_blocks,
-                      int64_t skip_stages, const c10::optional<at::Tensor>& enable) {
+                      int64_t skip_stages, const c10::optional<at::Tensor>& enable, bool inter_domain) {
   TORCH_CHECK(a2 >= 0 && bb >= 0, "a2 and bb must be >= 0");
   TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
-  const topoep::PlusArgs plus{(int)max_moves, a2, bb};
+  const topoep::PlusArgs plus{(int)max_moves, a2, bb, inter_domain ? 0 : 1};
   plan(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, slot_expert, route, workspace, num_blocks,
        skip_stages, &plus, enable);
 }
@@ -145,7 +145,8 @@ TORCH_LIBRARY(topoep, m) {
         "int skip_stages=0, Tensor? enable=None) -> ()");
   m.def("plan_topoep_plus(Tensor omega, Tensor cost_fs, int num_domains, int num_slots, int expert_bytes, "
         "int token_bytes, int a2, int bb, int max_moves, Tensor(a!) slot_expert, Tensor(b!) route, "
-        "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, Tensor? enable=None) -> ()");
+        "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, Tensor? enable=None, bool inter_domain=True) "
+        "-> ()");
   m.def("plan_static(Tensor omega, int num_slots, Tensor(a!) slot_expert, Tensor(b!) route) -> ()");
   m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, Tensor allow_new, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");

@@ -60,6 +60,7 @@ size_t smem_bytes(int R, int E, int M, int N);
 struct PlusArgs {
   int max_moves;
   int64_t a2, bb;
+  int intra_only;  // 1: topoep_plus_local, without stage 1's inter-domain placement (every slot for the refinement)
 };
 
 // The `topoep` policy, or `topoep_plus` when plus is given. omega int64[R, E]; cost_fs int64[R, R]; outputs

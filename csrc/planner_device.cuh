@@ -29,6 +29,7 @@ struct Dims {
                                      // >= rpd, or 0 for rpd > 32 (a thread per group)
   int plus_smem;                     // 1: topoep_plus's moves on a copy of the loads per block (Loads)
   int local;                         // 1: one block, omega and the whole state in shared memory
+  int intra;                         // 1: no stage-1 placement (topoep_plus_local: every slot for phase 5)
   int skip;                          // kSkip* bits: stages left out, for latency measurements only
   unsigned long long inv_eloc, inv_rpd;  // ceil(2^32 / x): exact x-division of indices < 2^20 for x < 4096
   i64 W, S;

@@ -184,7 +184,7 @@ static inline int blocks_for(long long n, int t) { return (int)((n + t - 1) / t)
 static Dims make_dims(int R, int E, int M, int N) {
   Dims d;
   d.R = R; d.E = E; d.M = M; d.rpd = R / M; d.N = N; d.P = E + R * N; d.Eloc = E / R; d.G = d.Eloc + N;
-  d.W = 0; d.S = 0; d.local = 0; d.skip = 0; d.plus_smem = 0;
+  d.W = 0; d.S = 0; d.local = 0; d.skip = 0; d.plus_smem = 0; d.intra = 0;
   d.inv_eloc = ((1ull << 32) + d.Eloc - 1) / d.Eloc;
   d.inv_rpd = ((1ull << 32) + d.rpd - 1) / d.rpd;
   d.gw = 1;
@@ -236,7 +236,10 @@ cudaError_t plan_topoep(const int64_t* omega, const int64_t* cost_fs, int R, int
   const WorkspaceLayout layout = workspace_layout(R, E, M, N);
   Plus pl = {};
   carve_plus(pl, ws, ws + layout.plus, d);
-  if (plus != nullptr) { pl.on = 1; pl.max_moves = plus->max_moves; pl.a2 = plus->a2; pl.bb = plus->bb; }
+  if (plus != nullptr) {
+    pl.on = 1; pl.max_moves = plus->max_moves; pl.a2 = plus->a2; pl.bb = plus->bb;
+    d.intra = plus->intra_only;
+  }
   if (plus != nullptr && N == 0) {  // no slots: the static plan, no move
     cudaMemsetAsync(pl.moves, 0, sizeof(i64), stream);
   }

@@ -24,7 +24,7 @@ __device__ void placement(int dom, const Dims& d, const Work& w, i64* smem) {
     if (lane == 0) { l0[a] = acc; w.L0[r] = acc; }
   }
   __syncthreads();
-  if (d.M == 1 || d.N == 0) return;  // no remote experts / no slots: nothing to place
+  if (d.M == 1 || d.N == 0 || d.intra) return;  // no remote experts / no slots / topoep_plus_local: nothing to place
   // compact the positive-benefit candidates (order is irrelevant: they are ranked by counting next)
   for (int e = threadIdx.x; e < d.E; e += blockDim.x) {
     const i64 De = w.D[(i64)dom * d.E + e];

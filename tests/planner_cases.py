@@ -39,7 +39,7 @@ SOURCES = ("topoep/workloads.py", "topoep/topology.py", "topoep/plan.py",
            "topoep/planners/plus.py")
 W_CHOICES = (200_000, 9_437_184, 4096)
 CHUNKS, CASES_PER_CHUNK = 4, 600  # 2400 cases
-POLICIES = ("topoep", "static", "topoep_plus")
+POLICIES = ("topoep", "static", "topoep_plus", "topoep_plus_local")
 TOKEN_BYTES = 4096
 
 

@@ -46,12 +46,13 @@ def test_needs_a_gpu(monkeypatch):
 
 def test_plus_table_states_the_extra_time_and_the_phases():
     row = _row(128, 48.0) | dict(plus_eager_us=84.0, plus_graph_us=68.0, plus_graph_busy_us=66.5, plus_moves=2,
-                                 plus_reference_ms=38.0,
+                                 plus_reference_ms=38.0, pair_graph_busy_us=71.2,
                                  plus_phases_us={"moves": 8.8, "route A": 8.4, "route B": 5.9})
     text = plus_table([row])
     line = next(ln for ln in text.splitlines() if ln.startswith("| a | 128 |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
-    assert cells[3] == "48.0" and cells[6] == "66.5" and cells[7] == "+18.5" and cells[8] == "2"
+    assert cells[3] == "48.0" and cells[6] == "66.5" and cells[7] == "+18.5" and cells[8] == "71.2"
+    assert cells[9] == "2"
     assert "| moves | route A | route B |" in text and "| 8.8 | 8.4 | 5.9 |" in text
 
 

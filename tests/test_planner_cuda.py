@@ -129,6 +129,33 @@ def test_enable_flag_is_read_on_the_device(policy):
     assert plan.info.get("backend") == "cuda" and torch.equal(plan.route.cpu(), static.route)
 
 
+def test_plan_concurrently_equals_one_by_one_and_replays():
+    """topoep_plus and its local plan on two streams at once (each with its own workspace): the reference plans,
+    eagerly and replayed from a CUDA graph."""
+    from topoep.planners import plan_concurrently
+
+    R, E, N = 32, 640, 2
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    names = ("topoep_plus", "topoep_plus_local")
+    kw = dict(num_slots=N, expert_bytes=9_437_184, token_bytes=4096)
+    omega_buf = torch.zeros(R, E, dtype=torch.int64, device="cuda")
+    plan_concurrently(omega_buf, topo, names, kw)  # warm up: the planners and their workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan_concurrently(omega_buf, topo, names, kw)
+    for seed, layout in [(1, "random"), (2, "clustered"), (3, "scattered")]:
+        omega = biased_routing(R, E, 1024, 8, -3.0, seed=seed, layout=layout)
+        refs = [solve(omega, topo, policy=p, backend="reference", **kw) for p in names]
+        eager = plan_concurrently(omega.cuda(), topo, names, kw)
+        omega_buf.copy_(omega)
+        graph.replay()
+        for ref, got, rep in zip(refs, eager, captured):
+            assert got.policy == ref.policy
+            assert torch.equal(got.route.cpu(), ref.route) and torch.equal(got.slot_expert.cpu(), ref.slot_expert)
+            assert torch.equal(rep.route.cpu(), ref.route) and torch.equal(rep.slot_expert.cpu(), ref.slot_expert)
+
+
 def test_auto_backend_uses_cuda_for_gpu_omega():
     omega = biased_routing(8, 64, 64, 2, -2.0, seed=1).cuda()
     plan = solve(omega, Topology(num_domains=2, ranks_per_domain=4), num_slots=1)

@@ -151,6 +151,38 @@ def test_solve_enable_false_plans_nothing():
         solve(plan.omega, plan.topology, num_slots=1, enable=True)
 
 
+def test_select_keeps_the_candidate_with_the_largest_net_saving():
+    """Two domains of four (NVLink 200 GB/s, NICs 50 GB/s), skewed routing, Qwen3-sized experts: topoep_plus and
+    its local candidate differ; the guard keeps the one whose predicted T_saved - T_plan - T_transfer is larger (its
+    index in info["guard_choice"]), ties to the earlier, and the static plan when neither pays."""
+    from topoep.workloads import biased_routing
+
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    om = biased_routing(8, 32, 512, 4, -3.0, seed=2)
+    kw = dict(num_slots=2, expert_bytes=9_437_184, token_bytes=4096)
+    plus = solve(om, topo, policy="topoep_plus", **kw)
+    local = solve(om, topo, policy="topoep_plus_local", **kw)
+    assert not torch.equal(plus.route, local.route)
+    seen = set()
+    for g in (NetBenefitGuard(), NetBenefitGuard(token_overlap=0.0), NetBenefitGuard(bytes_per_s=1e9)):
+        for t_ffn in (1e-9, 1e-6, 1e-5):  # with the defaults: neither pays, the local plan, topoep_plus
+            nets = [float(a - b) for a, b in (g.predict(p, t_ffn, 3) for p in (plus, local))]
+            executed, fired, saved, cost = g.select(plus, t_ffn, 3, candidates=(local,))
+            best = 0 if nets[0] >= nets[1] else 1
+            seen.add((best, max(nets) > 0))
+            assert int(executed.info["guard_choice"]) == best
+            assert float(saved - cost) == max(nets)
+            want = (plus, local)[best] if max(nets) > 0 else solve(om, topo, policy="static", **kw)
+            assert bool(fired) == (max(nets) <= 0)
+            assert torch.equal(executed.route, want.route) and torch.equal(executed.slot_expert, want.slot_expert)
+    assert {b for b, pays in seen if pays} == {0, 1} and (False in {pays for _, pays in seen}), seen
+    executed = NetBenefitGuard().select(plus, 1e-5, 3, candidates=(plus,))[0]
+    assert int(executed.info["guard_choice"]) == 0  # a tie keeps the earlier
+    small = solve(om[:, :16].contiguous()[:4], Topology(num_domains=1, ranks_per_domain=4), **kw)
+    with pytest.raises(ValueError, match="guard candidates must have the plan's shapes"):
+        NetBenefitGuard().select(plus, 1e-5, 3, candidates=(small,))
+
+
 def test_allow_false_forces_the_static_plan():
     """The host left the replica machinery out: the static plan runs even where the guard wants replicas."""
     plan = hand_plan()
@@ -270,3 +302,56 @@ def test_balanced_routing_fires_the_guard_and_skewed_routing_does_not():
         assert bal["skip"] == skew["skip"] == (0.0, 0.0)  # backend torch never leaves the replicas out
         assert r["pop"] == (pytest.approx(2.0), 3)  # fired in 2 of 3 calls
     assert len({(r["skewed"]["replicas"], r["balanced"]["fired"]) for r in results}) == 1  # one decision
+
+
+def _plus_candidates(rank, world):
+    """Guarded topoep_plus layers on 4 ranks (2 domains of 2): each call executes whichever of topoep_plus and its
+    local plan the guard kept, bit for bit as an unguarded layer of that policy computes it."""
+    # NICs at 100 MB/s: a copy of these small experts (6 KiB) across domains costs about what Qwen3's does on RDMA
+    topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
+    E, T, k, H, Fd = 16, 64, 2, 8, 64
+    g = torch.Generator().manual_seed(4)
+    fc1 = torch.randn(E, 2 * Fd, H, generator=g) * 0.2
+    fc2 = torch.randn(E, H, Fd, generator=g) * 0.2
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(30 + rank))
+    w = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(40 + rank)), -1)
+    lo, hi = rank * 4, rank * 4 + 4
+
+    def layer(policy, guard, t_ffn):
+        m = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
+                              policy=policy, t_ffn=t_ffn, guard=guard)
+        with torch.no_grad():
+            m.fc1.copy_(fc1[lo:hi])
+            m.fc2.copy_(fc2[lo:hi])
+        return m
+
+    def run(m, idx):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = m(xr, idx, wr)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), xr.grad, wr.grad, m.fc1.grad.clone(), m.fc2.grad.clone()]
+
+    out = []
+    cheap, dear = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0), NetBenefitGuard(plan_s=1.0)
+    # the local plan pays more (cheap NVLink copies), topoep_plus pays more (expert time dominates), nothing pays
+    for guard, t_ffn in ((cheap, 1e-6), (cheap, 1e-4), (dear, 1e-6)):
+        idx = biased_topk(world, E, T, k, -3.0, seed=3, layout="clustered")[rank]
+        guarded = layer("topoep_plus", guard, t_ffn)
+        res = run(guarded, idx)
+        s = guarded.stats_dict()
+        chosen = int(guarded.last_plan.info["guard_choice"]) if "guard_choice" in guarded.last_plan.info else None
+        local = s["plan_local"] == 1.0
+        ref = run(layer("static" if s["guard_fired"] else ("topoep_plus_local" if local else "topoep_plus"), False,
+                        t_ffn), idx)
+        out.append(dict(fired=s["guard_fired"], local=local, chosen=chosen,
+                        bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref))))
+    return out
+
+
+def test_guarded_topoep_plus_executes_the_kept_candidate():
+    results = run_ranks(_plus_candidates, 4)
+    for r in results:
+        assert all(c["bit_equal"] for c in r), r
+        assert all(c["local"] == (c["chosen"] == 1 and not c["fired"]) for c in r), r
+    assert len({tuple((c["fired"], c["local"]) for c in r) for r in results}) == 1  # every rank decided alike
+    assert [(c["fired"], c["local"]) for c in results[0]] == [(0.0, True), (0.0, False), (1.0, False)]

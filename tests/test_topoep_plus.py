@@ -121,3 +121,30 @@ def test_cuda_kernel_only_on_two_level_costs():
     assert has_cuda_kernel("topoep_plus", topo) and not has_cuda_kernel("topoep_plus", odd)
     assert has_cuda_kernel("topoep", odd) and has_cuda_kernel("static", odd)
     assert not has_cuda_kernel("flexmoe", topo) and not has_cuda_kernel("joint", topo)
+
+
+def test_local_plan_keeps_replicas_in_their_domain():
+    """topoep_plus_local: topoep_plus without stage 1's inter-domain placement. Every replica sits in its main's
+    domain (so its fetch never crosses a NIC) and the plan is never worse than static in L_max."""
+    from topoep.links import LINK_STAT_NAMES, link_stats
+    from topoep.workloads import biased_routing
+
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    for seed in range(4):
+        om = biased_routing(32, 256, 1024, 8, -2.0, seed=seed, layout=("random", "scattered")[seed % 2])
+        local = solve(om, topo, num_slots=2, policy="topoep_plus_local").check()
+        static = solve(om, topo, num_slots=2, policy="static")
+        assert local.policy == "topoep_plus_local" and local.num_replicas > 0
+        dom = topo.domain_of
+        se = local.slot_expert
+        rank = torch.arange(32)[:, None].expand_as(se)
+        assert (dom[rank][se >= 0] == dom[local.main_rank[se[se >= 0]]]).all()
+        stats = dict(zip(LINK_STAT_NAMES, link_stats(local).tolist()))
+        assert stats["fetch_nic_max_bytes"] == 0
+        assert int(local.rank_load.max()) < int(static.rank_load.max())
+    odd_cost = topo.cost.clone()
+    odd_cost[0, 8] = odd_cost[8, 0] = 2 * odd_cost[0, 8]
+    from topoep.planners import has_cuda_kernel
+
+    assert has_cuda_kernel("topoep_plus_local", topo)
+    assert not has_cuda_kernel("topoep_plus_local", Topology(num_domains=4, ranks_per_domain=8, cost=odd_cost))

@@ -96,11 +96,12 @@ def token_loads(plan: Plan, top_k: int | None = None, token_bytes: float | None 
     same = dom[:, None] == dom[None, :]
     local = torch.arange(R, device=miss.device) % d
     intra = rows * same
-    peer = torch.arange(M, device=miss.device)[None, :] * d + local[:, None]  # [R, M] GPU receiving s's tokens in d
-    nic_in = torch.zeros(R, dtype=torch.float64, device=miss.device).index_add_(0, peer.reshape(-1), rows_dom.reshape(-1))
+    # s's tokens for domain m arrive at the GPU of s's local index there, m * d + local(s): summed over the sources
+    # of each local index (reshapes and sums, no atomics: the same bits on every rank and run)
+    nic_in = rows_dom.view(M, d, M).sum(0).t().reshape(R)
     fwd = rows * ~same * (local[:, None] != local[None, :])  # tokens s -> r that the peer forwards over NVLink
-    fwd_src = (dom[None, :] * d + local[:, None]).expand(R, R)  # the peer of (s, dom(r))
-    nvl_out = intra.sum(1).index_add_(0, fwd_src.reshape(-1), fwd.reshape(-1))
+    # the peer of (s, dom(r)) is dom(r) * d + local(s): it sends what it forwards
+    nvl_out = intra.sum(1) + fwd.view(M, d, M, d).sum((0, 3)).t().reshape(R)
     nvl_in = intra.sum(0) + fwd.sum(0)
     return LinkLoads(nvl_out * S, nvl_in * S, rows_dom.sum(1) * S, nic_in * S)
 

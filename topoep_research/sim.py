@@ -504,7 +504,7 @@ class SimResult:
 
 def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
     """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus)."""
-    pts = GPU_PLANNER_PLUS_US if policy == "topoep_plus" else GPU_PLANNER_US
+    pts = GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US
     if num_ranks <= pts[0][0]:
         return pts[0][1] * 1e-6
     for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
@@ -713,15 +713,23 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plan = solve(omega, topo, num_slots=num_slots, policy="static", expert_bytes=model.expert_bytes,
                      token_bytes=model.token_bytes)
         plan.policy = policy  # the policy's call, which ran the static plan
-    elif not isinstance(plan_or_omega, Plan):
-        kw = dict(num_slots=num_slots, policy=policy, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
-                  t_ffn=t_ffn)
-        if plan_cache is not None:
-            plan, measured = plan_cache.solve(omega, cluster.topology(omega.shape[0]), **kw)
-        else:
-            t0 = time.perf_counter()
-            plan = solve(omega, cluster.topology(omega.shape[0]), backend="reference", **kw)
-            measured = time.perf_counter() - t0
+    candidates, local_plan = (), 0.0
+    if not skipped and not isinstance(plan_or_omega, Plan):
+        # guarded topoep_plus plans its local candidate too (at the same time on the GPU: one planner latency)
+        names = (policy, "topoep_plus_local") if guard is not None and policy == "topoep_plus" else (policy,)
+        plans = []
+        for name in names:
+            kw = dict(num_slots=num_slots, policy=name, expert_bytes=model.expert_bytes,
+                      token_bytes=model.token_bytes, t_ffn=t_ffn)
+            if plan_cache is not None:
+                p, m = plan_cache.solve(omega, cluster.topology(omega.shape[0]), **kw)
+            else:
+                t0 = time.perf_counter()
+                p = solve(omega, cluster.topology(omega.shape[0]), backend="reference", **kw)
+                m = time.perf_counter() - t0
+            plans.append(p)
+            measured = m if measured is None else max(measured, m)
+        plan, candidates = plans[0], tuple(plans[1:])
     if guard is not None and plan.policy != "static" and plan.num_slots > 0 and not skipped:
         if not bool(guard.worth_planning(plan.omega, plan.topology, plan.main_rank, t_ffn, plan.expert_bytes, n_rep)):
             skipped = True  # a given plan: its routing would not have been planned
@@ -730,7 +738,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
                          expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes)
             plan.policy = name
         else:
-            plan = guard.select(plan, t_ffn, n_rep)[0]
+            plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
+            local_plan = float(bool(candidates) and not bool(fired) and int(plan.info["guard_choice"]) == 1)
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
@@ -810,6 +819,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     traffic["replica_total_per_layer"] = 3 * (traffic["replica_intra_bytes"] + traffic["replica_inter_bytes"])
     m = metrics(plan)
     stats = {k: m[k] for k in ("imbalance", "static_imbalance", "internode_fraction", "replica_fraction", "num_replicas")}
+    stats["local_plan"] = local_plan  # 1: guarded topoep_plus ran its local candidate (topoep_plus_local)
+    stats["plan_skipped"] = float(skipped)  # 1: the guard's pre-plan bound left planning out
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
     mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,

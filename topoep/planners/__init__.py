@@ -23,6 +23,7 @@ def _policies():
         "static": reference.solve_static,
         "topoep": reference.solve_topoep,
         "topoep_plus": plus.solve_topoep_plus,
+        "topoep_plus_local": functools.partial(plus.solve_topoep_plus, inter_domain=False),
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
@@ -31,7 +32,7 @@ def _policies():
 
 
 # Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
-POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
+POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "deepseek", "fastermoe", "flexmoe")
 # Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. Their planners live
 # outside the library and are bound by `register_policy`: "joint" by `import topoep_research` (seconds per
 # plan on the CPU reference at EP 32; its search needs K x R^3 tensors).
@@ -75,7 +76,7 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
     for CUDA omega, and what the runtime may capture in a CUDA graph (the reference synchronises the host)."""
     from topoep.planners.cuda import CUDA_POLICIES
 
-    return policy in CUDA_POLICIES and (policy != "topoep_plus" or cached_two_level_costs(topology)[2])
+    return policy in CUDA_POLICIES and (not policy.startswith("topoep_plus") or cached_two_level_costs(topology)[2])
 
 
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
@@ -180,7 +181,37 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     return fit_capacity(plan, capacity)
 
 
-COST_POLICIES = ("topoep_plus", "joint", "fastermoe")  # compare modelled transfer costs in integers
+def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[str, ...], kw: dict) -> list[Plan]:
+    """`solve(omega, topology, policy=p, **kw)` for each policy p, in order. On a GPU the CUDA planner's plans after
+    the first run on a side stream at the same time as the first (each has its own workspace; two default grids take
+    half the SMs each), and the current stream waits for them: no host synchronisation, capturable in a CUDA graph."""
+    if not omega.is_cuda or len(policies) < 2:
+        return [solve(omega, topology, policy=p, **kw) for p in policies]
+    main = torch.cuda.current_stream(omega.device)
+    side = _plan_stream(omega.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        others = [solve(omega, topology, policy=p, **kw) for p in policies[1:]]
+    first = solve(omega, topology, policy=policies[0], **kw)
+    main.wait_stream(side)
+    if not torch.cuda.is_current_stream_capturing():  # (a capture's pool keeps its memory until the graph goes)
+        for plan in others:  # made on the side stream, read on this one
+            plan.slot_expert.record_stream(main)
+            plan.route.record_stream(main)
+    return [first, *others]
+
+
+_PLAN_STREAMS: dict = {}
+
+
+def _plan_stream(device) -> torch.cuda.Stream:
+    device = torch.device(device)
+    if device not in _PLAN_STREAMS:
+        _PLAN_STREAMS[device] = torch.cuda.Stream(device)
+    return _PLAN_STREAMS[device]
+
+
+COST_POLICIES = ("topoep_plus", "topoep_plus_local", "joint", "fastermoe")  # compare modelled transfer costs in integers
 
 
 def max_assignments(topology: Topology, token_bytes: int, expert_bytes: int, num_slots: int,

@@ -23,7 +23,7 @@ CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 # the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
 SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu")
 SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
-CUDA_POLICIES = ("static", "topoep", "topoep_plus")
+CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local")
 _loaded = False
 
 
@@ -89,7 +89,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("topoep::plan_topoep_plus")
     def _(omega, cost_fs, num_domains, num_slots, expert_bytes, token_bytes, a2, bb, max_moves, slot_expert, route,
-          workspace, num_blocks=0, skip_stages=0, enable=None):
+          workspace, num_blocks=0, skip_stages=0, enable=None, inter_domain=True):
         return None
 
     @torch.library.register_fake("topoep::plan_static")
@@ -161,11 +161,12 @@ class CudaPlanner:
                              f"[0, {SKIP_LIMIT})), got {skip_stages!r}")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
-        elif policy == "topoep_plus":
+        elif policy in ("topoep_plus", "topoep_plus_local"):
             a2, bb = self.plus_costs(topology, token_bytes)
             torch.ops.topoep.plan_topoep_plus(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
                                               token_bytes, a2, bb, 4 * self.R * (self.E // self.R + self.N),
-                                              slot_expert, route, self.workspace, grid_blocks, skip_stages, enable)
+                                              slot_expert, route, self.workspace, grid_blocks, skip_stages, enable,
+                                              policy == "topoep_plus")
         else:
             torch.ops.topoep.plan_topoep(omega, topology.on(self.device).cost_fs, self.M, self.N, expert_bytes,
                                          token_bytes, slot_expert, route, self.workspace, grid_blocks, skip_stages,
@@ -228,7 +229,7 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
     """`topoep.solve` on the GPU (see module docstring); outputs are fresh tensors, the workspace is cached.
     grid_blocks: the grid of multi-block plans, enable: plan or write the static plan (CudaPlanner.plan)."""
     R, E = omega.shape
-    key = (omega.device, R, E, topology.num_domains, num_slots)
+    key = (omega.device, R, E, topology.num_domains, num_slots, policy)  # a workspace per policy: plans may run at once
     planner = _planners.get(key)
     if planner is None:
         planner = _planners[key] = CudaPlanner(R, E, topology.num_domains, num_slots, omega.device)

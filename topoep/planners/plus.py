@@ -40,6 +40,16 @@ demand of domain d's sources):
    the inter-node share; otherwise the `topoep` plan is returned with info["fallback"] = "topoep". On an
    exactly two-level topology it never fires (tests/test_topoep_plus.py).
 
+`topoep_plus_local` (inter_domain=False) is the same four steps from `topoep`'s plan without its stage 1: no replica
+outside its main's domain, every slot for the refinement's balancing inside domains. The paper's stage 1 places a
+replica in another domain wherever 2 D S_tok > W, a sum over transfers (eq. 6-7); on the busiest link that trade
+can lose: a hot rank sends every copy of its experts through one NIC, while the token bytes it saves were spread
+over many. Which of the two plans is faster depends on the routing and on how the transport sends tokens (one row
+per assignment, or deduplicated per rank and domain as DeepEP does), so the layer does not guess: with the
+net-benefit guard, a `topoep_plus` layer plans both at the same time (`topoep.planners.plan_concurrently`: two
+streams on the GPU) and the guard keeps the one its per-link prediction says is faster, or static
+(`topoep.runtime.guard`). results/link_sweep.md has the effect per workload.
+
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES binds it like `topoep`: step 2 adds no
 replica), no duplicate instance, integer decisions, lowest-index ties. The CUDA planner (csrc/planner_kernel.cu,
 phases 7-9 after topoep's refinement) returns the same plan bit for bit on exactly two-level cost matrices
@@ -131,20 +141,23 @@ def global_moves(omega: list, U: list[dict], D: list, rpd: int, a2: int, bb: int
 
 
 def solve_topoep_plus(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes,
-                      max_moves: int | None = None, paper: Plan | None = None, **kw) -> Plan:
+                      max_moves: int | None = None, paper: Plan | None = None, inter_domain: bool = True,
+                      **kw) -> Plan:
     """The `topoep_plus` policy (module docstring). info: topoep's, plus "global_moves" and, when the guard
     kept the paper's plan, "fallback" = "topoep". `paper`: the `topoep` plan of the same inputs when the caller
-    has it (joint does), else it is solved here; it is not modified."""
+    has it (joint does), else it is solved here; it is not modified. inter_domain=False: the
+    `topoep_plus_local` policy, the same steps from the paper's plan without its stage 1 (`solve_topoep`)."""
     from topoep.planners.reference import solve_topoep
 
     R, E = omega.shape
     N = num_slots
     if paper is None:
         paper = solve_topoep(omega, topology, num_slots=N, main_rank=main_rank, expert_bytes=expert_bytes,
-                             token_bytes=token_bytes, **kw)
+                             token_bytes=token_bytes, inter_domain=inter_domain, **kw)
     else:
         paper = copy.copy(paper)  # policy and info are reassigned below, never changed in place
-    paper.policy = "topoep_plus"
+    name = "topoep_plus" if inter_domain else "topoep_plus_local"
+    paper.policy = name
     if N == 0 or paper.info.get("fallback"):
         # no slots: static; topoep's own guard chose static (its plan was worse in L_max): keep it
         paper.info = {**paper.info, "global_moves": 0}
@@ -166,7 +179,7 @@ def solve_topoep_plus(omega, topology, *, num_slots, main_rank, expert_bytes, to
     route = hierarchical_route(omega, topology, main_rank, slot_expert, load)
     info = {**paper.info, "global_moves": moves}
     plan = Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
-                route=route, policy="topoep_plus", expert_bytes=expert_bytes, token_bytes=token_bytes, info=info, **kw)
+                route=route, policy=name, expert_bytes=expert_bytes, token_bytes=token_bytes, info=info, **kw)
     (plan_max, plan_inter), (paper_max, paper_inter) = max_load_and_inter(plan), max_load_and_inter(paper)
     # modelled_fs with t = 0: T_token + T_replica
     if plan_max > paper_max or plan_inter > paper_inter or modelled_fs(plan, 0) > modelled_fs(paper, 0):

@@ -135,8 +135,10 @@ def refine_domain(d: int, topology: Topology, num_experts: int, num_slots: int, 
         iters += 1
 
 
-def solve_topoep(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, **kw) -> Plan:
-    """The paper's two-stage algorithm (module docstring)."""
+def solve_topoep(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, inter_domain: bool = True,
+                 **kw) -> Plan:
+    """The paper's two-stage algorithm (module docstring). inter_domain=False leaves stage 1 out (no replica in
+    another domain than its main's; every slot is the refinement's): `topoep_plus_local`'s starting plan."""
     R, E = omega.shape
     N = num_slots
     dev = omega.device
@@ -147,7 +149,10 @@ def solve_topoep(omega, topology, *, num_slots, main_rank, expert_bytes, token_b
         return static
 
     # 1. inter-node placement
-    slot_expert = internode_placement(omega, topology, N, main_rank, expert_bytes, token_bytes)
+    if inter_domain:
+        slot_expert = internode_placement(omega, topology, N, main_rank, expert_bytes, token_bytes)
+    else:
+        slot_expert = torch.full((R, N), -1, dtype=torch.int64, device=dev)
     stage1_replicas = int((slot_expert >= 0).sum())
     # 2. routing with same-domain preference
     inst_expert0, inst_rank0 = instance_tables(main_rank, slot_expert)

@@ -195,21 +195,39 @@ class NetBenefitGuard:
         cheapest = float(cost.masked_fill(torch.eye(R, dtype=torch.bool), float("inf")).min())  # host constants
         return bound > self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
 
-    def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None):
+    def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
+               candidates: tuple[Plan, ...] = ()):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
 
-        `plan` is the balanced plan; `fired` is True when the static plan is executed instead. `allow`
-        (bool 0-d, optional): False forces the static plan (the host left out the replica machinery, or
-        `worth_planning` skipped the planner); `T_saved > T_plan + T_transfer` is the guard's own decision on
-        `plan` either way."""
+        `plan` is the balanced plan; `candidates`: other balanced plans of the same routing and shapes (topoep_plus's
+        local plan, `topoep.planners.plus`). Of `plan` and the candidates the one with the largest T_saved - T_plan
+        - T_transfer is kept (ties: the earliest), and the executed plan's info["guard_choice"] holds its index
+        (int64 0-d: 0 for `plan`). `fired` is True when the static plan is executed instead. `allow` (bool 0-d,
+        optional): False forces the static plan (the host left out the replica machinery, or `worth_planning`
+        skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
+        way."""
         saved, cost = self.predict(plan, t_ffn, exposed_transfers)
+        slot_expert, route = plan.slot_expert, plan.route
+        choice = torch.zeros((), dtype=torch.int64, device=saved.device)
+        for i, other in enumerate(candidates, start=1):
+            if other.route.shape != route.shape or other.slot_expert.shape != slot_expert.shape:
+                raise ValueError(f"guard candidates must have the plan's shapes: slot_expert {list(slot_expert.shape)}, "
+                                 f"route {list(route.shape)}; candidate {i} has {list(other.slot_expert.shape)}, "
+                                 f"{list(other.route.shape)}")
+            s_i, c_i = self.predict(other, t_ffn, exposed_transfers)
+            better = s_i - c_i > saved - cost
+            slot_expert = torch.where(better, other.slot_expert, slot_expert)
+            route = torch.where(better, other.route, route)
+            saved, cost = torch.where(better, s_i, saved), torch.where(better, c_i, cost)
+            choice = torch.where(better, torch.full_like(choice, i), choice)
         use = saved > cost
         if allow is not None:
             use = use & allow
         executed = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
-                        slot_expert=torch.where(use, plan.slot_expert, torch.full_like(plan.slot_expert, -1)),
-                        route=torch.where(use, plan.route, static_route(plan.omega, plan.num_slots)), policy=plan.policy,
-                        expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes, info=dict(plan.info))
+                        slot_expert=torch.where(use, slot_expert, torch.full_like(slot_expert, -1)),
+                        route=torch.where(use, route, static_route(plan.omega, plan.num_slots)), policy=plan.policy,
+                        expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes,
+                        info={**plan.info, "guard_choice": choice})
         return executed, ~use, saved, cost
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from topoep.config import LayerConfig
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
-from topoep.planners import has_cuda_kernel, solve
+from topoep.planners import has_cuda_kernel, plan_concurrently, solve
 from topoep.planners.cuda import device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
@@ -49,6 +49,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "guard_cost_ms",  # its predicted T_plan + T_transfer
     "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
+    "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
@@ -205,7 +206,7 @@ class ExpertParallelMoE(nn.Module):
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
                       capacity: int | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the plan after the net-benefit guard and the capacity step, float64[5] guard statistics, the guard's own
+        """(the plan after the net-benefit guard and the capacity step, float64[6] guard statistics, the guard's own
         decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard, float64[2] capacity
         statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
         plan and keeps the capacity step off the slots: the host left this call's replica machinery out."""
@@ -217,15 +218,23 @@ class ExpertParallelMoE(nn.Module):
             n = self.backend.exposed_replica_transfers if n is None else n
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
             worth = self.guard.worth_planning(omega, self.topology, main_rank, self.t_ffn, self.expert_bytes, n)
-        plan = solve(omega, self.topology, num_slots=N, policy=self.policy, expert_bytes=self.expert_bytes,
-                     token_bytes=token_bytes, t_ffn=self.t_ffn, grid_blocks=self.config.planner_blocks, enable=worth)
-        guard_stats = torch.zeros(5, dtype=torch.float64, device=omega.device)
+        kw = dict(num_slots=N, expert_bytes=self.expert_bytes, token_bytes=token_bytes, t_ffn=self.t_ffn,
+                  grid_blocks=self.config.planner_blocks, enable=worth)
+        candidates = ()
+        if guarded and self.policy == "topoep_plus":  # and its local plan; the guard keeps the better (plus.py)
+            plan, local = plan_concurrently(omega, self.topology, ("topoep_plus", "topoep_plus_local"), kw)
+            candidates = (local,)
+        else:
+            plan = solve(omega, self.topology, policy=self.policy, **kw)
+        guard_stats = torch.zeros(6, dtype=torch.float64, device=omega.device)
         wanted = None
         if guarded:
-            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, worth if allow is None else allow & worth)
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, worth if allow is None else allow & worth,
+                                                         candidates=candidates)
             wanted = (saved > cost) & worth
+            local = (plan.info["guard_choice"] == 1) & ~fired
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
-                                       (~worth).to(torch.float64)])
+                                       (~worth).to(torch.float64), local.to(torch.float64)])
         fit_stats = torch.zeros(2, dtype=torch.float64, device=omega.device)
         if capacity is not None:
             plan, fit_stats = self._fit(plan, capacity, allow)
@@ -245,12 +254,12 @@ class ExpertParallelMoE(nn.Module):
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
         """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict. stats: the plan's
-        STAT_NAMES, the guard's 5 (fired, saved, cost, wanted, plan skipped), the capacity step's 2."""
+        STAT_NAMES, the guard's 6 (fired, saved, cost, wanted, plan skipped, local plan), the capacity step's 2."""
         n = len(STAT_NAMES)
         self.last_plan = plan
         planner = torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device)
         skipped = torch.full((1,), float(slot_skipped), dtype=torch.float64, device=stats.device)
-        guard, fit = stats[n:n + 5], stats[n + 5:]
+        guard, fit = stats[n:n + 6], stats[n + 6:]
         self.stats = torch.cat([stats[:n], planner, guard, skipped, skipped * guard[3:4], fit])
         self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
         self._stats_calls += 1
