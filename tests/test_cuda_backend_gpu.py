@@ -420,7 +420,8 @@ def _guarded_plus(rank, world):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
                                   guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0),
-                                  **(cuda_options(capacity_factor=None) if backend == "cuda" else {}))
+                                  **(cuda_options(capacity_factor=None) if backend == "cuda" else
+                                     dict(capacity_factor=None)))
         rows = []
         for call in range(3):
             x, idx, w, gy = (t.to(dev) for t in _routing(world, 30, 3.0, dev)[rank])
