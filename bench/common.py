@@ -74,6 +74,14 @@ def write_json(path: Path, info: dict, rows: list[dict]) -> None:
     path.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
 
 
+def write_report(args, text: str, rows: list[dict]) -> None:
+    """args.out / args.name + ".md" (the report) and ".json" (run_info of args' options, and the rows)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text(text)
+    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    (args.out / f"{args.name}.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
+
+
 def bench_gpu() -> torch.device:
     """A benchmark rank's GPU (LOCAL_RANK under torchrun), one per process: GPUs are never shared by benchmark
     ranks, whose times would mean nothing (the GPU tests can share one for correctness: TOPOEP_GPU_SHARE=1)."""

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options  # noqa: E402
+from bench.common import REPO, markdown_table, run_info, without_options, write_report  # noqa: E402
 from topoep import workloads  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research import sim  # noqa: E402
@@ -151,10 +150,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rows = run(args)
     text = report(args, rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.md").write_text(text)
-    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-    (args.out / f"{args.name}.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
+    write_report(args, text, rows)
     bad = sum(not verdict(r)["ok"] for r in rows)
     print(f"{len(rows)} cells, topoep_plus misses a target in {bad}; wrote {args.out / args.name}.md")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options  # noqa: E402
+from bench.common import REPO, markdown_table, run_info, without_options, write_report  # noqa: E402
 from topoep import links, solve, workloads  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
@@ -173,10 +172,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rows = run(args)
     text = report(args, rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.md").write_text(text)
-    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-    (args.out / f"{args.name}.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
+    write_report(args, text, rows)
     print(text.splitlines()[-1])
     print(f"wrote {args.out / args.name}.md")
 

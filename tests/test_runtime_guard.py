@@ -240,23 +240,20 @@ def test_bad_guard_arguments():
         ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, t_ffn=0.0)
 
 
-def _guarded_layers(rank, world):
-    topo = Topology(num_domains=2, ranks_per_domain=2)
-    E, T, k, H, Fd = 16, 64, 2, 8, 4
-    g = torch.Generator().manual_seed(3)
+def _harness(rank, topo, Fd, seed):
+    """(layer(policy, guard, t_ffn), run(layer, idx)) for the 4-rank guard tests: E = 16 experts of hidden 8 and ffn
+    Fd, 64 tokens of top-2 per rank, weights and inputs from `seed`; run returns the output and every gradient."""
+    E, T, k, H = 16, 64, 2, 8
+    g = torch.Generator().manual_seed(seed)
     fc1 = torch.randn(E, 2 * Fd, H, generator=g) * 0.2
     fc2 = torch.randn(E, H, Fd, generator=g) * 0.2
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + rank))
-    w = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(20 + rank)), -1)
-    workloads = {"balanced": balanced_topk(world, E, T, k)[rank],
-                 "skewed": biased_topk(world, E, T, k, -4.0, seed=1, layout="concentrated")[rank]}
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * seed + rank))
+    w = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(10 * seed + 5 + rank)), -1)
     lo, hi = rank * 4, rank * 4 + 4
 
-    def layer(policy, guard):
-        # t_ffn 1 us per assignment: the saving of a skewed plan (hundreds of assignments) beats the
-        # default 100 us planning estimate; a balanced one saves nothing
+    def layer(policy, guard, t_ffn):
         m = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
-                              policy=policy, t_ffn=1e-6, guard=guard)
+                              policy=policy, t_ffn=t_ffn, guard=guard)
         with torch.no_grad():
             m.fc1.copy_(fc1[lo:hi])
             m.fc2.copy_(fc2[lo:hi])
@@ -267,6 +264,21 @@ def _guarded_layers(rank, world):
         y = m(xr, idx, wr)
         y.backward(torch.ones_like(y))
         return [y.detach(), xr.grad, wr.grad, m.fc1.grad.clone(), m.fc2.grad.clone()]
+
+    return layer, run
+
+
+def _guarded_layers(rank, world):
+    topo = Topology(num_domains=2, ranks_per_domain=2)
+    E, T, k = 16, 64, 2
+    workloads = {"balanced": balanced_topk(world, E, T, k)[rank],
+                 "skewed": biased_topk(world, E, T, k, -4.0, seed=1, layout="concentrated")[rank]}
+    # t_ffn 1 us per assignment: the saving of a skewed plan (hundreds of assignments) beats the default 100 us
+    # planning estimate; a balanced one saves nothing
+    make, run = _harness(rank, topo, 4, 3)
+
+    def layer(policy, guard):
+        return make(policy, guard, 1e-6)
 
     guarded, out = layer("topoep", True), {}
     for name, idx in workloads.items():
@@ -309,27 +321,8 @@ def _plus_candidates(rank, world):
     local plan the guard kept, bit for bit as an unguarded layer of that policy computes it."""
     # NICs at 100 MB/s: a copy of these small experts (6 KiB) across domains costs about what Qwen3's does on RDMA
     topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
-    E, T, k, H, Fd = 16, 64, 2, 8, 64
-    g = torch.Generator().manual_seed(4)
-    fc1 = torch.randn(E, 2 * Fd, H, generator=g) * 0.2
-    fc2 = torch.randn(E, H, Fd, generator=g) * 0.2
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(30 + rank))
-    w = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(40 + rank)), -1)
-    lo, hi = rank * 4, rank * 4 + 4
-
-    def layer(policy, guard, t_ffn):
-        m = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
-                              policy=policy, t_ffn=t_ffn, guard=guard)
-        with torch.no_grad():
-            m.fc1.copy_(fc1[lo:hi])
-            m.fc2.copy_(fc2[lo:hi])
-        return m
-
-    def run(m, idx):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = m(xr, idx, wr)
-        y.backward(torch.ones_like(y))
-        return [y.detach(), xr.grad, wr.grad, m.fc1.grad.clone(), m.fc2.grad.clone()]
+    E, T, k = 16, 64, 2
+    layer, run = _harness(rank, topo, 64, 4)
 
     out = []
     cheap, dear = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0), NetBenefitGuard(plan_s=1.0)
