@@ -21,9 +21,9 @@ for name in ("plan_topoep", "plan_topoep_plus", "plan_static", "fit_capacity", "
     assert hasattr(ops, name), name
 for name in ("set_skip_stages", "set_grid_blocks"):  # no process-wide settings: both are arguments of a plan
     assert not hasattr(ops, name), name
-for op in (ops.plan_topoep, ops.plan_topoep_plus):
-    assert str(op.default._schema).endswith("Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, "
-                                            "Tensor? enable=None) -> ()"), op
+tail = "Tensor(c!) workspace, int num_blocks=0, int skip_stages=0, Tensor? enable=None"
+assert str(ops.plan_topoep.default._schema).endswith(tail + ") -> ()")
+assert str(ops.plan_topoep_plus.default._schema).endswith(tail + ", bool inter_domain=True) -> ()")
 lay = dict(zip(WORKSPACE_FIELDS, ops.workspace_layout(32, 640, 4, 2), strict=True))
 heads = [(lay[n], lay["num_" + n]) for n in ("stamps", "refine_counters", "plus_stamps")]
 assert [k for _, k in heads] == [len(PHASES) + 1, len(REFINE_COUNTERS), len(PLUS_PHASES)], lay

@@ -704,42 +704,39 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     n_rep = execution.exposed_replica_transfers
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
-    skipped = False  # the guard's pre-plan bound left planning out: the static plan, no planner
-    if guard is not None and policy != "static" and num_slots > 0 and not isinstance(plan_or_omega, Plan):
-        topo = cluster.topology(omega.shape[0])
-        skipped = not bool(guard.worth_planning(omega, topo, default_main_rank(omega.shape[1], omega.shape[0]), t_ffn,
-                                                model.expert_bytes, n_rep))
-    if skipped:
-        plan = solve(omega, topo, num_slots=num_slots, policy="static", expert_bytes=model.expert_bytes,
-                     token_bytes=model.token_bytes)
-        plan.policy = policy  # the policy's call, which ran the static plan
+    given = isinstance(plan_or_omega, Plan)
+    if given:
+        omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots
+    else:
+        topo, name, N = cluster.topology(omega.shape[0]), policy, num_slots
+        main_rank = default_main_rank(omega.shape[1], omega.shape[0])
+    guarded = guard is not None and name != "static" and N > 0
+    # the guard's pre-plan bound: where no plan can pay, the static plan runs and no planner does
+    skipped = guarded and not bool(guard.worth_planning(omega, topo, main_rank, t_ffn, model.expert_bytes, n_rep))
     candidates, local_plan = (), 0.0
-    if not skipped and not isinstance(plan_or_omega, Plan):
+    if skipped:
+        plan = solve(omega, topo, num_slots=N, policy="static", expert_bytes=model.expert_bytes,
+                     token_bytes=model.token_bytes)
+        plan.policy = name  # the policy's call, which ran the static plan
+        measured = 0.0  # nothing was solved
+    elif not given:
         # guarded topoep_plus plans its local candidate too (at the same time on the GPU: one planner latency)
-        names = (policy, "topoep_plus_local") if guard is not None and policy == "topoep_plus" else (policy,)
         plans = []
-        for name in names:
-            kw = dict(num_slots=num_slots, policy=name, expert_bytes=model.expert_bytes,
-                      token_bytes=model.token_bytes, t_ffn=t_ffn)
+        for each in (name, "topoep_plus_local") if guarded and name == "topoep_plus" else (name,):
+            kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
+                      t_ffn=t_ffn)
             if plan_cache is not None:
-                p, m = plan_cache.solve(omega, cluster.topology(omega.shape[0]), **kw)
+                p, m = plan_cache.solve(omega, topo, **kw)
             else:
                 t0 = time.perf_counter()
-                p = solve(omega, cluster.topology(omega.shape[0]), backend="reference", **kw)
+                p = solve(omega, topo, backend="reference", **kw)
                 m = time.perf_counter() - t0
             plans.append(p)
             measured = m if measured is None else max(measured, m)
         plan, candidates = plans[0], tuple(plans[1:])
-    if guard is not None and plan.policy != "static" and plan.num_slots > 0 and not skipped:
-        if not bool(guard.worth_planning(plan.omega, plan.topology, plan.main_rank, t_ffn, plan.expert_bytes, n_rep)):
-            skipped = True  # a given plan: its routing would not have been planned
-            name = plan.policy
-            plan = solve(plan.omega, plan.topology, num_slots=plan.num_slots, policy="static",
-                         expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes)
-            plan.policy = name
-        else:
-            plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
-            local_plan = float(bool(candidates) and not bool(fired) and int(plan.info["guard_choice"]) == 1)
+    if guarded and not skipped:
+        plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
+        local_plan = float(bool(candidates) and not bool(fired) and int(plan.info["guard_choice"]) == 1)
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
