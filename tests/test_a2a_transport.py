@@ -18,7 +18,7 @@ from distributed import run_ranks
 E_LOC, N, T, K, H, F = 3, 2, 24, 2, 4, 2
 
 
-def _plan(rank, world, policy, exchange, seed=0):
+def _plan(rank, world, policy, exchange, seed=0, one_hot=False):
     from topoep import Topology, solve
     from topoep.runtime.layout import count_keys
 
@@ -26,10 +26,12 @@ def _plan(rank, world, policy, exchange, seed=0):
     g = torch.Generator().manual_seed(100 * seed + rank)
     bias = torch.zeros(E)
     bias[:E_LOC] = 3.0  # hot experts on rank 0: balancing replicates them, across domains too
+    if one_hot:  # one very hot expert: copies on several ranks of each domain (relay trees more than one deep)
+        bias[0] = 8.0
     idx = torch.topk(torch.randn(T, E, generator=g) + bias, K, dim=1).indices
     omega = exchange.all_gather(count_keys(idx, E))
     plan = solve(omega, Topology(num_domains=2, ranks_per_domain=world // 2), num_slots=N, policy=policy,
-                 expert_bytes=1000, token_bytes=10)
+                 expert_bytes=10 if one_hot else 1000, token_bytes=10)
     return idx, plan
 
 
@@ -88,17 +90,19 @@ def test_rows_arrive_in_the_layout_and_come_back(policy, blocks):
     assert slot_rows == 0 if policy == "static" else slot_rows > 0  # replicas served rows
 
 
-def _replicas_and_gradients(rank, world, policy):
+def _replicas_and_gradients(rank, world, policy, fanout=None):
+    from topoep.relay import relay_trees
     from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
 
     ex = GlooExchange(blocks_per_peer=3)  # weight rows of 16 and 8 elements, padded to 24
-    _, plan = _plan(rank, world, policy, ex)
+    _, plan = _plan(rank, world, policy, ex, one_hot=fanout is not None)
+    relay = relay_trees(plan, fanout) if fanout else None
     pool = A2AReplicaPool(ex, N, H, F, torch.float32)
     e0 = rank * E_LOC
     W1 = torch.stack([torch.full((2 * F, H), float(e0 + i)) + torch.arange(H) for i in range(E_LOC)])
     W2 = torch.stack([torch.full((H, F), -float(e0 + i)) for i in range(E_LOC)])
     se = plan.slot_expert
-    pool.fetch(se, W1, W2, E_LOC)
+    pool.fetch(se, W1, W2, E_LOC, relay=relay)
     filled = 0
     for j in range(N):
         e = int(se[rank, j])
@@ -115,18 +119,25 @@ def _replicas_and_gradients(rank, world, policy):
     # every expert starts from its own gradient, so a row written to the wrong expert shows
     base = torch.arange(E_LOC, dtype=torch.float32) * 1000 + 1
     g1, g2 = base[:, None, None].expand(E_LOC, 2 * F, H).clone(), -base[:, None, None].expand(E_LOC, H, F).clone()
-    pool.return_grads(se, g1, g2, E_LOC, src=(s1, s2))
+    pool.return_grads(se, g1, g2, E_LOC, src=(s1, s2), relay=relay)
     assert torch.equal(pool.fc1, slots_before[0]) and torch.equal(pool.fc2, slots_before[1])  # weights kept
     for i in range(E_LOC):
         want = sum((s + 1) * 10 + j for s in range(world) for j in range(N) if int(se[s, j]) == e0 + i)
         assert torch.equal(g1[i], torch.full((2 * F, H), float(base[i]) + want))
         assert torch.equal(g2[i], torch.full((H, F), -float(base[i]) - want))
-    return filled
+    relayed = 0 if relay is None else int(((relay.source >= 0) & (relay.source != plan.main_rank[se.clamp(min=0)])).sum())
+    return filled, relayed
 
 
-@pytest.mark.parametrize("policy", ["topoep", "deepseek"])
-def test_replicas_are_fetched_and_gradients_return_summed(policy):
-    assert sum(run_ranks(_replicas_and_gradients, 4, policy)) > 0
+@pytest.mark.parametrize("policy,fanout", [("topoep", None), ("deepseek", None), ("topoep", 1), ("topoep_plus", 2),
+                                           ("deepseek", 1)])
+def test_replicas_are_fetched_and_gradients_return_summed(policy, fanout):
+    """Directly from the homes, and down / up relay trees (LayerConfig.relay_fanout): the same slots, the same sums
+    (integers: exact in any order)."""
+    res = run_ranks(_replicas_and_gradients, 4, policy, fanout)
+    assert sum(r[0] for r in res) > 0
+    if fanout and policy != "deepseek":
+        assert res[0][1] > 0  # some copy was fetched from another copy, not from its home
 
 
 def test_transport_settings_are_checked():

@@ -14,7 +14,8 @@ otherwise; run them on the GPU machine):
   (whose replicas are still there) does not.
 
 TOPOEP_GPU_CHUNKS=2 runs backend cuda's layers with two token chunks, TOPOEP_GPU_PREFETCH=1 with a second bank of
-replica slots (LayerConfig.num_chunks, .prefetch). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
+replica slots, TOPOEP_GPU_RELAY=f with replica fetches and gradient returns down / up relay trees of fanout f
+(LayerConfig.num_chunks, .prefetch, .relay_fanout). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
@@ -37,6 +38,7 @@ TRANSPORT = os.environ.get("TOPOEP_GPU_TRANSPORT", "peer")  # a2a: NVSHMEM all-t
 CF = None if TRANSPORT == "a2a" else DEFAULT_CAPACITY_FACTOR
 CHUNKS = int(os.environ.get("TOPOEP_GPU_CHUNKS", "1"))  # backend cuda's token chunks (LayerConfig.num_chunks)
 PREFETCH = os.environ.get("TOPOEP_GPU_PREFETCH", "0") == "1"  # a second bank of replica slots (LayerConfig.prefetch)
+RELAY = int(os.environ.get("TOPOEP_GPU_RELAY", "0")) or None  # replica fetches down relay trees (LayerConfig.relay_fanout)
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 1 rank and a "
                      "domain size that divides it")
@@ -51,7 +53,8 @@ pytestmark = [pytest.mark.gpu,
 
 def cuda_options(**changes) -> dict:
     """The LayerConfig fields of this run's backend cuda layers (the variant the TOPOEP_GPU_* variables choose)."""
-    return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH, **changes}
+    return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH,
+            "relay_fanout": RELAY, **changes}
 
 
 def _topology():
@@ -188,7 +191,8 @@ def _layer_errors(rank, world, policies, num_slots):
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo,
                                       num_slots=num_slots, policy=policy, backend=backend.split("-")[0],
                                       dtype=torch.bfloat16, device=dev, guard=False,
-                                      **(cuda_options() if backend != "torch" else dict(capacity_factor=CF)),
+                                      **(cuda_options() if backend != "torch" else dict(capacity_factor=CF,
+                                                                                        relay_fanout=RELAY)),
                                       expert_weights=(lambda lists=lists: lists) if lists else None)
             if lists is None:
                 with torch.no_grad():
@@ -242,6 +246,15 @@ def test_layer_matches_torch_backend_within_bf16_error(num_slots):
                 assert out[("topoep", "cuda")][1] > 0
     if not num_slots and WORLD > 1 and CF is not None:  # no slot for the capacity step: the hot rank's rows beyond its region spilled
         assert spilled > 0
+
+
+@pytest.mark.skipif(WORLD < 4 or RPD < 2, reason="a relay tree deeper than one level needs 2 domains of 2+ ranks")
+def test_relayed_replicas_match_the_direct_path():
+    """Replica fetches and gradient returns down / up relay trees (LayerConfig.relay_fanout) on this run's transport,
+    against the direct path (tests/test_relay_runtime.py's check_relays, as on the CPU harness)."""
+    from test_relay_runtime import check_relays, relay_cuda
+
+    check_relays(run_ranks(relay_cuda, WORLD, RPD, CHUNKS, PREFETCH, cuda_options(), backend="nccl"), PREFETCH)
 
 
 def _slow_prefetch(cuda_function):

@@ -9,7 +9,7 @@ import torch
 from distributed import run_ranks
 from test_runtime_multirank import dense_reference, make_inputs
 from topoep import ExpertParallelMoE, LayerConfig, Topology
-from topoep.relay import relay_sources
+from topoep.relay import max_level, relay_sources
 
 
 def _relay(rank, world, rpd):
@@ -54,8 +54,91 @@ def test_relayed_fetch_and_tree_return_match_the_direct_path():
         assert out["relay1"][1] >= 4 and out["relay1"][2] >= 3  # chains: copies sent on by other copies
 
 
+def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
+    """Backend cuda, bf16: two layers sharing the slots (the earlier one reloads), or with `prefetch` four (banks
+    refilled beside the backward), directly and down relay trees. On the CPU harness (a2a pool on gloo) without
+    `options`; with them (LayerConfig fields: tests/test_cuda_backend_gpu.py's cuda_options) on this rank's GPU."""
+    dev = "cpu"
+    if options is not None:
+        from distributed import rank_device
+
+        dev = rank_device(rank)
+        torch.cuda.set_device(dev)
+    E_loc, T, k, H, Fd, N = 2, 32, 2, 16, 8, 3
+    R, E = world, world * E_loc
+    topo = Topology(num_domains=world // rpd, ranks_per_domain=rpd)
+    lo, hi = rank * E_loc, (rank + 1) * E_loc
+    inputs = []
+    for seed in range(11, 15 if prefetch else 13):
+        x, idx, w, fc1, fc2, gy = make_inputs(R, E, T, k, H, Fd, 4.0, seed=seed)
+        idx[..., 0] = torch.where(idx[..., 1] == seed % 2, idx[..., 0], torch.full_like(idx[..., 0], seed % 2))
+        inputs.append((x, idx, w, fc1, fc2, gy))
+    out, before = {}, (0, 0, 0)
+    for name, fanout in (("direct", None), ("relay1", 1), ("relay2", 2), ("relay2_again", 2)):
+        layers, losses, leaves = [], [], []
+        for x, idx, w, fc1, fc2, gy in inputs:
+            fields = dict(options or {}, policy="topoep_plus", num_slots=N, guard=False, backend="cuda",
+                          relay_fanout=fanout, num_chunks=chunks, prefetch=prefetch)
+            layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
+                                      config=LayerConfig(**fields), dtype=torch.bfloat16, device=dev,
+                                      **({} if options is not None else {"_cpu_harness": True}))
+            with torch.no_grad():
+                layer.fc1.copy_(fc1[lo:hi])
+                layer.fc2.copy_(fc2[lo:hi])
+            xr = x[rank].to(dev, torch.bfloat16).requires_grad_()
+            wr = w[rank].to(dev, torch.bfloat16).requires_grad_()
+            y = layer(xr, idx[rank].to(dev), wr)
+            losses.append((y.detach(), (y * gy[rank].to(dev, torch.bfloat16)).sum()))
+            layers.append(layer)
+            leaves.append((xr, wr))
+        for _, loss in reversed(losses):
+            loss.backward()
+        got = []
+        for layer, (y, _), (xr, wr) in zip(layers, losses, leaves):
+            got += [t.cpu() for t in (y, xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad)]
+        plan = layers[0].last_plan
+        source, level = (t.cpu() for t in relay_sources(plan, fanout or 1))
+        home = plan.main_rank.cpu()[plan.slot_expert.cpu().clamp(min=0)]
+        relayed = int(((source >= 0) & (source != home)).sum())
+        pool = layers[0].pool  # shared by the runs: their counts are the differences
+        counts = (pool.fills, pool.reloads_skipped, pool.prefetches)
+        out[name] = (got, relayed, int(level.max()), tuple(c - p for c, p in zip(counts, before)))
+        before = counts
+    return out
+
+
+def check_relays(results, prefetch):
+    """relay_cuda's results on every rank: relayed fetches give the same slots, so the same outputs bit for bit; the
+    tree return gives the same gradients up to bf16 rounding of the relays' partial sums; runs repeat bit for bit;
+    reloads and prefetches happen as on the direct path; copies were fetched from other copies."""
+    for out in results:
+        direct = out["direct"][0]
+        for name in ("relay1", "relay2"):
+            got = out[name][0]
+            for i, (a, b) in enumerate(zip(got, direct)):
+                if i % 5 == 0:
+                    assert torch.equal(a, b), f"{name}: output of layer {i // 5} differs"
+                else:  # a relay rounds its subtree's sum to bf16 before sending it on: a few bf16 steps of the largest
+                    torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2 ** -6 * float(b.abs().max()))
+            assert out[name][3] == out["direct"][3]  # the same fills, reloads left out, prefetches
+        assert out["direct"][3][2 if prefetch else 1] >= 1  # prefetches happened / a reload was left out
+        assert all(torch.equal(a, b) for a, b in zip(out["relay2"][0], out["relay2_again"][0]))
+        assert out["relay1"][1] >= 1 and out["relay1"][2] >= 2  # copies fetched from other copies
+
+
+@pytest.mark.parametrize("rpd,chunks,prefetch", [(2, 1, False), (2, 2, True),
+                                                 pytest.param(4, 1, False, marks=pytest.mark.slow)])
+def test_backend_cuda_relays_match_its_direct_path(rpd, chunks, prefetch):
+    """Backend cuda's a2a pool on the CPU harness, 2 domains of rpd ranks (check_relays). The peer-pointer pool runs
+    the same check on the GPU (tests/test_cuda_backend_gpu.py)."""
+    check_relays(run_ranks(relay_cuda, 2 * rpd, rpd, chunks, prefetch), prefetch)
+
+
 def test_relay_fanout_is_checked():
     with pytest.raises(ValueError, match="LayerConfig.relay_fanout must be an integer >= 1, got 0"):
         LayerConfig(relay_fanout=0)
-    with pytest.raises(ValueError, match="backend cuda does not relay replica fetches yet"):
-        LayerConfig(backend="cuda", relay_fanout=2)
+    with pytest.raises(ValueError, match="fanout must be an integer >= 1"):
+        max_level(Topology(num_domains=2, ranks_per_domain=4), 0)
+    # one level per depth of a tree over a domain's ranks, plus the NIC hop into the other domains
+    assert [max_level(Topology(num_domains=m, ranks_per_domain=d), f) for m, d, f in
+            ((1, 1, 2), (1, 4, 2), (2, 4, 2), (2, 4, 1), (4, 8, 2), (2, 8, 8))] == [1, 2, 3, 4, 4, 2]

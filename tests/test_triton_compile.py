@@ -27,15 +27,18 @@ KERNELS = {
     "_combine_kernel": (dict(y="*bf16", meta=I64, n_ptr=I64, back_bases=I64, a_cap=I32, cap=I32),
                         dict(H=2048, BLOCK_H=2048)),
     "_copy_rows_kernel": (dict(dst="*bf16", src="*bf16", n_ptr=I64, cap=I32), dict(H=1536, BLOCK_H=2048)),
-    "_push_slots_kernel": (dict(slot_expert=I64, main_ptrs=I64, pool_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
-                           dict(CHUNK=S.COPY_CHUNK)),
-    "_push_grads_kernel": (dict(slot_expert=I64, pool="*bf16", ret_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
-                           dict(CHUNK=S.COPY_CHUNK)),
+    "_push_slots_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, main_ptrs=I64, own_slots="*bf16",
+                                pool_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
+                           dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
+    "_push_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, pool="*bf16", ret_bases=I64, me=I32,
+                                e_loc=I32, N=I32, numel=I32),
+                           dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
     "_swiglu_fwd_kernel": (dict(h="*bf16", act="*bf16", n_ptr=I64, cap=I32), dict(F=768, BLOCK_F=1024)),
     "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", n_ptr=I64, cap=I32),
                            dict(F=768, BLOCK_F=1024)),
-    "_reduce_grads_kernel": (dict(slot_expert=I64, ret="*bf16", grad="*bf16", me=I32, e_loc=I32, RN=I32, numel=I32),
-                             dict(CHUNK=S.COPY_CHUNK)),
+    "_reduce_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, ret="*bf16", grad="*bf16", me=I32,
+                                  e_loc=I32, N=I32, RN=I32, numel=I32),
+                             dict(CHUNK=S.COPY_CHUNK, RELAY=True, SLOTS=True)),
     # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
     "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, A=I32, E=I32, nb=I32), dict(B=LT.BLOCK, EB=256)),
     "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_rank_ptr=I64, inst_start_ptr=I64,
@@ -72,7 +75,12 @@ def test_every_kernel_is_listed():
 VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
             ("_dispatch_kernel", dict(HAS_SCALE=False, HAS_SRC2=False)),  # the forward dispatch
             ("_dispatch_kernel", dict(HAS_SCALE=False, SPILL=False, HAS_SRC2=False)),  # without a capacity
-            ("_spill_rows_kernel", dict(BACKWARD=False))]  # the forward spill
+            ("_spill_rows_kernel", dict(BACKWARD=False)),  # the forward spill
+            # replica transfers from the homes (relay_fanout=None), and the homes' sum of a relayed return
+            ("_push_slots_kernel", dict(RELAY=False)),
+            ("_push_grads_kernel", dict(RELAY=False)),
+            ("_reduce_grads_kernel", dict(RELAY=False, SLOTS=False)),
+            ("_reduce_grads_kernel", dict(SLOTS=False))]
 
 
 @pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)

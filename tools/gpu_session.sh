@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -205,6 +205,29 @@ step_shape() {  # the GPU tests after a change of the code's shape (config, pack
     tests/test_cuda_backend_gpu.py
   _t ep8_shared_rpd4_chunks2_prefetch TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_CHUNKS=2 \
     TOPOEP_GPU_PREFETCH=1 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+}
+
+step_relay() {  # backend cuda's relayed replica transfers (LayerConfig.relay_fanout) on one GPU, the ranks sharing it:
+  # EP 8 as 2 domains of 4 with fanout 2 (every GPU test, the relayed-vs-direct one included) and its sync audit,
+  # fanout 1 (chains) with two chunks and the prefetch bank, and the direct path at EP 2 as 2 domains of 1 (its
+  # kernels are the relayed ones with RELAY off). RELAY_PART=1 or 2 runs half (one device call each). Correctness
+  # only. Short logs into $OUT/relay/
+  mkdir -p "$OUT/relay"
+  _r() { local name=$1; shift; env TOPOEP_GPU_SHARE=1 "$@" > "$RUNS-$name.log" 2>&1
+    echo "$name: rc=$? $(tail -1 "$RUNS-$name.log")"
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|synchronising|Error" "$RUNS-$name.log" > "$OUT/relay/$name.log"; }
+  if [ "${RELAY_PART:-1}" = 1 ]; then
+    _r ep8_rpd4_relay2 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 timeout -k 10 280 python3 -m pytest -q -rA \
+      tests/test_cuda_backend_gpu.py
+    _r audit_ep8_rpd4_relay2 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 timeout -k 10 150 \
+      python3 tools/sync_audit.py
+  fi
+  if [ "${RELAY_PART:-2}" = 2 ]; then
+    _r ep8_rpd4_relay1_chunks2_prefetch TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=1 TOPOEP_GPU_CHUNKS=2 \
+      TOPOEP_GPU_PREFETCH=1 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+    _r ep2_rpd1_direct TOPOEP_GPU_WORLD=2 TOPOEP_GPU_RPD=1 timeout -k 10 200 python3 -m pytest -q -rA \
+      tests/test_cuda_backend_gpu.py
+  fi
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2, 4, 8 (EPS), the ranks sharing the

@@ -77,9 +77,10 @@ class LayerConfig:
     """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
     runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""
     relay_fanout: int | None = None
-    """Backend torch: fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing
-    per expert and domain, then NVLink), level by level, and return their gradients up the same trees; None: every
-    copy from its home. Backend cuda does not relay yet."""
+    """Fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing per expert and
+    domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
+    home. Both backends and both transports of backend cuda; backend cuda runs a fixed number of levels
+    (topoep.relay.max_level: 1 + log of the domain size), each ending with a barrier of the group."""
 
     def __post_init__(self):
         from topoep.planners import OFFLINE_POLICIES, POLICIES
@@ -123,9 +124,6 @@ class LayerConfig:
         _check_int(self, "planner_blocks", 0)
         if self.relay_fanout is not None:
             _check_int(self, "relay_fanout", 1)
-            if self.backend == "cuda":
-                raise ValueError(f"{p}.relay_fanout={self.relay_fanout}: backend cuda does not relay replica fetches "
-                                 f"yet; set {p}.relay_fanout=null with it, or use {p}.backend=torch")
         if self.max_tokens is not None:
             _check_int(self, "max_tokens", 1)
 

@@ -12,15 +12,27 @@ depth 2, ...); each level is one transfer, timed at its busiest link (`topoep.li
 trees in reverse, deepest level first, every node summing its children's gradients in list order onto its own before
 sending (a fixed order: the sums stay bit-reproducible).
 
-Everything here is tensor code on the plan's device, without host synchronisation (the number of levels is bounded by
-the shapes). The runtime does not execute relayed fetches yet; the simulator and `topoep.links` model them.
+Everything here is tensor code on the plan's device, without host synchronisation: the number of levels is bounded by
+the shapes (`max_level`), so a runtime that must not read the plan on the host runs that many levels, empty ones
+included. Backend torch (`LayerConfig.relay_fanout`) executes the trees, backend cuda too (both transports), and the
+simulator and `topoep.links` model them.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from topoep.plan import Plan
+
+
+class RelayTrees(NamedTuple):
+    """The relay trees of one plan as a runtime executes them (`relay_trees`)."""
+
+    source: torch.Tensor  # int64[R, N]: the rank each slot fetches its replica from (-1: an empty slot)
+    level: torch.Tensor  # int64[R, N]: the level of that transfer (1 = first; 0: an empty slot)
+    levels: int  # the levels to run: max_level, a bound from the shapes (the runtime never reads the plan on the host)
 
 
 def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tensor:
@@ -32,6 +44,17 @@ def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tenso
         depth += up.to(depth.dtype)
         j = torch.where(up, torch.div(j - 1, fanout, rounding_mode="floor"), j)
     return depth
+
+
+def max_level(topology, fanout: int) -> int:
+    """The deepest level any relay tree of `relay_sources` can reach on this topology: a rank holds an expert at most
+    once (the plan's invariants), so a tree's list holds at most ranks_per_domain nodes; a remote domain's tree
+    starts one level down (its root crossed the NIC)."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+        raise ValueError(f"fanout must be an integer >= 1 (copies one node of a relay tree sends), got {fanout!r}")
+    d = topology.ranks_per_domain
+    depth = int(_heap_depth(torch.tensor([d - 1]), fanout, d).item())
+    return max(1, depth + (topology.num_domains > 1))
 
 
 def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +103,11 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     source[order] = torch.where(o_occ, src, torch.full_like(src, -1))
     level[order] = torch.where(o_occ, lvl, torch.zeros_like(lvl))
     return source.view(R, N), level.view(R, N)
+
+
+def relay_trees(plan: Plan, fanout: int) -> RelayTrees:
+    """`relay_sources` with the number of levels a runtime runs (`max_level`): device tensors, no host sync."""
+    return RelayTrees(*relay_sources(plan, fanout), max_level(plan.topology, fanout))
 
 
 def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor) -> torch.Tensor:

@@ -413,66 +413,110 @@ class A2AReplicaPool(SlotBanks):
         """The slots and the exchange buffers of the replica transfers."""
         return sum(t.numel() * t.element_size() for t in (*self._banked, *(v for b in self._bufs for v in b.values())))
 
-    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0) -> None:
+    def _trees(self, se: torch.Tensor, e_loc: int, relay):
+        """(source, level, levels) of every slot's transfer: from its main rank at level 1, or the relay trees."""
+        if relay is None:
+            return _owner(se, e_loc), (se >= 0).to(torch.int64), 1
+        return relay.source.reshape(-1), relay.level.reshape(-1), relay.levels
+
+    def _held(self, se: torch.Tensor) -> torch.Tensor:
+        """For every slot of the group: the slot of this rank that holds its expert (0 where none does)."""
+        se_me = se.view(self.R, self.num_slots)[self.rank]
+        return ((se[:, None] == se_me[None, :]) & (se_me >= 0)[None, :]).to(torch.int32).argmax(1)
+
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0,
+              relay=None) -> None:
         """Every main rank sends the weights of its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F])
-        to the slots of `bank` the plan gives them."""
+        to the slots of `bank` the plan gives them; with `relay` (topoep.relay.RelayTrees) every slot's copy comes
+        from its source, one all-to-all per level (a relay sends from its own slot, filled at an earlier level)."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
+        source, level, levels = self._trees(se, e_loc, relay)
         f = torch.arange(R * N, device=se.device)
-        mine = _owner(se, e_loc) == me
-        send_order = torch.argsort(torch.where(mine, f, R * N + f), stable=True)  # mine first, (rank, slot) order
-        local = (se - me * e_loc).clamp(0, e_loc - 1).index_select(0, send_order)
-        splits = count_keys(torch.where(mine, f // N, R), R + 1)[:R]
-        # my slot j's row: rows come in (source rank, slot) order, from the slots filled
-        se_me = slot_expert.reshape(R, N)[me]
         j = torch.arange(N, device=se.device)
-        key = torch.where(se_me >= 0, _owner(se_me, e_loc) * N + j, R * N + j)
-        row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
-        for W, slots, b in zip((W1, W2), self.bank_weights(bank), self._bufs):
-            n = slots[0].numel()
-            b["send"][:, :n].copy_(W.reshape(e_loc, -1).index_select(0, local))
-            self.exchange.all_to_all(b["send"], b["recv"], splits)
-            slots.view(N, -1).copy_(b["recv"][:, :n].index_select(0, row_of))
+        home = _owner(se, e_loc) == me
+        local = (se - me * e_loc).clamp(0, e_loc - 1)
+        held = self._held(se) if relay is not None else None
+        for lv in range(1, levels + 1):
+            mine = (source == me) & (level == lv)
+            send_order = torch.argsort(torch.where(mine, f, R * N + f), stable=True)  # mine first, (rank, slot) order
+            splits = count_keys(torch.where(mine, f // N, R), R + 1)[:R]
+            # my slot j's row: rows come in (source rank, slot) order, from the slots of this level
+            here = level.view(R, N)[me] == lv
+            key = torch.where(here, source.view(R, N)[me] * N + j, R * N + j)
+            row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
+            for W, slots, b in zip((W1, W2), self.bank_weights(bank), self._bufs):
+                n = slots[0].numel()
+                rows = W.reshape(e_loc, -1).index_select(0, local.index_select(0, send_order))
+                if relay is not None:  # a relay's rows come from its slots
+                    rows = torch.where(home.index_select(0, send_order)[:, None], rows,
+                                       slots.reshape(N, -1).index_select(0, held.index_select(0, send_order)))
+                b["send"][:, :n].copy_(rows)
+                self.exchange.all_to_all(b["send"], b["recv"], splits)
+                got = b["recv"][:, :n].index_select(0, row_of)
+                slots.view(N, -1).copy_(got if relay is None else torch.where(here[:, None], got, slots.view(N, -1)))
 
     def publish(self) -> None:
         """Nothing to do: the fetch is a collective on the layer's stream, ordered with everything else."""
 
     def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
-                     src: tuple[torch.Tensor, torch.Tensor]) -> None:
+                     src: tuple[torch.Tensor, torch.Tensor], relay=None) -> None:
         """The slots' weight gradients src = (fc1 grads [N, 2F, H], fc2 grads [N, H, F]) go to their expert's
         main rank, which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F], summed in (source rank, slot)
-        order in fp32. The slots keep their weights."""
+        order in fp32. With `relay` (topoep.relay.RelayTrees) up the relay trees, deepest level first, one
+        all-to-all per level: a slot of level l sends to the rank it fetched from, which adds what its children
+        sent to its own slot's gradient (in src, in place) before its level sends it on. The slots keep their
+        weights."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
-        se_me = se.view(R, N)[me]
+        source, level, levels = self._trees(se, e_loc, relay)
         j = torch.arange(N, device=se.device)
-        dest = _owner(se_me, e_loc)
-        send_order = torch.argsort(torch.where(dest >= 0, dest * N + j, R * N + j), stable=True)
-        splits = count_keys(torch.where(dest >= 0, dest, R), R + 1)[:R]
-        # received row k is the k-th slot, in (source, slot) order, of the group whose expert is mine; its
-        # target is tk[k] (e_loc: no row). The targets, distinct and ascending, are L[:n]; L's other entries
-        # repeat L[0] with M's row 0, so duplicate writes below carry the same values.
-        owned = _owner(se, e_loc) == me
-        k = torch.cumsum(owned.to(torch.int64), 0) - 1
-        f = torch.arange(R * N, device=se.device)
-        tk = torch.full((R * N + 1,), e_loc, dtype=torch.int64, device=se.device)
-        tk.index_copy_(0, torch.where(owned, k, R * N), torch.where(owned, se - me * e_loc, e_loc))
-        tk = tk[:R * N]
-        st = torch.sort(tk).values
-        new = (st < e_loc) & torch.cat([st.new_ones(1, dtype=torch.bool), st[1:] != st[:-1]])
-        L = torch.full((R * N + 1,), e_loc, dtype=torch.int64, device=se.device)
-        L.index_copy_(0, torch.where(new, torch.cumsum(new.to(torch.int64), 0) - 1, R * N), st)
-        L = torch.where(f < new.sum(), L[:R * N], L[0])
-        M = ((tk[None, :] == L[:, None]) & (tk[None, :] < e_loc)).to(torch.float32)  # [R N targets, R N rows]
-        rows = L.clamp(max=e_loc - 1)
-        arrived = (f < owned.sum())[:, None]
-        for slots, grad, b in ((src[0], grad1, self._bufs[0]), (src[1], grad2, self._bufs[1])):
-            n = slots[0].numel()
-            b["gsend"][:, :n].copy_(slots.reshape(N, -1).index_select(0, send_order))
-            self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
-            got = torch.where(arrived, b["grecv"][:, :n], 0)
-            g = grad.view(e_loc, -1)
-            step = max(1, (1 << 26) // max(1, R * N))  # fp32 columns per product: bounded temporaries
-            for c in range(0, n, step):  # accumulated in fp32, rounded once (as symm.py)
-                cur = g[:, c:c + step].index_select(0, rows).float() + M @ got[:, c:c + step].float()
-                g[:, c:c + step].index_copy_(0, rows, cur.to(g.dtype))
+        accs = tuple(s.reshape(N, -1) for s in src)
+        if relay is not None and not all(a.data_ptr() == s.data_ptr() and s.is_contiguous() for a, s in zip(accs, src)):
+            raise ValueError("return_grads with relays adds the children's gradients into src in place: pass "
+                             "contiguous tensors")
+        held = self._held(se) if relay is not None else None
+        for lv in range(levels, 0, -1):
+            dest = torch.where(level.view(R, N)[me] == lv, source.view(R, N)[me], -1)
+            send_order = torch.argsort(torch.where(dest >= 0, dest * N + j, R * N + j), stable=True)
+            splits = count_keys(torch.where(dest >= 0, dest, R), R + 1)[:R]
+            # what arrives: the gradients of the slots of this level that fetched from me, in (source, slot) order;
+            # each goes to my main expert (level 1: I am their home) or to my slot holding it (a relay)
+            owned = (source == me) & (level == lv)
+            if lv == 1:
+                targets, count, grads = se - me * e_loc, e_loc, (grad1.view(e_loc, -1), grad2.view(e_loc, -1))
+            else:
+                targets, count, grads = held.to(torch.int64), N, accs
+            for acc, grad, b in zip(accs, grads, self._bufs):
+                n = acc.shape[1]
+                b["gsend"][:, :n].copy_(acc.index_select(0, send_order))
+                self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
+                _add_rows(grad, b["grecv"][:, :n], owned, targets, count)
+
+
+def _add_rows(g: torch.Tensor, got: torch.Tensor, owned: torch.Tensor, targets: torch.Tensor, count: int) -> None:
+    """g [count, n] += the received rows got [R N, n]: received row k is the k-th of the flags `owned` (bool[R N], in
+    (source, slot) order), and goes to row targets[that flag's index]; the rows of one target are summed in arrival
+    order in fp32, rounded once, as one 0/1 matrix product (deterministic), touching only the targets that receive."""
+    RN = owned.numel()
+    dev = owned.device
+    # received row k's target is tk[k] (count: no row). The targets, distinct and ascending, are L[:n]; L's other
+    # entries repeat L[0] with M's row 0, so duplicate writes below carry the same values.
+    k = torch.cumsum(owned.to(torch.int64), 0) - 1
+    f = torch.arange(RN, device=dev)
+    tk = torch.full((RN + 1,), count, dtype=torch.int64, device=dev)
+    tk.index_copy_(0, torch.where(owned, k, RN), torch.where(owned, targets, count))
+    tk = tk[:RN]
+    st = torch.sort(tk).values
+    new = (st < count) & torch.cat([st.new_ones(1, dtype=torch.bool), st[1:] != st[:-1]])
+    L = torch.full((RN + 1,), count, dtype=torch.int64, device=dev)
+    L.index_copy_(0, torch.where(new, torch.cumsum(new.to(torch.int64), 0) - 1, RN), st)
+    L = torch.where(f < new.sum(), L[:RN], L[0])
+    M = ((tk[None, :] == L[:, None]) & (tk[None, :] < count)).to(torch.float32)  # [R N targets, R N rows]
+    rows = L.clamp(max=count - 1)
+    got = torch.where((f < owned.sum())[:, None], got, 0)
+    n = g.shape[1]
+    step = max(1, (1 << 26) // max(1, RN))  # fp32 columns per product: bounded temporaries
+    for c in range(0, n, step):  # accumulated in fp32, rounded once (as symm.py)
+        cur = g[:, c:c + step].index_select(0, rows).float() + M @ got[:, c:c + step].float()
+        g[:, c:c + step].index_copy_(0, rows, cur.to(g.dtype))

@@ -78,6 +78,7 @@ class CudaLayerCall:
     weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
     grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
     combine_side_stream: bool = False  # LayerConfig.combine_side_stream
+    relay: object = None  # topoep.relay.RelayTrees: replica fetches and gradient returns down / up relay trees
 
 
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,14 +228,14 @@ def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str 
     pool, se = call.pool, call.plan.slot_expert
     if role is None or tm is not None or not getattr(pool, "async_fetch", False) or not se.is_cuda:
         with phase(tm, "fetch", collective=True):
-            pool.fetch(se, W1, W2, call.experts_per_rank, call.bank)
+            pool.fetch(se, W1, W2, call.experts_per_rank, call.bank, relay=call.relay)
         return None
     main, stream = torch.cuda.current_stream(se.device), side_stream(se.device, role)
     stream.wait_stream(main)
     for t in (se, W1, W2):  # made on the layer's stream, read there: not reused before the pushes are done
         t.record_stream(stream)
     with torch.cuda.stream(stream):
-        pool.fetch(se, W1, W2, call.experts_per_rank, call.bank)
+        pool.fetch(se, W1, W2, call.experts_per_rank, call.bank, relay=call.relay)
         done = torch.cuda.Event()
         done.record(stream)
     return done
@@ -291,21 +292,24 @@ def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main
     """The replica weight gradients s1 [N, 2F, H], s2 [N, H, F] go home while `main_wgrad()` computes this
     rank's own weight gradients (g1, g2), which then receive them; returns (g1, g2). With the peer transport
     (`pool.push_grads`) and no timer the pushes run on a side stream beside the main weight-gradient GEMMs;
-    otherwise (a timer serialises the phases; the a2a pool's collectives) the return follows them on this stream."""
-    pool, se, tm, e_loc = call.pool, call.plan.slot_expert, call.timer, call.experts_per_rank
+    otherwise (a timer serialises the phases; the a2a pool's collectives) the return follows them on this stream.
+    With relays (call.relay) the slots' gradients go up the relay trees, relays adding their children's into s1, s2
+    in place."""
+    pool, se, tm, e_loc, relay = call.pool, call.plan.slot_expert, call.timer, call.experts_per_rank, call.relay
+    s1, s2 = s1.contiguous(), s2.contiguous()
     if tm is not None or not hasattr(pool, "push_grads"):
         with phase(tm, "experts"):
             g1, g2 = main_wgrad()
         with phase(tm, "grad_return", collective=True):
-            pool.return_grads(se, g1, g2, e_loc, src=(s1, s2))
+            pool.return_grads(se, g1, g2, e_loc, src=(s1, s2), relay=relay)
         return g1, g2
     main, side = torch.cuda.current_stream(se.device), side_stream(se.device)
     side.wait_stream(main)  # s1, s2 are made; every rank's previous return was summed before this call
     with torch.cuda.stream(side):
-        pool.push_grads(se, s1, s2, e_loc)
+        pool.push_grads(se, s1, s2, e_loc, relay)
     g1, g2 = main_wgrad()
     main.wait_stream(side)  # s1, s2 stay referenced until here: their memory is not reused before the pushes
-    pool.reduce_grads(se, g1, g2, e_loc)
+    pool.reduce_grads(se, g1, g2, e_loc, relay)
     return g1, g2
 
 

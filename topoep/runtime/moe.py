@@ -29,6 +29,7 @@ from topoep.runtime.backend import capacity_rows, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
+from topoep.relay import RelayTrees, max_level, relay_sources
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
@@ -312,7 +313,7 @@ class ExpertParallelMoE(nn.Module):
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
-            omega, slot_expert, route, stats, wanted, *layout = self._meta_graphs(
+            omega, slot_expert, route, stats, wanted, relay, *layout = self._meta_graphs(
                 lambda idx, allow: self._cuda_metadata(ws, idx, allow, token_bytes), topk_idx,
                 device_flag(use_slots, x.device))
             if self.slot_hint is not None:
@@ -328,16 +329,20 @@ class ExpertParallelMoE(nn.Module):
             ch.base, ch.cap = sum(ws.regions[:c]), ws.regions[c]
         if len(chunks) == 2:
             chunks[1].first = ((T + 1) // 2) * k
+        fanout = self.config.relay_fanout
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
                              experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled(),
-                             combine_side_stream=self.config.combine_side_stream)
+                             combine_side_stream=self.config.combine_side_stream,
+                             relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout)) if fanout else None)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
-        (graph-capturable): (omega, slot_expert, route, stats, wanted, then per chunk order, dest, pos, is_slot,
-        offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); the
-        grouped-GEMM offsets and row counts are made here once for forward and backward."""
+        (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
+        offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); relay: the
+        plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.relay_sources' source and
+        level; empty without); the grouped-GEMM offsets and row counts are made here once for forward and
+        backward."""
         E = self.num_experts
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         cap = None
@@ -376,7 +381,9 @@ class ExpertParallelMoE(nn.Module):
                 prev = route1.sum(1)  # every source's rows in chunk 0: where its chunk-1 rows are staged
         if side is not None:
             main.wait_stream(side)
-        return (plan.omega, plan.slot_expert, plan.route, stats, wanted, *layouts)
+        fanout = self.config.relay_fanout
+        relay = torch.stack(relay_sources(plan, fanout)) if fanout else plan.slot_expert.new_empty(0)
+        return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
 
     def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None) -> tuple:
         """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, then the SpillWork's fields) of these

@@ -127,48 +127,84 @@ if triton is not None:
             _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
 
     @triton.jit
-    def _push_slots_kernel(slot_expert, main_ptrs, pool_bases, me, e_loc, N, numel, CHUNK: tl.constexpr):
-        """Replica fetch, pushed by the main rank: for slot (r, j) whose expert e is mine, copy my main
-        weight of e (main_ptrs[e - me * e_loc]) into slot j of rank r's pool."""
+    def _copy_chunk(dst, src, c, numel, CHUNK: tl.constexpr):
+        """Elements [c * CHUNK, (c + 1) * CHUNK) of one expert weight: dst <- src."""
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        m = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _push_slots_kernel(slot_expert, source, level, lv, main_ptrs, own_slots, pool_bases, me, e_loc, N, numel,
+                           CHUNK: tl.constexpr, RELAY: tl.constexpr):
+        """Replica fetch, pushed by the sender: slot (r, j) = rj of expert e gets e's weight in slot j of rank r's
+        pool. Without RELAY the sender is e's main rank, sending its main weight (main_ptrs[e - me * e_loc]). With
+        RELAY the sender is source[rj], for the slots of level lv only (topoep.relay): its main weight when e is
+        its own, else its own slot holding e (own_slots [N, numel], filled at an earlier level)."""
         rj = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(slot_expert + rj)
-        if (e >= 0) & (e // e_loc == me):
-            src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
+        if RELAY:
+            go = (e >= 0) & (tl.load(level + rj) == lv) & (tl.load(source + rj) == me)
+        else:
+            go = (e >= 0) & (e // e_loc == me)
+        if go:
             dst = tl.load(pool_bases + rj // N).to(tl.pointer_type(tl.bfloat16)) + (rj % N).to(tl.int64) * numel
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            m = offs < numel
-            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+            if e // e_loc == me:
+                src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
+                _copy_chunk(dst, src, c, numel, CHUNK)
+            else:  # a relay: my slot holding e (one at most: no duplicate instance on a rank)
+                held = 0
+                for j in range(N):
+                    held = tl.where(tl.load(slot_expert + me * N + j) == e, j, held)
+                _copy_chunk(dst, own_slots + held.to(tl.int64) * numel, c, numel, CHUNK)
 
     @triton.jit
-    def _push_grads_kernel(slot_expert, pool, ret_bases, me, e_loc, N, numel, CHUNK: tl.constexpr):
-        """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank."""
+    def _push_grads_kernel(slot_expert, source, level, lv, pool, ret_bases, me, e_loc, N, numel,
+                           CHUNK: tl.constexpr, RELAY: tl.constexpr):
+        """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank; with RELAY
+        only my slots of level lv, to the rank each fetched from (source, its parent in the relay tree)."""
         j = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(slot_expert + me * N + j)
-        if e >= 0:
-            dst = tl.load(ret_bases + e // e_loc).to(tl.pointer_type(tl.bfloat16)) + (me * N + j).to(tl.int64) * numel
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            m = offs < numel
-            tl.store(dst + offs, tl.load(pool + j.to(tl.int64) * numel + offs, mask=m), mask=m)
+        if RELAY:
+            go = (e >= 0) & (tl.load(level + me * N + j) == lv)
+            to = tl.load(source + me * N + j)
+        else:
+            go = e >= 0
+            to = e // e_loc
+        if go:
+            dst = tl.load(ret_bases + to).to(tl.pointer_type(tl.bfloat16)) + (me * N + j).to(tl.int64) * numel
+            _copy_chunk(dst, pool + j.to(tl.int64) * numel, c, numel, CHUNK)
 
     @triton.jit
-    def _reduce_grads_kernel(slot_expert, ret, grad, me, e_loc, RN, numel, CHUNK: tl.constexpr):
-        """grad[li] += sum of the returned regions of expert me * e_loc + li, in (source, slot) order,
-        accumulated in fp32 (a fixed order: the result does not depend on timing)."""
-        li = tl.program_id(0)
+    def _reduce_grads_kernel(slot_expert, source, level, lv, ret, grad, me, e_loc, N, RN, numel, CHUNK: tl.constexpr,
+                             RELAY: tl.constexpr, SLOTS: tl.constexpr):
+        """grad[t] += the returned regions of its expert, in (source, slot) order, accumulated in fp32 (a fixed
+        order: the result does not depend on timing). Target t is my main expert me * e_loc + t, or with SLOTS my
+        slot t (a relay node, expert slot_expert[me * N + t]). Without RELAY every region of the expert counts; with
+        RELAY only those of level lv sent to me (the target's children in the relay tree)."""
+        t = tl.program_id(0)
         c = tl.program_id(1)
-        e = me * e_loc + li
+        if SLOTS:
+            e = tl.load(slot_expert + me * N + t)
+        else:
+            e = me * e_loc + t
         hits = 0
         for sj in range(RN):
-            hits += (tl.load(slot_expert + sj) == e).to(tl.int32)
-        if hits > 0:
+            hit = tl.load(slot_expert + sj) == e
+            if RELAY:
+                hit = hit & (tl.load(level + sj) == lv) & (tl.load(source + sj) == me)
+            hits += hit.to(tl.int32)
+        if (e >= 0) & (hits > 0):
             offs = c * CHUNK + tl.arange(0, CHUNK)
             m = offs < numel
-            g = grad + li.to(tl.int64) * numel + offs
+            g = grad + t.to(tl.int64) * numel + offs
             acc = tl.load(g, mask=m).to(tl.float32)
             for sj in range(RN):
-                if tl.load(slot_expert + sj) == e:
+                hit = tl.load(slot_expert + sj) == e
+                if RELAY:
+                    hit = hit & (tl.load(level + sj) == lv) & (tl.load(source + sj) == me)
+                if hit:
                     acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m).to(tl.float32)
             tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
 
@@ -443,53 +479,87 @@ class SymmReplicaPool(SlotBanks):
     def nbytes(self) -> int:
         return sum(b.tensor.numel() * b.tensor.element_size() for b in (self._fc1, self._fc2))
 
-    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0) -> None:
+    def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0,
+              relay=None) -> None:
         """Every main rank pushes its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F], stacked)
-        into the slots of `bank` the plan gives them. No barrier of its own: the layer calls it right before a
-        dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when
-        the fetch runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a
-        barrier after its last use of the bank (this call's count all-gathers in forward, the gradient
-        return of the bank's last user in backward; `publish` where nothing else would)."""
+        into the slots of `bank` the plan gives them; with `relay` (topoep.relay.RelayTrees) every slot's copy comes
+        from its source instead, level by level, with a barrier of the group between levels (a copy is sent on only
+        after it arrived everywhere; channel 2 + bank of the fc2 slots, so that fetches into different banks on
+        different streams never share one). No barrier at the start or the end: the layer calls it right before a
+        dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when the fetch
+        runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a barrier after its last
+        use of the bank (this call's count all-gathers in forward, the gradient return of the bank's last user in
+        backward; `publish` where nothing else would)."""
         se = slot_expert.reshape(-1).contiguous()
         R_N = se.numel()
-        for ptrs, buf, bases in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2), self._bank_ptrs):
-            numel = buf.tensor[0].numel()
-            _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](se, ptrs, bases[bank], self.rank, e_loc,
-                                                                      self.num_slots, numel, CHUNK=COPY_CHUNK,
-                                                                      num_warps=COPY_WARPS)
+        src, lvl, levels = ((se, se, 1) if relay is None else
+                            (relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous(), relay.levels))
+        for lv in range(1, levels + 1):
+            if lv > 1:
+                self._fc2.barrier(channel=2 + bank)
+            for ptrs, buf, bases, own in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2),
+                                             self._bank_ptrs, self._banked):
+                numel = buf.tensor[0].numel()
+                _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](
+                    se, src, lvl, lv, ptrs, own[bank], bases[bank], self.rank, e_loc, self.num_slots, numel,
+                    CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
 
     def publish(self) -> None:
         """A barrier of the group on this stream: every rank's earlier work on its stream (a prefetch it
         waited for) is complete everywhere after it."""
         self._fc1.barrier(channel=0)
 
-    def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int) -> None:
+    def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int,
+                   relay=None) -> None:
         """First half of the gradient return: my slots' weight gradients src1 [N, 2F, H] / src2 [N, H, F]
-        (contiguous) go to region (me, slot) of their expert's main rank. No barrier first: the previous
-        return's regions were summed before the dispatch barriers that every rank passed since. May run on a
-        side stream (it has no collective of its own); `reduce_grads` must come after it on the layer's stream."""
+        (contiguous) go to region (me, slot) of their expert's main rank. With `relay` (topoep.relay.RelayTrees) up
+        the relay trees instead, deepest level first: a slot of level l sends to the rank it fetched from, which
+        after a barrier (channel 2 of ret2) adds what its children sent to its own slot's gradient (in src1/src2,
+        in place: `_reduce`) before its own level sends it on; this ends with level 1's sends to the homes. No
+        barrier first: the previous return's regions were summed before the dispatch barriers that every rank
+        passed since. May run on a side stream (its barriers are on a channel nothing else uses); `reduce_grads`
+        must come after it on the layer's stream."""
         se = slot_expert.reshape(-1).contiguous()
         N = self.num_slots
-        for src, ret in ((src1, self.ret1), (src2, self.ret2)):
-            numel = src[0].numel()
-            _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, src.contiguous(), ret.ptrs, self.rank,
-                                                                    e_loc, N, numel, CHUNK=COPY_CHUNK,
-                                                                    num_warps=COPY_WARPS)
+        src, lvl, levels = ((se, se, 1) if relay is None else
+                            (relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous(), relay.levels))
+        srcs = (src1, src2)
+        if relay is not None and not all(s.is_contiguous() for s in srcs):
+            raise ValueError("push_grads with relays adds the children's gradients into src1/src2 in place: pass "
+                             "contiguous tensors")
+        for lv in range(levels, 0, -1):
+            for s, ret in zip(srcs, (self.ret1, self.ret2)):
+                numel = s[0].numel()
+                _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, src, lvl, lv, s.contiguous(), ret.ptrs,
+                                                                        self.rank, e_loc, N, numel, CHUNK=COPY_CHUNK,
+                                                                        RELAY=relay is not None, num_warps=COPY_WARPS)
+            if lv > 1:
+                self.ret2.barrier(channel=2)
+                self._reduce(se, src, lvl, lv, srcs, N, e_loc, slots=True)
 
-    def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int) -> None:
-        """Second half: a barrier (every rank has pushed), then grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] of
-        my experts += their returned regions in (source rank, slot) order, in fp32."""
-        se = slot_expert.reshape(-1).contiguous()
-        self.ret1.barrier(channel=1)
-        for grad, ret in ((grad1, self.ret1), (grad2, self.ret2)):
+    def _reduce(self, se, src, lvl, lv, grads, count, e_loc, slots):
+        """grads (fc1's [count, 2F, H], fc2's [count, H, F]) += their returned regions (_reduce_grads_kernel)."""
+        for grad, ret in zip(grads, (self.ret1, self.ret2)):
             numel = grad[0].numel()
-            _reduce_grads_kernel[(e_loc, triton.cdiv(numel, COPY_CHUNK))](se, ret.tensor, grad, self.rank, e_loc,
-                                                                          se.numel(), numel, CHUNK=COPY_CHUNK)
+            _reduce_grads_kernel[(count, triton.cdiv(numel, COPY_CHUNK))](
+                se, src, lvl, lv, ret.tensor, grad, self.rank, e_loc, self.num_slots, se.numel(), numel,
+                CHUNK=COPY_CHUNK, RELAY=src is not se, SLOTS=slots)
+
+    def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
+                     relay=None) -> None:
+        """Second half: a barrier (every rank has pushed), then grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] of
+        my experts += their returned regions in (source rank, slot) order, in fp32 (with `relay`: the regions of
+        the level-1 copies, which carry their subtrees' sums)."""
+        se = slot_expert.reshape(-1).contiguous()
+        src, lvl = (se, se) if relay is None else (relay.source.reshape(-1).contiguous(),
+                                                   relay.level.reshape(-1).contiguous())
+        self.ret1.barrier(channel=1)
+        self._reduce(se, src, lvl, 1, (grad1, grad2), e_loc, e_loc, slots=False)
 
     def return_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
-                     src: tuple[torch.Tensor, torch.Tensor]) -> None:
+                     src: tuple[torch.Tensor, torch.Tensor], relay=None) -> None:
         """The slots' weight gradients src = (fc1 grads [N, 2F, H], fc2 grads [N, H, F]) go to their expert's
-        main rank, which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F] in (source rank, slot) order.
-        The slots themselves keep their weights."""
-        self.push_grads(slot_expert, *src, e_loc)
-        self.reduce_grads(slot_expert, grad1, grad2, e_loc)
+        main rank (with `relay` up the relay trees), which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F]
+        in (source rank, slot) order. The slots themselves keep their weights."""
+        self.push_grads(slot_expert, *src, e_loc, relay)
+        self.reduce_grads(slot_expert, grad1, grad2, e_loc, relay)
