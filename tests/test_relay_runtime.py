@@ -134,6 +134,18 @@ def test_backend_cuda_relays_match_its_direct_path(rpd, chunks, prefetch):
     check_relays(run_ranks(relay_cuda, 2 * rpd, rpd, chunks, prefetch), prefetch)
 
 
+def test_the_layers_guard_prices_the_relayed_fetch():
+    """A layer with relay_fanout gives its guard the same fanout (it prices the fetch that runs), unless the guard
+    passed in has its own."""
+    from topoep.runtime.guard import NetBenefitGuard
+
+    topo = Topology(num_domains=1, ranks_per_domain=1)
+    kw = dict(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo)
+    assert ExpertParallelMoE(**kw, relay_fanout=2).guard.relay_fanout == 2
+    assert ExpertParallelMoE(**kw).guard.relay_fanout is None
+    assert ExpertParallelMoE(**kw, relay_fanout=2, guard=NetBenefitGuard(relay_fanout=1)).guard.relay_fanout == 1
+
+
 def test_relay_fanout_is_checked():
     with pytest.raises(ValueError, match="LayerConfig.relay_fanout must be an integer >= 1, got 0"):
         LayerConfig(relay_fanout=0)

@@ -10,6 +10,7 @@ import torch
 from distributed import run_ranks
 from topoep import ExpertParallelMoE, Plan, Topology, solve
 from topoep.runtime import LAYER_STAT_NAMES
+from topoep.relay import relay_sources
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.workloads import balanced_topk, biased_topk
 
@@ -102,6 +103,17 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
         n_rep = bool((plan.slot_expert >= 0).any())
         assert NetBenefitGuard().transfer_time(plan, 3).item() == pytest.approx(
             3 * (busiest(fetch) + 2e-5) if n_rep else 0.0, rel=1e-12)
+        # relayed (fanout 1, chains): every level at its busiest link, one latency per level that carries a copy
+        source, level = relay_sources(plan, 1)
+        per_level = {}
+        for r in range(4):
+            for j in range(N):
+                if int(source[r, j]) >= 0:
+                    flows = per_level.setdefault(int(level[r, j]), {})
+                    key = (int(source[r, j]), r)
+                    flows[key] = flows.get(key, 0) + 1000
+        want = sum(busiest(f) + 2e-5 for f in per_level.values())
+        assert NetBenefitGuard(relay_fanout=1).transfer_time(plan, 3).item() == pytest.approx(3 * want, rel=1e-12)
         assert NetBenefitGuard().dispatch_time(plan).item() == pytest.approx(busiest(tok), rel=1e-12)
         assert NetBenefitGuard().static_dispatch_time(plan).item() == pytest.approx(busiest(tok_static), rel=1e-12)
 
@@ -221,6 +233,7 @@ def test_guard_reads_no_tensor_values():
     executed, fired, saved, cost = NetBenefitGuard().select(meta, 1e-6, 3)
     assert executed.route.is_meta and executed.route.shape == p.route.shape and fired.shape == ()
     assert NetBenefitGuard(bytes_per_s=1e9).transfer_time(meta, 3).is_meta
+    assert NetBenefitGuard(relay_fanout=2).transfer_time(meta, 3).is_meta
     worth = NetBenefitGuard().worth_planning(meta.omega, meta.topology, meta.main_rank, 1e-6, 1000, 3)
     assert worth.is_meta and worth.dtype == torch.bool and worth.shape == ()
 
@@ -230,6 +243,7 @@ def test_bad_guard_arguments():
                       (dict(bytes_per_s=0), "bytes_per_s"), (dict(exposed_transfers=-1), "exposed_transfers"),
                       (dict(token_transfers=1.5), "token_transfers"), (dict(token_transfers=-1), "token_transfers"),
                       (dict(token_top_k=0), "token_top_k"), (dict(token_top_k=True), "token_top_k"),
+                      (dict(relay_fanout=0), "relay_fanout"),
                       (dict(token_overlap=1.5), "token_overlap"), (dict(token_overlap=None), "token_overlap")]:
         with pytest.raises(ValueError, match=match):
             NetBenefitGuard(**kw)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from topoep.links import transfer_seconds
 from topoep.plan import Plan
 
 
@@ -110,16 +111,27 @@ def relay_trees(plan: Plan, fanout: int) -> RelayTrees:
     return RelayTrees(*relay_sources(plan, fanout), max_level(plan.topology, fanout))
 
 
-def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-    """int64[L, R, R]: the replica transfers of each level (copies src -> dst), L = the largest level (at least 1).
-    Level l's transfers can start once level l - 1's are done."""
+def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: int | None = None) -> torch.Tensor:
+    """int64[L, R, R]: the replica transfers of each level (copies src -> dst); L = `levels` (e.g. `max_level`, no
+    host sync), or by default the largest level (at least 1; the host reads one number). Level l's transfers can start
+    once level l - 1's are done."""
     R, N = plan.num_ranks, plan.num_slots
     dev = source.device
-    occ = source.reshape(-1) >= 0
+    occ = (source.reshape(-1) >= 0).to(torch.int64)
     lv = level.reshape(-1)
-    L = max(1, int(lv.max()) if lv.numel() else 1)  # the host reads one number: a model, not the runtime's path
-    dst = (torch.arange(R * N, device=dev) // max(N, 1))[occ]
-    src, lv = source.reshape(-1)[occ], lv[occ]
+    L = levels if levels is not None else max(1, int(lv.max()) if lv.numel() else 1)
+    dst = torch.arange(R * N, device=dev) // max(N, 1)
+    # an empty slot adds 0 at index 0 (no boolean indexing: the shapes stay fixed)
+    at = torch.where(occ > 0, (lv - 1).clamp(min=0) * R * R + source.reshape(-1).clamp(min=0) * R + dst, 0)
     flat = torch.zeros(L * R * R, dtype=torch.int64, device=dev)
-    flat.index_add_(0, (lv - 1) * R * R + src * R + dst, torch.ones_like(src))
+    flat.index_add_(0, at, occ)
     return flat.view(L, R, R)
+
+
+def relay_fetch_seconds(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seconds float64 0-d, levels int64 0-d) of one relayed replica fetch of `plan` under `topology`'s per-byte
+    costs: each level at its busiest link (`topoep.links.transfer_seconds`), the levels one after the other, and the
+    number of levels that carry a copy. No host synchronisation (`max_level` levels)."""
+    flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
+    seconds = torch.stack([transfer_seconds(f.double() * float(plan.expert_bytes), topology) for f in flows]).sum()
+    return seconds, (flows.sum((1, 2)) > 0).sum()

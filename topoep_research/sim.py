@@ -680,7 +680,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     execution: default EXECUTIONS["topoep"]. plan_s: planner seconds to use instead of the model.
     guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None. With a
         deduplicating execution (`Execution.dedup`) a guard that prices a row per assignment prices the tokens
-        as the execution sends them instead (token_top_k = the model's top-k).
+        as the execution sends them instead (token_top_k = the model's top-k), and with relayed fetches
+        (`Execution.relay_fanout`) it prices them level by level (the guard's relay_fanout).
     plan_cache: a `PlanCache` to plan omega through (the same plan; its solve time is the one measured
         when the plan was made), or None: solve here.
     """
@@ -704,6 +705,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     n_rep = execution.exposed_replica_transfers
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
+    if guard is not None and execution.relay_fanout is not None and guard.relay_fanout is None:
+        guard = replace(guard, relay_fanout=execution.relay_fanout)  # the guard prices the relayed fetch that runs
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

@@ -9,6 +9,7 @@ port or NIC, in one direction, at the topology's per-byte cost),
     X(plan)    = x + m * t - h * min(x, m * t),    x = t_ffn * L_max(plan), t = T_dispatch(plan)
     T_plan     = plan_s                                                            planning estimate (a constant)
     T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
+                 (with relay_fanout: n * sum over the relay trees' levels of (T_level + transfer_latency_s))
 
 with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
 DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
@@ -50,6 +51,7 @@ import torch
 
 from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_seconds
 from topoep.plan import Plan, static_route
+from topoep.relay import relay_fetch_seconds
 from topoep.planners.common import static_rank_load
 from topoep.topology import Topology
 
@@ -95,6 +97,11 @@ class NetBenefitGuard:
     the router's top-k, deduplicated per destination rank and domain as DeepEP sends them (`topoep.links.token_loads`,
     an estimate from the route; the simulator's default execution)."""
 
+    relay_fanout: int | None = None
+    """Replica fetches run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): T_fetch is
+    then the sum of the trees' levels, each at its busiest link, plus transfer_latency_s per level that carries a
+    copy (`topoep.relay.relay_fetch_seconds`). None: every copy from its home, one transfer."""
+
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
     call of the same layer `skip_lag` calls earlier (module docstring; `SlotSkipHint`). None: never."""
@@ -123,6 +130,10 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.exposed_transfers must be an integer >= 0 or None (the backend's), "
                              f"got {n!r}")
 
+        f = self.relay_fanout
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1):
+            raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer >= 1, "
+                             f"got {f!r}")
         lag = self.skip_lag
         if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
@@ -146,10 +157,15 @@ class NetBenefitGuard:
         return _flat_topology(topology.num_domains, topology.ranks_per_domain, 1.0 / self.bytes_per_s)
 
     def transfer_time(self, plan: Plan, exposed_transfers: int) -> torch.Tensor:
-        """float64 0-d: T_transfer of `plan` (seconds) on the plan's device: n fetches at the busiest link."""
+        """float64 0-d: T_transfer of `plan` (seconds) on the plan's device: n fetches at the busiest link (with
+        relay_fanout: n relayed fetches, level by level)."""
         occupied = (plan.slot_expert >= 0).any().to(torch.float64)
+        topo = self._cost_topology(plan.topology)
+        if self.relay_fanout is not None:
+            seconds, levels = relay_fetch_seconds(plan, self.relay_fanout, topo)
+            return exposed_transfers * (seconds + levels.double() * self.transfer_latency_s) * occupied
         flows = replica_matrix(plan).double() * float(plan.expert_bytes)
-        t = transfer_seconds(flows, self._cost_topology(plan.topology)) + self.transfer_latency_s
+        t = transfer_seconds(flows, topo) + self.transfer_latency_s
         return exposed_transfers * t * occupied
 
     def dispatch_time(self, plan: Plan) -> torch.Tensor:

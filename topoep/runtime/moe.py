@@ -106,6 +106,8 @@ class ExpertParallelMoE(nn.Module):
         num_slots, policy, num_chunks = config.num_slots, config.policy, config.chunks
         self.t_ffn = DEFAULT_T_FFN if config.t_ffn is None else config.t_ffn
         self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
+        if self.guard is not None and config.relay_fanout is not None and self.guard.relay_fanout is None:
+            self.guard = dataclasses.replace(self.guard, relay_fanout=config.relay_fanout)  # it prices what runs
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     "gloo" if cpu_harness else config.transport)
