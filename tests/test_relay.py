@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from topoep import Topology, links, solve
-from topoep.relay import relay_levels, relay_sources
+from topoep.relay import max_level, relay_levels, relay_sources, relay_trees
 from topoep.workloads import biased_routing
 
 
@@ -110,6 +110,28 @@ def test_a_hot_expert_home_sends_a_tree_share():
     sends = torch.bincount(source[source >= 0], minlength=R)
     assert int(sends[0]) <= 2 + 3 and int(sends.max()) <= 2 + 3
     assert int(level.max()) >= 2
+
+
+def test_the_executed_trees_follow_the_guards_choice():
+    """executed_sources: the relay trees by default and where the guard chose them (plan.info["relay"] True); the
+    direct fetch in the trees' form (every copy from its home, level 1) where it chose that; every level within
+    max_level."""
+    from topoep.runtime.guard import NetBenefitGuard
+
+    for plan in _plans():
+        trees = relay_sources(plan, 2)
+        occ = plan.slot_expert >= 0
+        home = torch.where(occ, plan.main_rank[plan.slot_expert.clamp(min=0)], -1)
+        for use, want in ((None, trees), (True, trees), (False, (home, occ.to(torch.int64)))):
+            if use is not None:
+                plan.info["relay"] = torch.tensor(use)
+            got = relay_trees(plan, 2)
+            assert torch.equal(got.source, want[0]) and torch.equal(got.level, want[1])
+            assert int(got.level.max()) <= got.levels == max_level(plan.topology, 2)
+        plan.info.pop("relay")
+        executed = NetBenefitGuard(relay_fanout=2).select(plan, 1e-6, 1)[0]
+        assert executed.info["relay"].dtype == torch.bool and executed.info["relay"].shape == ()
+        assert "relay" not in NetBenefitGuard().select(plan, 1e-6, 1)[0].info
 
 
 def test_bad_fanout():

@@ -69,10 +69,14 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
     busiest link's time, counted here link by link from the plan's instances."""
     topo = Topology(num_domains=2, ranks_per_domain=2)
     g = torch.Generator().manual_seed(5)
+    seen_relay = set()
     for trial in range(20):
         omega = torch.randint(0, 50, (4, 8), generator=g)
-        omega[:, trial % 8] *= 8  # one hot expert
-        plan = solve(omega, topo, num_slots=2, policy="topoep_plus", expert_bytes=1000, token_bytes=10)
+        omega[:, trial % 8] *= 8 if trial % 2 else 40  # one hot expert (a very hot one: copies on every rank)
+        # odd trials: small weights (the direct fetch wins); even: large weights and tokens, a very hot expert with
+        # copies on both ranks of the other domain (a relay tree wins: one NIC crossing instead of two)
+        W, S = (1000, 10) if trial % 2 else (10 ** 7, 10 ** 4)
+        plan = solve(omega, topo, num_slots=2, policy="topoep_plus", expert_bytes=W, token_bytes=S)
         dom = [r // 2 for r in range(4)]
         cost = lambda s, r: 1 / 200e9 if dom[s] == dom[r] else 1 / 50e9  # noqa: E731
 
@@ -92,14 +96,14 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
                 e = int(plan.slot_expert[r, j])
                 if e >= 0:
                     m = int(plan.main_rank[e])
-                    fetch[(m, r)] = fetch.get((m, r), 0) + 1000
+                    fetch[(m, r)] = fetch.get((m, r), 0) + W
         for s in range(4):
             for p in range(E + 4 * N):
                 r, a = int(plan.instance_rank[p]), int(plan.route[s, p])
-                tok[(s, r)] = tok.get((s, r), 0) + 10 * a
+                tok[(s, r)] = tok.get((s, r), 0) + S * a
             for e in range(E):
                 m = int(plan.main_rank[e])
-                tok_static[(s, m)] = tok_static.get((s, m), 0) + 10 * int(omega[s, e])
+                tok_static[(s, m)] = tok_static.get((s, m), 0) + S * int(omega[s, e])
         n_rep = bool((plan.slot_expert >= 0).any())
         assert NetBenefitGuard().transfer_time(plan, 3).item() == pytest.approx(
             3 * (busiest(fetch) + 2e-5) if n_rep else 0.0, rel=1e-12)
@@ -111,11 +115,16 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
                 if int(source[r, j]) >= 0:
                     flows = per_level.setdefault(int(level[r, j]), {})
                     key = (int(source[r, j]), r)
-                    flows[key] = flows.get(key, 0) + 1000
-        want = sum(busiest(f) + 2e-5 for f in per_level.values())
-        assert NetBenefitGuard(relay_fanout=1).transfer_time(plan, 3).item() == pytest.approx(3 * want, rel=1e-12)
+                    flows[key] = flows.get(key, 0) + W
+        relayed = sum(busiest(f) + 2e-5 for f in per_level.values())
+        direct = busiest(fetch) + 2e-5
+        t, relay = NetBenefitGuard(relay_fanout=1).fetch_choice(plan, 3)
+        assert t.item() == pytest.approx(3 * min(relayed, direct) if n_rep else 0.0, rel=1e-12)
+        assert bool(relay) == (n_rep and relayed < direct)
+        seen_relay.add(bool(relay))
         assert NetBenefitGuard().dispatch_time(plan).item() == pytest.approx(busiest(tok), rel=1e-12)
         assert NetBenefitGuard().static_dispatch_time(plan).item() == pytest.approx(busiest(tok_static), rel=1e-12)
+    assert seen_relay == {False, True}  # both choices occur over these plans
 
 
 def test_worth_planning_skips_only_where_no_plan_can_pay():

@@ -106,9 +106,23 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     return source.view(R, N), level.view(R, N)
 
 
+def executed_sources(plan: Plan, fanout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, level) as a runtime executes them: `relay_sources`, unless the net-benefit guard found the direct fetch
+    faster for this plan (plan.info["relay"], a bool 0-d tensor, False: `runtime.guard.NetBenefitGuard.relay_fanout`);
+    then every copy from its home at level 1, the direct fetch in the trees' form. No host synchronisation."""
+    source, level = relay_sources(plan, fanout)
+    use = plan.info.get("relay")
+    if use is None:
+        return source, level
+    occ = plan.slot_expert >= 0
+    home = plan.main_rank.to(occ.device)[plan.slot_expert.clamp(min=0)]
+    return (torch.where(use, source, torch.where(occ, home, -1)),
+            torch.where(use, level, occ.to(torch.int64)))
+
+
 def relay_trees(plan: Plan, fanout: int) -> RelayTrees:
-    """`relay_sources` with the number of levels a runtime runs (`max_level`): device tensors, no host sync."""
-    return RelayTrees(*relay_sources(plan, fanout), max_level(plan.topology, fanout))
+    """`executed_sources` with the number of levels a runtime runs (`max_level`): device tensors, no host sync."""
+    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout))
 
 
 def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: int | None = None) -> torch.Tensor:

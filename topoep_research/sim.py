@@ -89,7 +89,7 @@ from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
-from topoep.relay import relay_levels, relay_sources
+from topoep.relay import executed_sources, relay_levels
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
 
@@ -775,7 +775,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
     if has_rep and execution.relay_fanout is not None:  # the relay trees' levels, one after the other
         t_rep = sum(transfer_time(link_loads(level.double() * W, dom), cluster)[0]
-                    for level in relay_levels(plan, *relay_sources(plan, execution.relay_fanout)))
+                    for level in relay_levels(plan, *executed_sources(plan, execution.relay_fanout)))
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)

@@ -139,13 +139,13 @@ class TorchBackend:
     def _relay_routes(self, plan: Plan, fanout: int):
         """Per level of the relay trees (topoep.relay), for this rank: [(dest r, slot j, expert e)] it sends and
         [(src s, slot j, expert e)] it receives, both in (peer, slot) order; None when no rank holds a replica."""
-        from topoep.relay import relay_sources
+        from topoep.relay import executed_sources
 
         R, N = plan.num_ranks, plan.num_slots
         se = plan.slot_expert.tolist()
         if all(e < 0 for row in se for e in row):
             return None
-        source, level = (t.tolist() for t in relay_sources(plan, fanout))
+        source, level = (t.tolist() for t in executed_sources(plan, fanout))
         levels = max(max(row) for row in level)
         out = []
         for lv in range(1, levels + 1):

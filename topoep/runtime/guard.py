@@ -9,7 +9,8 @@ port or NIC, in one direction, at the topology's per-byte cost),
     X(plan)    = x + m * t - h * min(x, m * t),    x = t_ffn * L_max(plan), t = T_dispatch(plan)
     T_plan     = plan_s                                                            planning estimate (a constant)
     T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
-                 (with relay_fanout: n * sum over the relay trees' levels of (T_level + transfer_latency_s))
+                 (with relay_fanout: or n * sum over the relay trees' levels of (T_level + transfer_latency_s),
+                 whichever is smaller; the executed plan says which runs)
 
 with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
 DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
@@ -98,9 +99,11 @@ class NetBenefitGuard:
     an estimate from the route; the simulator's default execution)."""
 
     relay_fanout: int | None = None
-    """Replica fetches run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): T_fetch is
-    then the sum of the trees' levels, each at its busiest link, plus transfer_latency_s per level that carries a
-    copy (`topoep.relay.relay_fetch_seconds`). None: every copy from its home, one transfer."""
+    """Replica fetches may run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): per
+    plan the guard prices the relayed fetch (the sum of the trees' levels, each at its busiest link, plus
+    transfer_latency_s per level that carries a copy: `topoep.relay.relay_fetch_seconds`) and the direct one, keeps
+    the faster (`fetch_choice`) and says which in the executed plan's info["relay"]. None: every copy from its home,
+    one transfer."""
 
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
@@ -158,15 +161,24 @@ class NetBenefitGuard:
 
     def transfer_time(self, plan: Plan, exposed_transfers: int) -> torch.Tensor:
         """float64 0-d: T_transfer of `plan` (seconds) on the plan's device: n fetches at the busiest link (with
-        relay_fanout: n relayed fetches, level by level)."""
+        relay_fanout: n fetches each relayed level by level or direct, whichever is faster: `fetch_choice`)."""
+        return self.fetch_choice(plan, exposed_transfers)[0]
+
+    def fetch_choice(self, plan: Plan, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T_transfer float64 0-d, relay bool 0-d): with relay_fanout the faster of the relayed fetch (its levels
+        one after the other, a latency each) and the direct one (one transfer, one latency), and whether that is the
+        relayed one; without, the direct fetch and False."""
         occupied = (plan.slot_expert >= 0).any().to(torch.float64)
         topo = self._cost_topology(plan.topology)
-        if self.relay_fanout is not None:
-            seconds, levels = relay_fetch_seconds(plan, self.relay_fanout, topo)
-            return exposed_transfers * (seconds + levels.double() * self.transfer_latency_s) * occupied
         flows = replica_matrix(plan).double() * float(plan.expert_bytes)
         t = transfer_seconds(flows, topo) + self.transfer_latency_s
-        return exposed_transfers * t * occupied
+        relay = torch.zeros((), dtype=torch.bool, device=t.device)
+        if self.relay_fanout is not None:
+            seconds, levels = relay_fetch_seconds(plan, self.relay_fanout, topo)
+            relayed = seconds + levels.double() * self.transfer_latency_s
+            relay = relayed < t
+            t = torch.where(relay, relayed, t)
+        return exposed_transfers * t * occupied, relay
 
     def dispatch_time(self, plan: Plan) -> torch.Tensor:
         """float64 0-d: seconds of one dispatch of `plan` at its busiest link (the combine mirrors it)."""
@@ -184,18 +196,23 @@ class NetBenefitGuard:
 
     def predict(self, plan: Plan, t_ffn: float, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T_saved, T_plan + T_transfer): float64 0-d tensors, the module docstring's prediction for `plan`."""
+        return self._predict(plan, t_ffn, exposed_transfers)[:2]
+
+    def _predict(self, plan: Plan, t_ffn: float, exposed_transfers: int):
+        """`predict`, and whether the plan's fetch should be relayed (`fetch_choice`)."""
         static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
         x_static = t_ffn * static_load.max().to(torch.float64)
         x_plan = t_ffn * plan.rank_load.max().to(torch.float64)
+        transfer, relay = self.fetch_choice(plan, exposed_transfers)
         if not self.token_transfers:
-            return x_static - x_plan, self.plan_s + self.transfer_time(plan, exposed_transfers)
+            return x_static - x_plan, self.plan_s + transfer, relay
         m, h = self.token_transfers, self.token_overlap
 
         def layer(x, t):  # straggler compute + token transfers, the overlapped part counted once
             return x + m * t - h * torch.minimum(x, m * t)
 
         saved = layer(x_static, self.static_dispatch_time(plan)) - layer(x_plan, self.dispatch_time(plan))
-        return saved, self.plan_s + self.transfer_time(plan, exposed_transfers)
+        return saved, self.plan_s + transfer, relay
 
     def worth_planning(self, omega: torch.Tensor, topology, main_rank: torch.Tensor, t_ffn: float, expert_bytes: int,
                        exposed_transfers: int) -> torch.Tensor:
@@ -221,8 +238,9 @@ class NetBenefitGuard:
         (int64 0-d: 0 for `plan`). `fired` is True when the static plan is executed instead. `allow` (bool 0-d,
         optional): False forces the static plan (the host left out the replica machinery, or `worth_planning`
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
-        way."""
-        saved, cost = self.predict(plan, t_ffn, exposed_transfers)
+        way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
+        (`fetch_choice`; `topoep.relay.executed_sources` reads it)."""
+        saved, cost, relay = self._predict(plan, t_ffn, exposed_transfers)
         slot_expert, route = plan.slot_expert, plan.route
         choice = torch.zeros((), dtype=torch.int64, device=saved.device)
         for i, other in enumerate(candidates, start=1):
@@ -230,8 +248,9 @@ class NetBenefitGuard:
                 raise ValueError(f"guard candidates must have the plan's shapes: slot_expert {list(slot_expert.shape)}, "
                                  f"route {list(route.shape)}; candidate {i} has {list(other.slot_expert.shape)}, "
                                  f"{list(other.route.shape)}")
-            s_i, c_i = self.predict(other, t_ffn, exposed_transfers)
+            s_i, c_i, r_i = self._predict(other, t_ffn, exposed_transfers)
             better = s_i - c_i > saved - cost
+            relay = torch.where(better, r_i, relay)
             slot_expert = torch.where(better, other.slot_expert, slot_expert)
             route = torch.where(better, other.route, route)
             saved, cost = torch.where(better, s_i, saved), torch.where(better, c_i, cost)
@@ -243,7 +262,8 @@ class NetBenefitGuard:
                         slot_expert=torch.where(use, slot_expert, torch.full_like(slot_expert, -1)),
                         route=torch.where(use, route, static_route(plan.omega, plan.num_slots)), policy=plan.policy,
                         expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes,
-                        info={**plan.info, "guard_choice": choice})
+                        info={**plan.info, "guard_choice": choice,
+                              **({"relay": relay} if self.relay_fanout is not None else {})})
         return executed, ~use, saved, cost
 
 

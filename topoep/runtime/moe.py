@@ -29,7 +29,7 @@ from topoep.runtime.backend import capacity_rows, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
-from topoep.relay import RelayTrees, max_level, relay_sources
+from topoep.relay import RelayTrees, executed_sources, max_level
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
@@ -240,7 +240,10 @@ class ExpertParallelMoE(nn.Module):
                                        (~worth).to(torch.float64), local.to(torch.float64)])
         fit_stats = torch.zeros(2, dtype=torch.float64, device=omega.device)
         if capacity is not None:
+            relay = plan.info.get("relay")
             plan, fit_stats = self._fit(plan, capacity, allow)
+            if relay is not None:  # the guard's choice of fetch holds for the fitted plan
+                plan.info["relay"] = relay
         return plan, guard_stats, wanted, fit_stats
 
     def _fit(self, plan: Plan, capacity: int, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
@@ -342,8 +345,8 @@ class ExpertParallelMoE(nn.Module):
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
         (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
         offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); relay: the
-        plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.relay_sources' source and
-        level; empty without); the grouped-GEMM offsets and row counts are made here once for forward and
+        plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.executed_sources' source and
+        level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row counts are made here once for forward and
         backward."""
         E = self.num_experts
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
@@ -384,7 +387,7 @@ class ExpertParallelMoE(nn.Module):
         if side is not None:
             main.wait_stream(side)
         fanout = self.config.relay_fanout
-        relay = torch.stack(relay_sources(plan, fanout)) if fanout else plan.slot_expert.new_empty(0)
+        relay = torch.stack(executed_sources(plan, fanout)) if fanout else plan.slot_expert.new_empty(0)
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
 
     def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None) -> tuple:
