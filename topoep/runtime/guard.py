@@ -196,22 +196,26 @@ class NetBenefitGuard:
 
     def predict(self, plan: Plan, t_ffn: float, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T_saved, T_plan + T_transfer): float64 0-d tensors, the module docstring's prediction for `plan`."""
-        return self._predict(plan, t_ffn, exposed_transfers)[:2]
+        return self._predict(plan, t_ffn, exposed_transfers, self._static_layer(plan, t_ffn))[:2]
 
-    def _predict(self, plan: Plan, t_ffn: float, exposed_transfers: int):
-        """`predict`, and whether the plan's fetch should be relayed (`fetch_choice`)."""
-        static_load = static_rank_load(plan.omega, plan.main_rank, plan.num_ranks)
-        x_static = t_ffn * static_load.max().to(torch.float64)
+    def _layer(self, x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+        """X = straggler compute x + token transfers (m dispatch-like transfers of t each), the overlapped part
+        counted once; x alone without token_transfers."""
+        if not self.token_transfers:
+            return x
+        m, h = self.token_transfers, self.token_overlap
+        return x + m * t - h * torch.minimum(x, m * t)
+
+    def _static_layer(self, plan: Plan, t_ffn: float) -> torch.Tensor:
+        """X(static) of `plan`'s routing: the same for every candidate plan of one call (`select` computes it once)."""
+        x = t_ffn * static_rank_load(plan.omega, plan.main_rank, plan.num_ranks).max().to(torch.float64)
+        return self._layer(x, self.static_dispatch_time(plan) if self.token_transfers else None)
+
+    def _predict(self, plan: Plan, t_ffn: float, exposed_transfers: int, x_static: torch.Tensor):
+        """`predict` given X(static), and whether the plan's fetch should be relayed (`fetch_choice`)."""
         x_plan = t_ffn * plan.rank_load.max().to(torch.float64)
         transfer, relay = self.fetch_choice(plan, exposed_transfers)
-        if not self.token_transfers:
-            return x_static - x_plan, self.plan_s + transfer, relay
-        m, h = self.token_transfers, self.token_overlap
-
-        def layer(x, t):  # straggler compute + token transfers, the overlapped part counted once
-            return x + m * t - h * torch.minimum(x, m * t)
-
-        saved = layer(x_static, self.static_dispatch_time(plan)) - layer(x_plan, self.dispatch_time(plan))
+        saved = x_static - self._layer(x_plan, self.dispatch_time(plan) if self.token_transfers else None)
         return saved, self.plan_s + transfer, relay
 
     def worth_planning(self, omega: torch.Tensor, topology, main_rank: torch.Tensor, t_ffn: float, expert_bytes: int,
@@ -240,7 +244,8 @@ class NetBenefitGuard:
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
         way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
         (`fetch_choice`; `topoep.relay.executed_sources` reads it)."""
-        saved, cost, relay = self._predict(plan, t_ffn, exposed_transfers)
+        x_static = self._static_layer(plan, t_ffn)  # the candidates share the routing
+        saved, cost, relay = self._predict(plan, t_ffn, exposed_transfers, x_static)
         slot_expert, route = plan.slot_expert, plan.route
         choice = torch.zeros((), dtype=torch.int64, device=saved.device)
         for i, other in enumerate(candidates, start=1):
@@ -248,7 +253,7 @@ class NetBenefitGuard:
                 raise ValueError(f"guard candidates must have the plan's shapes: slot_expert {list(slot_expert.shape)}, "
                                  f"route {list(route.shape)}; candidate {i} has {list(other.slot_expert.shape)}, "
                                  f"{list(other.route.shape)}")
-            s_i, c_i, r_i = self._predict(other, t_ffn, exposed_transfers)
+            s_i, c_i, r_i = self._predict(other, t_ffn, exposed_transfers, x_static)
             better = s_i - c_i > saved - cost
             relay = torch.where(better, r_i, relay)
             slot_expert = torch.where(better, other.slot_expert, slot_expert)
