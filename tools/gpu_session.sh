@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -228,6 +228,11 @@ step_relay() {  # backend cuda's relayed replica transfers (LayerConfig.relay_fa
     _r ep2_rpd1_direct TOPOEP_GPU_WORLD=2 TOPOEP_GPU_RPD=1 timeout -k 10 200 python3 -m pytest -q -rA \
       tests/test_cuda_backend_gpu.py
   fi
+}
+
+step_guard() {  # the net-benefit guard's time in a layer call's metadata (bench/guard_latency.py): without relays and
+  # with the relayed-or-direct choice and the relay trees; needs the planner extension (build/ext)
+  timeout 240 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -12
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2, 4, 8 (EPS), the ranks sharing the

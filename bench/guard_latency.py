@@ -1,0 +1,109 @@
+"""What the net-benefit guard adds to a layer call's metadata on one GPU, planning left out: its per-link prediction
+of topoep_plus's plan and local candidate and the choice between them (`NetBenefitGuard.select`), without relays and
+with `relay_fanout=2` (the relayed-or-direct choice per plan, then the relay trees the runtime executes:
+`topoep.relay.relay_trees`). Each replayed from a CUDA graph on a busy stream (its GPU time alone), as the layer's
+metadata graph runs it.
+
+    python bench/guard_latency.py            # EP 8, 32, 128 (domains of 8), 640 experts, 2 slots
+
+The plans come from the CUDA planner on planner_latency.py's workload (megatron's biased router, skew -2.5, top-8).
+Median over 200 replays after 20 warm-ups, CUDA events. Writes results/guard_latency.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, markdown_table, run_info, write_report  # noqa: E402
+from bench.planner_latency import _events_median, workload  # noqa: E402
+from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
+from topoep.planners import solve  # noqa: E402
+from topoep.relay import relay_trees  # noqa: E402
+from topoep.runtime.guard import NetBenefitGuard  # noqa: E402
+
+VARIANTS = ("guard", "guard_relay")  # select with the local candidate; the same with relay_fanout=2 and the trees
+
+
+def _decide(variant: str, plan, local):
+    """The variant's work: the guard's selection (and with relays the trees of the kept plan)."""
+    guard = NetBenefitGuard(relay_fanout=2) if variant == "guard_relay" else NetBenefitGuard()
+    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,))[0]
+    if variant == "guard_relay":
+        trees = relay_trees(executed, 2)
+        return executed.route, trees.source, trees.level
+    return executed.route,
+
+
+def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
+    topo, omega_cpu = workload(ep, experts)
+    omega = omega_cpu.cuda()
+    kw = dict(num_slots=slots, expert_bytes=3 * 2048 * 768 * 2, token_bytes=2048 * 2)
+    plan = solve(omega, topo, policy="topoep_plus", **kw)
+    local = solve(omega, topo, policy="topoep_plus_local", **kw)
+    row = {"ep": ep, "experts": experts, "domains": topo.num_domains, "slots": slots}
+    for variant in VARIANTS:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm the caches (topologies on the device) outside the capture
+            for _ in range(2):
+                _decide(variant, plan, local)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _decide(variant, plan, local)
+        row[f"{variant}_us"] = _events_median(graph.replay, runs, warmup, busy=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    return markdown_table(["EP", "domains", "experts", "slots", "guard, us", "guard + relay choice + trees, us",
+                           "added by relays, us"],
+                          [[r["ep"], r["domains"], r["experts"], r["slots"], f"{r['guard_us']:.1f}",
+                            f"{r['guard_relay_us']:.1f}", f"{r['guard_relay_us'] - r['guard_us']:.1f}"]
+                           for r in rows])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--eps", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--experts", type=int, default=640)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--name", default="guard_latency")
+    ap.add_argument("--out", type=Path, default=REPO / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/guard_latency.py times CUDA graphs: run it on a machine with a GPU "
+                         "(tools/gpu_session.sh planner)")
+    if any(ep < 1 or args.experts % ep for ep in args.eps):
+        raise SystemExit(f"--eps must be positive divisors of --experts {args.experts}, got {args.eps}")
+    rows = [measure(ep, args.experts, args.slots, args.runs, args.warmup) for ep in args.eps]
+    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    text = "\n".join([
+        "# The net-benefit guard's time in a layer call's metadata, planning left out",
+        "",
+        f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
+        "- guard: `NetBenefitGuard.select` of topoep_plus's plan and its local candidate (per-link prediction of "
+        "both, the static layer once); guard + relay choice + trees: the same with `relay_fanout=2` (relayed or "
+        "direct fetch priced per plan) and `topoep.relay.relay_trees` of the kept plan. CUDA graph replay on a busy "
+        f"stream, median of {args.runs}; workload of bench/planner_latency.py, {args.slots} slots",
+        "- reproduce: `python bench/guard_latency.py`",
+        "",
+        table(rows),
+        "",
+    ])
+    write_report(args, text, rows)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
