@@ -134,6 +134,20 @@ def test_the_executed_trees_follow_the_guards_choice():
         assert "relay" not in NetBenefitGuard().select(plan, 1e-6, 1)[0].info
 
 
+def test_heap_depth_equals_walking_up_the_heap():
+    from topoep.relay import _heap_depth
+
+    def walk(i, f):
+        d = 0
+        while i > 0:
+            i, d = (i - 1) // f, d + 1
+        return d
+
+    idx = torch.arange(300)
+    for f in (1, 2, 3, 7, 64, 1000):
+        assert _heap_depth(idx, f, 300 if f == 1 else 12).tolist() == [walk(i, f) for i in range(300)], f
+
+
 def test_bad_fanout():
     plan = next(iter(_plans()))
     for bad in (0, -1, True, 1.5):

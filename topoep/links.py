@@ -62,12 +62,13 @@ def replica_matrix(plan: Plan) -> torch.Tensor:
 
 
 def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> LinkLoads:
-    """The link loads of one transfer with flows [R, R] (bytes s -> r; the diagonal stays on its rank)."""
+    """The link loads of one transfer with flows [R, R] (bytes s -> r; the diagonal stays on its rank); flows
+    [..., R, R] give loads [..., R] (several transfers at once)."""
     domain_of = domain_of.to(flows.device)
     same = domain_of[:, None] == domain_of[None, :]
-    f = flows.double() * (1 - torch.eye(flows.shape[0], dtype=torch.float64, device=flows.device))
+    f = flows.double() * (1 - torch.eye(flows.shape[-1], dtype=torch.float64, device=flows.device))
     intra, inter = f * same, f * ~same
-    return LinkLoads(intra.sum(1), intra.sum(0), inter.sum(1), inter.sum(0))
+    return LinkLoads(intra.sum(-1), intra.sum(-2), inter.sum(-1), inter.sum(-2))
 
 
 def token_loads(plan: Plan, top_k: int | None = None, token_bytes: float | None = None) -> LinkLoads:
@@ -129,10 +130,10 @@ def phase_loads(plan: Plan) -> dict[str, LinkLoads]:
 
 def transfer_seconds(flows: torch.Tensor, topology) -> torch.Tensor:
     """Seconds of one transfer with flows [R, R] (bytes): its busiest link's time, each flow's bytes at its per-byte
-    cost (0-d float64, on the flows' device)."""
+    cost (0-d float64, on the flows' device); flows [..., R, R]: one time per transfer, [...]."""
     topo = topology.on(flows.device)
     seconds = link_loads(flows.double() * topo.cost, topo.domain_of)
-    return torch.stack([t.max() for t in seconds.as_dict().values()]).max()
+    return torch.stack([t.amax(-1) for t in seconds.as_dict().values()]).amax(0)
 
 
 LINK_STAT_NAMES = (

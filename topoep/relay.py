@@ -37,14 +37,17 @@ class RelayTrees(NamedTuple):
 
 
 def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tensor:
-    """Depth of node `index` in a heap of `fanout` children per node (root 0 at depth 0)."""
-    depth = torch.zeros_like(index)
-    j = index.clone()
-    for _ in range(max_depth):
-        up = j > 0
-        depth += up.to(depth.dtype)
-        j = torch.where(up, torch.div(j - 1, fanout, rounding_mode="floor"), j)
-    return depth
+    """Depth of node `index` in a heap of `fanout` children per node (root 0 at depth 0), for indices whose depth is
+    at most max_depth: the number of depths k >= 1 whose first index, (f^k - 1) / (f - 1) (k for f = 1), it reaches.
+    The thresholds are made on the index's device (no host-to-device copy: CUDA-graph capturable)."""
+    depths = max_depth
+    while fanout > 1 and depths > 1 and fanout ** depths >= 1 << 62:  # beyond any index (and int64)
+        depths -= 1
+    if depths < 1:
+        return torch.zeros_like(index)
+    k = torch.arange(1, depths + 1, dtype=index.dtype, device=index.device)
+    firsts = k if fanout == 1 else (torch.pow(torch.full_like(k, fanout), k) - 1) // (fanout - 1)
+    return (index[..., None] >= firsts).sum(-1).to(index.dtype)
 
 
 def max_level(topology, fanout: int) -> int:
@@ -147,5 +150,5 @@ def relay_fetch_seconds(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor
     costs: each level at its busiest link (`topoep.links.transfer_seconds`), the levels one after the other, and the
     number of levels that carry a copy. No host synchronisation (`max_level` levels)."""
     flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
-    seconds = torch.stack([transfer_seconds(f.double() * float(plan.expert_bytes), topology) for f in flows]).sum()
+    seconds = transfer_seconds(flows.double() * float(plan.expert_bytes), topology).sum()  # the levels in one go
     return seconds, (flows.sum((1, 2)) > 0).sum()
