@@ -88,9 +88,11 @@ def test_cuda_metadata_on_one_rank_gives_offsets_and_counts_of_the_layout():
     g = torch.Generator().manual_seed(0)
     topk_idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     out = layer._cuda_metadata(_OneRankWorkspace(T * k), topk_idx, torch.tensor(True), token_bytes=16)
-    omega, slot_expert, route, stats, wanted, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = out[:13]
+    omega, slot_expert, route, stats, wanted, relay, order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot = \
+        out[:14]
     assert int(out[-1]) == 0  # the spill work: no row beyond the region
     assert wanted.dtype == torch.bool and not wanted  # no guard: no decision
+    assert relay.numel() == 0  # no relay_fanout: no relay trees
     assert torch.equal(omega[0], count_keys(topk_idx, E))
     assert torch.equal(torch.sort(order).values, torch.arange(T * k))  # every assignment sent once
     assert torch.equal(dest, torch.zeros(T * k, dtype=torch.int64))

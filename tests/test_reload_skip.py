@@ -25,7 +25,7 @@ class _Pool(SlotBanks):
         self.log = []
         self.content = [None] * banks  # the layer whose replicas each bank holds
 
-    def fetch(self, se, W1, W2, e_loc, bank=0):
+    def fetch(self, se, W1, W2, e_loc, bank=0, relay=None):
         self.log.append(int(se[0, 0]))
         self.content[bank] = int(se[0, 0])
 

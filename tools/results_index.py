@@ -67,6 +67,8 @@ REPORTS = [
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
     Entry(("simulation.md", "simulation.json", "simulation_*.png"), "bench/simulate.py",
           "moe_layer.json, moe_layer_slots8.json (calibration and hold-out)", "CPU", "python bench/simulate.py"),
+    Entry(("guard_latency.md", "guard_latency.json"), "bench/guard_latency.py", "-", "1 GPU",
+          "bash tools/gpu_session.sh setup guard"),
     Entry(("planner_latency.md", "planner_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
           "python bench/planner_latency.py --profile"),
     Entry(("layer_memory.md", "layer_memory.json"), "bench/layer_memory.py", "gpu/layer_memory/layer_memory_ep*.json",
@@ -127,8 +129,6 @@ GPU = [
     Entry(("gpu/capacity",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup capacity capacity_ep8"),
     Entry(("gpu/product_shape",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup planner shape"),
     Entry(("gpu/link_guard",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup planner shape"),
-    Entry(("guard_latency.md", "guard_latency.json"), "bench/guard_latency.py", "-", "1 GPU",
-          "bash tools/gpu_session.sh setup guard"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
