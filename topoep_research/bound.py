@@ -165,3 +165,159 @@ def _cap_rows(E, R, main, tot, T, ncols):
             vals += [1.0, -c]
             k += 1
     return coo_matrix((vals, (rows, cols)), shape=(k, ncols)).tocsr()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-link lower bound
+
+
+def link_objective(plan, guard, t_ffn: float, exposed_transfers: int = 1) -> float:
+    """The per-link time the guard predicts for `plan` (`topoep.runtime.NetBenefitGuard`, rows per assignment, its
+    topology's costs), latencies and planning left out: X(plan) + n * T_fetch(plan), X = x + m t - h min(x, m t),
+    x = t_ffn L_max, t = one dispatch at its busiest link, T_fetch = one direct replica fetch at its busiest link.
+    What `link_lower_bound` bounds."""
+    from topoep.links import replica_matrix, transfer_seconds
+
+    x = t_ffn * float(plan.rank_load.max())
+    t = float(guard.dispatch_time(plan))
+    m, h = guard.token_transfers, guard.token_overlap
+    fetch = float(transfer_seconds(replica_matrix(plan).double() * float(plan.expert_bytes), plan.topology))
+    return x + m * t - h * min(x, m * t) + exposed_transfers * fetch
+
+
+@dataclass
+class LinkBound:
+    bound: float  # seconds: no plan (C1-C3, direct fetches) has a smaller link_objective
+    seconds: float  # the LP's solve time
+
+
+def link_lower_bound(omega: torch.Tensor, topology: Topology, *, num_slots: int, expert_bytes: int, token_bytes: int,
+                     guard=None, t_ffn: float = DEFAULT_T_FFN, exposed_transfers: int = 1,
+                     main_rank: torch.Tensor | None = None) -> LinkBound:
+    """Lower bound on `link_objective` over every plan of omega with num_slots slots per rank (C1-C3; C4 ignored, so
+    valid for every policy): an LP over the plan's link loads. Variables: z[e, r] the assignments of expert e run on
+    rank r, y[e, r] in [0, 1] a replica of e on r (r not e's main rank; sum_e y[e, r] <= N), f[s, r] the rows source
+    s sends to rank r, and the layer's terms L_max, t, T_fetch, X.
+
+        sum_r z[e, r] = Omega_e          z[e, r] <= Omega_e y[e, r]         sum_e z[e, r] <= L_max
+        sum_r f[s, r] = rows of s        sum_s f[s, r] = sum_e z[e, r]
+        f[s, r] <= sum over e held on r (main, or y[e, r]) of omega[s, e]   (a source sends to r only what r holds)
+        t >= S c * (rows on each NVLink port and NIC, each direction)      T_fetch >= W c * (replicas on each link)
+        X >= (1 - h) t_ffn L_max + m t,  X >= t_ffn L_max + (1 - h) m t     (X = x + m t - h min(x, m t): convex)
+        minimise X + n T_fetch
+
+    Every plan gives a feasible point with the objective it has (z, f from its route, y its replicas), so the LP's
+    optimum bounds them all. Relaxed: fractional replicas, and a source's rows split over ranks without naming the
+    expert behind each row."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    from topoep.runtime.guard import NetBenefitGuard
+
+    t0 = time.perf_counter()
+    guard = guard or NetBenefitGuard()
+    omega = omega.cpu().to(torch.int64)
+    R, E = omega.shape
+    om = omega.numpy().astype(float)
+    main = (default_main_rank(E, R) if main_rank is None else main_rank.cpu()).numpy()
+    dom = np.arange(R) // topology.ranks_per_domain
+    us = 1e6  # the LP's times in microseconds (better scaled than seconds next to row counts)
+    c_in, c_out, t_ffn_us = us * float(topology.intra_cost), us * float(topology.inter_cost), us * t_ffn
+    W, S, N, n = float(expert_bytes), float(token_bytes), num_slots, exposed_transfers
+    m, h = guard.token_transfers, guard.token_overlap
+    tot = om.sum(0)
+    # columns
+    nz = E * R
+    z0, y0, f0 = 0, nz, 2 * nz
+    iL, it, iF, iX = 2 * nz + R * R, 2 * nz + R * R + 1, 2 * nz + R * R + 2, 2 * nz + R * R + 3
+    ncol = iX + 1
+    e_of, r_of = np.repeat(np.arange(E), R), np.tile(np.arange(R), E)
+    is_main = main[e_of] == r_of
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(rs, cs, vs):
+        rows.append(np.asarray(rs)), cols.append(np.asarray(cs)), vals.append(np.asarray(vs, dtype=float))
+
+    k = 0  # next row
+    # sum_r z[e, r] = Omega_e
+    add(k + e_of, z0 + np.arange(nz), np.ones(nz))
+    lo.append(tot), hi.append(tot)
+    k += E
+    # z[e, r] - Omega_e y[e, r] <= 0 off the main rank
+    off = np.flatnonzero(~is_main)
+    add(k + np.arange(off.size), z0 + off, np.ones(off.size))
+    add(k + np.arange(off.size), y0 + off, -tot[e_of[off]])
+    lo.append(np.full(off.size, -np.inf)), hi.append(np.zeros(off.size))
+    k += off.size
+    # sum_e y[e, r] <= N
+    add(k + r_of[off], y0 + off, np.ones(off.size))
+    lo.append(np.full(R, -np.inf)), hi.append(np.full(R, float(N)))
+    k += R
+    # sum_r f[s, r] = rows of s;  sum_s f[s, r] - sum_e z[e, r] = 0
+    s_of, d_of = np.repeat(np.arange(R), R), np.tile(np.arange(R), R)
+    add(k + s_of, f0 + np.arange(R * R), np.ones(R * R))
+    lo.append(om.sum(1)), hi.append(om.sum(1))
+    k += R
+    add(k + d_of, f0 + np.arange(R * R), np.ones(R * R))
+    add(k + r_of, z0 + np.arange(nz), -np.ones(nz))
+    lo.append(np.zeros(R)), hi.append(np.zeros(R))
+    k += R
+    # f[s, r] - sum_{e replicated on r} omega[s, e] y[e, r] <= sum_{e main on r} omega[s, e]
+    held_main = np.zeros((R, R))
+    np.add.at(held_main, (slice(None), main), om)  # [s, r]: rows of s for r's main experts
+    for s in range(R):
+        es = np.flatnonzero(om[s] > 0)
+        cand = [(e, r) for e in es for r in range(R) if main[e] != r]
+        if cand:
+            ce, cr = np.array(cand).T
+            add(k + s * R + cr, y0 + ce * R + cr, -om[s, ce])
+    add(k + np.arange(R * R), f0 + np.arange(R * R), np.ones(R * R))
+    lo.append(np.full(R * R, -np.inf)), hi.append(held_main.reshape(-1))
+    k += R * R
+    # sum_e z[e, r] - L_max <= 0
+    add(k + r_of, z0 + np.arange(nz), np.ones(nz))
+    add(k + np.arange(R), np.full(R, iL), -np.ones(R))
+    lo.append(np.full(R, -np.inf)), hi.append(np.zeros(R))
+    k += R
+    # token links: per rank, NVLink out / in and NIC out / in, each <= t
+    same = dom[s_of] == dom[d_of]
+    moved = s_of != d_of
+    for kind, c in ((same & moved, S * c_in), (~same, S * c_out)):
+        sel = np.flatnonzero(kind)
+        for side in (s_of, d_of):  # out of the source, into the destination
+            add(k + side[sel], f0 + sel, np.full(sel.size, c))
+            add(k + np.arange(R), np.full(R, it), -np.ones(R))
+            lo.append(np.full(R, -np.inf)), hi.append(np.zeros(R))
+            k += R
+    # replica links: copies from the main rank main[e] to r
+    m_of = main[e_of[off]]
+    same_r = dom[m_of] == dom[r_of[off]]
+    for kind, c in ((same_r, W * c_in), (~same_r, W * c_out)):
+        sel = off[kind]
+        for side in (main[e_of[sel]], r_of[sel]):
+            add(k + side, y0 + sel, np.full(sel.size, c))
+            add(k + np.arange(R), np.full(R, iF), -np.ones(R))
+            lo.append(np.full(R, -np.inf)), hi.append(np.zeros(R))
+            k += R
+    # X >= (1 - h) t_ffn L + m t and X >= t_ffn L + (1 - h) m t
+    for a, b in (((1 - h) * t_ffn_us, m), (t_ffn_us, (1 - h) * m)):
+        add([k, k, k], [iL, it, iX], [a, b, -1.0])
+        lo.append([-np.inf]), hi.append([0.0])
+        k += 1
+    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(k, ncol)).tocsr()
+    lo, hi = np.concatenate([np.asarray(v, dtype=float) for v in lo]), np.concatenate([np.asarray(v, dtype=float)
+                                                                                       for v in hi])
+    bounds = np.zeros((ncol, 2))
+    bounds[:, 1] = np.inf
+    bounds[y0:y0 + nz, 1] = np.where(is_main, 0.0, 1.0)
+    cost = np.zeros(ncol)
+    cost[iX], cost[iF] = 1.0, float(n)
+    eq = lo == hi
+    from scipy.sparse import vstack
+
+    res = linprog(cost, A_ub=vstack([A[~eq & np.isfinite(hi)], -A[~eq & np.isfinite(lo)]]).tocsr(),
+                  b_ub=np.concatenate([hi[~eq & np.isfinite(hi)], -lo[~eq & np.isfinite(lo)]]),
+                  A_eq=A[eq], b_eq=hi[eq], bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"the per-link LP did not solve: {res.message}")
+    return LinkBound(bound=float(res.fun) / us, seconds=time.perf_counter() - t0)
