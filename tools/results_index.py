@@ -54,6 +54,8 @@ REPORTS = [
           "- (workloads generated; t_ffn fitted on moe_layer.json, reported only)", "CPU",
           "make plan-quality"),
     Entry(("capacity.md", "capacity.json"), "bench/capacity.py", "-", "CPU", "python bench/capacity.py"),
+    Entry(("link_bound.md", "link_bound.json"), "bench/link_bound.py", "- (scenarios generated)", "CPU",
+          "python bench/link_bound.py"),
     Entry(("link_sweep.md", "link_sweep.json"), "bench/link_sweep.py", "- (scenarios generated; the simulator's presets)",
           "CPU", "python bench/link_sweep.py"),
     Entry(("link_sweep_nic0.5.md", "link_sweep_nic0.5.json"), "bench/link_sweep.py", "-", "CPU",
