@@ -241,6 +241,8 @@ def test_guard_reads_no_tensor_values():
                 expert_bytes=1000, token_bytes=10)
     executed, fired, saved, cost = NetBenefitGuard().select(meta, 1e-6, 3)
     assert executed.route.is_meta and executed.route.shape == p.route.shape and fired.shape == ()
+    executed = NetBenefitGuard(relay_fanout=2).select(meta, 1e-6, 3, candidates=(meta,))[0]  # the kept candidate
+    assert executed.route.is_meta and executed.info["guard_choice"].shape == () and executed.info["relay"].is_meta
     assert NetBenefitGuard(bytes_per_s=1e9).transfer_time(meta, 3).is_meta
     assert NetBenefitGuard(relay_fanout=2).transfer_time(meta, 3).is_meta
     worth = NetBenefitGuard().worth_planning(meta.omega, meta.topology, meta.main_rank, 1e-6, 1000, 3)

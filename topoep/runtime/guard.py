@@ -168,17 +168,8 @@ class NetBenefitGuard:
         """(T_transfer float64 0-d, relay bool 0-d): with relay_fanout the faster of the relayed fetch (its levels
         one after the other, a latency each) and the direct one (one transfer, one latency), and whether that is the
         relayed one; without, the direct fetch and False."""
-        occupied = (plan.slot_expert >= 0).any().to(torch.float64)
-        topo = self._cost_topology(plan.topology)
-        flows = replica_matrix(plan).double() * float(plan.expert_bytes)
-        t = transfer_seconds(flows, topo) + self.transfer_latency_s
-        relay = torch.zeros((), dtype=torch.bool, device=t.device)
-        if self.relay_fanout is not None:
-            seconds, levels = relay_fetch_seconds(plan, self.relay_fanout, topo)
-            relayed = seconds + levels.double() * self.transfer_latency_s
-            relay = relayed < t
-            t = torch.where(relay, relayed, t)
-        return exposed_transfers * t * occupied, relay
+        t, relay = self._fetch_choices((plan,), exposed_transfers)
+        return t[0], relay[0]
 
     def dispatch_time(self, plan: Plan) -> torch.Tensor:
         """float64 0-d: seconds of one dispatch of `plan` at its busiest link (the combine mirrors it)."""
@@ -196,7 +187,8 @@ class NetBenefitGuard:
 
     def predict(self, plan: Plan, t_ffn: float, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T_saved, T_plan + T_transfer): float64 0-d tensors, the module docstring's prediction for `plan`."""
-        return self._predict(plan, t_ffn, exposed_transfers, self._static_layer(plan, t_ffn))[:2]
+        saved, cost, _ = self._predict((plan,), t_ffn, exposed_transfers)
+        return saved[0], cost[0]
 
     def _layer(self, x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
         """X = straggler compute x + token transfers (m dispatch-like transfers of t each), the overlapped part
@@ -206,17 +198,51 @@ class NetBenefitGuard:
         m, h = self.token_transfers, self.token_overlap
         return x + m * t - h * torch.minimum(x, m * t)
 
-    def _static_layer(self, plan: Plan, t_ffn: float) -> torch.Tensor:
-        """X(static) of `plan`'s routing: the same for every candidate plan of one call (`select` computes it once)."""
-        x = t_ffn * static_rank_load(plan.omega, plan.main_rank, plan.num_ranks).max().to(torch.float64)
-        return self._layer(x, self.static_dispatch_time(plan) if self.token_transfers else None)
-
-    def _predict(self, plan: Plan, t_ffn: float, exposed_transfers: int, x_static: torch.Tensor):
-        """`predict` given X(static), and whether the plan's fetch should be relayed (`fetch_choice`)."""
-        x_plan = t_ffn * plan.rank_load.max().to(torch.float64)
-        transfer, relay = self.fetch_choice(plan, exposed_transfers)
-        saved = x_static - self._layer(x_plan, self.dispatch_time(plan) if self.token_transfers else None)
+    def _predict(self, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int):
+        """(T_saved float64[P], T_plan + T_transfer float64[P], relay bool[P]) of plans of one routing and one shape,
+        batched (a few kernels for all of them: the guard runs in every layer call's metadata). X(static) is computed
+        once; the dispatch times of the static plan and of every plan in one `transfer_seconds`."""
+        plan = plans[0]
+        R, dev = plan.num_ranks, plan.route.device
+        topo = self._cost_topology(plan.topology)
+        inst_rank = plan.instance_rank  # the same for every plan of these shapes
+        routes = torch.stack([p.route for p in plans])  # [P, R, instances]
+        loads = torch.zeros(len(plans), R, dtype=routes.dtype, device=dev).index_add_(1, inst_rank, routes.sum(1))
+        x = t_ffn * loads.amax(1).to(torch.float64)
+        x_static = t_ffn * static_rank_load(plan.omega, plan.main_rank, R).max().to(torch.float64)
+        t = t_static = None
+        if self.token_transfers:
+            if self.token_top_k is None:  # rows per assignment: the static flows and every plan's in one go
+                static_rows = torch.zeros(R, R, dtype=plan.omega.dtype, device=dev).index_add_(
+                    1, plan.main_rank.to(dev), plan.omega)
+                rows = torch.cat([static_rows[None], torch.zeros(len(plans), R, R, dtype=routes.dtype,
+                                                                 device=dev).index_add_(2, inst_rank, routes)])
+                times = transfer_seconds(rows.double() * float(plan.token_bytes), topo)
+                t_static, t = times[0], times[1:]
+            else:
+                t_static = self.static_dispatch_time(plan)
+                t = torch.stack([self.dispatch_time(p) for p in plans])
+        saved = self._layer(x_static, t_static) - self._layer(x, t)
+        transfer, relay = self._fetch_choices(plans, exposed_transfers)
         return saved, self.plan_s + transfer, relay
+
+    def _fetch_choices(self, plans: tuple[Plan, ...], exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fetch_choice` of every plan: (float64[P], bool[P]); the direct fetches in one `transfer_seconds`."""
+        plan = plans[0]
+        topo = self._cost_topology(plan.topology)
+        copies = torch.stack([replica_matrix(p) for p in plans]) if len(plans) > 1 else replica_matrix(plan)[None]
+        t = transfer_seconds(copies.double() * float(plan.expert_bytes), topo) + self.transfer_latency_s
+        relay = torch.zeros(len(plans), dtype=torch.bool, device=t.device)
+        if self.relay_fanout is not None:
+            relayed = []
+            for p in plans:
+                seconds, levels = relay_fetch_seconds(p, self.relay_fanout, topo)
+                relayed.append(seconds + levels.double() * self.transfer_latency_s)
+            relayed = torch.stack(relayed)
+            relay = relayed < t
+            t = torch.where(relay, relayed, t)
+        occupied = torch.stack([(p.slot_expert >= 0).any() for p in plans]).to(torch.float64)
+        return exposed_transfers * t * occupied, relay
 
     def worth_planning(self, omega: torch.Tensor, topology, main_rank: torch.Tensor, t_ffn: float, expert_bytes: int,
                        exposed_transfers: int) -> torch.Tensor:
@@ -244,22 +270,26 @@ class NetBenefitGuard:
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
         way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
         (`fetch_choice`; `topoep.relay.executed_sources` reads it)."""
-        x_static = self._static_layer(plan, t_ffn)  # the candidates share the routing
-        saved, cost, relay = self._predict(plan, t_ffn, exposed_transfers, x_static)
-        slot_expert, route = plan.slot_expert, plan.route
-        choice = torch.zeros((), dtype=torch.int64, device=saved.device)
+        plans = (plan, *candidates)
         for i, other in enumerate(candidates, start=1):
-            if other.route.shape != route.shape or other.slot_expert.shape != slot_expert.shape:
-                raise ValueError(f"guard candidates must have the plan's shapes: slot_expert {list(slot_expert.shape)}, "
-                                 f"route {list(route.shape)}; candidate {i} has {list(other.slot_expert.shape)}, "
-                                 f"{list(other.route.shape)}")
-            s_i, c_i, r_i = self._predict(other, t_ffn, exposed_transfers, x_static)
-            better = s_i - c_i > saved - cost
-            relay = torch.where(better, r_i, relay)
-            slot_expert = torch.where(better, other.slot_expert, slot_expert)
-            route = torch.where(better, other.route, route)
-            saved, cost = torch.where(better, s_i, saved), torch.where(better, c_i, cost)
-            choice = torch.where(better, torch.full_like(choice, i), choice)
+            if other.route.shape != plan.route.shape or other.slot_expert.shape != plan.slot_expert.shape:
+                raise ValueError(f"guard candidates must have the plan's shapes: slot_expert "
+                                 f"{list(plan.slot_expert.shape)}, route {list(plan.route.shape)}; candidate {i} has "
+                                 f"{list(other.slot_expert.shape)}, {list(other.route.shape)}")
+        saved, cost, relay = self._predict(plans, t_ffn, exposed_transfers)
+        if candidates:  # the largest net saving; argmax returns the first of equal ones (ties: the earliest)
+            choice = torch.argmax(saved - cost)
+            at = choice.view(1)  # index_select: a device index, never read on the host
+
+            def pick(t):
+                return t.index_select(0, at)[0]
+
+            slot_expert = pick(torch.stack([p.slot_expert for p in plans]))
+            route = pick(torch.stack([p.route for p in plans]))
+            saved, cost, relay = pick(saved), pick(cost), pick(relay)
+        else:
+            choice = torch.zeros((), dtype=torch.int64, device=saved.device)
+            slot_expert, route, saved, cost, relay = plan.slot_expert, plan.route, saved[0], cost[0], relay[0]
         use = saved > cost
         if allow is not None:
             use = use & allow
