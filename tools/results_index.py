@@ -131,6 +131,8 @@ GPU = [
     Entry(("gpu/capacity",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup capacity capacity_ep8"),
     Entry(("gpu/product_shape",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup planner shape"),
     Entry(("gpu/link_guard",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup planner shape"),
+    Entry(("gpu/guard_batch",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard (and the commands "
+          "in its README)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
