@@ -135,8 +135,8 @@ class NetBenefitGuard:
 
         f = self.relay_fanout
         if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1):
-            raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer >= 1, "
-                             f"got {f!r}")
+            raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer "
+                             f">= 1, got {f!r}")
         lag = self.skip_lag
         if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "

@@ -346,8 +346,8 @@ class ExpertParallelMoE(nn.Module):
         (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
         offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); relay: the
         plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.executed_sources' source and
-        level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row counts are made here once for forward and
-        backward."""
+        level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row
+        counts are made here once for forward and backward."""
         E = self.num_experts
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         cap = None
