@@ -1,8 +1,9 @@
 """What the net-benefit guard adds to a layer call's metadata on one GPU, planning left out: its per-link prediction
 of topoep_plus's plan and local candidate and the choice between them (`NetBenefitGuard.select`), without relays and
 with `relay_fanout=2` (the relayed-or-direct choice per plan, then the relay trees the runtime executes:
-`topoep.relay.relay_trees`). Each replayed from a CUDA graph on a busy stream (its GPU time alone), as the layer's
-metadata graph runs it.
+`topoep.relay.relay_trees`). Each on both backends: the torch reference and the CUDA kernel (csrc/guard.cu,
+`topoep.runtime.guard_cuda`, the layer's path on a GPU). Each replayed from a CUDA graph on a busy stream (its GPU
+time alone), as the layer's metadata graph runs it.
 
     python bench/guard_latency.py            # EP 8, 32, 128 (domains of 8), 640 experts, 2 slots
 
@@ -25,19 +26,21 @@ from bench.common import REPO, markdown_table, run_info, write_report  # noqa: E
 from bench.planner_latency import _events_median, workload  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.planners import solve  # noqa: E402
-from topoep.relay import relay_trees  # noqa: E402
+from topoep.relay import executed_sources  # noqa: E402
+from topoep.runtime import guard_cuda  # noqa: E402
 from topoep.runtime.guard import NetBenefitGuard  # noqa: E402
 
-VARIANTS = ("guard", "guard_relay")  # select with the local candidate; the same with relay_fanout=2 and the trees
+# select with the local candidate; the same with relay_fanout=2 and the trees; each on the reference and the kernel
+VARIANTS = ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
 
 
 def _decide(variant: str, plan, local):
     """The variant's work: the guard's selection (and with relays the trees of the kept plan)."""
-    guard = NetBenefitGuard(relay_fanout=2) if variant == "guard_relay" else NetBenefitGuard()
-    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,))[0]
-    if variant == "guard_relay":
-        trees = relay_trees(executed, 2)
-        return executed.route, trees.source, trees.level
+    relay, cuda = "relay" in variant, variant.endswith("_cuda")
+    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
+    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), backend="cuda" if cuda else "reference")[0]
+    if relay:
+        return executed.route, *(guard_cuda.executed_sources if cuda else executed_sources)(executed, 2)
     return executed.route,
 
 
@@ -63,10 +66,12 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    return markdown_table(["EP", "domains", "experts", "slots", "guard, us", "guard + relay choice + trees, us",
-                           "added by relays, us"],
+    return markdown_table(["EP", "domains", "experts", "slots", "guard, torch us", "guard, kernel us",
+                           "guard + relays, torch us", "guard + relays, kernel us", "kernel / torch (guard + relays)"],
                           [[r["ep"], r["domains"], r["experts"], r["slots"], f"{r['guard_us']:.1f}",
-                            f"{r['guard_relay_us']:.1f}", f"{r['guard_relay_us'] - r['guard_us']:.1f}"]
+                            f"{r['guard_cuda_us']:.1f}", f"{r['guard_relay_us']:.1f}",
+                            f"{r['guard_relay_cuda_us']:.1f}",
+                            f"{r['guard_relay_cuda_us'] / r['guard_relay_us']:.3f}"]
                            for r in rows])
 
 
@@ -92,9 +97,11 @@ def main(argv=None) -> int:
         "",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         "- guard: `NetBenefitGuard.select` of topoep_plus's plan and its local candidate (per-link prediction of "
-        "both, the static layer once); guard + relay choice + trees: the same with `relay_fanout=2` (relayed or "
-        "direct fetch priced per plan) and `topoep.relay.relay_trees` of the kept plan. CUDA graph replay on a busy "
-        f"stream, median of {args.runs}; workload of bench/planner_latency.py, {args.slots} slots",
+        "both, the static layer once); guard + relays: the same with `relay_fanout=2` (relayed or direct fetch "
+        "priced per plan) and the relay trees of the kept plan (`topoep.relay.executed_sources`). torch: the "
+        "reference (backend='reference'); kernel: csrc/guard.cu (backend='cuda', the layer's path on a GPU; the same "
+        f"results bit for bit). CUDA graph replay on a busy stream, median of {args.runs}; workload of "
+        f"bench/planner_latency.py, {args.slots} slots",
         "- reproduce: `python bench/guard_latency.py`",
         "",
         table(rows),

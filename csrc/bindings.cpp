@@ -123,6 +123,103 @@ void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t cap
                                       info.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on omega's device");
+}
+
+void check_bool_scalar(const c10::optional<at::Tensor>& t, const at::Tensor& omega, const char* name) {
+  if (t.has_value())
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBool && t->numel() == 1 && t->device() == omega.device(),
+                name, " must be one bool on omega's device, or None");
+}
+
+// the net-benefit guard's selection (csrc/guard.cu; topoep/runtime/guard_cuda.py calls it)
+void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at::Tensor& cost_fs,
+                  const std::vector<at::Tensor>& routes, const std::vector<at::Tensor>& slots,
+                  int64_t ranks_per_domain, int64_t token_bytes, int64_t expert_bytes, double t_ffn,
+                  int64_t token_transfers, double token_overlap, double plan_s, double latency, int64_t exposed,
+                  int64_t fanout, int64_t levels, const c10::optional<at::Tensor>& allow, at::Tensor route_out,
+                  at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor relay, at::Tensor saved,
+                  at::Tensor cost, at::Tensor workspace) {
+  check_i64_cuda(omega, "omega");
+  TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
+  const int64_t R = omega.size(0), E = omega.size(1), P = (int64_t)routes.size();
+  TORCH_CHECK(P >= 1 && P <= topoep::kMaxGuardPlans && (int64_t)slots.size() == P, "the guard selects among 1 to ",
+              topoep::kMaxGuardPlans, " plans, with as many slot tables as routes; got ", P, " routes and ",
+              slots.size(), " slot tables");
+  TORCH_CHECK(R >= 1 && R <= 6144, "the guard kernel supports 1 to 6144 ranks, got ", R);
+  TORCH_CHECK(ranks_per_domain >= 1 && R % ranks_per_domain == 0, "ranks_per_domain must divide R");
+  check_i64_cuda(main_rank, "main_rank");
+  TORCH_CHECK(main_rank.numel() == E, "main_rank must be int64[E]");
+  check_i64_cuda(cost_fs, "cost_fs");
+  TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
+  const int64_t N = slots[0].dim() == 2 ? slots[0].size(1) : -1;
+  for (int64_t p = 0; p < P; ++p) {
+    check_outputs(omega, N, slots[p], routes[p]);
+    check_same_device(routes[p], omega, "every route");
+    check_same_device(slots[p], omega, "every slot table");
+  }
+  check_outputs(omega, N, slot_out, route_out);
+  check_bool_scalar(allow, omega, "allow");
+  TORCH_CHECK(fanout >= 0 && levels >= 0 && levels <= topoep::kMaxRelayLevels && (fanout == 0) == (levels == 0),
+              "fanout 0 needs levels 0, a fanout >= 1 between 1 and ", topoep::kMaxRelayLevels, " levels; got fanout ",
+              fanout, ", levels ", levels);
+  TORCH_CHECK(token_transfers >= 0 && exposed >= 0, "token_transfers and exposed must be >= 0");
+  for (const at::Tensor* t : {&choice, &use, &relay, &saved, &cost})
+    TORCH_CHECK(t->is_cuda() && t->numel() == 1 && t->device() == omega.device(), "the guard's outputs must be ",
+                "one element each on omega's device");
+  TORCH_CHECK(choice.scalar_type() == at::kLong && use.scalar_type() == at::kBool &&
+                  relay.scalar_type() == at::kBool && saved.scalar_type() == at::kDouble &&
+                  cost.scalar_type() == at::kDouble,
+              "choice int64, use and relay bool, saved and cost float64");
+  check_i64_cuda(workspace, "workspace");
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::guard_workspace_elems((int)P, (int)R, (int)levels),
+              "workspace too small");
+  topoep::GuardArgs a{};
+  a.omega = omega.data_ptr<int64_t>();
+  a.main_rank = main_rank.data_ptr<int64_t>();
+  a.cost_fs = cost_fs.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    a.route[p] = routes[p].data_ptr<int64_t>();
+    a.slot[p] = slots[p].data_ptr<int64_t>();
+  }
+  a.P = (int)P, a.R = (int)R, a.E = (int)E, a.N = (int)N, a.rpd = (int)ranks_per_domain;
+  a.token_bytes = token_bytes, a.expert_bytes = expert_bytes;
+  a.t_ffn = t_ffn, a.h = token_overlap, a.plan_s = plan_s, a.latency = latency;
+  a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
+  a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
+  a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
+  a.choice = choice.data_ptr<int64_t>(), a.use = use.data_ptr<bool>(), a.relay = relay.data_ptr<bool>();
+  a.saved = saved.data_ptr<double>(), a.cost = cost.data_ptr<double>();
+  const c10::cuda::CUDAGuard guard(omega.device());
+  C10_CUDA_CHECK(topoep::guard_select(a, workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+int64_t guard_workspace_elems(int64_t P, int64_t R, int64_t levels) {
+  return (int64_t)topoep::guard_workspace_elems((int)P, (int)R, (int)levels);
+}
+
+// topoep.relay.executed_sources on the GPU (csrc/guard.cu)
+void relay_trees(const at::Tensor& slot_expert, const at::Tensor& main_rank, int64_t ranks_per_domain, int64_t fanout,
+                 const c10::optional<at::Tensor>& relay, at::Tensor source, at::Tensor level) {
+  check_i64_cuda(slot_expert, "slot_expert");
+  check_i64_cuda(main_rank, "main_rank");
+  check_i64_cuda(source, "source");
+  check_i64_cuda(level, "level");
+  TORCH_CHECK(slot_expert.dim() == 2, "slot_expert must be int64[R, N]");
+  const int64_t R = slot_expert.size(0), N = slot_expert.size(1);
+  TORCH_CHECK(source.sizes() == slot_expert.sizes() && level.sizes() == slot_expert.sizes(),
+              "source and level must have slot_expert's shape");
+  TORCH_CHECK(ranks_per_domain >= 1 && R % ranks_per_domain == 0, "ranks_per_domain must divide R");
+  TORCH_CHECK(fanout >= 1, "fanout must be >= 1");
+  check_bool_scalar(relay, slot_expert, "relay");
+  const c10::cuda::CUDAGuard guard(slot_expert.device());
+  C10_CUDA_CHECK(topoep::relay_trees(slot_expert.data_ptr<int64_t>(), main_rank.data_ptr<int64_t>(), (int)R, (int)N,
+                                     (int)ranks_per_domain, (int)fanout,
+                                     relay.has_value() ? relay->data_ptr<bool>() : nullptr, source.data_ptr<int64_t>(),
+                                     level.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
+}
+
 int64_t fit_workspace_elems(int64_t R, int64_t E, int64_t N) {
   return (int64_t)topoep::fit_workspace_elems((int)R, (int)E, (int)N);
 }
@@ -151,6 +248,14 @@ TORCH_LIBRARY(topoep, m) {
   m.def("fit_capacity(Tensor omega, int ranks_per_domain, int capacity, Tensor allow_new, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) workspace, Tensor(d!) info) -> ()");
   m.def("fit_workspace_elems(int R, int E, int N) -> int", &fit_workspace_elems);
+  m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
+        "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
+        "float token_overlap, float plan_s, float latency, int exposed, int fanout, int levels, Tensor? allow, "
+        "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) relay, "
+        "Tensor(f!) saved, Tensor(g!) cost, Tensor(h!) workspace) -> ()");
+  m.def("guard_workspace_elems(int P, int R, int levels) -> int", &guard_workspace_elems);
+  m.def("relay_trees(Tensor slot_expert, Tensor main_rank, int ranks_per_domain, int fanout, Tensor? relay, "
+        "Tensor(a!) source, Tensor(b!) level) -> ()");
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
 }
 
@@ -159,4 +264,6 @@ TORCH_LIBRARY_IMPL(topoep, CUDA, m) {
   m.impl("plan_topoep_plus", &plan_topoep_plus);
   m.impl("plan_static", &plan_static);
   m.impl("fit_capacity", &fit_capacity);
+  m.impl("guard_select", &guard_select);
+  m.impl("relay_trees", &relay_trees);
 }

@@ -1,5 +1,5 @@
-// The host interface of the GPU planner (planner_kernel.cu) and the capacity step (capacity.cu). Called by
-// bindings.cpp only.
+// The host interface of the GPU planner (planner_kernel.cu), the capacity step (capacity.cu) and the guard
+// (guard.cu). Called by bindings.cpp only.
 #pragma once
 #include <cuda_runtime.h>
 #include <stddef.h>
@@ -83,6 +83,34 @@ size_t fit_workspace_elems(int R, int E, int N);
 cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_per_domain, int64_t capacity,
                          const bool* allow_new, int64_t* slot_expert, int64_t* route, int64_t* ws, int64_t* info,
                          cudaStream_t stream);
+// The net-benefit guard's selection among P <= kMaxGuardPlans balanced plans of one routing (guard.cu;
+// topoep/runtime/guard.py NetBenefitGuard.select with token rows per assignment). Device pointers: omega int64[R, E],
+// main_rank int64[E], cost_fs int64[R, R], route[p] int64[R, E + R*N], slot[p] int64[R, N], allow one bool or null;
+// outputs route_out, slot_out (the executed plan), choice int64, use and relay bool, saved and cost float64. Domains
+// are contiguous blocks of rpd ranks. fanout 0: no relays (levels 0), else relay trees of that fanout over `levels`
+// levels (topoep.relay.max_level, at most kMaxRelayLevels).
+constexpr int kMaxGuardPlans = 4, kMaxRelayLevels = 128;
+struct GuardArgs {
+  const int64_t* omega;
+  const int64_t* main_rank;
+  const int64_t* cost_fs;
+  const int64_t* route[kMaxGuardPlans];
+  const int64_t* slot[kMaxGuardPlans];
+  int P, R, E, N, rpd;
+  int64_t token_bytes, expert_bytes;
+  double t_ffn, h, plan_s, latency;
+  int m, n, fanout, levels;  // token transfers, exposed replica transfers, relay fanout (0: none), relay levels
+  const bool* allow;
+  int64_t *route_out, *slot_out, *choice;
+  bool *use, *relay;
+  double *saved, *cost;
+};
+size_t guard_workspace_elems(int P, int R, int levels);
+cudaError_t guard_select(const GuardArgs& args, int64_t* ws, cudaStream_t stream);
+// topoep.relay.executed_sources: slot int64[R, N], main_rank int64[E]; relay: one bool (false: the direct fetch) or
+// null (the trees); outputs source and level int64[R, N].
+cudaError_t relay_trees(const int64_t* slot, const int64_t* main_rank, int R, int N, int rpd, int fanout,
+                        const bool* relay, int64_t* source, int64_t* level, cudaStream_t stream);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
                         cudaStream_t stream);

@@ -83,6 +83,31 @@ def test_phase_time_is_the_busiest_link():
         assert all(m[k] == v for k, v in stats.items())
 
 
+def test_transfer_fs_is_the_exact_busiest_link_of_a_brute_force_count():
+    """transfer_fs (the guard's exact integer time) of a dispatch and a fetch equals the busiest link of the brute-force
+    count at the integer per-byte costs, for the plan's costs and for costs that are no whole number of
+    femtoseconds (then transfer_seconds agrees within the rounding of cost_fs); batched flows give one time each."""
+    for plan in _plans():
+        want = _brute(plan)
+        for topo in (plan.topology, Topology(num_domains=plan.topology.num_domains,
+                                             ranks_per_domain=plan.topology.ranks_per_domain, intra_cost=1 / 155e9,
+                                             inter_cost=1 / 45e9)):
+            a, b = (int(topo.cost_fs[0, 1 if topo.ranks_per_domain > 1 else 0]),
+                    int(topo.cost_fs[0, -1]) if topo.num_domains > 1 else 0)
+            counts = {"dispatch": (links.token_matrix(plan), plan.token_bytes),
+                      "replica_fetch": (links.replica_matrix(plan), plan.expert_bytes)}
+            for phase, (flows, unit) in counts.items():
+                nvl = max(max(x, y) for x, y in zip(want[phase][0], want[phase][1]))
+                nic = max(max(x, y) for x, y in zip(want[phase][2], want[phase][3]))
+                got = links.transfer_fs(flows, unit, topo)
+                assert got.dtype == torch.int64 and int(got) == max(int(nvl) * a, int(nic) * b), (plan.policy, phase)
+                assert float(got) * 1e-15 == pytest.approx(
+                    float(links.transfer_seconds(flows.double() * unit, topo)), rel=1e-4)
+            both = torch.stack([counts["dispatch"][0], 2 * counts["dispatch"][0]])
+            assert links.transfer_fs(both, plan.token_bytes, topo).tolist() == [
+                int(links.transfer_fs(f, plan.token_bytes, topo)) for f in both]
+
+
 def test_a_hot_rank_fan_out_is_its_busiest_link():
     """One expert wanted by every rank of 2 domains, 1 slot each: every replica copy leaves the home rank, whose
     port carries them all, while the eq. 7 sum spreads them over all transfers."""

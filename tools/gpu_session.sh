@@ -230,9 +230,29 @@ step_relay() {  # backend cuda's relayed replica transfers (LayerConfig.relay_fa
   fi
 }
 
-step_guard() {  # the net-benefit guard's time in a layer call's metadata (bench/guard_latency.py): without relays and
-  # with the relayed-or-direct choice and the relay trees; needs the planner extension (build/ext)
-  timeout 240 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -12
+step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (tests/test_guard_cuda.py), then its time
+  # in a layer call's metadata beside the reference's (bench/guard_latency.py: without relays and with the
+  # relayed-or-direct choice and the relay trees), then the layer on it: backend cuda's GPU tests at EP 1 and their sync audit, and the
+  # EP 8 relayed layer (2 domains of 4, ranks sharing the GPU) with its sync audit. Needs the extension (build/ext).
+  # GUARD_LAYER=0 leaves the layer runs out, GUARD_KERNEL=0 the kernel's tests and bench. Short logs into $OUT/guard/
+  mkdir -p "$OUT/guard"
+  _g() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
+    echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
+      > "$OUT/guard/$name.log"; return $rc; }
+  if [ "${GUARD_KERNEL:-1}" = 1 ]; then
+    _g kernel_tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_guard_cuda.py \
+      || { echo "guard kernel tests failed: no benchmark"; return; }
+    timeout 240 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -12
+  fi
+  [ "${GUARD_LAYER:-1}" = 0 ] && return
+  _g ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
+    tests/test_runtime_gpu.py
+  _g audit_ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 150 python3 tools/sync_audit.py
+  _g ep8_rpd4_relay2 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 timeout -k 10 280 \
+    python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+  _g audit_ep8_rpd4_relay2 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 timeout -k 10 150 \
+    python3 tools/sync_audit.py
 }
 
 step_memory() {  # one MoE layer, Qwen3 expert shape, per-rank memory at EP 1, 2, 4, 8 (EPS), the ranks sharing the

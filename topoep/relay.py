@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from topoep.links import transfer_seconds
+from topoep.links import transfer_fs
 from topoep.plan import Plan
 
 
@@ -145,10 +145,10 @@ def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: 
     return flat.view(L, R, R)
 
 
-def relay_fetch_seconds(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seconds float64 0-d, levels int64 0-d) of one relayed replica fetch of `plan` under `topology`'s per-byte
-    costs: each level at its busiest link (`topoep.links.transfer_seconds`), the levels one after the other, and the
-    number of levels that carry a copy. No host synchronisation (`max_level` levels)."""
+def relay_fetch_fs(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """(femtoseconds int64 0-d, levels int64 0-d) of one relayed replica fetch of `plan` under `topology`'s integer
+    per-byte costs: each level at its busiest link (`topoep.links.transfer_fs`), the levels one after the other, and
+    the number of levels that carry a copy. Exact integers (the net-benefit guard decides on them); no host
+    synchronisation (`max_level` levels)."""
     flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
-    seconds = transfer_seconds(flows.double() * float(plan.expert_bytes), topology).sum()  # the levels in one go
-    return seconds, (flows.sum((1, 2)) > 0).sum()
+    return transfer_fs(flows, plan.expert_bytes, topology).sum(), (flows.sum((1, 2)) > 0).sum()

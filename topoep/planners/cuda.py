@@ -3,7 +3,8 @@ the capacity step (csrc/capacity.cu), bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `fit_capacity` (mutating ops with fake
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `fit_capacity` (and the guard's
+`guard_select` / `relay_trees`, topoep/runtime/guard_cuda.py) (mutating ops with fake
 implementations, so torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the
 workspace once per (device, R, E, domains, slots) and never synchronises the host.
 """
@@ -21,7 +22,7 @@ from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 # the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
-SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu")
+SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu", "guard.cu")
 SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
 CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local")
 _loaded = False
@@ -98,6 +99,16 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("topoep::fit_capacity")
     def _(omega, ranks_per_domain, capacity, allow_new, slot_expert, route, workspace, info):
+        return None
+
+    @torch.library.register_fake("topoep::guard_select")
+    def _(omega, main_rank, cost_fs, routes, slots, ranks_per_domain, token_bytes, expert_bytes, t_ffn, token_transfers,
+          token_overlap, plan_s, latency, exposed, fanout, levels, allow, route_out, slot_out, choice, use, relay,
+          saved, cost, workspace):
+        return None
+
+    @torch.library.register_fake("topoep::relay_trees")
+    def _(slot_expert, main_rank, ranks_per_domain, fanout, relay, source, level):
         return None
 
 

@@ -20,6 +20,12 @@ transfers the critical path waits for. With `bytes_per_s` every link
 runs at that bandwidth instead of the topology's. The balanced plan is used iff T_saved > T_plan + T_transfer;
 otherwise the call executes the static plan (no replicas: every assignment on its expert's main rank).
 
+Link times are exact integers (femtoseconds at the topology's integer per-byte costs, `topoep.links.transfer_fs`,
+`topoep.relay.relay_fetch_fs`; the token rows per assignment, the direct and the relayed fetch), turned into seconds
+by one multiplication; the rest is a fixed sequence of float64 operations. So the GPU kernel
+(`topoep.runtime.guard_cuda`, used for CUDA plans) decides bit for bit as this reference does. The deduplicated token
+estimate (`token_top_k`) is float and runs here only.
+
 Before planning (`worth_planning`), the guard bounds what any plan could save in expert compute: no plan brings
 L_max below the mean rank load, and every plan that moves load has a replica, whose fetch costs at least one
 expert's bytes on the cheapest link. When t_ffn * (L_max(static) - ceil(mean)) <= T_plan + n * (W * cheapest
@@ -50,11 +56,13 @@ from dataclasses import dataclass
 
 import torch
 
-from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_seconds
+from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
-from topoep.relay import relay_fetch_seconds
+from topoep.relay import relay_fetch_fs
 from topoep.planners.common import static_rank_load
 from topoep.topology import Topology
+
+SECONDS_PER_FS = 1e-15  # link femtoseconds to seconds: one multiplication, the same on every device (csrc/guard.cu)
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,7 +109,7 @@ class NetBenefitGuard:
     relay_fanout: int | None = None
     """Replica fetches may run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): per
     plan the guard prices the relayed fetch (the sum of the trees' levels, each at its busiest link, plus
-    transfer_latency_s per level that carries a copy: `topoep.relay.relay_fetch_seconds`) and the direct one, keeps
+    transfer_latency_s per level that carries a copy: `topoep.relay.relay_fetch_fs`) and the direct one, keeps
     the faster (`fetch_choice`) and says which in the executed plan's info["relay"]. None: every copy from its home,
     one transfer."""
 
@@ -175,7 +183,7 @@ class NetBenefitGuard:
         """float64 0-d: seconds of one dispatch of `plan` at its busiest link (the combine mirrors it)."""
         topo = self._cost_topology(plan.topology)
         if self.token_top_k is None:
-            return transfer_seconds(token_matrix(plan).double() * float(plan.token_bytes), topo)
+            return transfer_fs(token_matrix(plan), plan.token_bytes, topo).double() * SECONDS_PER_FS
         return loads_seconds(token_loads(plan, self.token_top_k), topo)
 
     def static_dispatch_time(self, plan: Plan) -> torch.Tensor:
@@ -201,7 +209,7 @@ class NetBenefitGuard:
     def _predict(self, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int):
         """(T_saved float64[P], T_plan + T_transfer float64[P], relay bool[P]) of plans of one routing and one shape,
         batched (a few kernels for all of them: the guard runs in every layer call's metadata). X(static) is computed
-        once; the dispatch times of the static plan and of every plan in one `transfer_seconds`."""
+        once; the dispatch times of the static plan and of every plan in one `transfer_fs`."""
         plan = plans[0]
         R, dev = plan.num_ranks, plan.route.device
         topo = self._cost_topology(plan.topology)
@@ -217,7 +225,7 @@ class NetBenefitGuard:
                     1, plan.main_rank.to(dev), plan.omega)
                 rows = torch.cat([static_rows[None], torch.zeros(len(plans), R, R, dtype=routes.dtype,
                                                                  device=dev).index_add_(2, inst_rank, routes)])
-                times = transfer_seconds(rows.double() * float(plan.token_bytes), topo)
+                times = transfer_fs(rows, plan.token_bytes, topo).double() * SECONDS_PER_FS
                 t_static, t = times[0], times[1:]
             else:
                 t_static = self.static_dispatch_time(plan)
@@ -227,17 +235,17 @@ class NetBenefitGuard:
         return saved, self.plan_s + transfer, relay
 
     def _fetch_choices(self, plans: tuple[Plan, ...], exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`fetch_choice` of every plan: (float64[P], bool[P]); the direct fetches in one `transfer_seconds`."""
+        """`fetch_choice` of every plan: (float64[P], bool[P]); the direct fetches in one `transfer_fs`."""
         plan = plans[0]
         topo = self._cost_topology(plan.topology)
         copies = torch.stack([replica_matrix(p) for p in plans]) if len(plans) > 1 else replica_matrix(plan)[None]
-        t = transfer_seconds(copies.double() * float(plan.expert_bytes), topo) + self.transfer_latency_s
+        t = transfer_fs(copies, plan.expert_bytes, topo).double() * SECONDS_PER_FS + self.transfer_latency_s
         relay = torch.zeros(len(plans), dtype=torch.bool, device=t.device)
         if self.relay_fanout is not None:
             relayed = []
             for p in plans:
-                seconds, levels = relay_fetch_seconds(p, self.relay_fanout, topo)
-                relayed.append(seconds + levels.double() * self.transfer_latency_s)
+                fs, levels = relay_fetch_fs(p, self.relay_fanout, topo)
+                relayed.append(fs.double() * SECONDS_PER_FS + levels.double() * self.transfer_latency_s)
             relayed = torch.stack(relayed)
             relay = relayed < t
             t = torch.where(relay, relayed, t)
@@ -259,7 +267,7 @@ class NetBenefitGuard:
         return bound > self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
 
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
-               candidates: tuple[Plan, ...] = ()):
+               candidates: tuple[Plan, ...] = (), backend: str = "auto"):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
 
         `plan` is the balanced plan; `candidates`: other balanced plans of the same routing and shapes (topoep_plus's
@@ -269,13 +277,29 @@ class NetBenefitGuard:
         optional): False forces the static plan (the host left out the replica machinery, or `worth_planning`
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
         way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
-        (`fetch_choice`; `topoep.relay.executed_sources` reads it)."""
+        (`fetch_choice`; `topoep.relay.executed_sources` reads it).
+
+        backend: "reference" (torch, any device), "cuda" (csrc/guard.cu, `topoep.runtime.guard_cuda`: the same
+        results bit for bit, a memset and three launches) or "auto": the kernel where it applies (CUDA plans, token
+        rows per assignment: `guard_cuda.usable`)."""
         plans = (plan, *candidates)
         for i, other in enumerate(candidates, start=1):
             if other.route.shape != plan.route.shape or other.slot_expert.shape != plan.slot_expert.shape:
                 raise ValueError(f"guard candidates must have the plan's shapes: slot_expert "
                                  f"{list(plan.slot_expert.shape)}, route {list(plan.route.shape)}; candidate {i} has "
                                  f"{list(other.slot_expert.shape)}, {list(other.route.shape)}")
+        if backend not in ("auto", "reference", "cuda"):
+            raise ValueError(f"backend must be 'auto', 'reference' or 'cuda', got {backend!r}")
+        from topoep.runtime import guard_cuda
+
+        if backend == "cuda" and not guard_cuda.usable(self, plans):
+            raise ValueError(f"the guard's CUDA kernel needs CUDA plans, token_top_k=None, at most "
+                             f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels; use "
+                             "backend='reference'")
+        if backend == "cuda" or (backend == "auto" and guard_cuda.usable(self, plans)):
+            slot_expert, route, choice, use, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
+                                                                                    exposed_transfers, allow)
+            return self._executed(plan, slot_expert, route, choice, relay), ~use, saved, cost
         saved, cost, relay = self._predict(plans, t_ffn, exposed_transfers)
         if candidates:  # the largest net saving; argmax returns the first of equal ones (ties: the earliest)
             choice = torch.argmax(saved - cost)
@@ -293,13 +317,18 @@ class NetBenefitGuard:
         use = saved > cost
         if allow is not None:
             use = use & allow
-        executed = Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
-                        slot_expert=torch.where(use, slot_expert, torch.full_like(slot_expert, -1)),
-                        route=torch.where(use, route, static_route(plan.omega, plan.num_slots)), policy=plan.policy,
-                        expert_bytes=plan.expert_bytes, token_bytes=plan.token_bytes,
-                        info={**plan.info, "guard_choice": choice,
-                              **({"relay": relay} if self.relay_fanout is not None else {})})
+        executed = self._executed(plan, torch.where(use, slot_expert, torch.full_like(slot_expert, -1)),
+                                  torch.where(use, route, static_route(plan.omega, plan.num_slots)), choice, relay)
         return executed, ~use, saved, cost
+
+    def _executed(self, plan: Plan, slot_expert: torch.Tensor, route: torch.Tensor, choice: torch.Tensor,
+                  relay: torch.Tensor) -> Plan:
+        """The executed plan of `select`: these tables, `plan`'s routing and shapes, the guard's choices in info."""
+        return Plan(omega=plan.omega, topology=plan.topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
+                    slot_expert=slot_expert, route=route, policy=plan.policy, expert_bytes=plan.expert_bytes,
+                    token_bytes=plan.token_bytes,
+                    info={**plan.info, "guard_choice": choice,
+                          **({"relay": relay} if self.relay_fanout is not None else {})})
 
 
 class SlotSkipHint:

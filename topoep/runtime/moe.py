@@ -35,7 +35,7 @@ from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
                                    count_keys, group_counts, local_group, receive_positions, received_sizes,
                                    send_layout)
-from topoep.runtime import layout_triton
+from topoep.runtime import guard_cuda, layout_triton
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.spill import SpillWork, spill_work
 from topoep.runtime.timing import PhaseTimer, phase
@@ -387,7 +387,10 @@ class ExpertParallelMoE(nn.Module):
         if side is not None:
             main.wait_stream(side)
         fanout = self.config.relay_fanout
-        relay = torch.stack(executed_sources(plan, fanout)) if fanout else plan.slot_expert.new_empty(0)
+        relay = plan.slot_expert.new_empty(0)
+        if fanout:  # one kernel on the GPU (guard_cuda), the reference elsewhere
+            trees = guard_cuda.executed_sources if plan.slot_expert.is_cuda else executed_sources
+            relay = torch.stack(trees(plan, fanout))
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
 
     def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None) -> tuple:

@@ -1,0 +1,292 @@
+// The net-benefit guard's selection (topoep/runtime/guard.py, NetBenefitGuard.select with rows per assignment) and the
+// relay trees of a plan (topoep/relay.py, relay_sources / executed_sources) on the GPU, bit for bit: the reference's
+// module docstrings are the spec.
+//
+// Why a kernel: the reference is ~150 small torch ops per layer call (about 0.2 ms from a CUDA graph on an H200, 0.6
+// ms with relay trees), more than the 1 % of a layer the guard may cost. Here it is a memset and three launches.
+//
+// Exactness: every link time is an integer sum of flows x bytes x cost_fs (femtoseconds; integer atomics give the
+// same sum in any order), turned into seconds by one multiplication (guard.py SECONDS_PER_FS); the remaining float64
+// operations are the reference's, in its order, with explicit round-to-nearest intrinsics (no fused multiply-add).
+//
+// Launches: (1) a block per (plan q, source rank s), q = 0 the static plan: the rows s sends to every rank (shared
+// memory), the rank loads, the token bytes x cost on every link; for the balanced plans also the slots of rank s:
+// their direct fetch and their relay tree's transfer, per level; (2) one block: the maxima (a warp per maximum), the
+// prediction of every plan and the choice; (3) the executed plan: the kept plan's route and slot table, or the
+// static plan's.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "planner.h"
+
+namespace topoep {
+
+namespace {
+
+using i64 = int64_t;
+using u64 = unsigned long long;
+constexpr int kGuardThreads = 256;
+constexpr int kReduceThreads = 1024;
+constexpr int kLinks = 4;  // NVLink out, NVLink in, NIC out, NIC in (topoep/links.py LinkLoads)
+
+__device__ __forceinline__ void add(i64* at, i64 v) { atomicAdd(reinterpret_cast<u64*>(at), (u64)v); }
+
+// depth of heap node `index` with `fanout` children per node (relay._heap_depth): the depths k >= 1 whose first
+// index (f^k - 1) / (f - 1) (k for f = 1) it reaches
+__device__ __forceinline__ i64 heap_depth(i64 index, int fanout) {
+  if (fanout == 1) return index;
+  i64 depth = 0;
+  for (i64 first = 1; index >= first; first = first * fanout + 1) ++depth;
+  return depth;
+}
+
+// relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level)
+__device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int N, int rpd, int fanout,
+                           int g, i64 e, i64* source, i64* level) {
+  const int rank = g / N, dom = rank / rpd;
+  const i64 home = main_rank[e];
+  const bool local = home / rpd == dom;
+  const int base = dom * rpd * N;
+  i64 p = 0;  // copies of e in this domain before g: the list is [home, copies...] at home, [copies...] elsewhere
+  for (int k = base; k < g; ++k) p += slot[k] == e;
+  const i64 idx = local ? p + 1 : p;
+  *level = heap_depth(idx, fanout) + (local ? 0 : 1);
+  const i64 parent_idx = idx >= 1 ? (idx - 1) / fanout : -1;
+  if ((local && parent_idx == 0) || (!local && idx == 0)) {
+    *source = home;
+    return;
+  }
+  const i64 parent_pos = local ? parent_idx - 1 : parent_idx;  // the parent's position among the domain's copies
+  i64 seen = 0;
+  for (int k = base; k < g; ++k) {
+    if (slot[k] != e) continue;
+    if (seen == parent_pos) {
+      *source = k / N;
+      return;
+    }
+    ++seen;
+  }
+  *source = -1;  // unreachable: the parent precedes the node
+}
+
+struct Acc {  // the workspace's accumulators (guard_layout)
+  i64 *load, *tok, *fetch, *relayed, *copies, *occupied;
+};
+
+__host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t* elems) {
+  Bump b;
+  const int Q = P + 1;
+  const size_t load = b.take((size_t)Q * R), tok = b.take((size_t)Q * kLinks * R);
+  const size_t fetch = b.take((size_t)P * kLinks * R), relayed = b.take((size_t)P * L * kLinks * R);
+  const size_t copies = b.take((size_t)P * L), occupied = b.take(P);
+  if (elems) *elems = b.end;
+  return Acc{ws + load, ws + tok, ws + fetch, ws + relayed, ws + copies, ws + occupied};
+}
+
+// one flow of `bytes_cost` fs from s to r (s != r) onto a [kLinks][R] link array
+__device__ __forceinline__ void add_flow(i64* links, int R, int rpd, int s, int r, i64 fs) {
+  const int kind = (s / rpd == r / rpd) ? 0 : 2;
+  add(links + kind * R + s, fs);
+  add(links + (kind + 1) * R + r, fs);
+}
+
+__global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* ws) {
+  extern __shared__ i64 rows[];
+  const int s = blockIdx.x, q = blockIdx.y, R = a.R, E = a.E, N = a.N, I = E + R * N;
+  const Acc acc = guard_layout(ws, a.P, R, a.levels, nullptr);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) rows[r] = 0;
+  __syncthreads();
+  if (q == 0) {  // the static plan: every assignment on its expert's main rank
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const i64 v = a.omega[(i64)s * E + e];
+      if (v) atomicAdd(reinterpret_cast<u64*>(rows + a.main_rank[e]), (u64)v);
+    }
+  } else {
+    const i64* route = a.route[q - 1] + (i64)s * I;
+    for (int i = threadIdx.x; i < I; i += blockDim.x) {
+      const i64 v = route[i];
+      if (v) atomicAdd(reinterpret_cast<u64*>(rows + (i < E ? a.main_rank[i] : (i - E) / N)), (u64)v);
+    }
+  }
+  __syncthreads();
+  i64* tok = acc.tok + (i64)q * kLinks * R;
+  i64 out_nvl = 0, out_nic = 0;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    const i64 v = rows[r];
+    if (!v) continue;
+    add(acc.load + (i64)q * R + r, v);
+    if (r == s) continue;
+    const i64 fs = v * a.token_bytes * a.cost_fs[(i64)s * R + r];
+    if (s / a.rpd == r / a.rpd) {
+      out_nvl += fs;
+      add(tok + 1 * R + r, fs);
+    } else {
+      out_nic += fs;
+      add(tok + 3 * R + r, fs);
+    }
+  }
+  if (out_nvl) add(tok + 0 * R + s, out_nvl);
+  if (out_nic) add(tok + 2 * R + s, out_nic);
+  if (q == 0) return;
+  const int p = q - 1;
+  const i64* slot = a.slot[p];
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    const int g = s * N + j;
+    const i64 e = slot[g];
+    if (e < 0) continue;
+    add(acc.occupied + p, 1);
+    const int home = (int)a.main_rank[e];
+    if (home != s)
+      add_flow(acc.fetch + (i64)p * kLinks * R, R, a.rpd, home, s, a.expert_bytes * a.cost_fs[(i64)home * R + s]);
+    if (a.fanout > 0) {
+      i64 src, lvl;
+      relay_node(slot, a.main_rank, N, a.rpd, a.fanout, g, e, &src, &lvl);
+      add(acc.copies + (i64)p * a.levels + (lvl - 1), 1);
+      if (src != s)
+        add_flow(acc.relayed + ((i64)p * a.levels + (lvl - 1)) * kLinks * R, R, a.rpd, (int)src, s,
+                 a.expert_bytes * a.cost_fs[src * R + s]);
+    }
+  }
+}
+
+__device__ __forceinline__ i64 warp_max(i64 v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const i64 w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// X = x + m t - h min(x, m t) (guard._layer), in the reference's order of operations
+__device__ __forceinline__ double layer_time(double x, double t, int m, double h) {
+  if (!m) return x;
+  const double mt = __dmul_rn((double)m, t);
+  return __dsub_rn(__dadd_rn(x, mt), __dmul_rn(h, fmin(x, mt)));
+}
+
+__global__ void __launch_bounds__(kReduceThreads) guard_decide(GuardArgs a, i64* ws) {
+  // maxima: per plan q in 0..P: its largest rank load and busiest token link; per balanced plan: the direct fetch's
+  // busiest link and each relay level's
+  __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelayLevels)];
+  const int R = a.R, P = a.P, L = a.levels, Q = P + 1;
+  const Acc acc = guard_layout(ws, P, R, L, nullptr);
+  const int items = 2 * Q + P * (1 + L);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int it = warp; it < items; it += warps) {
+    const i64* src;
+    int n;
+    if (it < Q) {
+      src = acc.load + (i64)it * R, n = R;
+    } else if (it < 2 * Q) {
+      src = acc.tok + (i64)(it - Q) * kLinks * R, n = kLinks * R;
+    } else if (it < 2 * Q + P) {
+      src = acc.fetch + (i64)(it - 2 * Q) * kLinks * R, n = kLinks * R;
+    } else {
+      src = acc.relayed + (i64)(it - 2 * Q - P) * kLinks * R, n = kLinks * R;
+    }
+    i64 v = 0;
+    for (int k = lane; k < n; k += 32) v = src[k] > v ? src[k] : v;
+    v = warp_max(v);
+    if (lane == 0) maxima[it] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const double kSecondsPerFs = 1e-15;
+  double x_static = __dmul_rn(a.t_ffn, (double)maxima[0]);
+  const double X_static = layer_time(x_static, __dmul_rn((double)maxima[Q], kSecondsPerFs), a.m, a.h);
+  int best = 0;
+  double best_net = 0, saved_best = 0, cost_best = 0;
+  bool relay_best = false;
+  for (int p = 0; p < P; ++p) {
+    const double x = __dmul_rn(a.t_ffn, (double)maxima[1 + p]);
+    const double t_dispatch = __dmul_rn((double)maxima[Q + 1 + p], kSecondsPerFs);
+    const double saved = __dsub_rn(X_static, layer_time(x, t_dispatch, a.m, a.h));
+    double t = __dadd_rn(__dmul_rn((double)maxima[2 * Q + p], kSecondsPerFs), a.latency);
+    bool relay = false;
+    if (a.fanout > 0) {
+      i64 fs = 0, levels = 0;
+      for (int l = 0; l < L; ++l) {
+        fs += maxima[2 * Q + P + p * L + l];
+        levels += acc.copies[(i64)p * L + l] > 0;
+      }
+      const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)levels, a.latency));
+      relay = relayed < t;
+      if (relay) t = relayed;
+    }
+    const double occupied = acc.occupied[p] > 0 ? 1.0 : 0.0;
+    const double cost = __dadd_rn(a.plan_s, __dmul_rn(__dmul_rn((double)a.n, t), occupied));
+    const double net = __dsub_rn(saved, cost);
+    if (p == 0 || net > best_net) {  // the first of equal ones (torch.argmax)
+      best = p, best_net = net, saved_best = saved, cost_best = cost, relay_best = relay;
+    }
+  }
+  const bool use = saved_best > cost_best && (a.allow == nullptr || *a.allow);
+  *a.choice = best;
+  *a.use = use;
+  *a.relay = relay_best;
+  *a.saved = saved_best;
+  *a.cost = cost_best;
+}
+
+// the executed plan: the kept plan's route and slot table where the guard uses it, else the static plan's
+__global__ void guard_execute(GuardArgs a) {
+  const int R = a.R, E = a.E, N = a.N, I = E + R * N;
+  const bool use = *a.use;
+  const int c = (int)*a.choice;
+  const i64 route_elems = (i64)R * I, total = route_elems + (i64)R * N;
+  for (i64 k = blockIdx.x * (i64)blockDim.x + threadIdx.x; k < total; k += (i64)gridDim.x * blockDim.x) {
+    if (k < route_elems) {
+      const i64 s = k / I, i = k % I;
+      a.route_out[k] = use ? a.route[c][k] : (i < E ? a.omega[s * E + i] : 0);
+    } else {
+      const i64 g = k - route_elems;
+      a.slot_out[g] = use ? a.slot[c][g] : -1;
+    }
+  }
+}
+
+// relay.executed_sources: the relay trees of a plan, or, where *relay is false, every copy from its home at level 1
+__global__ void relay_trees_kernel(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int R, int N,
+                                   int rpd, int fanout, const bool* relay, i64* source, i64* level) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= R * N) return;
+  const i64 e = slot[g];
+  if (e < 0) {
+    source[g] = -1, level[g] = 0;
+  } else if (relay != nullptr && !*relay) {
+    source[g] = main_rank[e], level[g] = 1;
+  } else {
+    relay_node(slot, main_rank, N, rpd, fanout, g, e, source + g, level + g);
+  }
+}
+
+}  // namespace
+
+size_t guard_workspace_elems(int P, int R, int levels) {
+  size_t elems = 0;
+  guard_layout(nullptr, P, R, levels, &elems);
+  return elems;
+}
+
+cudaError_t guard_select(const GuardArgs& a, i64* ws, cudaStream_t stream) {
+  size_t elems = 0;
+  guard_layout(ws, a.P, a.R, a.levels, &elems);
+  cudaError_t err = cudaMemsetAsync(ws, 0, elems * sizeof(i64), stream);
+  if (err != cudaSuccess) return err;
+  guard_flows<<<dim3(a.R, a.P + 1), kGuardThreads, a.R * sizeof(i64), stream>>>(a, ws);
+  guard_decide<<<1, kReduceThreads, 0, stream>>>(a, ws);
+  const i64 total = (i64)a.R * (a.E + (i64)a.R * a.N) + (i64)a.R * a.N;
+  const int blocks = (int)((total + 255) / 256 < 1024 ? (total + 255) / 256 : 1024);
+  guard_execute<<<blocks > 0 ? blocks : 1, 256, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t relay_trees(const i64* slot, const i64* main_rank, int R, int N, int rpd, int fanout, const bool* relay,
+                        i64* source, i64* level, cudaStream_t stream) {
+  if (R * N == 0) return cudaSuccess;
+  relay_trees_kernel<<<(R * N + 255) / 256, 256, 0, stream>>>(slot, main_rank, R, N, rpd, fanout, relay, source, level);
+  return cudaGetLastError();
+}
+
+}  // namespace topoep
