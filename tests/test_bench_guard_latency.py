@@ -1,5 +1,6 @@
-"""bench/guard_latency.py on the CPU (the measurement needs a GPU): its table shows each EP's two timings and their
-difference, the variants do the guard's work, and without CUDA it says where to run it."""
+"""bench/guard_latency.py on the CPU (the measurement needs a GPU): its table shows each EP's four timings (reference
+and kernel, without and with relays) and the kernel's share, the reference variants do the guard's work, and without
+CUDA it says where to run it."""
 
 import pytest
 import torch
@@ -9,17 +10,19 @@ from bench.planner_latency import workload
 from topoep import solve
 
 
-def test_table_shows_both_timings_and_the_difference():
-    text = table([dict(ep=8, domains=1, experts=640, slots=2, guard_us=30.0, guard_relay_us=42.5)])
+def test_table_shows_the_four_timings_and_the_kernels_share():
+    text = table([dict(ep=8, domains=1, experts=640, slots=2, guard_us=30.0, guard_relay_us=42.5, guard_cuda_us=3.0,
+                       guard_relay_cuda_us=8.5)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 8 "))
-    assert [c.strip() for c in row.split("|")[1:-1]] == ["8", "1", "640", "2", "30.0", "42.5", "12.5"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["8", "1", "640", "2", "30.0", "3.0", "42.5", "8.5", "0.200"]
 
 
 def test_the_variants_return_the_executed_plan_and_its_trees():
     topo, omega = workload(16, 64)
     kw = dict(num_slots=2, expert_bytes=10 ** 7, token_bytes=4096)
     plan, local = (solve(omega, topo, policy=p, **kw) for p in ("topoep_plus", "topoep_plus_local"))
-    plain, relayed = (_decide(v, plan, local) for v in VARIANTS)
+    assert VARIANTS == ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
+    plain, relayed = (_decide(v, plan, local) for v in VARIANTS[:2])  # the kernel variants need a GPU
     assert len(plain) == 1 and len(relayed) == 3 and plain[0].shape == relayed[0].shape == plan.route.shape
     assert relayed[1].shape == plan.slot_expert.shape == relayed[2].shape
 

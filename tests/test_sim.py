@@ -184,14 +184,19 @@ def test_simulate_applies_the_net_benefit_guard():
     static = sim.simulate(om, cl, model=model, policy="static")
     assert r.stats["num_replicas"] == 0 and r.policy == "topoep"
     # no plan could pay: planning was left out, the call costs what the static one does (both gather the counts,
-    # as megatron's dispatcher does)
-    assert r.terms["plan"] == static.terms["plan"] == sim.gather_s(8, 128, cl) > 0
-    assert r.layer_s == static.layer_s
-    # skewed routing: planned (the planner's latency on top of the gather) and executed
+    # as megatron's dispatcher does) plus the guard's selection on the device
+    assert static.terms["plan"] == sim.gather_s(8, 128, cl) > 0 and static.terms["guard"] == 0
+    assert r.terms["guard"] == sim.gpu_guard_s(8) > 0
+    assert r.terms["plan"] == static.terms["plan"] + r.terms["guard"]
+    assert r.layer_s == pytest.approx(static.layer_s + r.terms["guard"], rel=1e-12)
+    # skewed routing: planned (the planner's latency and the guard on top of the gather) and executed
     om = workloads.biased_routing(8, 128, 256, 8, -3.0, seed=1, layout="concentrated")
     r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
     assert r.stats["num_replicas"] > 0 and r.terms["plan"] == pytest.approx(sim.gather_s(8, 128, cl)
-                                                                             + sim.gpu_planner_s(8))
+                                                                             + sim.gpu_planner_s(8) + sim.gpu_guard_s(8))
+    relayed = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard(),
+                           execution=replace(sim.EXECUTIONS["topoep"], relay_fanout=2))
+    assert relayed.terms["guard"] == sim.gpu_guard_s(8, relay=True) > sim.gpu_guard_s(8)
 
 
 def test_simulate_rejects_mismatched_plans():
@@ -326,6 +331,9 @@ def test_gpu_planner_latency_model():
     for R, us in sim.GPU_PLANNER_US:
         assert sim.gpu_planner_s(R) == pytest.approx(us * 1e-6)
     assert sim.gpu_planner_s(2) == pytest.approx(sim.GPU_PLANNER_US[0][1] * 1e-6)
+    for relay, pts in ((False, sim.GPU_GUARD_US), (True, sim.GPU_GUARD_RELAY_US)):
+        for R, us in pts:
+            assert sim.gpu_guard_s(R, relay) == pytest.approx(us * 1e-6)
     assert sim.gpu_planner_s(128) < sim.gpu_planner_s(256) < sim.gpu_planner_s(1024)
     (_, lo), (_, hi) = sim.GPU_PLANNER_US[1:3]  # EP 16 and 32
     assert min(lo, hi) * 1e-6 < sim.gpu_planner_s(24) < max(lo, hi) * 1e-6  # interpolated between them

@@ -280,6 +280,12 @@ class Execution:
 GPU_PLANNER_US = ((8, 36.5), (16, 29.4), (32, 32.6), (64, 39.4), (128, 46.3))
 # the same for topoep_plus (same run)
 GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4))
+# The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
+# H200, replayed from a CUDA graph on a busy stream, from results/guard_latency.md; with relay_fanout=2 (the relay
+# choice and the executed plan's trees) the second table. A guarded layer runs it in every call, also when the
+# guard's pre-plan bound leaves planning out. Interpolated as the planner's.
+GPU_GUARD_US = ((8, 13.7), (32, 13.3), (128, 17.0))
+GPU_GUARD_RELAY_US = ((8, 17.7), (32, 20.0), (128, 23.5))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
@@ -482,7 +488,8 @@ class SimResult:
     exposed: dict
     """plan, replica, compute, token, overhead: sums to layer_s."""
     terms: dict
-    """Raw phase times: plan, gather, fetch, reload, grad_return, dispatch/combine per pass, expert
+    """Raw phase times: plan (gather, guard and solve included), gather, guard (the net-benefit guard's GPU time,
+    `gpu_guard_s`, in guarded calls), fetch, reload, grad_return, dispatch/combine per pass, expert
     compute of the straggler and of the mean rank, forward and backward."""
     traffic: dict
     """Bytes: busiest NVLink / NIC of one token transfer and of one replica transfer, totals."""
@@ -504,7 +511,17 @@ class SimResult:
 
 def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
     """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus)."""
-    pts = GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US
+    return _interpolated_s(GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US, num_ranks)
+
+
+def gpu_guard_s(num_ranks: int, relay: bool = False) -> float:
+    """The net-benefit guard's GPU time per layer call (GPU_GUARD_US; GPU_GUARD_RELAY_US with relay trees)."""
+    return _interpolated_s(GPU_GUARD_RELAY_US if relay else GPU_GUARD_US, num_ranks)
+
+
+def _interpolated_s(pts, num_ranks: int) -> float:
+    """Seconds at num_ranks from measured (ranks, us) points: the first point's below them, linear in log2(ranks)
+    between them, linear in ranks beyond the last (the last segment's slope)."""
     if num_ranks <= pts[0][0]:
         return pts[0][1] * 1e-6
     for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
@@ -678,7 +695,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
         which is planned here with `policy` and `num_slots` (the solve is timed: host planners' plan time).
     execution: default EXECUTIONS["topoep"]. plan_s: planner seconds to use instead of the model.
-    guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does), or None. With a
+    guard: a `topoep.runtime.NetBenefitGuard` to apply to the plan (as the runtime does; its GPU time, `gpu_guard_s`,
+        is part of the plan time of every guarded call), or None. With a
         deduplicating execution (`Execution.dedup`) a guard that prices a row per assignment prices the tokens
         as the execution sends them instead (token_top_k = the model's top-k), and with relayed fetches
         (`Execution.relay_fanout`) it prices them level by level (the guard's relay_fanout).
@@ -744,12 +762,14 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
 
-    # plan
+    # plan (and the guard's selection on the device, which a guarded layer runs in every call)
+    # (also where its pre-plan bound left planning out: the host never reads that decision)
+    t_guard = gpu_guard_s(R, execution.relay_fanout is not None) if guarded and execution.plan_s is None else 0.0
     if execution.plan_s is not None:  # a calibrated execution: its fitted constants, all included
         t_plan, t_gather = (execution.static_plan_s if plan.policy == "static" or skipped else execution.plan_s), 0.0
     elif plan.policy == "static" or skipped:
         t_gather = gather_s(R, E, cluster)
-        t_plan = t_gather + execution.static_plan_s
+        t_plan = t_gather + execution.static_plan_s + t_guard
     else:
         from topoep.planners.cuda import CUDA_POLICIES
 
@@ -761,7 +781,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host
-        t_plan = t_gather + solve_s
+        t_plan = t_gather + solve_s + t_guard
 
     # tokens: one transfer of each chunk carries 1/n of every flow
     tok_loads = token_link_loads(plan, S, model.top_k, execution.dedup)
@@ -809,7 +829,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     token_exposed = fwd_pipe + bwd_bare - x_max
     exposed = {"plan": t_plan, "replica": t_rep + rep_bwd_exposed, "compute": x_max, "token": token_exposed,
                "overhead": overhead}
-    terms = {"plan": t_plan, "gather": t_gather, "reference_solve_measured": measured, "fetch": t_rep,
+    terms = {"plan": t_plan, "gather": t_gather, "guard": t_guard, "reference_solve_measured": measured, "fetch": t_rep,
              "reload": t_rep, "grad_return": t_rep,
              "dispatch_combine_fwd": 2 * n * t_chunk, "dispatch_combine_bwd": 2 * n * t_chunk,
              "token_transfer_unchunked": t_tok_full, "expert_fwd_straggler": x_max / 3,
