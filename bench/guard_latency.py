@@ -44,6 +44,12 @@ def _decide(variant: str, plan, local):
     return executed.route,
 
 
+def _floor(x: torch.Tensor):
+    """One tiny kernel: what replaying any graph costs here (the guard runs inside the metadata graph, which a
+    layer replays anyway)."""
+    return x.add_(1),
+
+
 def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     topo, omega_cpu = workload(ep, experts)
     omega = omega_cpu.cuda()
@@ -51,6 +57,11 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     plan = solve(omega, topo, policy="topoep_plus", **kw)
     local = solve(omega, topo, policy="topoep_plus_local", **kw)
     row = {"ep": ep, "experts": experts, "domains": topo.num_domains, "slots": slots}
+    one = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _floor(one)
+    row["floor_us"] = _events_median(graph.replay, runs, warmup, busy=True)
     for variant in VARIANTS:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -67,11 +78,12 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     return markdown_table(["EP", "domains", "experts", "slots", "guard, torch us", "guard, kernel us",
-                           "guard + relays, torch us", "guard + relays, kernel us", "kernel / torch (guard + relays)"],
+                           "guard + relays, torch us", "guard + relays, kernel us", "kernel / torch (guard + relays)",
+                           "one-kernel graph us"],
                           [[r["ep"], r["domains"], r["experts"], r["slots"], f"{r['guard_us']:.1f}",
                             f"{r['guard_cuda_us']:.1f}", f"{r['guard_relay_us']:.1f}",
                             f"{r['guard_relay_cuda_us']:.1f}",
-                            f"{r['guard_relay_cuda_us'] / r['guard_relay_us']:.3f}"]
+                            f"{r['guard_relay_cuda_us'] / r['guard_relay_us']:.3f}", f"{r['floor_us']:.1f}"]
                            for r in rows])
 
 
@@ -101,7 +113,8 @@ def main(argv=None) -> int:
         "priced per plan) and the relay trees of the kept plan (`topoep.relay.executed_sources`). torch: the "
         "reference (backend='reference'); kernel: csrc/guard.cu (backend='cuda', the layer's path on a GPU; the same "
         f"results bit for bit). CUDA graph replay on a busy stream, median of {args.runs}; workload of "
-        f"bench/planner_latency.py, {args.slots} slots",
+        f"bench/planner_latency.py, {args.slots} slots; one-kernel graph: a graph of one tiny kernel timed the same way "
+        "(what replaying any graph costs; the guard runs inside the metadata graph a layer replays anyway)",
         "- reproduce: `python bench/guard_latency.py`",
         "",
         table(rows),

@@ -139,8 +139,8 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                   int64_t ranks_per_domain, int64_t token_bytes, int64_t expert_bytes, double t_ffn,
                   int64_t token_transfers, double token_overlap, double plan_s, double latency, int64_t exposed,
                   int64_t fanout, int64_t levels, const c10::optional<at::Tensor>& allow, at::Tensor route_out,
-                  at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor relay, at::Tensor saved,
-                  at::Tensor cost, at::Tensor workspace) {
+                  at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor fired, at::Tensor relay,
+                  at::Tensor saved, at::Tensor cost, at::Tensor workspace) {
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), P = (int64_t)routes.size();
@@ -165,13 +165,14 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
               "fanout 0 needs levels 0, a fanout >= 1 between 1 and ", topoep::kMaxRelayLevels, " levels; got fanout ",
               fanout, ", levels ", levels);
   TORCH_CHECK(token_transfers >= 0 && exposed >= 0, "token_transfers and exposed must be >= 0");
-  for (const at::Tensor* t : {&choice, &use, &relay, &saved, &cost})
+  for (const at::Tensor* t : {&choice, &use, &fired, &relay, &saved, &cost})
     TORCH_CHECK(t->is_cuda() && t->numel() == 1 && t->device() == omega.device(), "the guard's outputs must be ",
                 "one element each on omega's device");
   TORCH_CHECK(choice.scalar_type() == at::kLong && use.scalar_type() == at::kBool &&
-                  relay.scalar_type() == at::kBool && saved.scalar_type() == at::kDouble &&
+                  fired.scalar_type() == at::kBool && relay.scalar_type() == at::kBool &&
+                  saved.scalar_type() == at::kDouble &&
                   cost.scalar_type() == at::kDouble,
-              "choice int64, use and relay bool, saved and cost float64");
+              "choice int64, use, fired and relay bool, saved and cost float64");
   check_i64_cuda(workspace, "workspace");
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::guard_workspace_elems((int)P, (int)R, (int)levels),
               "workspace too small");
@@ -189,7 +190,8 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
   a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
   a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
-  a.choice = choice.data_ptr<int64_t>(), a.use = use.data_ptr<bool>(), a.relay = relay.data_ptr<bool>();
+  a.choice = choice.data_ptr<int64_t>(), a.use = use.data_ptr<bool>(), a.fired = fired.data_ptr<bool>();
+  a.relay = relay.data_ptr<bool>();
   a.saved = saved.data_ptr<double>(), a.cost = cost.data_ptr<double>();
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::guard_select(a, workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
@@ -251,8 +253,8 @@ TORCH_LIBRARY(topoep, m) {
   m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
         "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
         "float token_overlap, float plan_s, float latency, int exposed, int fanout, int levels, Tensor? allow, "
-        "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) relay, "
-        "Tensor(f!) saved, Tensor(g!) cost, Tensor(h!) workspace) -> ()");
+        "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "
+        "Tensor(f!) relay, Tensor(g!) saved, Tensor(h!) cost, Tensor(i!) workspace) -> ()");
   m.def("guard_workspace_elems(int P, int R, int levels) -> int", &guard_workspace_elems);
   m.def("relay_trees(Tensor slot_expert, Tensor main_rank, int ranks_per_domain, int fanout, Tensor? relay, "
         "Tensor(a!) source, Tensor(b!) level) -> ()");

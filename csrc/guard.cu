@@ -3,7 +3,8 @@
 // module docstrings are the spec.
 //
 // Why a kernel: the reference is ~150 small torch ops per layer call (about 0.2 ms from a CUDA graph on an H200, 0.6
-// ms with relay trees), more than the 1 % of a layer the guard may cost. Here it is a memset and three launches.
+// ms with relay trees), more than the 1 % of a layer the guard may cost. Here it is two launches (launch latency is
+// most of their time).
 //
 // Exactness: every link time is an integer sum of flows x bytes x cost_fs (femtoseconds; integer atomics give the
 // same sum in any order), turned into seconds by one multiplication (guard.py SECONDS_PER_FS); the remaining float64
@@ -11,9 +12,10 @@
 //
 // Launches: (1) a block per (plan q, source rank s), q = 0 the static plan: the rows s sends to every rank (shared
 // memory), the rank loads, the token bytes x cost on every link; for the balanced plans also the slots of rank s:
-// their direct fetch and their relay tree's transfer, per level; (2) one block: the maxima (a warp per maximum), the
-// prediction of every plan and the choice; (3) the executed plan: the kept plan's route and slot table, or the
-// static plan's.
+// their direct fetch and their relay tree's transfer, per level. The last block to finish (a counter) takes the
+// maxima (a warp per maximum), predicts every plan, chooses, and zeroes the accumulators and the counter for the next
+// call: the workspace is zero between calls (the caller allocates it zeroed and keeps it; calls on one stream);
+// (2) the executed plan: the kept plan's route and slot table, or the static plan's.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -27,10 +29,11 @@ namespace {
 using i64 = int64_t;
 using u64 = unsigned long long;
 constexpr int kGuardThreads = 256;
-constexpr int kReduceThreads = 1024;
 constexpr int kLinks = 4;  // NVLink out, NVLink in, NIC out, NIC in (topoep/links.py LinkLoads)
 
 __device__ __forceinline__ void add(i64* at, i64 v) { atomicAdd(reinterpret_cast<u64*>(at), (u64)v); }
+// a load from L2 (another block's atomics), never from this SM's L1
+__device__ __forceinline__ i64 ld_l2(const i64* at) { return (i64)__ldcg(reinterpret_cast<const long long*>(at)); }
 
 // depth of heap node `index` with `fanout` children per node (relay._heap_depth): the depths k >= 1 whose first
 // index (f^k - 1) / (f - 1) (k for f = 1) it reaches
@@ -70,8 +73,9 @@ __device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__
   *source = -1;  // unreachable: the parent precedes the node
 }
 
-struct Acc {  // the workspace's accumulators (guard_layout)
-  i64 *load, *tok, *fetch, *relayed, *copies, *occupied;
+struct Acc {  // the workspace's accumulators (guard_layout), then the counter of finished blocks
+  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *done;
+  size_t elems;  // the accumulators' size (the counter is the element after them)
 };
 
 __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t* elems) {
@@ -79,9 +83,9 @@ __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t
   const int Q = P + 1;
   const size_t load = b.take((size_t)Q * R), tok = b.take((size_t)Q * kLinks * R);
   const size_t fetch = b.take((size_t)P * kLinks * R), relayed = b.take((size_t)P * L * kLinks * R);
-  const size_t copies = b.take((size_t)P * L), occupied = b.take(P);
+  const size_t copies = b.take((size_t)P * L), occupied = b.take(P), accumulated = b.end, done = b.take(1);
   if (elems) *elems = b.end;
-  return Acc{ws + load, ws + tok, ws + fetch, ws + relayed, ws + copies, ws + occupied};
+  return Acc{ws + load, ws + tok, ws + fetch, ws + relayed, ws + copies, ws + occupied, ws + done, accumulated};
 }
 
 // one flow of `bytes_cost` fs from s to r (s != r) onto a [kLinks][R] link array
@@ -90,6 +94,8 @@ __device__ __forceinline__ void add_flow(i64* links, int R, int rpd, int s, int 
   add(links + kind * R + s, fs);
   add(links + (kind + 1) * R + r, fs);
 }
+
+__device__ void decide(const GuardArgs& a, const Acc& acc);
 
 __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* ws) {
   extern __shared__ i64 rows[];
@@ -128,10 +134,9 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
   }
   if (out_nvl) add(tok + 0 * R + s, out_nvl);
   if (out_nic) add(tok + 2 * R + s, out_nic);
-  if (q == 0) return;
   const int p = q - 1;
-  const i64* slot = a.slot[p];
-  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+  const i64* slot = q > 0 ? a.slot[p] : nullptr;
+  for (int j = threadIdx.x; q > 0 && j < N; j += blockDim.x) {
     const int g = s * N + j;
     const i64 e = slot[g];
     if (e < 0) continue;
@@ -147,6 +152,18 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
         add_flow(acc.relayed + ((i64)p * a.levels + (lvl - 1)) * kLinks * R, R, a.rpd, (int)src, s,
                  a.expert_bytes * a.cost_fs[src * R + s]);
     }
+  }
+  // the last block to finish decides (every other block's atomics are done and visible: fence, then count)
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(reinterpret_cast<u64*>(acc.done), 1ull) == (u64)gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    decide(a, acc);
   }
 }
 
@@ -165,12 +182,14 @@ __device__ __forceinline__ double layer_time(double x, double t, int m, double h
   return __dsub_rn(__dadd_rn(x, mt), __dmul_rn(h, fmin(x, mt)));
 }
 
-__global__ void __launch_bounds__(kReduceThreads) guard_decide(GuardArgs a, i64* ws) {
+// One block (the flows kernel's last): maxima, the prediction of every plan, the choice; then the accumulators back
+// to zero. Reads with ld_l2: the other blocks' atomics are in L2.
+__device__ void decide(const GuardArgs& a, const Acc& acc) {
   // maxima: per plan q in 0..P: its largest rank load and busiest token link; per balanced plan: the direct fetch's
   // busiest link and each relay level's
   __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelayLevels)];
+  __shared__ i64 relay_levels_used[kMaxGuardPlans];
   const int R = a.R, P = a.P, L = a.levels, Q = P + 1;
-  const Acc acc = guard_layout(ws, P, R, L, nullptr);
   const int items = 2 * Q + P * (1 + L);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int it = warp; it < items; it += warps) {
@@ -186,11 +205,21 @@ __global__ void __launch_bounds__(kReduceThreads) guard_decide(GuardArgs a, i64*
       src = acc.relayed + (i64)(it - 2 * Q - P) * kLinks * R, n = kLinks * R;
     }
     i64 v = 0;
-    for (int k = lane; k < n; k += 32) v = src[k] > v ? src[k] : v;
+    for (int k = lane; k < n; k += 32) {
+      const i64 x = ld_l2(src + k);
+      v = x > v ? x : v;
+    }
     v = warp_max(v);
     if (lane == 0) maxima[it] = v;
   }
+  if (threadIdx.x < P) {  // the relay levels that carry a copy, and whether the plan has a replica
+    i64 used = 0;
+    for (int l = 0; l < L; ++l) used += ld_l2(acc.copies + (i64)threadIdx.x * L + l) > 0;
+    relay_levels_used[threadIdx.x] = used * 2 + (ld_l2(acc.occupied + threadIdx.x) > 0);
+  }
   __syncthreads();
+  for (size_t k = threadIdx.x; k < acc.elems; k += blockDim.x) acc.load[k] = 0;  // the workspace is zero again
+  if (threadIdx.x == 0) *acc.done = 0;
   if (threadIdx.x != 0) return;
   const double kSecondsPerFs = 1e-15;
   double x_static = __dmul_rn(a.t_ffn, (double)maxima[0]);
@@ -205,16 +234,14 @@ __global__ void __launch_bounds__(kReduceThreads) guard_decide(GuardArgs a, i64*
     double t = __dadd_rn(__dmul_rn((double)maxima[2 * Q + p], kSecondsPerFs), a.latency);
     bool relay = false;
     if (a.fanout > 0) {
-      i64 fs = 0, levels = 0;
-      for (int l = 0; l < L; ++l) {
-        fs += maxima[2 * Q + P + p * L + l];
-        levels += acc.copies[(i64)p * L + l] > 0;
-      }
+      i64 fs = 0;
+      for (int l = 0; l < L; ++l) fs += maxima[2 * Q + P + p * L + l];
+      const i64 levels = relay_levels_used[p] / 2;
       const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)levels, a.latency));
       relay = relayed < t;
       if (relay) t = relayed;
     }
-    const double occupied = acc.occupied[p] > 0 ? 1.0 : 0.0;
+    const double occupied = (relay_levels_used[p] & 1) ? 1.0 : 0.0;
     const double cost = __dadd_rn(a.plan_s, __dmul_rn(__dmul_rn((double)a.n, t), occupied));
     const double net = __dsub_rn(saved, cost);
     if (p == 0 || net > best_net) {  // the first of equal ones (torch.argmax)
@@ -224,6 +251,7 @@ __global__ void __launch_bounds__(kReduceThreads) guard_decide(GuardArgs a, i64*
   const bool use = saved_best > cost_best && (a.allow == nullptr || *a.allow);
   *a.choice = best;
   *a.use = use;
+  *a.fired = !use;
   *a.relay = relay_best;
   *a.saved = saved_best;
   *a.cost = cost_best;
@@ -270,12 +298,7 @@ size_t guard_workspace_elems(int P, int R, int levels) {
 }
 
 cudaError_t guard_select(const GuardArgs& a, i64* ws, cudaStream_t stream) {
-  size_t elems = 0;
-  guard_layout(ws, a.P, a.R, a.levels, &elems);
-  cudaError_t err = cudaMemsetAsync(ws, 0, elems * sizeof(i64), stream);
-  if (err != cudaSuccess) return err;
   guard_flows<<<dim3(a.R, a.P + 1), kGuardThreads, a.R * sizeof(i64), stream>>>(a, ws);
-  guard_decide<<<1, kReduceThreads, 0, stream>>>(a, ws);
   const i64 total = (i64)a.R * (a.E + (i64)a.R * a.N) + (i64)a.R * a.N;
   const int blocks = (int)((total + 255) / 256 < 1024 ? (total + 255) / 256 : 1024);
   guard_execute<<<blocks > 0 ? blocks : 1, 256, 0, stream>>>(a);

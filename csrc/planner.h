@@ -86,7 +86,8 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
 // The net-benefit guard's selection among P <= kMaxGuardPlans balanced plans of one routing (guard.cu;
 // topoep/runtime/guard.py NetBenefitGuard.select with token rows per assignment). Device pointers: omega int64[R, E],
 // main_rank int64[E], cost_fs int64[R, R], route[p] int64[R, E + R*N], slot[p] int64[R, N], allow one bool or null;
-// outputs route_out, slot_out (the executed plan), choice int64, use and relay bool, saved and cost float64. Domains
+// outputs route_out, slot_out (the executed plan), choice int64, use, fired (= !use) and relay bool, saved and cost
+// float64. Domains
 // are contiguous blocks of rpd ranks. fanout 0: no relays (levels 0), else relay trees of that fanout over `levels`
 // levels (topoep.relay.max_level, at most kMaxRelayLevels).
 constexpr int kMaxGuardPlans = 4, kMaxRelayLevels = 128;
@@ -102,7 +103,7 @@ struct GuardArgs {
   int m, n, fanout, levels;  // token transfers, exposed replica transfers, relay fanout (0: none), relay levels
   const bool* allow;
   int64_t *route_out, *slot_out, *choice;
-  bool *use, *relay;
+  bool *use, *fired, *relay;
   double *saved, *cost;
 };
 size_t guard_workspace_elems(int P, int R, int levels);

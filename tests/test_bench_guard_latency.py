@@ -12,9 +12,9 @@ from topoep import solve
 
 def test_table_shows_the_four_timings_and_the_kernels_share():
     text = table([dict(ep=8, domains=1, experts=640, slots=2, guard_us=30.0, guard_relay_us=42.5, guard_cuda_us=3.0,
-                       guard_relay_cuda_us=8.5)])
+                       guard_relay_cuda_us=8.5, floor_us=2.0)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 8 "))
-    assert [c.strip() for c in row.split("|")[1:-1]] == ["8", "1", "640", "2", "30.0", "3.0", "42.5", "8.5", "0.200"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["8", "1", "640", "2", "30.0", "3.0", "42.5", "8.5", "0.200", "2.0"]
 
 
 def test_the_variants_return_the_executed_plan_and_its_trees():

@@ -175,14 +175,25 @@ def test_no_host_synchronisation_and_graph_replay():
     with torch.cuda.stream(stream):
         call()  # warm-up on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
-    for flip in (False, True, False):
-        allow.fill_(not flip)
-        graph.replay()
-        torch.cuda.synchronize()
-        if not flip:
-            assert all(torch.equal(x, y) for x, y in zip(captured, eager))
-        else:  # allow False: the static plan, replayed from the same graph
-            assert bool(captured[4]) and int((captured[0] >= 0).sum()) == 0
+    # two graphs: one on the kept workspace, one whose workspace is made in the capture (not kept); each call leaves
+    # its workspace zero for the next, eager calls between replays included
+    graphs = []
+    for fresh in (False, True):
+        if fresh:
+            guard_cuda._workspaces.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graphs.append((graph, captured))
+    assert guard_cuda._workspaces == {}  # made in the capture: not kept
+    for flip in (False, True, False, False):
+        for graph, captured in graphs:
+            allow.fill_(not flip)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not flip:
+                assert all(torch.equal(x, y) for x, y in zip(captured, eager))
+            else:  # allow False: the static plan, replayed from the same graph
+                assert bool(captured[4]) and int((captured[0] >= 0).sum()) == 0
+        allow.fill_(True)
+        assert all(torch.equal(x, y) for x, y in zip(call(), eager))

@@ -280,7 +280,7 @@ class NetBenefitGuard:
         (`fetch_choice`; `topoep.relay.executed_sources` reads it).
 
         backend: "reference" (torch, any device), "cuda" (csrc/guard.cu, `topoep.runtime.guard_cuda`: the same
-        results bit for bit, a memset and three launches) or "auto": the kernel where it applies (CUDA plans, token
+        results bit for bit, two launches) or "auto": the kernel where it applies (CUDA plans, token
         rows per assignment: `guard_cuda.usable`)."""
         plans = (plan, *candidates)
         for i, other in enumerate(candidates, start=1):
@@ -297,9 +297,9 @@ class NetBenefitGuard:
                              f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels; use "
                              "backend='reference'")
         if backend == "cuda" or (backend == "auto" and guard_cuda.usable(self, plans)):
-            slot_expert, route, choice, use, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
-                                                                                    exposed_transfers, allow)
-            return self._executed(plan, slot_expert, route, choice, relay), ~use, saved, cost
+            slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
+                                                                                      exposed_transfers, allow)
+            return self._executed(plan, slot_expert, route, choice, relay), fired, saved, cost
         saved, cost, relay = self._predict(plans, t_ffn, exposed_transfers)
         if candidates:  # the largest net saving; argmax returns the first of equal ones (ties: the earliest)
             choice = torch.argmax(saved - cost)

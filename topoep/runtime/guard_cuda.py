@@ -1,7 +1,7 @@
 """The net-benefit guard's selection and the relay trees on the GPU (csrc/guard.cu), bit for bit the references:
 `NetBenefitGuard.select` with token rows per assignment (topoep/runtime/guard.py) and `topoep.relay.executed_sources`.
 
-The reference is a few hundred small torch operations per layer call; the kernel is a memset and three launches
+The reference is a few hundred small torch operations per layer call; the kernel is two launches
 (results/guard_latency.md has both). Link times are exact integers (femtoseconds) and the float64 steps follow the
 reference's order, so the executed plan, the kept candidate and the fetch choice are the reference's bit for bit on
 every input (tests/test_guard_cuda_gpu.py). No host synchronisation; CUDA-graph capturable (the ops have fake
@@ -30,9 +30,9 @@ def usable(guard, plans: tuple[Plan, ...]) -> bool:
 
 
 def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None):
-    """(slot_expert int64[R, N], route int64[R, E + R N] of the executed plan, choice int64 0-d, use bool 0-d, relay
-    bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d) of the kept plan: what `NetBenefitGuard.select`
-    computes, on the plans' device."""
+    """(slot_expert int64[R, N], route int64[R, E + R N] of the executed plan, choice int64 0-d, fired bool 0-d (the
+    static plan runs), relay bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d) of the kept plan: what
+    `NetBenefitGuard.select` computes, on the plans' device."""
     from topoep.planners.cuda import load_extension
 
     load_extension()
@@ -43,17 +43,34 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
     fanout = guard.relay_fanout or 0
     levels = max_level(plan.topology, fanout) if fanout else 0
     ops = torch.ops.topoep
-    ws = torch.empty(ops.guard_workspace_elems(len(plans), R, levels), dtype=torch.int64, device=dev)
+    ws = _workspace(ops, dev, len(plans), R, levels)
     route, slot = torch.empty_like(plan.route), torch.empty_like(plan.slot_expert)
     choice = torch.empty((), dtype=torch.int64, device=dev)
-    use, relay = (torch.empty((), dtype=torch.bool, device=dev) for _ in range(2))
+    use, fired, relay = (torch.empty((), dtype=torch.bool, device=dev) for _ in range(3))
     saved, cost = (torch.empty((), dtype=torch.float64, device=dev) for _ in range(2))
     ops.guard_select(plan.omega, plan.main_rank.to(dev), topo.cost_fs, [p.route for p in plans],
                      [p.slot_expert for p in plans], plan.topology.ranks_per_domain, int(plan.token_bytes),
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
-                     allow, route, slot, choice, use, relay, saved, cost, ws)
-    return slot, route, choice, use, relay, saved, cost
+                     allow, route, slot, choice, use, fired, relay, saved, cost, ws)
+    return slot, route, choice, fired, relay, saved, cost
+
+
+_workspaces: dict = {}
+
+
+def _workspace(ops, device: torch.device, P: int, R: int, levels: int) -> torch.Tensor:
+    """The kernel's accumulators, zero between calls (its last block zeroes them again): made once per (device, plans,
+    ranks, levels) and kept, so a call costs no memset. Calls that share one must be ordered (one stream, as the
+    layers' metadata runs). Made during a CUDA-graph capture it belongs to that graph (its zeroing is captured with it)
+    and is not kept."""
+    key = (device, P, R, levels)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = torch.zeros(ops.guard_workspace_elems(P, R, levels), dtype=torch.int64, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            _workspaces[key] = ws
+    return ws
 
 
 def executed_sources(plan: Plan, fanout: int) -> tuple[torch.Tensor, torch.Tensor]:
