@@ -134,7 +134,7 @@ GPU = [
     Entry(("gpu/guard_batch",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard (and the commands "
           "in its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
-          "GUARD_KERNEL=0 bash tools/gpu_session.sh guard"),
+          "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
