@@ -1,5 +1,5 @@
 """Build test (CPU): csrc/ compiles and links with nvcc into a loadable library that registers the planner
-ops, their per-call grid and skip arguments, and the workspace layout the wrapper reads. CI has nvcc but no GPU,
+ops, their per-call grid and skip arguments, the workspace layout the wrapper reads, and the guard's ops. CI has nvcc but no GPU,
 so a build break fails CI even though the kernels only run on the GPU machine. Skipped, saying so, where no CUDA
 toolkit is installed."""
 
@@ -30,6 +30,17 @@ assert [k for _, k in heads] == [len(PHASES) + 1, len(REFINE_COUNTERS), len(PLUS
 ends = sorted((at, at + k) for at, k in heads + [(lay["moves"], 1)])
 assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])) and ends[-1][1] <= lay["elems"], lay
 assert ops.fit_workspace_elems(32, 640, 2) > 0
+# the guard's ops (csrc/guard.cu): schemas with every output mutated, and the workspace of its accumulators (per plan
+# and the static plan: loads and 4 token links per rank; per plan: 4 fetch links per rank, 4 per rank and relay
+# level, copies per level, occupied slots) and one block counter
+for name in ("guard_select", "relay_trees", "guard_workspace_elems"):
+    assert hasattr(ops, name), name
+schema = str(ops.guard_select.default._schema)
+for out in ("route_out", "slot_out", "choice", "use", "fired", "relay", "saved", "cost", "workspace"):
+    assert f"!) {out}" in schema, (out, schema)
+assert "Tensor(a!) source, Tensor(b!) level" in str(ops.relay_trees.default._schema)
+for P, R, L in ((1, 8, 0), (2, 32, 3), (4, 128, 9)):
+    assert ops.guard_workspace_elems(P, R, L) == (P + 1) * 5 * R + P * 4 * R + P * L * 4 * R + P * L + P + 1
 print(lib)
 """
 
