@@ -88,7 +88,7 @@ __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t
   return Acc{ws + load, ws + tok, ws + fetch, ws + relayed, ws + copies, ws + occupied, ws + done, accumulated};
 }
 
-// one flow of `bytes_cost` fs from s to r (s != r) onto a [kLinks][R] link array
+// one flow of `fs` femtoseconds from s to r (s != r) onto a [kLinks][R] link array
 __device__ __forceinline__ void add_flow(i64* links, int R, int rpd, int s, int r, i64 fs) {
   const int kind = (s / rpd == r / rpd) ? 0 : 2;
   add(links + kind * R + s, fs);
