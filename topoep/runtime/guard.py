@@ -292,11 +292,12 @@ class NetBenefitGuard:
             raise ValueError(f"backend must be 'auto', 'reference' or 'cuda', got {backend!r}")
         from topoep.runtime import guard_cuda
 
-        if backend == "cuda" and not guard_cuda.usable(self, plans):
+        kernel = backend != "reference" and guard_cuda.usable(self, plans)
+        if backend == "cuda" and not kernel:
             raise ValueError(f"the guard's CUDA kernel needs CUDA plans, token_top_k=None, at most "
                              f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels; use "
                              "backend='reference'")
-        if backend == "cuda" or (backend == "auto" and guard_cuda.usable(self, plans)):
+        if kernel:
             slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
                                                                                       exposed_transfers, allow)
             return self._executed(plan, slot_expert, route, choice, relay), fired, saved, cost
