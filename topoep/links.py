@@ -61,14 +61,19 @@ def replica_matrix(plan: Plan) -> torch.Tensor:
         0, src * R + dst, occ.to(torch.int64)).view(R, R)
 
 
+def _link_sums(f: torch.Tensor, domain_of: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(NVLink out, NVLink in, NIC out, NIC in) sums of flows f [..., R, R] whose diagonal is zero, in f's dtype."""
+    domain_of = domain_of.to(f.device)
+    same = domain_of[:, None] == domain_of[None, :]
+    intra, inter = f * same, f * ~same
+    return intra.sum(-1), intra.sum(-2), inter.sum(-1), inter.sum(-2)
+
+
 def link_loads(flows: torch.Tensor, domain_of: torch.Tensor) -> LinkLoads:
     """The link loads of one transfer with flows [R, R] (bytes s -> r; the diagonal stays on its rank); flows
     [..., R, R] give loads [..., R] (several transfers at once)."""
-    domain_of = domain_of.to(flows.device)
-    same = domain_of[:, None] == domain_of[None, :]
     f = flows.double() * (1 - torch.eye(flows.shape[-1], dtype=torch.float64, device=flows.device))
-    intra, inter = f * same, f * ~same
-    return LinkLoads(intra.sum(-1), intra.sum(-2), inter.sum(-1), inter.sum(-2))
+    return LinkLoads(*_link_sums(f, domain_of))
 
 
 def token_loads(plan: Plan, top_k: int | None = None, token_bytes: float | None = None) -> LinkLoads:
@@ -143,14 +148,9 @@ def transfer_fs(counts: torch.Tensor, unit_bytes: int, topology) -> torch.Tensor
     kernel (`topoep.runtime.guard_cuda`) gets the same value; the net-benefit guard decides on these. Exact while a
     link's femtoseconds stay below 2^63 (e.g. 10^6 rows of 8 KiB at 50 GB/s: 1.6e17)."""
     topo = topology.on(counts.device)
-    R = counts.shape[-1]
-    off = ~torch.eye(R, dtype=torch.bool, device=counts.device)
+    off = ~torch.eye(counts.shape[-1], dtype=torch.bool, device=counts.device)
     fs = counts.to(torch.int64) * int(unit_bytes) * topo.cost_fs * off
-    dom = topo.domain_of
-    same = dom[:, None] == dom[None, :]
-    intra, inter = fs * same, fs * ~same
-    return torch.stack([intra.sum(-1).amax(-1), intra.sum(-2).amax(-1), inter.sum(-1).amax(-1),
-                        inter.sum(-2).amax(-1)]).amax(0)
+    return torch.stack([t.amax(-1) for t in _link_sums(fs, topo.domain_of)]).amax(0)
 
 
 LINK_STAT_NAMES = (

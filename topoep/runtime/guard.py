@@ -238,7 +238,7 @@ class NetBenefitGuard:
         """`fetch_choice` of every plan: (float64[P], bool[P]); the direct fetches in one `transfer_fs`."""
         plan = plans[0]
         topo = self._cost_topology(plan.topology)
-        copies = torch.stack([replica_matrix(p) for p in plans]) if len(plans) > 1 else replica_matrix(plan)[None]
+        copies = torch.stack([replica_matrix(p) for p in plans])
         t = transfer_fs(copies, plan.expert_bytes, topo).double() * SECONDS_PER_FS + self.transfer_latency_s
         relay = torch.zeros(len(plans), dtype=torch.bool, device=t.device)
         if self.relay_fanout is not None:
