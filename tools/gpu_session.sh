@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -63,6 +63,12 @@ step_ep1() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 (every pa
   timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/moe_layer.py --name moe_layer_ep1 \
     --out "$OUT" --backends cuda --no-megatron --slots 2 --tokens 4096 16384 --skews 0 --layouts random \
     --profile-iters 2 --torch-profile 2>&1 | grep -E "^  [0-9]|Error|error" | tail -10
+}
+
+step_limit() {  # one layer at EP 1 against its physical limit (bench/layer_limit.py): GEMMs + HBM bytes measured in the
+  # same run, our layer (static, topoep), a plain PyTorch MoE and megatron's; LIMIT_ARGS adds options (e.g. --profile)
+  timeout ${LIMIT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/layer_limit.py \
+    --out "$OUT" ${LIMIT_ARGS:-} 2>&1 | grep -v -i warn | grep -E "^  [0-9]|^\||Error|error" | tail -60
 }
 
 step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 with the two-chunk pipeline

@@ -1,0 +1,386 @@
+"""One MoE layer call on one GPU against its physical limit (the GEMMs' FLOPs and the rows' HBM bytes).
+
+    torchrun --nproc_per_node=1 bench/layer_limit.py                   # Qwen3 expert shape, 4096 and 16384 tokens
+    torchrun --nproc_per_node=1 bench/layer_limit.py --tokens 4096 --no-megatron
+
+At EP 1 nothing crosses a link: what a layer spends beyond its expert GEMMs and the rows it must move is
+its own overhead (host work, launches, extra copies). Everything here is measured on the machine in the
+same run, so the ratios hold for the GPU the script ran on.
+
+The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, expert FFN F, A = T k rows):
+    GEMMs   the six GEMMs of a SwiGLU expert, forward [A, H] x [H, 2F] and [A, F] x [F, H], their two data
+            gradients and two weight gradients (2 A H 3F x 3 FLOPs), each timed as one dense bf16 matmul of the
+            same total size (`dense`; the best a GEMM of that size does on this GPU) and, beside it, as
+            torch._grouped_mm over E perfectly even groups (`even groups`: what the grouped kernel does at
+            our group sizes)
+    bytes   every row an unfused-but-single-pass layer must move through HBM outside the GEMMs, at the
+            measured device copy bandwidth (bytes read + written per second): forward, the gather of x into
+            expert order (T H read, A H written), the SwiGLU activation (2 A F read, A F written), the
+            weighted combine (A H read, T H written); backward, the top-k weights' gradient (A H + T H read),
+            the scatter of the output gradient (T H read, A H written), the activation's gradient (3 A F read,
+            2 A F written, and A F written: the activation the weight gradient reads), the sum of each token's
+            k input gradients (A H read, T H written). 2 bytes per bf16 element.
+    limit   dense GEMMs + bytes (the phases are not overlapped: a layer that overlaps them can go below it)
+
+Layers, all on the same input, routing, weights and output gradient:
+    cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
+                                 at EP 1 topoep's guard fires on every call (nothing to balance)
+    plain torch                  the MoE layer any user could write: sort the choices by expert, gather the
+                                 rows, torch._grouped_mm, SwiGLU, torch._grouped_mm, weight, index_add into the
+                                 output; autograd does the backward
+    megatron/alltoall            megatron-core's MoELayer (alltoall dispatcher; its experts as the installed
+                                 spec provides: TEGroupedMLP with Transformer Engine, else SequentialMLP)
+
+Measured per layer and routing ("balanced": every expert exactly A / E rows, as the limit assumes; "uniform":
+megatron's router at skew 0, random top-k):
+    ms          median over --iters calls of forward + backward (CUDA events around each call, the GPU idle
+                before it): what a training step pays
+    GPU ms      the same call's GPU time alone: the host first queues a sleep kernel longer than its own
+                work, so no launch gap is counted (median)
+    host ms     the host's time to issue the call (forward + backward, median); above GPU ms the call is
+                host-bound
+    phases      cuda layers only: a `topoep.runtime.PhaseTimer` over --profile-iters calls (phases
+                serialised): plan (the metadata graph), dispatch_combine (local row copies, weighting),
+                experts (GEMMs and activations), each over its part of the limit (plan over 0: shown in ms)
+
+Writes <out>/<name>.md and .json (default results/layer_limit), with config, commit and hardware; --profile
+also writes <out>/<name>_profile.txt (torch.profiler tables per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, bench_gpu, markdown_table, run_info, without_options, write_json  # noqa: E402
+
+QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
+BF16 = 2  # bytes per element
+
+
+# -- the limit ---------------------------------------------------------------------------------------------
+def gemm_shapes(A: int, H: int, Fd: int) -> list[tuple[str, int, int, int]]:
+    """(name, M, K, N) of the six GEMMs of one SwiGLU expert call over A rows: [M, K] x [K, N]."""
+    return [("fwd fc1", A, H, 2 * Fd), ("fwd fc2", A, Fd, H),
+            ("dgrad fc2", A, H, Fd), ("dgrad fc1", A, 2 * Fd, H),
+            ("wgrad fc2", H, A, Fd), ("wgrad fc1", 2 * Fd, A, H)]
+
+
+def gemm_flops(A: int, H: int, Fd: int) -> int:
+    return sum(2 * M * K * N for _, M, K, N in gemm_shapes(A, H, Fd))
+
+
+def row_bytes(T: int, k: int, H: int, Fd: int) -> int:
+    """HBM bytes an unfused single-pass layer moves outside its GEMMs in forward + backward (module docstring)."""
+    A = T * k
+    forward = (T * H + A * H) + (2 * A * Fd + A * Fd) + (A * H + T * H)
+    backward = (A * H + T * H) + (T * H + A * H) + (3 * A * Fd + 2 * A * Fd + A * Fd) + (A * H + T * H)
+    return BF16 * (forward + backward)
+
+
+def _gpu_ms(fn, iters: int) -> float:
+    """Median ms of fn() on the GPU (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> dict:
+    """The limit's parts on this GPU (module docstring), in ms, and the rates behind them."""
+    A = T * k
+    dense, grouped = {}, {}
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (A // E)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, M, K, N in gemm_shapes(A, H, Fd):
+        a = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
+        b = torch.randn(K, N, device=dev, dtype=torch.bfloat16, generator=g)
+        dense[name] = _gpu_ms(lambda: a @ b, iters)
+        if name.startswith("wgrad"):  # [M, A] x [A, N] summed per group: the weight gradient's grouped form
+            at = torch.randn(K, M, device=dev, dtype=torch.bfloat16, generator=g)
+            grouped[name] = _gpu_ms(lambda: torch._grouped_mm(at.t(), b, offs=offs), iters)
+        else:  # [A, K] x [E, K, N] over even groups of rows
+            w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16, generator=g)
+            grouped[name] = _gpu_ms(lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=offs), iters)
+        del a, b
+    nbytes = 1 << 30
+    src = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = _gpu_ms(lambda: dst.copy_(src), iters)
+    del src, dst
+    bw = 2 * nbytes / (copy_ms * 1e-3)  # read + written
+    flops, moved = gemm_flops(A, H, Fd), row_bytes(T, k, H, Fd)
+    gemm_ms, even_ms = sum(dense.values()), sum(grouped.values())
+    bytes_ms = 1e3 * moved / bw
+    return dict(gemm_dense_ms=gemm_ms, gemm_even_ms=even_ms, bytes_ms=bytes_ms, limit_ms=gemm_ms + bytes_ms,
+                limit_even_ms=even_ms + bytes_ms, tflops=flops / 1e12, dense_tflops_per_s=flops / gemm_ms / 1e9,
+                even_tflops_per_s=flops / even_ms / 1e9, copy_gb_per_s=bw / 1e9, row_gb=moved / 1e9,
+                dense_ms=dense, even_ms=grouped)
+
+
+# -- the plain PyTorch layer --------------------------------------------------------------------------------
+def plain_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, fc1: torch.Tensor,
+              fc2: torch.Tensor) -> torch.Tensor:
+    """y [T, H] = sum_j w[t, j] SwiGLU_{e = idx[t, j]}(x[t]) the way a user writes it with torch ops: fc1 [E, 2F, H],
+    fc2 [E, H, F] (megatron's layout); autograd gives the backward. No host synchronisation."""
+    T, k = topk_idx.shape
+    E, Fd = fc1.shape[0], fc2.shape[2]
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    token = order // k
+    h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)
+    act = F.silu(h[:, :Fd]) * h[:, Fd:]
+    y = torch._grouped_mm(act, fc2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def plain_moe_reference(x, topk_idx, topk_weights, fc1, fc2) -> torch.Tensor:
+    """The same layer as a loop over tokens and choices (fp32): what plain_moe must equal."""
+    T, k = topk_idx.shape
+    Fd = fc2.shape[2]
+    out = [torch.zeros(x.shape[1]) for _ in range(T)]
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_idx[t, j])
+            h = fc1[e].float() @ x[t].float()
+            out[t] = out[t] + topk_weights[t, j].float() * (fc2[e].float() @ (F.silu(h[:Fd]) * h[Fd:]))
+    return torch.stack(out)
+
+
+# -- timing the layers --------------------------------------------------------------------------------------
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s on an H200, longer than any call's host work here
+
+
+def time_layer(run, iters: int) -> dict:
+    """ms (the call from an idle GPU), GPU ms (the GPU's own time: queued behind a sleep), host ms (median)."""
+    wall, gpu, host, ahead = [], [], [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        wall.append(a.elapsed_time(b))
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        s.record()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a.record()
+        t0 = time.perf_counter()
+        run()
+        host.append(1e3 * (time.perf_counter() - t0))
+        b.record()
+        b.synchronize()
+        gpu.append(a.elapsed_time(b))
+        ahead.append(s.elapsed_time(a) > host[-1])  # the sleep outlasted the host's issuing: no gap counted
+    return dict(ms=statistics.median(wall), gpu_ms=statistics.median(gpu), host_ms=statistics.median(host),
+                gpu_clean=all(ahead))
+
+
+def phase_times(layer, run, iters: int, dev) -> dict:
+    from topoep.runtime import PHASES, PhaseTimer
+
+    timer = PhaseTimer(dev)
+    layer.timer = timer
+    per = {p: [] for p in PHASES}
+    try:
+        for _ in range(iters):
+            run()
+            got = timer.pop()
+            for p in PHASES:
+                per[p].append(got.get(p, 0.0))
+    finally:
+        layer.timer = None
+    return {f"{p}_ms": statistics.median(v) for p, v in per.items()}
+
+
+def profile_table(run, iters: int = 5) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    return (f"### by host time ({iters} calls)\n"
+            f"{avg.table(sort_by='cpu_time_total', row_limit=25, max_name_column_width=70)}\n"
+            f"### by self device time\n"
+            f"{avg.table(sort_by='self_device_time_total', row_limit=30, max_name_column_width=70)}\n")
+
+
+def build(args, T: int, dev, fc1, fc2) -> dict:
+    """{name: (module or None, forward(x, idx, w) -> y)} of the layers (module docstring)."""
+    from bench.moe_layer import megatron_layer
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.metrics import ffn_time_per_assignment
+
+    E, H, Fd = args.experts, args.hidden, args.ffn
+    layers = {}
+    for policy in ("static", "topoep"):
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=Topology(1, 1),
+                                  num_slots=args.slots, policy=policy, backend="cuda", dtype=torch.bfloat16,
+                                  device=dev, t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+        with torch.no_grad():
+            layer.fc1.copy_(fc1)
+            layer.fc2.copy_(fc2)
+        layers[f"cuda/{policy}"] = (layer, layer)
+    p1, p2 = torch.nn.Parameter(fc1.clone()), torch.nn.Parameter(fc2.clone())
+    holder = torch.nn.Module()
+    holder.fc1, holder.fc2 = p1, p2
+    layers["plain torch"] = (holder, lambda x, idx, w: plain_moe(x, idx, w, p1, p2))
+    if not args.no_megatron:
+        margs = argparse.Namespace(hidden=H, ffn=Fd, experts=E, topk=args.topk, seed=0)
+        mlayer, experts_module = megatron_layer(margs, 1, torch.bfloat16, True, fc1, fc2)
+        args.megatron_experts = experts_module
+
+        def mrun(x, idx, w, mlayer=mlayer):
+            Tn = x.shape[0]
+            probs = torch.zeros(Tn, E, device=x.device).scatter(1, idx, w.float())
+            rmap = torch.zeros(Tn, E, device=x.device, dtype=torch.bool).scatter(1, idx, True)
+            mlayer.route = lambda hidden, padding_mask=None: (probs, rmap)
+            y, _ = mlayer(x.view(Tn, 1, H))
+            return y.view(Tn, H)
+        layers["megatron/alltoall"] = (mlayer, mrun)
+    return layers
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens per call")
+    ap.add_argument("--routings", nargs="+", default=["balanced", "uniform"], choices=["balanced", "uniform"])
+    ap.add_argument("--slots", type=int, default=2, help="replica slots of the topoep layers")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per layer and routing")
+    ap.add_argument("--profile-iters", type=int, default=5, help="calls with the phase timer (cuda layers)")
+    ap.add_argument("--no-megatron", action="store_true", help="leave megatron-core's layer out")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of every layer (<name>_profile.txt)")
+    ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
+    ap.add_argument("--name", default="layer_limit", help="report name")
+    args = ap.parse_args(argv)
+    args.__dict__.update(QWEN3)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/layer_limit.py measures one GPU: run it on a machine with CUDA")
+    dev = bench_gpu()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=dev)
+    if dist.get_world_size() != 1:
+        raise SystemExit("bench/layer_limit.py runs on one GPU: torchrun --nproc_per_node=1")
+    from bench.moe_layer import routing
+
+    E, H, Fd, k = args.experts, args.hidden, args.ffn, args.topk
+    g = torch.Generator(device=dev).manual_seed(1234)
+    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) * 0.02 / 2 ** 0.5).to(torch.bfloat16)
+    rows, limits, profiles = [], {}, []
+    for T in args.tokens:
+        lim = limits[T] = measure_limit(T, k, E, H, Fd, dev, args.iters)
+        print(f"  {T} tokens: limit {lim['limit_ms']:.2f} ms (GEMMs {lim['gemm_dense_ms']:.2f} dense / "
+              f"{lim['gemm_even_ms']:.2f} even groups, bytes {lim['bytes_ms']:.2f})", flush=True)
+        layers = build(args, T, dev, fc1, fc2)
+        gi = torch.Generator().manual_seed(99)
+        x = (torch.randn(T, H, generator=gi) * 0.1).to(dev, torch.bfloat16).requires_grad_()
+        w = torch.softmax(torch.randn(T, k, generator=gi), -1).to(dev, torch.bfloat16).requires_grad_()
+        gy = torch.randn(T, H, generator=gi).to(dev, torch.bfloat16)
+        for rname in args.routings:
+            idx = routing(1, E, T, k, None if rname == "balanced" else 0.0,
+                          "balanced" if rname == "balanced" else "uniform", 0)[0].to(dev)
+            ref = None
+            for name, (module, fwd) in layers.items():
+                def run(module=module, fwd=fwd):
+                    x.grad = w.grad = None
+                    module.zero_grad(set_to_none=True)
+                    y = fwd(x, idx, w)
+                    y.backward(gy)
+                    return y.detach()
+                y = run()
+                for _ in range(2):
+                    run()
+                ref = y if ref is None else ref
+                row = dict(tokens=T, routing=rname, layer=name, max_diff=(y.float() - ref.float()).abs().max().item(),
+                           **time_layer(run, args.iters))
+                if name.startswith("cuda/") and args.profile_iters:
+                    row.update(phase_times(module, run, args.profile_iters, dev))
+                if args.profile:
+                    profiles.append(f"## {T} tokens, {rname}, {name}\n{profile_table(run)}")
+                row.update(vs_limit=row["ms"] / lim["limit_ms"], vs_limit_even=row["ms"] / lim["limit_even_ms"],
+                           gpu_vs_limit=row["gpu_ms"] / lim["limit_ms"])
+                rows.append(row)
+                print(f"  {T} {rname} {name}: {row['ms']:.2f} ms (GPU {row['gpu_ms']:.2f}, host {row['host_ms']:.2f}) "
+                      f"= {row['vs_limit']:.2f}x limit", flush=True)
+        del layers
+    report(args, rows, limits)
+    if args.profile:
+        (args.out / f"{args.name}_profile.txt").write_text("\n".join(profiles))
+    dist.destroy_process_group()
+    return 0
+
+
+def report(args, rows: list[dict], limits: dict) -> None:
+    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    cmd = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py",
+                    *without_options(sys.argv[1:], "--out")])
+    text = [f"# One MoE layer on one GPU against its physical limit\n",
+            f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
+            f"- shape: {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn} (SwiGLU), top-{args.topk}, "
+            f"bf16, EP 1; topoep layers: backend cuda, {args.slots} replica slots"
+            + (f"; megatron experts: {getattr(args, 'megatron_experts', '-')}" if not args.no_megatron else ""),
+            "- limit: the six expert GEMMs timed as dense bf16 matmuls of the same size, plus the rows an unfused "
+            "single-pass layer moves through HBM at the measured copy bandwidth (`bench/layer_limit.py` docstring); "
+            "`even`: the GEMMs as torch._grouped_mm over perfectly even groups instead",
+            "- ms: median forward + backward from an idle GPU; GPU ms: the GPU's own time (the call queued behind a "
+            "sleep); host ms: the host's time to issue it; phases: serialised (PhaseTimer), ms",
+            f"- reproduce: `{cmd}`", "", "## The limit", ""]
+    text.append(markdown_table(
+        ["tokens", "TFLOP", "GEMMs dense ms", "dense TFLOP/s", "GEMMs even groups ms", "even TFLOP/s", "row GB",
+         "copy GB/s", "bytes ms", "limit ms", "limit (even) ms"],
+        [[T, f"{v['tflops']:.3f}", f"{v['gemm_dense_ms']:.2f}", f"{v['dense_tflops_per_s']:.0f}",
+          f"{v['gemm_even_ms']:.2f}", f"{v['even_tflops_per_s']:.0f}", f"{v['row_gb']:.2f}",
+          f"{v['copy_gb_per_s']:.0f}", f"{v['bytes_ms']:.2f}", f"{v['limit_ms']:.2f}", f"{v['limit_even_ms']:.2f}"]
+         for T, v in limits.items()]))
+    text += ["", "## The layers", ""]
+    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    text.append(markdown_table(
+        ["tokens", "routing", "layer", "ms", "/ limit", "/ limit (even)", "GPU ms", "GPU / limit", "host ms",
+         "host-bound", "plan ms", "dispatch/combine ms", "experts ms", "max diff"],
+        [[r["tokens"], r["routing"], r["layer"], f(r["ms"]), f(r["vs_limit"]), f(r["vs_limit_even"]), f(r["gpu_ms"]),
+          f(r["gpu_vs_limit"]), f(r["host_ms"]), "yes" if r["host_ms"] > r["gpu_ms"] else "no",
+          f(r.get("plan_ms")), f(r.get("dispatch_combine_ms")), f(r.get("experts_ms")), f"{r['max_diff']:.1e}"]
+         for r in rows]))
+    text += ["", "Per-GEMM times (ms): dense / even groups", ""]
+    names = [n for n, *_ in gemm_shapes(1, 1, 1)]
+    text.append(markdown_table(["tokens", *names],
+                               [[T, *(f"{v['dense_ms'][n]:.3f} / {v['even_ms'][n]:.3f}" for n in names)]
+                                for T, v in limits.items()]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text("\n".join(text) + "\n")
+    write_json(args.out / f"{args.name}.json", {**info, "limits": {str(T): v for T, v in limits.items()}}, rows)
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/layer_limit.py on the CPU (the measurement needs a GPU): the plain PyTorch layer it compares against
+computes the MoE layer (forward against a loop over tokens, backward through autograd), the limit's FLOPs and bytes
+follow the docstring's formulas, and without CUDA it says where to run."""
+
+import pytest
+import torch
+
+from bench.layer_limit import gemm_flops, gemm_shapes, main, plain_moe, plain_moe_reference, row_bytes
+
+
+def _case(T=16, k=2, E=4, H=8, Fd=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.randint(0, E, (T, k), generator=g)
+    idx[0] = torch.arange(k)  # experts 0 and 1 have rows; some expert may have none
+    w = torch.rand(T, k, generator=g)
+    return x, idx, w, torch.randn(E, 2 * Fd, H, generator=g), torch.randn(E, H, Fd, generator=g)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plain_layer_equals_the_token_loop(seed):
+    x, idx, w, fc1, fc2 = _case(seed=seed)
+    got = plain_moe(x, idx, w, fc1, fc2)
+    want = plain_moe_reference(x, idx, w, fc1, fc2)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+def test_plain_layer_backward_matches_the_loop():
+    x, idx, w, fc1, fc2 = _case(T=6, E=3)
+    leaves = [t.clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    leaves_ref = [t.clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    gy = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
+    plain_moe(leaves[0], idx, *leaves[1:]).backward(gy)
+    plain_moe_reference(leaves_ref[0], idx, *leaves_ref[1:]).backward(gy)
+    for a, b in zip(leaves, leaves_ref):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-4), (a.grad - b.grad).abs().max()
+
+
+def test_limit_counts():
+    A, H, Fd = 32, 16, 8
+    shapes = gemm_shapes(A, H, Fd)
+    assert len(shapes) == 6 and gemm_flops(A, H, Fd) == 3 * 2 * A * H * 3 * Fd  # forward, dgrad, wgrad
+    T, k = 4, 8
+    A = T * k
+    # forward 2TH + 2AH + 3AF; backward 3TH + 3AH + 6AF (docstring), 2 bytes each
+    assert row_bytes(T, k, H, Fd) == 2 * (5 * T * H + 5 * A * H + 9 * A * Fd)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_cuda_it_says_where_to_run():
+    with pytest.raises(SystemExit, match="CUDA"):
+        main(["--tokens", "16"])
