@@ -44,7 +44,8 @@ megatron's router at skew 0, random top-k):
                 experts (GEMMs and activations), each over its part of the limit (plan over 0: shown in ms)
 
 Writes <out>/<name>.md and .json (default results/layer_limit), with config, commit and hardware; --profile
-also writes <out>/<name>_profile.txt (torch.profiler tables per layer).
+(torch.profiler tables per layer) and --host-profile (cProfile of the cuda layers' host work) write
+<out>/<name>_profile.txt.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def plain_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
     E, Fd = fc1.shape[0], fc2.shape[2]
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # (bincount would read the maximum on the host: a sync)
     token = order // k
     h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)
     act = F.silu(h[:, :Fd]) * h[:, Fd:]
@@ -229,6 +231,25 @@ def profile_table(run, iters: int = 5) -> str:
             f"{avg.table(sort_by='self_device_time_total', row_limit=30, max_name_column_width=70)}\n")
 
 
+def host_profile(run, iters: int = 20, top: int = 40) -> str:
+    """cProfile over `iters` calls: where the host's time per call goes, by Python function (cumulative and own)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("cumulative").print_stats(top)
+    st.sort_stats("tottime").print_stats(top)
+    return f"### host profile ({iters} calls; cProfile)\n{out.getvalue()}"
+
+
 def build(args, T: int, dev, fc1, fc2) -> dict:
     """{name: (module or None, forward(x, idx, w) -> y)} of the layers (module docstring)."""
     from bench.moe_layer import megatron_layer
@@ -274,6 +295,8 @@ def parse_args(argv):
     ap.add_argument("--profile-iters", type=int, default=5, help="calls with the phase timer (cuda layers)")
     ap.add_argument("--no-megatron", action="store_true", help="leave megatron-core's layer out")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of every layer (<name>_profile.txt)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile of the cuda layers' host work by Python function (into <name>_profile.txt)")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
     args = ap.parse_args(argv)
@@ -327,6 +350,8 @@ def main(argv=None) -> int:
                     row.update(phase_times(module, run, args.profile_iters, dev))
                 if args.profile:
                     profiles.append(f"## {T} tokens, {rname}, {name}\n{profile_table(run)}")
+                if args.host_profile and name.startswith("cuda/"):
+                    profiles.append(f"## {T} tokens, {rname}, {name}\n{host_profile(run)}")
                 row.update(vs_limit=row["ms"] / lim["limit_ms"], vs_limit_even=row["ms"] / lim["limit_even_ms"],
                            gpu_vs_limit=row["gpu_ms"] / lim["limit_ms"])
                 rows.append(row)
@@ -334,7 +359,7 @@ def main(argv=None) -> int:
                       f"= {row['vs_limit']:.2f}x limit", flush=True)
         del layers
     report(args, rows, limits)
-    if args.profile:
+    if args.profile or args.host_profile:
         (args.out / f"{args.name}_profile.txt").write_text("\n".join(profiles))
     dist.destroy_process_group()
     return 0

@@ -6,7 +6,10 @@ receive layout became two Triton kernels, layout_triton.py; 43 after it, in a pr
 the host spends longer launching them than the GPU spends running them, and the layer becomes host-bound. None of it synchronises the host and every shape is fixed by (T, k), so each layer captures
 it once per input shape (on the second call: the first one compiles the kernels and creates the
 workspaces) and afterwards copies topk_idx (and the replica-machinery flag) into the graph's inputs, replays
-it, and clones its outputs (the next replay overwrites them while this call's backward still needs them).
+it, and copies its outputs out (the next replay overwrites them while this call's backward still needs them).
+The graph ends by packing its outputs into one buffer per dtype (`_Packed`), so that copy is a clone per dtype
+and a view per output instead of a clone (an allocation and a launch) per output: the host's time per call
+stays short of the GPU's.
 
 `LayerConfig.cuda_graphs=False` runs it eagerly (debugging); when the caller is itself capturing a CUDA
 graph, it runs eagerly inside that capture. Policies without a GPU planner (deepseek, fastermoe, flexmoe:
@@ -18,6 +21,45 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+
+ALIGN = 16  # bytes: each output starts at a multiple of it in its packed buffer (as an allocation of its own would)
+
+
+class _Packed:
+    """The outputs of a captured function, packed into one flat buffer per dtype inside the capture, each output
+    padded to ALIGN bytes; `unpack` turns copies of the buffers back into the outputs (views)."""
+
+    def __init__(self, outs: tuple):
+        groups: dict = {}
+        for i, t in enumerate(outs):
+            groups.setdefault(t.dtype, []).append(i)
+        self.n = len(outs)
+        self.buffers, self.layout = [], []  # per dtype: [(output index, offset, shape)]
+        for dtype, members in groups.items():
+            step = max(1, ALIGN // outs[members[0]].element_size())
+            zeros = torch.zeros(step, dtype=dtype, device=outs[members[0]].device)
+            parts, layout, off = [], [], 0
+            for i in members:
+                t = outs[i].reshape(-1)
+                parts.append(t)
+                pad = -t.numel() % step
+                if pad:
+                    parts.append(zeros[:pad])
+                layout.append((i, off, tuple(outs[i].shape)))
+                off += t.numel() + pad
+            self.buffers.append(torch.cat(parts))
+            self.layout.append(layout)
+
+    def unpack(self, buffers: list[torch.Tensor]) -> tuple:
+        out = [None] * self.n
+        for flat, layout in zip(buffers, self.layout):
+            for i, off, shape in layout:
+                n = 1
+                for d in shape:
+                    n *= d
+                out[i] = flat[off:off + n].view(shape)
+        return tuple(out)
 
 
 class MetadataGraphs:
@@ -43,11 +85,11 @@ class MetadataGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the NCCL watchdog thread may query events while we capture
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outs = fn(*static_in)
-            self._graphs[key] = entry = (graph, static_in, outs)
-        graph, static_in, outs = entry
+                packed = _Packed(fn(*static_in))
+            self._graphs[key] = entry = (graph, static_in, packed)
+        graph, static_in, packed = entry
         for dst, src in zip(static_in, (topk_idx, *inputs)):
             dst.copy_(src)
         graph.replay()
         self.replays += 1
-        return tuple(t.clone() for t in outs)
+        return packed.unpack([b.clone() for b in packed.buffers])

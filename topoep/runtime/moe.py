@@ -174,24 +174,23 @@ class ExpertParallelMoE(nn.Module):
                              f"(one weight per choice, same k), got {list(topk_weights.shape)}")
         if not topk_weights.is_floating_point():
             raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if self.backend.name == "cuda":  # reading the values would synchronise: check them on the device
-            torch._assert_async((topk_idx.min() >= 0) & (topk_idx.max() < self.num_experts) if topk_idx.numel()
-                                else torch.ones((), dtype=torch.bool, device=topk_idx.device),
-                                f"topk_idx out of range: values must be in [0, {self.num_experts})")
-        elif topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
+        if self.backend.name == "cuda" and topk_idx.is_cuda:  # reading the values would synchronise: _cuda_metadata
+            return  # checks them on the device (in its CUDA graph)
+        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
             raise ValueError(f"topk_idx out of range: values must be in [0, {self.num_experts}), got "
                              f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
         self._validate(x, topk_idx, topk_weights)
-        fc1, fc2 = self.main_weights()
+        if self.backend.name == "cuda" and self._expert_weights is None:
+            fc1, fc2 = [self.fc1], [self.fc2]  # the stacked parameters: no per-expert views (no host work per expert)
+        else:
+            fc1, fc2 = self.main_weights()
         if fc1[0].dtype != x.dtype:
             raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
                              "the weights' dtype (e.g. under megatron's Float16Module for bf16)")
         if self.backend.name == "cuda":
-            if self._expert_weights is None:  # the stacked parameters: no per-expert views through autograd
-                fc1, fc2 = [self.fc1], [self.fc2]
             return self._experts_cuda(x, topk_idx, topk_weights, fc1, fc2)  # weighted inside (weighting.py)
         out = self._experts_torch(x, topk_idx, fc1, fc2)
         T, k = topk_idx.shape
@@ -349,6 +348,9 @@ class ExpertParallelMoE(nn.Module):
         level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row
         counts are made here once for forward and backward."""
         E = self.num_experts
+        if topk_idx.is_cuda and topk_idx.numel():  # _validate leaves the values to the device
+            lo, hi = torch.aminmax(topk_idx)
+            torch._assert_async((lo >= 0) & (hi < E), f"topk_idx out of range: values must be in [0, {E})")
         omega = ws.all_gather(count_keys(topk_idx, E), 0)
         cap = None
         if self.capacity_factor is not None:
