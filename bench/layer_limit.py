@@ -120,12 +120,10 @@ def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> d
         else:  # [A, K] x [E, K, N] over even groups of rows
             w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16, generator=g)
             grouped[name] = _gpu_ms(lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=offs), iters)
-        del a, b
     nbytes = 1 << 30
     src = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = _gpu_ms(lambda: dst.copy_(src), iters)
-    del src, dst
     bw = 2 * nbytes / (copy_ms * 1e-3)  # read + written
     flops, moved = gemm_flops(A, H, Fd), row_bytes(T, k, H, Fd)
     gemm_ms, even_ms = sum(dense.values()), sum(grouped.values())
@@ -369,7 +367,7 @@ def report(args, rows: list[dict], limits: dict) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     cmd = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py",
                     *without_options(sys.argv[1:], "--out")])
-    text = [f"# One MoE layer on one GPU against its physical limit\n",
+    text = ["# One MoE layer on one GPU against its physical limit\n",
             f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
             f"- shape: {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn} (SwiGLU), top-{args.topk}, "
             f"bf16, EP 1; topoep layers: backend cuda, {args.slots} replica slots"
