@@ -535,7 +535,10 @@ def test_fused_swiglu_activation_matches_reference_on_the_counted_rows():
         nt = torch.tensor([n], device=dev)
         ref, ref_g = swiglu_act_reference(h.double()), _act_grads(ga.double(), h.double())
         got = swiglu_act(h.bfloat16(), nt)[:n].double()
-        got_g = swiglu_act_grad(ga.bfloat16(), h.bfloat16(), nt)[:n].double()
+        got_g, got_act = swiglu_act_grad(ga.bfloat16(), h.bfloat16(), nt)
+        got_g = got_g[:n].double()
+        # the activation the backward pass writes beside the gradient is the forward's, bit for bit
+        assert torch.equal(got_act[:n], swiglu_act(h.bfloat16(), nt)[:n])
         # within 2x the error of the same computation in bf16 torch ops (STYLE.md 3)
         tor = swiglu_act_reference(h.bfloat16())[:n].double()
         tor_g = _act_grads(ga.bfloat16(), h.bfloat16())[:n].double()

@@ -34,7 +34,7 @@ KERNELS = {
                                 e_loc=I32, N=I32, numel=I32),
                            dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
     "_swiglu_fwd_kernel": (dict(h="*bf16", act="*bf16", n_ptr=I64, cap=I32), dict(F=768, BLOCK_F=1024)),
-    "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", n_ptr=I64, cap=I32),
+    "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", act="*bf16", n_ptr=I64, cap=I32),
                            dict(F=768, BLOCK_F=1024)),
     "_reduce_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, ret="*bf16", grad="*bf16", me=I32,
                                   e_loc=I32, N=I32, RN=I32, numel=I32),

@@ -119,7 +119,8 @@ def _act(h, n):
 
 
 def _act_grad(grad_act, h, n):
-    return swiglu_act_grad(grad_act, h, n) if h.is_cuda else _act_grads(grad_act, h)
+    """(gradient of h, the activation): one pass over h on the GPU."""
+    return swiglu_act_grad(grad_act, h, n) if h.is_cuda else (_act_grads(grad_act, h), swiglu_act_reference(h))
 
 
 def _weighted_sum(rows, w, save):
@@ -144,14 +145,15 @@ def grouped_swiglu(x, w1, w2, offs, n):
 
 
 def grouped_swiglu_dgrad(gy, h, w1, w2, offs, n):
-    gh = _act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
-    return torch._grouped_mm(gh, w1, offs=offs), gh
+    """(input gradient, gradient of h, the activation: the weight gradient's input, made in the same pass)."""
+    gh, act = _act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
+    return torch._grouped_mm(gh, w1, offs=offs), gh, act
 
 
-def grouped_swiglu_wgrad(x, h, gy, gh, offs, n):
+def grouped_swiglu_wgrad(x, act, gy, gh, offs):
     """The weight gradients of every group, (g1 [G, 2F, H], g2 [G, H, F]), written once by the GEMMs (no
-    zero fill, no accumulation pass); a group with no rows gets zeros."""
-    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), _act(h, n), offs=offs)
+    zero fill, no accumulation pass); a group with no rows gets zeros. act: the activation (grouped_swiglu_dgrad's)."""
+    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), act, offs=offs)
 
 
 _SIDE_STREAMS: dict = {}
@@ -446,11 +448,11 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             gm, gs, ready = received[i] if comm is not None else dispatch(i, ch)
             _wait(ready, grad_y.device)
             with phase(tm, "experts"):  # data gradients first: token gradients leave early
-                gxm, ghm = grouped_swiglu_dgrad(gm, hm, W1, W2, ch.offs_main, ch.n_main)
-                gxs = ghs = None
+                gxm, ghm, am = grouped_swiglu_dgrad(gm, hm, W1, W2, ch.offs_main, ch.n_main)
+                gxs = ghs = as_ = None
                 if pool is not None:
                     xs, hs = rest
-                    gxs, ghs = grouped_swiglu_dgrad(gs, hs, *slot_w, ch.offs_slot, ch.n_slot)
+                    gxs, ghs, as_ = grouped_swiglu_dgrad(gs, hs, *slot_w, ch.offs_slot, ch.n_slot)
                 ws.spill(ch.spill, (W1, W2), slot_w, backward=True)
             done = _record(comm and torch.cuda.current_stream(grad_y.device))
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
@@ -461,8 +463,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 data_grads.append((gxm, gxs))
             del gxm, gxs
             # gm, gs stay valid for the weight gradients: the next chunk's rows land in another region
-            wgrad_inputs.append((xm, hm, gm, ghm, ch.offs_main, ch.n_main) + (
-                (rest[0], rest[1], gs, ghs, ch.offs_slot, ch.n_slot) if pool is not None else ()))
+            wgrad_inputs.append((xm, am, gm, ghm, ch.offs_main) + (
+                (rest[0], as_, gs, ghs, ch.offs_slot) if pool is not None else ()))
 
         def summed(parts):  # the chunks' weight gradients (one chunk: no addition)
             g1, g2 = parts[0]
@@ -473,7 +475,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         E_loc, G = call.experts_per_rank, call.experts_per_rank + (pool.num_slots if pool is not None else 0)
 
         def main_wgrad():
-            g1, g2 = summed([grouped_swiglu_wgrad(*w[:6]) for w in wgrad_inputs])
+            g1, g2 = summed([grouped_swiglu_wgrad(*w[:5]) for w in wgrad_inputs])
             for ch in call.chunks:  # the spilled rows of the main experts
                 ws.spill_wgrad(ch.spill, (W1, W2), (g1, g2), (0, E_loc))
             return g1, g2
@@ -483,7 +485,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 g1, g2 = main_wgrad()
         else:  # the replicas' weight gradients first: they travel home while the main ones are computed
             with phase(tm, "experts"):
-                s1, s2 = summed([grouped_swiglu_wgrad(*w[6:]) for w in wgrad_inputs])
+                s1, s2 = summed([grouped_swiglu_wgrad(*w[5:]) for w in wgrad_inputs])
                 for ch in call.chunks:  # the spilled rows of the slots, before they travel
                     ws.spill_wgrad(ch.spill, (W1, W2), (s1, s2), (E_loc, G), slot_w, (s1, s2))
             g1, g2 = return_grads(call, s1, s2, main_wgrad)

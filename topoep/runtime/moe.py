@@ -129,8 +129,8 @@ class ExpertParallelMoE(nn.Module):
         self.last_plan = None
         self.workspace = None  # backend cuda: the (shared) workspace of the last call
         self.timer: PhaseTimer | None = None
-        self.stats = None  # float64[len(LAYER_STAT_NAMES)] on the device, refreshed every call
-        self._stats_sum, self._stats_calls = None, 0
+        self._last_stats = None  # (the last call's statistics without planner_ms, its planner_ms): `stats`
+        self._stats_sum, self._planner_ms_sum, self._stats_calls = None, 0.0, 0
         # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
         # the host, so its metadata runs eagerly
         self._meta_graphs = MetadataGraphs(enabled=config.cuda_graphs and has_cuda_kernel(policy, topology))
@@ -204,7 +204,8 @@ class ExpertParallelMoE(nn.Module):
         if self.capacity_factor is not None:
             cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor)
         plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
-        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, fit_stats])
+        no_hint = torch.zeros(2, dtype=torch.float64)  # slot_skipped, slot_skip_missed: backend cuda's
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit_stats])
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
                       capacity: int | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -257,17 +258,26 @@ class ExpertParallelMoE(nn.Module):
         info = plan.info["capacity"]
         return plan, torch.tensor([info["overflow"], info["moves"]], dtype=torch.float64)
 
-    def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float, slot_skipped: bool = False) -> None:
-        """Keep the call's plan and statistics (LAYER_STAT_NAMES order) for pop_stats / stats_dict. stats: the plan's
-        STAT_NAMES, the guard's 6 (fired, saved, cost, wanted, plan skipped, local plan), the capacity step's 2."""
-        n = len(STAT_NAMES)
+    def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
+        """Keep the call's plan and statistics for pop_stats / stats_dict: stats is LAYER_STAT_NAMES without
+        planner_ms (the plan's STAT_NAMES, the guard's 6: fired, saved, cost, wanted, plan skipped, local plan; the
+        slot hint's 2: skipped, skipped and wanted; the capacity step's 2), on the device; planner_ms stays on the host
+        until it is read (one device operation per call: the sum)."""
         self.last_plan = plan
-        planner = torch.full((1,), planner_ms, dtype=torch.float64, device=stats.device)
-        skipped = torch.full((1,), float(slot_skipped), dtype=torch.float64, device=stats.device)
-        guard, fit = stats[n:n + 6], stats[n + 6:]
-        self.stats = torch.cat([stats[:n], planner, guard, skipped, skipped * guard[3:4], fit])
-        self._stats_sum = self.stats if self._stats_sum is None else self._stats_sum + self.stats
+        self._last_stats = (stats, planner_ms)
+        self._stats_sum = stats if self._stats_sum is None else self._stats_sum + stats
+        self._planner_ms_sum += planner_ms
         self._stats_calls += 1
+
+    @staticmethod
+    def _with_planner_ms(stats: torch.Tensor, planner_ms: float) -> torch.Tensor:
+        n = len(STAT_NAMES)
+        return torch.cat([stats[:n], torch.full((1,), planner_ms, dtype=stats.dtype, device=stats.device), stats[n:]])
+
+    @property
+    def stats(self) -> torch.Tensor | None:
+        """The last call's statistics, float64[len(LAYER_STAT_NAMES)] on the device (None before the first call)."""
+        return None if self._last_stats is None else self._with_planner_ms(*self._last_stats)
 
     def _experts_torch(self, x, topk_idx, fc1, fc2) -> torch.Tensor:
         """Backend torch: [T * k, H] expert outputs per assignment (torch_function.py)."""
@@ -325,8 +335,7 @@ class ExpertParallelMoE(nn.Module):
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
             plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
-            self._record(plan, stats, 1e3 * (time.perf_counter() - t0),
-                         slot_skipped=self.slot_hint is not None and not use_slots)
+            self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
         chunks = [CudaChunk(*layout[i:i + 8], spill=SpillWork(*layout[i + 8:i + LAYOUT]))
                   for i in range(0, len(layout), LAYOUT)]
         for c, ch in enumerate(chunks):  # regions fixed by the workspace, so that every rank agrees on them
@@ -362,8 +371,7 @@ class ExpertParallelMoE(nn.Module):
             wanted = wanted | (plan.slot_expert >= 0).any()
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
         # (into a buffer of this stream, so the allocator needs no record_stream)
-        stats = torch.empty(len(STAT_NAMES) + guard_stats.numel() + fit_stats.numel(), dtype=torch.float64,
-                            device=omega.device)
+        stats = torch.empty(len(LAYER_STAT_NAMES) - 1, dtype=torch.float64, device=omega.device)
         plan.instance_expert, plan.instance_rank  # noqa: B018 - cached on this stream: the layout reads them
         main = side = None
         if omega.is_cuda:
@@ -371,7 +379,12 @@ class ExpertParallelMoE(nn.Module):
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
-            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats, fit_stats]))
+            # the slot hint's: this call's replica machinery left out (the host's flag `allow` False), and the guard
+            # wanting the balanced plan all the same
+            skipped = ((~allow).to(torch.float64) if self.slot_hint is not None else
+                       torch.zeros((), dtype=torch.float64, device=omega.device))
+            hint = torch.stack([skipped, skipped * guard_stats[3]])
+            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
         T = topk_idx.shape[0]
         if len(ws.regions) == 1:
             layouts = self._cuda_layout(topk_idx, plan, ws.regions[0])
@@ -418,8 +431,9 @@ class ExpertParallelMoE(nn.Module):
         """(mean statistics over the calls since the last pop, on the device; number of calls), then
         reset. A trainer calls it once per step to log every micro-batch's plans without a sync per layer.
         The mean of "guard_fired" is the fraction of calls in which the guard fired (times calls: how often)."""
-        out = (self._stats_sum / self._stats_calls if self._stats_calls else None, self._stats_calls)
-        self._stats_sum, self._stats_calls = None, 0
+        calls = self._stats_calls
+        out = (self._with_planner_ms(self._stats_sum, self._planner_ms_sum) / calls if calls else None, calls)
+        self._stats_sum, self._planner_ms_sum, self._stats_calls = None, 0.0, 0
         return out
 
     def stats_dict(self) -> dict[str, float]:

@@ -220,8 +220,10 @@ if triton is not None:
             tl.store(act + r * F + offs, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _swiglu_bwd_kernel(grad_act, h, grad_h, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
-        """grad_h[r] = (d act / d gate, d act / d up) * grad_act[r] for rows r < n (device count)."""
+    def _swiglu_bwd_kernel(grad_act, h, grad_h, act, n_ptr, cap, F: tl.constexpr, BLOCK_F: tl.constexpr):
+        """grad_h[r] = (d act / d gate, d act / d up) * grad_act[r] for rows r < n (device count), and act[r], the
+        activation (as _swiglu_fwd_kernel computes it, bit for bit), which the weight gradient reads: h is read
+        once for both."""
         offs = tl.arange(0, BLOCK_F)
         m = offs < F
         for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
@@ -232,6 +234,12 @@ if triton is not None:
             sg = tl.sigmoid(g)
             tl.store(grad_h + r * 2 * F + offs, (ga * u * sg * (1 + g * (1 - sg))).to(grad_h.dtype.element_ty), mask=m)
             tl.store(grad_h + r * 2 * F + F + offs, (ga * g * sg).to(grad_h.dtype.element_ty), mask=m)
+            tl.store(act + r * F + offs, (g * sg * u).to(act.dtype.element_ty), mask=m)
+
+
+def _int8(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as int8 (a view where it can be one: no kernel)."""
+    return flags.view(torch.int8) if flags.dtype == torch.bool and flags.is_contiguous() else flags.to(torch.int8)
 
 
 def _pow2(n: int) -> int:
@@ -254,12 +262,14 @@ def swiglu_act(h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def swiglu_act_grad(grad_act: torch.Tensor, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[cap, 2F] gradient of h for the first n rows. Reference: `experts._act_grads`."""
+def swiglu_act_grad(grad_act: torch.Tensor, h: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([cap, 2F] gradient of h, [cap, F] activation) for the first n rows, in one pass over h (the activation is
+    `swiglu_act`'s, bit for bit). References: `experts._act_grads`, `experts.swiglu_act_reference`."""
     cap, F2 = h.shape
     grad_h = torch.empty_like(h)
-    _swiglu_bwd_kernel[(_row_grid(h.device),)](grad_act, h, grad_h, n, cap, F=F2 // 2, BLOCK_F=_pow2(F2 // 2))
-    return grad_h
+    act = h.new_empty(cap, F2 // 2)
+    _swiglu_bwd_kernel[(_row_grid(h.device),)](grad_act, h, grad_h, act, n, cap, F=F2 // 2, BLOCK_F=_pow2(F2 // 2))
+    return grad_h, act
 
 
 class SymmBuffer:
@@ -271,7 +281,7 @@ class SymmBuffer:
 
         self.tensor = symm_mem.empty(*shape, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.tensor, group)
-        R = self.handle.world_size
+        R = self.world_size = self.handle.world_size
         ptrs = [self.handle.get_remote_tensor(r, tuple(shape), dtype).data_ptr() for r in range(R)]
         if ptrs[self.handle.rank] != self.tensor.data_ptr():
             raise RuntimeError("symmetric memory: this rank's remote view does not start at its own tensor "
@@ -279,7 +289,10 @@ class SymmBuffer:
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device)
 
     def barrier(self, channel: int = 0) -> None:
-        self.handle.barrier(channel=channel)
+        """Every rank's earlier work on its current stream is complete everywhere after it. Nothing with one rank:
+        the stream's own order is the barrier (and a launch less on the host)."""
+        if self.world_size > 1:
+            self.handle.barrier(channel=channel)
 
 
 class SymmWorkspace:
@@ -369,7 +382,7 @@ class SymmWorkspace:
         if A:
             stage = self.stage.tensor if self.spills else src
             _dispatch_kernel[(min(A, self.row_grid),)](
-                src.contiguous(), order, row_div, dest, pos, is_slot.to(torch.int8), self.rank * self.a_cap,
+                src.contiguous(), order, row_div, dest, pos, _int8(is_slot), self.rank * self.a_cap,
                 self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
                 A, self.cap if region_end is None else region_end, scale if scale is not None else order,
                 stage, self.stage_meta.tensor if self.spills else order, stage_base,
