@@ -22,11 +22,13 @@ KERNELS = {
     "_dispatch_kernel": (dict(src="*bf16", order=I64, row_div=I32, dest=I64, pos=I64, is_slot="*i8", meta_base=I32,
                               main_bases=I64, slot_bases=I64, main_meta_bases=I64, slot_meta_bases=I64,
                               overflow="*i32", n_rows=I32, region_end=I32, scale="*bf16", stage="*bf16",
-                              stage_meta=I64, stage_base=I32, src2="*bf16", stage2="*bf16"),
-                         dict(H=2048, BLOCK_H=2048, HAS_SCALE=True, SPILL=True, HAS_SRC2=True)),
-    "_combine_kernel": (dict(y="*bf16", meta=I64, n_ptr=I64, back_bases=I64, a_cap=I32, cap=I32),
-                        dict(H=2048, BLOCK_H=2048)),
-    "_copy_rows_kernel": (dict(dst="*bf16", src="*bf16", n_ptr=I64, cap=I32), dict(H=1536, BLOCK_H=2048)),
+                              stage_meta=I64, stage_base=I32, src2="*bf16", stage2="*bf16", me=I32,
+                              local_main="*bf16", local_slot="*bf16", local_base=I32),
+                         dict(H=2048, BLOCK_H=2048, HAS_SCALE=True, SPILL=True, HAS_SRC2=True, LOCAL=True)),
+    "_combine_kernel": (dict(y="*bf16", meta=I64, n_ptr=I64, back_bases=I64, a_cap=I32, cap=I32, me=I32),
+                        dict(H=2048, BLOCK_H=2048, SKIP_LOCAL=True)),
+    "_copy_rows_kernel": (dict(dst="*bf16", src="*bf16", n_ptr=I64, cap=I32, meta=I64, a_cap=I32, me=I32),
+                          dict(H=1536, BLOCK_H=2048, SKIP_LOCAL=True)),
     "_push_slots_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, main_ptrs=I64, own_slots="*bf16",
                                 pool_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
                            dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
@@ -55,8 +57,9 @@ KERNELS = {
                                  slot1="i64", slot2="i64", gmain1="i64", gmain2="i64", gslot1="i64", gslot2="i64"),
                             dict(H=2048, F=768, BM=SP.BM, BK=SP.BK, BF=SP.BF, BH=SP.BH, FP32=False)),
     # weighting.py, Qwen3's hidden size and top-8
-    "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", T=I32),
-                             dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True)),
+    "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
+                                  lslot="*bf16", lcap=I32, T=I32),
+                             dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True, LOCAL=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
 MODULES = (S, LT, W, SP)
@@ -73,8 +76,12 @@ def test_every_kernel_is_listed():
 
 # other specialisations the backend launches: (kernel, constexprs that differ)
 VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
+            ("_weighted_sum_kernel", dict(LOCAL=False)),  # every row from the combine (a2a, two chunks)
             ("_dispatch_kernel", dict(HAS_SCALE=False, HAS_SRC2=False)),  # the forward dispatch
             ("_dispatch_kernel", dict(HAS_SCALE=False, SPILL=False, HAS_SRC2=False)),  # without a capacity
+            ("_dispatch_kernel", dict(HAS_SCALE=True, LOCAL=False)),  # the backward dispatch
+            ("_combine_kernel", dict(SKIP_LOCAL=False)),
+            ("_copy_rows_kernel", dict(SKIP_LOCAL=False)),
             ("_spill_rows_kernel", dict(BACKWARD=False)),  # the forward spill
             # replica transfers from the homes (relay_fanout=None), and the homes' sum of a relayed return
             ("_push_slots_kernel", dict(RELAY=False)),

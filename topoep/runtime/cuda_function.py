@@ -37,8 +37,8 @@ from topoep.plan import Plan
 from topoep.runtime.symm import swiglu_act, swiglu_act_grad
 from topoep.runtime.timing import PhaseTimer, phase
 from topoep.runtime.experts import _act_grads, swiglu_act_reference
-from topoep.runtime.weighting import (row_dots, row_dots_reference, sum_choices, sum_choices_reference, weighted_sum,
-                                      weighted_sum_reference)
+from topoep.runtime.weighting import (local_rows_reference, row_dots, row_dots_reference, sum_choices,
+                                      sum_choices_reference, weighted_sum, weighted_sum_reference)
 
 
 @dataclass
@@ -54,6 +54,7 @@ class CudaChunk:
     offs_slot: torch.Tensor  # int32[N]: end row of each slot's group
     n_main: torch.Tensor  # int64[1]: rows received for the main experts (at most the region's rows)
     n_slot: torch.Tensor  # int64[1]: rows received for the slots (likewise)
+    inv: torch.Tensor  # int64[T k] or empty: each own assignment's row in the region (moe._cuda_layout), in place
     spill: object = None  # spill.SpillWork: the rows received beyond the region
     first: int = 0  # the call's index of the chunk's first assignment (its first token x top_k)
     base: int = 0  # the region's first row in the receive buffers
@@ -123,20 +124,20 @@ def _act_grad(grad_act, h, n):
     return swiglu_act_grad(grad_act, h, n) if h.is_cuda else (_act_grads(grad_act, h), swiglu_act_reference(h))
 
 
-def _weighted_sum(rows, w, save):
+def _weighted_sum(rows, w, save, local=None):
     if rows.is_cuda:
-        return weighted_sum(rows, w, save=save)
+        return weighted_sum(rows, w, save=save, local=local)
     if save is not None:
-        save.copy_(rows[:save.shape[0]])
-    return weighted_sum_reference(rows, w)
+        save.copy_(local_rows_reference(rows, *w.shape, local))
+    return weighted_sum_reference(rows, w, local)
 
 
 def _row_dots(g, rows, k):
     return row_dots(g, rows, k) if g.is_cuda else row_dots_reference(g, rows, k)
 
 
-def _sum_choices(rows, k, T):
-    return sum_choices(rows, k, T) if rows.is_cuda else sum_choices_reference(rows, k, T)
+def _sum_choices(rows, k, T, local=None):
+    return sum_choices(rows, k, T, local) if rows.is_cuda else sum_choices_reference(rows, k, T, local)
 
 
 def grouped_swiglu(x, w1, w2, offs, n):
@@ -326,6 +327,12 @@ def _comm(call: "CudaLayerCall", t: torch.Tensor, wanted: bool):
     return comm
 
 
+def _in_place(call: "CudaLayerCall") -> bool:
+    """This rank's own rows stay on it in place (never copied through the workspace's buffers): a workspace that
+    allows it (the peer-pointer one), one chunk (the weighting then reads one tensor of expert outputs)."""
+    return getattr(call.workspace, "in_place", False) and len(call.chunks) == 1 and call.chunks[0].inv.numel() > 0
+
+
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -361,19 +368,31 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         keep_for_prefetch(call, W1, W2)
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
+        in_place = _in_place(call)
 
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 order, pos = _send(ch)
+                local = None
+                if in_place:  # this rank's own rows go straight into the tensors kept for backward
+                    rows_ = _region(ws.recv_main.tensor, ch).shape[0]
+                    local = (x.new_empty(rows_, x.shape[1]), x.new_empty(rows_, x.shape[1]) if pool is not None
+                             else None, ch.base)
                 rm, rs = ws.dispatch(x, order, k, ch.dest, pos, ch.is_slot, join=fetched if i == 0 else None,
-                                     region_end=_region_end(ch), stage_base=ch.first)
-                return _region(rm, ch), _region(rs, ch), _record(comm)
+                                     region_end=_region_end(ch), stage_base=ch.first,
+                                     **({"local": local} if local is not None else {}))
+                return _region(rm, ch), _region(rs, ch), _record(comm), local
 
-        def compute(ch, rm, rs, ready):
+        def compute(ch, rm, rs, ready, local):
             _wait(ready, x.device)
             with phase(tm, "dispatch_combine"):  # kept for backward: the buffers are reused
-                xm = ws.copy_rows(rm, ch.n_main)
-                xs = ws.copy_rows(rs, ch.n_slot) if pool is not None else None
+                if local is not None:  # the other ranks' rows join this rank's own
+                    xm = ws.copy_rows(rm, ch.n_main, local[0], _region(ws.meta_main.tensor, ch))
+                    xs = (ws.copy_rows(rs, ch.n_slot, local[1], _region(ws.meta_slot.tensor, ch)) if pool is not None
+                          else None)
+                else:
+                    xm = ws.copy_rows(rm, ch.n_main)
+                    xs = ws.copy_rows(rs, ch.n_slot) if pool is not None else None
             with phase(tm, "experts"):
                 ym, hm = grouped_swiglu(xm, W1, W2, ch.offs_main, ch.n_main)
                 ys = hs = None
@@ -385,14 +404,18 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         def combine(ch, ym, ys, done, rows):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 _wait(done, x.device)
-                return ws.combine(ym, ys, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base, out=rows)
+                return ws.combine(ym, ys, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base, out=rows,
+                                  **({"skip_local": True} if in_place else {}))
 
         rows, saved, outputs = None, [], []  # outputs: every chunk's expert outputs, alive until the join
+        local_out = None  # in place: (inv, ym, ys), read by the weighting
         if comm is None:  # in turn: each chunk dispatched, computed and combined before the next
             for i, ch in enumerate(call.chunks):
                 keep, ys_, done = compute(ch, *dispatch(i, ch))
                 rows = combine(ch, *ys_, done, rows)
                 saved.append(keep)
+                if in_place:
+                    local_out = (ch.inv, *ys_)
                 del ys_  # combined on this stream: the memory is free for the next chunk and the weighting
         else:
             received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)]
@@ -406,7 +429,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         with phase(tm, "dispatch_combine"):
             # the expert outputs stay for the weights' gradient: copied in the same pass as the weighted sum
             kept = rows.new_empty(T * k, rows.shape[1]) if ctx.needs_input_grad[1] else None
-            y = _weighted_sum(rows, wq, kept)
+            y = _weighted_sum(rows, wq, kept, local_out)
+        del local_out
         ctx.call, ctx.num_weights, ctx.w_dtype = call, n, topk_weights.dtype
         ctx.stacked = (W1, W2) if W1.data_ptr() != weights[0].data_ptr() else None  # copies: keep them
         # the backward restages spilled rows' inputs: keep x
@@ -432,6 +456,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         # dispatch and combine on the comm stream: with two chunks, or with combine_side_stream (the token
         # gradients go home beside the weight-gradient GEMMs)
         comm = _comm(call, grad_y, len(call.chunks) > 1 or call.combine_side_stream)
+        in_place, grad_x = _in_place(call), None
 
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
@@ -458,7 +483,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
                 _wait(done, grad_y.device)
                 grad_assign = ws.combine(gxm, gxs, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base,
-                                         out=grad_assign)
+                                         out=grad_assign, **({"skip_local": True} if in_place else {}))
+                if in_place:  # this rank's own rows summed in place, now: their memory is free before the wgrad
+                    grad_x = _sum_choices(grad_assign, k, T, (ch.inv, gxm, gxs))
             if comm is not None:  # the comm stream reads them: kept until it is joined below
                 data_grads.append((gxm, gxs))
             del gxm, gxs
@@ -493,8 +520,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         if comm is not None:
             torch.cuda.current_stream(grad_y.device).wait_stream(comm)
         del data_grads
-        with phase(tm, "dispatch_combine"):
-            grad_x = _sum_choices(grad_assign, k, T)
+        if grad_x is None:
+            with phase(tm, "dispatch_combine"):
+                grad_x = _sum_choices(grad_assign, k, T)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves
             return grad_x, grad_w, None, g1, g2
         return (grad_x, grad_w, None, *g1.unbind(0), *g2.unbind(0))

@@ -28,37 +28,37 @@ ALIGN = 16  # bytes: each output starts at a multiple of it in its packed buffer
 
 class _Packed:
     """The outputs of a captured function, packed into one flat buffer per dtype inside the capture, each output
-    padded to ALIGN bytes; `unpack` turns copies of the buffers back into the outputs (views)."""
+    padded to ALIGN bytes; `unpack` turns copies of the buffers back into the outputs (views: one split per
+    buffer, and a view per output of more or less than one dimension)."""
 
     def __init__(self, outs: tuple):
         groups: dict = {}
         for i, t in enumerate(outs):
             groups.setdefault(t.dtype, []).append(i)
         self.n = len(outs)
-        self.buffers, self.layout = [], []  # per dtype: [(output index, offset, shape)]
+        self.buffers, self.layout = [], []  # per dtype: (split sizes, [(output index, piece, shape or None)])
         for dtype, members in groups.items():
             step = max(1, ALIGN // outs[members[0]].element_size())
             zeros = torch.zeros(step, dtype=dtype, device=outs[members[0]].device)
-            parts, layout, off = [], [], 0
+            parts, sizes, places = [], [], []
             for i in members:
                 t = outs[i].reshape(-1)
+                places.append((i, len(sizes), None if outs[i].dim() == 1 else tuple(outs[i].shape)))
                 parts.append(t)
+                sizes.append(t.numel())
                 pad = -t.numel() % step
                 if pad:
                     parts.append(zeros[:pad])
-                layout.append((i, off, tuple(outs[i].shape)))
-                off += t.numel() + pad
+                    sizes.append(pad)
             self.buffers.append(torch.cat(parts))
-            self.layout.append(layout)
+            self.layout.append((sizes, places))
 
     def unpack(self, buffers: list[torch.Tensor]) -> tuple:
         out = [None] * self.n
-        for flat, layout in zip(buffers, self.layout):
-            for i, off, shape in layout:
-                n = 1
-                for d in shape:
-                    n *= d
-                out[i] = flat[off:off + n].view(shape)
+        for flat, (sizes, places) in zip(buffers, self.layout):
+            pieces = flat.split(sizes)
+            for i, piece, shape in places:
+                out[i] = pieces[piece] if shape is None else pieces[piece].view(shape)
         return tuple(out)
 
 

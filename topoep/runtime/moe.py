@@ -40,7 +40,7 @@ from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.spill import SpillWork, spill_work
 from topoep.runtime.timing import PhaseTimer, phase
 
-LAYOUT = 8 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
+LAYOUT = 9 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
 
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
@@ -204,7 +204,7 @@ class ExpertParallelMoE(nn.Module):
         if self.capacity_factor is not None:
             cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor)
         plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
-        no_hint = torch.zeros(2, dtype=torch.float64)  # slot_skipped, slot_skip_missed: backend cuda's
+        no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)  # slot_skipped, slot_skip_missed (cuda's)
         return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit_stats])
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
@@ -336,7 +336,7 @@ class ExpertParallelMoE(nn.Module):
             plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
             self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
-        chunks = [CudaChunk(*layout[i:i + 8], spill=SpillWork(*layout[i + 8:i + LAYOUT]))
+        chunks = [CudaChunk(*layout[i:i + 9], spill=SpillWork(*layout[i + 9:i + LAYOUT]))
                   for i in range(0, len(layout), LAYOUT)]
         for c, ch in enumerate(chunks):  # regions fixed by the workspace, so that every rank agrees on them
             ch.base, ch.cap = sum(ws.regions[:c]), ws.regions[c]
@@ -352,7 +352,7 @@ class ExpertParallelMoE(nn.Module):
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
         (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
-        offs_main, offs_slot, n_main, n_slot), wanted: the guard's own decision (False without a guard); relay: the
+        offs_main, offs_slot, n_main, n_slot, inv and the SpillWork's fields), wanted: the guard's own decision (False without a guard); relay: the
         plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.executed_sources' source and
         level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row
         counts are made here once for forward and backward."""
@@ -387,7 +387,7 @@ class ExpertParallelMoE(nn.Module):
             stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
         T = topk_idx.shape[0]
         if len(ws.regions) == 1:
-            layouts = self._cuda_layout(topk_idx, plan, ws.regions[0])
+            layouts = self._cuda_layout(topk_idx, plan, ws.regions[0], in_place=getattr(ws, "in_place", False))
         else:  # two chunks of tokens (cuda_function.py): the route row split at the boundary, one all-gather
             T1 = (T + 1) // 2
             inst_expert = plan.instance_expert
@@ -408,11 +408,14 @@ class ExpertParallelMoE(nn.Module):
             relay = torch.stack(trees(plan, fanout))
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
 
-    def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None) -> tuple:
-        """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, then the SpillWork's fields) of these
+    def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None,
+                     in_place: bool = False) -> tuple:
+        """(order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, inv, then the SpillWork's fields) of these
         assignments under a plan whose route is theirs, received into regions of region_rows rows: the grouped
         GEMMs' offsets and row counts stop at the region's end, the rest spills (spill.spill_work; prev: each
-        source's rows in earlier chunks)."""
+        source's rows in earlier chunks). inv (with `in_place`, one chunk; else empty): for each assignment of this
+        rank that stays here, its row in the region (+ region_rows for a slot's), -1 for the others: where the
+        weighting reads it in place (weighting.py's `local`)."""
         E_loc = self.experts_per_rank
         if topk_idx.is_cuda:  # two Triton kernels instead of about 60 small torch ones
             C = group_counts(plan)  # from the plan's route: no exchange
@@ -424,7 +427,13 @@ class ExpertParallelMoE(nn.Module):
         offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in (sizes_main, sizes_slot))
         n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in (sizes_main, sizes_slot))
         work = spill_work(C, self.rank, E_loc, region_rows, prev)
-        return (order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot,
+        inv = order.new_empty(0)
+        if in_place:  # a scatter with the other assignments sent to a dropped extra element (no host sync)
+            A = order.numel()
+            stays = (dest == self.rank) & (pos < region_rows)
+            inv = torch.full((A + 1,), -1, dtype=torch.int64, device=order.device).scatter_(
+                0, torch.where(stays, order, A), torch.where(is_slot, pos + region_rows, pos))[:A]
+        return (order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, inv,
                 *(getattr(work, f.name) for f in dataclasses.fields(SpillWork)))
 
     def pop_stats(self) -> tuple[torch.Tensor | None, int]:

@@ -73,12 +73,15 @@ if triton is not None:
     @triton.jit
     def _dispatch_kernel(src, order, row_div, dest, pos, is_slot, meta_base, main_bases, slot_bases,
                          main_meta_bases, slot_meta_bases, overflow, n_rows, region_end, scale, stage, stage_meta,
-                         stage_base, src2, stage2, H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         SPILL: tl.constexpr, HAS_SRC2: tl.constexpr):
+                         stage_base, src2, stage2, me, local_main, local_slot, local_base, H: tl.constexpr,
+                         BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SPILL: tl.constexpr, HAS_SRC2: tl.constexpr,
+                         LOCAL: tl.constexpr):
         """Send row i: src[order[i] // row_div] (times scale[order[i]] with HAS_SCALE) -> row pos[i] of rank
         dest[i]'s main or slot buffer, and meta_base + order[i] (the row's way home) into the matching meta
-        buffer. A row at or beyond region_end spills (SPILL): it goes to this rank's own stage[stage_base + i]
-        instead, its assignment index to stage_meta, and with HAS_SRC2 src2's row (the input) to stage2."""
+        buffer. With LOCAL, a row for this rank (`me`) goes to row pos[i] - local_base of local_main / local_slot
+        (this rank's own tensors) instead. A row at or beyond region_end spills (SPILL): it goes to this rank's own
+        stage[stage_base + i] instead, its assignment index to stage_meta, and with HAS_SRC2 src2's row (the input)
+        to stage2."""
         for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             a = tl.load(order + i)
             d = tl.load(dest + i)
@@ -87,13 +90,18 @@ if triton is not None:
             if p < region_end:
                 rows = tl.where(slot, tl.load(slot_bases + d), tl.load(main_bases + d)).to(
                     tl.pointer_type(src.dtype.element_ty))
+                row = p
+                if LOCAL:
+                    if d == me:
+                        rows = tl.where(slot, local_slot, local_main)
+                        row = p - local_base
                 metas = tl.where(slot, tl.load(slot_meta_bases + d), tl.load(main_meta_bases + d)).to(
                     tl.pointer_type(tl.int64))
                 if HAS_SCALE:
-                    _copy_row_scaled(rows + p * H, src + (a // row_div) * H, tl.load(scale + a).to(tl.float32), H,
+                    _copy_row_scaled(rows + row * H, src + (a // row_div) * H, tl.load(scale + a).to(tl.float32), H,
                                      BLOCK_H)
                 else:
-                    _copy_row(rows + p * H, src + (a // row_div) * H, H, BLOCK_H)
+                    _copy_row(rows + row * H, src + (a // row_div) * H, H, BLOCK_H)
                 tl.store(metas + p, meta_base + a)
             elif SPILL:
                 ii = stage_base + i
@@ -109,22 +117,28 @@ if triton is not None:
                 tl.atomic_add(overflow, 1)
 
     @triton.jit
-    def _combine_kernel(y, meta, n_ptr, back_bases, a_cap, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _combine_kernel(y, meta, n_ptr, back_bases, a_cap, cap, me, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                        SKIP_LOCAL: tl.constexpr):
         """Received row r (r < n = the device count of rows) goes home: y[r] -> row a of source s's
-        `back` buffer, where meta[r] = s * a_cap + a."""
+        `back` buffer, where meta[r] = s * a_cap + a; with SKIP_LOCAL not this rank's own rows (s == me: read
+        in place by the weighting)."""
         for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
             mv = tl.load(meta + r)
             s = mv // a_cap
-            out = tl.load(back_bases + s).to(tl.pointer_type(y.dtype.element_ty))
-            _copy_row(out + (mv - s * a_cap) * H, y + r * H, H, BLOCK_H)
+            if (not SKIP_LOCAL) or s != me:
+                out = tl.load(back_bases + s).to(tl.pointer_type(y.dtype.element_ty))
+                _copy_row(out + (mv - s * a_cap) * H, y + r * H, H, BLOCK_H)
 
     @triton.jit
-    def _copy_rows_kernel(dst, src, n_ptr, cap, H: tl.constexpr, BLOCK_H: tl.constexpr):
-        """dst[:n] = src[:n] for a row count n read on the device (rows beyond n are left as they are)."""
+    def _copy_rows_kernel(dst, src, n_ptr, cap, meta, a_cap, me, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                          SKIP_LOCAL: tl.constexpr):
+        """dst[:n] = src[:n] for a row count n read on the device (rows beyond n are left as they are); with
+        SKIP_LOCAL not the rows this rank sent itself (meta[r] // a_cap == me: the dispatch wrote them to dst)."""
         for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
             r = r.to(tl.int64)
-            _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
+            if (not SKIP_LOCAL) or tl.load(meta + r) // a_cap != me:
+                _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
 
     @triton.jit
     def _copy_chunk(dst, src, c, numel, CHUNK: tl.constexpr):
@@ -301,6 +315,7 @@ class SymmWorkspace:
     point (the first forward)."""
 
     async_combine = True  # combine may run on a side stream (its barrier is on its own stream; no host work)
+    in_place = True  # this rank's own rows can stay here: dispatch(local=), copy_rows(skip_local), combine(skip_local)
 
     _shared: dict = {}
 
@@ -368,11 +383,14 @@ class SymmWorkspace:
     def dispatch(self, src: torch.Tensor, order: torch.Tensor, row_div: int, dest: torch.Tensor, pos: torch.Tensor,
                  is_slot: torch.Tensor, join: torch.cuda.Event | None = None,
                  scale: torch.Tensor | None = None, region_end: int | None = None, stage_base: int = 0,
-                 src2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 src2: torch.Tensor | None = None, local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Send row i (src[order[i] // row_div], times scale[order[i]] when scale is given: one fp32 product
         rounded to src's type) to row pos[i] of rank dest[i]'s main or slot buffer. A row at or beyond region_end
         (the end of its chunk's region; default the buffers' end) is staged here instead, at stage_base + i (the
         spill path, spill.py), with src2's row (the input, in backward) beside it.
+        With `local` = (main [rows, H], slot [rows, H] or None, base), the rows this rank sends itself go to row
+        pos[i] - base of those tensors instead of its receive buffers (`copy_rows(skip_local=True)` then adds the
+        other ranks' rows).
         Returns this rank's (recv_main, recv_slot), complete (rows beyond the received counts are stale).
         join: an event of work that must be published with the rows (a replica fetch on a side stream):
         waited for before the closing barrier."""
@@ -381,14 +399,16 @@ class SymmWorkspace:
         self.recv_main.barrier(channel=0)  # every rank is done with the previous contents
         if A:
             stage = self.stage.tensor if self.spills else src
+            lmain, lslot, lbase = local if local is not None else (src, None, 0)
             _dispatch_kernel[(min(A, self.row_grid),)](
                 src.contiguous(), order, row_div, dest, pos, _int8(is_slot), self.rank * self.a_cap,
                 self.recv_main.ptrs, slot.ptrs, self.meta_main.ptrs, slot_meta.ptrs, self.overflow,
                 A, self.cap if region_end is None else region_end, scale if scale is not None else order,
                 stage, self.stage_meta.tensor if self.spills else order, stage_base,
                 src2.contiguous() if src2 is not None else src, self.stage2.tensor if self.spills else src,
+                self.rank, lmain, lmain if lslot is None else lslot, lbase,
                 H=self.H, BLOCK_H=self.block_h, HAS_SCALE=scale is not None, SPILL=self.spills,
-                HAS_SRC2=src2 is not None and self.spills)
+                HAS_SRC2=src2 is not None and self.spills, LOCAL=local is not None)
         if join is not None:
             torch.cuda.current_stream(src.device).wait_event(join)
         self.recv_main.barrier(channel=1)
@@ -396,17 +416,22 @@ class SymmWorkspace:
 
     def combine(self, y_main: torch.Tensor, y_slot: torch.Tensor | None, n_main: torch.Tensor,
                 n_slot: torch.Tensor | None, num_rows: int, copy: bool = True, base: int = 0,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, skip_local: bool = False) -> torch.Tensor:
         """The reverse of dispatch: every received row goes back to its source's assignment index.
         n_main, n_slot: int64[1] rows received (device); y_slot None without slots; base: the first row of
         the rows' region in the receive buffers (a chunk's: y_main and y_slot hold that region). Returns a new
         [num_rows, H] tensor, or with copy=False the workspace's own rows (read them before this stream's
-        next dispatch or combine: the rows of every chunk combined since). `out` is the a2a workspace's."""
+        next dispatch or combine: the rows of every chunk combined since). `out` is the a2a workspace's. With
+        skip_local, this rank's own rows stay where they are (the weighting reads them in place: weighting.py's
+        `local`); with one rank nothing moves and nothing is launched."""
+        if skip_local and self.R == 1:
+            rows = self.back.tensor[:num_rows]
+            return rows.clone() if copy else rows
         for y, meta, n in ((y_main, self.meta_main, n_main), (y_slot, self.meta_slot, n_slot)):
             if y is None:
                 continue
             _combine_kernel[(self.row_grid,)](y, meta.tensor[base:], n, self.back.ptrs, self.a_cap, self.cap - base,
-                                              H=self.H, BLOCK_H=self.block_h)
+                                              self.rank, H=self.H, BLOCK_H=self.block_h, SKIP_LOCAL=skip_local)
         self.back.barrier(channel=0)
         rows = self.back.tensor[:num_rows]
         return rows.clone() if copy else rows
@@ -438,10 +463,17 @@ class SymmWorkspace:
 
         spill_wgrad(work, self.stage2.ptrs, self.stage.ptrs, main, main_grads, *groups, slot, slot_grads)
 
-    def copy_rows(self, src: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """A non-symmetric copy of src's first n rows (n on the device) in a tensor of src's shape."""
-        dst = torch.empty_like(src)
-        _copy_rows_kernel[(self.row_grid,)](dst, src, n, src.shape[0], H=src.shape[1], BLOCK_H=_pow2(src.shape[1]))
+    def copy_rows(self, src: torch.Tensor, n: torch.Tensor, dst: torch.Tensor | None = None,
+                  meta: torch.Tensor | None = None) -> torch.Tensor:
+        """A non-symmetric copy of src's first n rows (n on the device) in a tensor of src's shape (or into dst).
+        With `meta` (the rows' meta buffer, from the same row), the rows this rank sent itself are left out: a
+        dispatch with `local=dst` already wrote them there; with one rank that is every row, and nothing is launched."""
+        dst = torch.empty_like(src) if dst is None else dst
+        if meta is not None and self.R == 1:
+            return dst
+        _copy_rows_kernel[(self.row_grid,)](dst, src, n, src.shape[0], meta if meta is not None else n, self.a_cap,
+                                            self.rank, H=src.shape[1], BLOCK_H=_pow2(src.shape[1]),
+                                            SKIP_LOCAL=meta is not None)
         return dst
 
 

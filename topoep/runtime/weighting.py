@@ -12,6 +12,11 @@ layer's GPU time at 16384 tokens per rank (one H200, EP 1, results/gpu/README.md
                grad w[t, j] = <grad_y[t], out[t k + j]>     `row_dots` (fp32)
                grad x[t] = sum_j grad_assign[t k + j]       `sum_choices` (the same kernel unweighted)
 
+Where the expert results of this rank's own assignments never left it (backend cuda's peer workspace, one chunk:
+`local`), the sums read those rows in place, from the GEMM outputs, instead of from the combine's buffer:
+`local` = (inv int64[T k], main [cap, H], slot [cap, H] or None): assignment a's row is main[inv[a]] for
+0 <= inv[a] < cap, slot[inv[a] - cap] for inv[a] >= cap, and rows[a] for inv[a] < 0 (`local_rows_reference`).
+
 Each kernel has a torch reference beside it (`*_reference`, the same arithmetic: fp32 products and sums in
 choice order); tests/weighting_check.py compares them under Triton's interpreter on the CPU and on the GPU.
 """
@@ -32,10 +37,10 @@ PROGRAMS = 1024  # grid of the token loops (each program strides over tokens)
 if triton is not None:
 
     @triton.jit
-    def _weighted_sum_kernel(rows, w, y, save, T, K: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
-                             SAVE: tl.constexpr, WEIGHTED: tl.constexpr):
+    def _weighted_sum_kernel(rows, w, y, save, inv, lmain, lslot, lcap, T, K: tl.constexpr, H: tl.constexpr,
+                             BLOCK: tl.constexpr, SAVE: tl.constexpr, WEIGHTED: tl.constexpr, LOCAL: tl.constexpr):
         """y[t] = sum_j w[t, j] rows[t K + j] (sum_j rows[t K + j] without WEIGHTED; fp32, one rounding);
-        with SAVE, save[t K + j] = rows[t K + j]."""
+        with SAVE, save[t K + j] = rows[t K + j]. With LOCAL, row t K + j is read where inv says (module docstring)."""
         offs = tl.arange(0, BLOCK)
         t = tl.program_id(0).to(tl.int64)
         while t < T:
@@ -43,7 +48,11 @@ if triton is not None:
                 m = h0 + offs < H
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for j in tl.static_range(K):
-                    r = tl.load(rows + (t * K + j) * H + h0 + offs, mask=m)
+                    src = rows + (t * K + j) * H
+                    if LOCAL:
+                        q = tl.load(inv + t * K + j)
+                        src = tl.where(q < 0, src, tl.where(q < lcap, lmain + q * H, lslot + (q - lcap) * H))
+                    r = tl.load(src + h0 + offs, mask=m)
                     if SAVE:
                         tl.store(save + (t * K + j) * H + h0 + offs, r, mask=m)
                     if WEIGHTED:
@@ -88,9 +97,40 @@ def _check(rows: torch.Tensor, T: int, k: int) -> int:
     return rows.shape[1]
 
 
-def weighted_sum(rows: torch.Tensor, w: torch.Tensor, save: torch.Tensor | None = None) -> torch.Tensor:
+def _local_args(rows: torch.Tensor, T: int, k: int, local: tuple | None) -> tuple:
+    """The kernel's (inv, lmain, lslot, lcap) for `local` (module docstring), placeholders without it."""
+    if local is None:
+        return rows, rows, rows, 0
+    inv, main, slot = local
+    if inv.dtype != torch.int64 or inv.numel() != T * k or not inv.is_contiguous():
+        raise ValueError(f"local: inv must be a contiguous int64[T*k={T * k}], got {inv.dtype} {list(inv.shape)}")
+    for name, t in (("main", main), ("slot", slot)):
+        if t is not None and (t.dim() != 2 or t.shape[1] != rows.shape[1] or t.dtype != rows.dtype
+                              or not t.is_contiguous()):
+            raise ValueError(f"local: {name} must be a contiguous [cap, H={rows.shape[1]}] {rows.dtype} tensor, got "
+                             f"{list(t.shape)} {t.dtype}")
+    return inv, main, main if slot is None else slot, main.shape[0]
+
+
+def local_rows_reference(rows: torch.Tensor, T: int, k: int, local: tuple | None) -> torch.Tensor:
+    """[T k, H]: the row of every assignment, from rows or, with `local`, from where inv says (module docstring)."""
+    out = rows[:T * k]
+    if local is None:
+        return out
+    inv, main, slot = local
+    out = out.clone()
+    cap = main.shape[0]
+    for q, src, shift in ((inv >= 0) & (inv < cap), main, 0), ((inv >= cap), slot, cap):
+        if bool(q.any()):
+            out[q] = src[inv[q] - shift]
+    return out
+
+
+def weighted_sum(rows: torch.Tensor, w: torch.Tensor, save: torch.Tensor | None = None,
+                 local: tuple | None = None) -> torch.Tensor:
     """[T, H] in rows' dtype: y[t] = sum_j w[t, j] rows[t k + j] for w [T, k] (rows: the first T k rows of
-    a [>= T k, H] tensor). With `save` ([T k, H]), rows' first T k rows are copied into it in the same pass."""
+    a [>= T k, H] tensor; with `local`, the rows of this rank's own assignments read in place: module docstring).
+    With `save` ([T k, H]), every assignment's row is copied into it in the same pass."""
     T, k = w.shape
     H = _check(rows, T, k)
     if save is not None and (tuple(save.shape) != (T * k, H) or save.dtype != rows.dtype or not save.is_contiguous()):
@@ -98,14 +138,15 @@ def weighted_sum(rows: torch.Tensor, w: torch.Tensor, save: torch.Tensor | None 
                          f"{save.dtype}")
     y = rows.new_empty(T, H)
     if T:
-        _weighted_sum_kernel[_grid(T)](rows, w.contiguous(), y, save if save is not None else rows, T, K=k, H=H,
-                                       BLOCK=_block(H), SAVE=save is not None, WEIGHTED=True)
+        _weighted_sum_kernel[_grid(T)](rows, w.contiguous(), y, save if save is not None else rows,
+                                       *_local_args(rows, T, k, local), T, K=k, H=H, BLOCK=_block(H),
+                                       SAVE=save is not None, WEIGHTED=True, LOCAL=local is not None)
     return y
 
 
-def weighted_sum_reference(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def weighted_sum_reference(rows: torch.Tensor, w: torch.Tensor, local: tuple | None = None) -> torch.Tensor:
     T, k = w.shape
-    r = rows[:T * k].view(T, k, rows.shape[1]).float()
+    r = local_rows_reference(rows, T, k, local).view(T, k, rows.shape[1]).float()
     acc = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
     for j in range(k):
         acc += w[:, j, None].float() * r[:, j]
@@ -129,16 +170,16 @@ def row_dots_reference(g: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Ten
     return (g.float()[:, None, :] * rows[:T * k].view(T, k, rows.shape[1]).float()).sum(-1)
 
 
-def sum_choices(rows: torch.Tensor, k: int, T: int) -> torch.Tensor:
-    """[T, H] in rows' dtype: sum_j rows[t k + j]."""
+def sum_choices(rows: torch.Tensor, k: int, T: int, local: tuple | None = None) -> torch.Tensor:
+    """[T, H] in rows' dtype: sum_j rows[t k + j] (with `local`: as weighted_sum reads them)."""
     H = _check(rows, T, k)
     y = rows.new_empty(T, H)
     if T:
-        _weighted_sum_kernel[_grid(T)](rows, rows, y, rows, T, K=k, H=H, BLOCK=_block(H), SAVE=False,
-                                       WEIGHTED=False)
+        _weighted_sum_kernel[_grid(T)](rows, rows, y, rows, *_local_args(rows, T, k, local), T, K=k, H=H,
+                                       BLOCK=_block(H), SAVE=False, WEIGHTED=False, LOCAL=local is not None)
     return y
 
 
-def sum_choices_reference(rows: torch.Tensor, k: int, T: int) -> torch.Tensor:
+def sum_choices_reference(rows: torch.Tensor, k: int, T: int, local: tuple | None = None) -> torch.Tensor:
     """weighted_sum_reference with weights 1 (exact in fp32), as the kernel is the weighted one unweighted."""
-    return weighted_sum_reference(rows, torch.ones(T, k, dtype=torch.float32, device=rows.device))
+    return weighted_sum_reference(rows, torch.ones(T, k, dtype=torch.float32, device=rows.device), local)
