@@ -40,8 +40,10 @@ megatron's router at skew 0, random top-k):
     host ms     the host's time to issue the call (forward + backward, median); above GPU ms the call is
                 host-bound
     phases      cuda layers only: a `topoep.runtime.PhaseTimer` over --profile-iters calls (phases
-                serialised): plan (the metadata graph), dispatch_combine (local row copies, weighting),
-                experts (GEMMs and activations), each over its part of the limit (plan over 0: shown in ms)
+                serialised, ms): plan (the metadata graph), dispatch_combine (local row copies, weighting),
+                experts (GEMMs and activations)
+    metadata    cuda layers only: the layer's metadata CUDA graph (counts, plan, guard, statistics, layout)
+                replayed alone, GPU and host us per replay
 
 Writes <out>/<name>.md and .json (default results/layer_limit), with config, commit and hardware; --profile
 (torch.profiler tables per layer) and --host-profile (cProfile of the cuda layers' host work) write
@@ -198,6 +200,26 @@ def time_layer(run, iters: int) -> dict:
                 gpu_clean=all(ahead))
 
 
+def metadata_graph_us(layer, iters: int) -> dict:
+    """The layer's metadata CUDA graph (cuda_meta.py) replayed alone: its GPU time per replay (queued behind a
+    sleep) and the host's time per replay, in us; empty when the layer has no captured graph."""
+    graphs = [e[0] for e in layer._meta_graphs._graphs.values() if isinstance(e, tuple)]
+    if not graphs:
+        return {}
+    graph = graphs[0]
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    host = (time.perf_counter() - t0) / iters
+    b.record()
+    b.synchronize()
+    return dict(meta_gpu_us=1e3 * a.elapsed_time(b) / iters, meta_host_us=1e6 * host)
+
+
 def phase_times(layer, run, iters: int, dev) -> dict:
     from topoep.runtime import PHASES, PhaseTimer
 
@@ -344,8 +366,10 @@ def main(argv=None) -> int:
                 ref = y if ref is None else ref
                 row = dict(tokens=T, routing=rname, layer=name, max_diff=(y.float() - ref.float()).abs().max().item(),
                            **time_layer(run, args.iters))
-                if name.startswith("cuda/") and args.profile_iters:
-                    row.update(phase_times(module, run, args.profile_iters, dev))
+                if name.startswith("cuda/"):
+                    row.update(metadata_graph_us(module, args.iters))
+                    if args.profile_iters:
+                        row.update(phase_times(module, run, args.profile_iters, dev))
                 if args.profile:
                     profiles.append(f"## {T} tokens, {rname}, {name}\n{profile_table(run)}")
                 if args.host_profile and name.startswith("cuda/"):
@@ -389,10 +413,11 @@ def report(args, rows: list[dict], limits: dict) -> None:
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     text.append(markdown_table(
         ["tokens", "routing", "layer", "ms", "/ limit", "/ limit (even)", "GPU ms", "GPU / limit", "host ms",
-         "host-bound", "plan ms", "dispatch/combine ms", "experts ms", "max diff"],
+         "host-bound", "plan ms", "dispatch/combine ms", "experts ms", "metadata graph GPU / host us", "max diff"],
         [[r["tokens"], r["routing"], r["layer"], f(r["ms"]), f(r["vs_limit"]), f(r["vs_limit_even"]), f(r["gpu_ms"]),
           f(r["gpu_vs_limit"]), f(r["host_ms"]), "yes" if r["host_ms"] > r["gpu_ms"] else "no",
-          f(r.get("plan_ms")), f(r.get("dispatch_combine_ms")), f(r.get("experts_ms")), f"{r['max_diff']:.1e}"]
+          f(r.get("plan_ms")), f(r.get("dispatch_combine_ms")), f(r.get("experts_ms")),
+          f"{r['meta_gpu_us']:.0f} / {r['meta_host_us']:.0f}" if "meta_gpu_us" in r else "-", f"{r['max_diff']:.1e}"]
          for r in rows]))
     text += ["", "Per-GEMM times (ms): dense / even groups", ""]
     names = [n for n, *_ in gemm_shapes(1, 1, 1)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -63,6 +63,22 @@ step_ep1() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 (every pa
   timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/moe_layer.py --name moe_layer_ep1 \
     --out "$OUT" --backends cuda --no-megatron --slots 2 --tokens 4096 16384 --skews 0 --layouts random \
     --profile-iters 2 --torch-profile 2>&1 | grep -E "^  [0-9]|Error|error" | tail -10
+}
+
+step_local() {  # a change to backend cuda's local path, checked and measured: the GPU tests at EP 1 (stops at the first
+  # failure: nothing is timed on a broken layer) and their sync audit, the EP 8 tests with the ranks sharing the GPU
+  # (2 domains of 4: remote and local rows) and their sync audit, then step limit
+  TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -x -rA tests/test_cuda_backend_gpu.py tests/test_weighting.py \
+    > "$RUNS.ep1" 2>&1
+  cp "$RUNS.ep1" "$OUT/cuda_backend_ep1_tests.log"
+  if ! tail -1 "$RUNS.ep1" | grep -q passed || tail -1 "$RUNS.ep1" | grep -q failed; then
+    grep -E "Error|error|assert|FAILED" "$RUNS.ep1" | head -30; tail -3 "$RUNS.ep1"; return 1
+  fi
+  echo "EP 1: $(tail -1 "$RUNS.ep1")"
+  TOPOEP_GPU_WORLD=1 timeout 120 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | tail -2 \
+    | tee "$OUT/sync_audit_ep1.log"
+  (export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4; shared_tests ep8_rpd4; shared_audit sync_audit_shared_ep8.log)
+  step_limit
 }
 
 step_limit() {  # one layer at EP 1 against its physical limit (bench/layer_limit.py): GEMMs + HBM bytes measured in the

@@ -71,6 +71,8 @@ REPORTS = [
           "moe_layer.json, moe_layer_slots8.json (calibration and hold-out)", "CPU", "python bench/simulate.py"),
     Entry(("guard_latency.md", "guard_latency.json"), "bench/guard_latency.py", "-", "1 GPU",
           "bash tools/gpu_session.sh setup guard"),
+    Entry(("layer_limit.md", "layer_limit.json"), "bench/layer_limit.py", "its own measurement", "1 GPU",
+          "bash tools/gpu_session.sh setup local (or: torchrun --nproc_per_node=1 bench/layer_limit.py)"),
     Entry(("planner_latency.md", "planner_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
           "python bench/planner_latency.py --profile"),
     Entry(("layer_memory.md", "layer_memory.json"), "bench/layer_memory.py", "gpu/layer_memory/layer_memory_ep*.json",
@@ -135,6 +137,8 @@ GPU = [
           "in its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
+    Entry(("gpu/layer_limit",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup limit; "
+          "bash tools/gpu_session.sh setup local (its README names each run's options)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
