@@ -1,12 +1,12 @@
-"""Run by tests/test_symm_rows.py in a subprocess with TRITON_INTERPRET=1 (Triton's interpreter runs the kernels on CPU
-tensors; it must be set before triton is imported), and by the GPU tests as main("cuda"): backend cuda's row kernels
+"""Run by tests/test_symm_rows.py on a GPU as main("cuda") (or `python tests/symm_rows_check.py cuda`): backend cuda's row kernels
 of topoep/runtime/symm.py (the dispatch, the copy out of the receive buffers, the combine) against a loop over the
 rows, with several ranks emulated in one process (each rank's buffers are tensors of their own, the kernels reach
 them through the same address tables the symmetric workspace builds). Covers the main and slot buffers, rows that
 spill beyond the region, the top-k scale, and a rank's own rows kept in place (`LOCAL`, `SKIP_LOCAL`). Copies are
-exact and the scale is one fp32 product rounded once: on a GPU everything is compared bit for bit; the interpreter
-truncates where a GPU rounds to nearest (fp32 to bf16), so there the scaled rows may differ by one bf16 step.
-Prints one line per case; exits 1 on the first difference."""
+exact and the scale is one fp32 product rounded once: everything is compared bit for bit (under Triton's
+interpreter, which truncates where a GPU rounds to nearest, the scaled rows could differ by one bf16 step: allowed
+there; tests/test_symm_rows.py says why the interpreter does not run these kernels). Prints one line per case; exits
+1 on the first difference."""
 
 import os
 import sys
@@ -130,4 +130,4 @@ def main(device: str = "cpu") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

@@ -82,8 +82,7 @@ if triton is not None:
         (this rank's own tensors) instead. A row at or beyond region_end spills (SPILL): it goes to this rank's own
         stage[stage_base + i] instead, its assignment index to stage_meta, and with HAS_SRC2 src2's row (the input)
         to stage2."""
-        i = tl.program_id(0).to(tl.int64)  # a while loop, not a range over program ids: the interpreter runs it too
-        while i < n_rows:
+        for i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             a = tl.load(order + i)
             d = tl.load(dest + i)
             p = tl.load(pos + i)
@@ -116,7 +115,6 @@ if triton is not None:
                 tl.store(stage_meta + ii, a)
             else:
                 tl.atomic_add(overflow, 1)
-            i += tl.num_programs(0)
 
     @triton.jit
     def _combine_kernel(y, meta, n_ptr, back_bases, a_cap, cap, me, H: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -124,27 +122,23 @@ if triton is not None:
         """Received row r (r < n = the device count of rows) goes home: y[r] -> row a of source s's
         `back` buffer, where meta[r] = s * a_cap + a; with SKIP_LOCAL not this rank's own rows (s == me: read
         in place by the weighting)."""
-        n = tl.minimum(tl.load(n_ptr), cap)
-        r = tl.program_id(0).to(tl.int64)
-        while r < n:
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
+            r = r.to(tl.int64)
             mv = tl.load(meta + r)
             s = mv // a_cap
             if (not SKIP_LOCAL) or s != me:
                 out = tl.load(back_bases + s).to(tl.pointer_type(y.dtype.element_ty))
                 _copy_row(out + (mv - s * a_cap) * H, y + r * H, H, BLOCK_H)
-            r += tl.num_programs(0)
 
     @triton.jit
     def _copy_rows_kernel(dst, src, n_ptr, cap, meta, a_cap, me, H: tl.constexpr, BLOCK_H: tl.constexpr,
                           SKIP_LOCAL: tl.constexpr):
         """dst[:n] = src[:n] for a row count n read on the device (rows beyond n are left as they are); with
         SKIP_LOCAL not the rows this rank sent itself (meta[r] // a_cap == me: the dispatch wrote them to dst)."""
-        n = tl.minimum(tl.load(n_ptr), cap)
-        r = tl.program_id(0).to(tl.int64)
-        while r < n:
+        for r in range(tl.program_id(0), tl.minimum(tl.load(n_ptr), cap), tl.num_programs(0)):
+            r = r.to(tl.int64)
             if (not SKIP_LOCAL) or tl.load(meta + r) // a_cap != me:
                 _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
-            r += tl.num_programs(0)
 
     @triton.jit
     def _copy_chunk(dst, src, c, numel, CHUNK: tl.constexpr):
