@@ -90,3 +90,13 @@ def bench_gpu() -> torch.device:
     dev = local_gpu(int(os.environ.get("LOCAL_RANK", 0)), f"torchrun --nproc_per_node={torch.cuda.device_count()}")
     torch.cuda.set_device(dev)
     return dev
+
+
+def cuda_ms(fn) -> float:
+    """ms of one call of fn() on the current CUDA stream: CUDA events around it, waited for."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)

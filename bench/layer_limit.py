@@ -65,7 +65,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, bench_gpu, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, bench_gpu, cuda_ms, markdown_table, run_info, without_options, write_json  # noqa: E402
 
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
 BF16 = 2  # bytes per element
@@ -95,15 +95,7 @@ def _gpu_ms(fn, iters: int) -> float:
     """Median ms of fn() on the GPU (CUDA events, after two warm-up calls)."""
     for _ in range(2):
         fn()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return statistics.median(cuda_ms(fn) for _ in range(iters))
 
 
 def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> dict:
@@ -177,12 +169,7 @@ def time_layer(run, iters: int) -> dict:
     wall, gpu, host, ahead = [], [], [], []
     for _ in range(iters):
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        wall.append(a.elapsed_time(b))
+        wall.append(cuda_ms(run))
     for _ in range(iters):
         torch.cuda.synchronize()
         s, a, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, bench_gpu, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, bench_gpu, cuda_ms, markdown_table, run_info, without_options, write_json  # noqa: E402
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
@@ -204,12 +204,7 @@ def time_iterations(run, n: int, cuda: bool) -> list[float]:
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
+            out.append(cuda_ms(run))
         else:
             t0 = time.perf_counter()
             run()
