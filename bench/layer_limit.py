@@ -25,6 +25,9 @@ The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, 
 Layers, all on the same input, routing, weights and output gradient:
     cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
                                  at EP 1 topoep's guard fires on every call (nothing to balance)
+    cuda/static graphed          (--graphed) the same static layer with its forward and backward captured as CUDA
+                                 graphs by the caller (torch.cuda.make_graphed_callables): no host work of the
+                                 layer per call; a capture the layer does not allow is reported as such
     plain torch                  the MoE layer any user could write: sort the choices by expert, gather the
                                  rows, torch._grouped_mm, SwiGLU, torch._grouped_mm, weight, index_add into the
                                  output; autograd does the backward
@@ -257,6 +260,20 @@ def host_profile(run, iters: int = 20, top: int = 40) -> str:
     return f"### host profile ({iters} calls; cProfile)\n{out.getvalue()}"
 
 
+class GraphedLayer:
+    """The layer's forward and backward as CUDA graphs the caller captures (`torch.cuda.make_graphed_callables`, on
+    the first call's inputs; later calls copy theirs in): what a caller that allows graphs gets. Replays run no host
+    code of the layer, so its statistics are not updated."""
+
+    def __init__(self, layer):
+        self.layer, self.graphed = layer, None
+
+    def __call__(self, x, idx, w):
+        if self.graphed is None:
+            self.graphed = torch.cuda.make_graphed_callables(self.layer, (x, idx, w))
+        return self.graphed(x, idx, w)
+
+
 def build(args, T: int, dev, fc1, fc2) -> dict:
     """{name: (module or None, forward(x, idx, w) -> y)} of the layers (module docstring)."""
     from bench.moe_layer import megatron_layer
@@ -273,6 +290,15 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
         layers[f"cuda/{policy}"] = (layer, layer)
+    if args.graphed:  # a layer of its own: a captured pool or metadata graph changes the layer's state
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
+                                  topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
+                                  policy="static", backend="cuda", dtype=torch.bfloat16, device=dev,
+                                  t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+        with torch.no_grad():
+            layer.fc1.copy_(fc1)
+            layer.fc2.copy_(fc2)
+        layers["cuda/static graphed"] = (layer, GraphedLayer(layer))
     p1, p2 = torch.nn.Parameter(fc1.clone()), torch.nn.Parameter(fc2.clone())
     holder = torch.nn.Module()
     holder.fc1, holder.fc2 = p1, p2
@@ -304,6 +330,8 @@ def parse_args(argv):
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of every layer (<name>_profile.txt)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the cuda layers' host work by Python function (into <name>_profile.txt)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also cuda/static with forward and backward captured as CUDA graphs by the caller")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
     args = ap.parse_args(argv)
@@ -347,13 +375,18 @@ def main(argv=None) -> int:
                     y = fwd(x, idx, w)
                     y.backward(gy)
                     return y.detach()
-                y = run()
+                try:
+                    y = run()
+                except (RuntimeError, AssertionError) as err:  # a graph capture the layer does not allow: say so
+                    print(f"  {T} {rname} {name}: failed: {err}", flush=True)
+                    rows.append(dict(tokens=T, routing=rname, layer=name, error=str(err)[:300]))
+                    continue
                 for _ in range(2):
                     run()
                 ref = y if ref is None else ref
                 row = dict(tokens=T, routing=rname, layer=name, max_diff=(y.float() - ref.float()).abs().max().item(),
                            **time_layer(run, args.iters))
-                if name.startswith("cuda/"):
+                if name.startswith("cuda/") and not name.endswith("graphed"):  # (a replay runs no host code)
                     row.update(metadata_graph_us(module, args.iters))
                     if args.profile_iters:
                         row.update(phase_times(module, run, args.profile_iters, dev))
@@ -372,6 +405,23 @@ def main(argv=None) -> int:
         (args.out / f"{args.name}_profile.txt").write_text("\n".join(profiles))
     dist.destroy_process_group()
     return 0
+
+
+def layers_table(rows: list[dict]) -> str:
+    """The layers' table, then a line per layer that could not run (its error)."""
+    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    ran = [r for r in rows if "error" not in r]
+    out = markdown_table(
+        ["tokens", "routing", "layer", "ms", "/ limit", "/ limit (even)", "GPU ms", "GPU / limit", "host ms",
+         "host-bound", "plan ms", "dispatch/combine ms", "experts ms", "metadata graph GPU / host us", "max diff"],
+        [[r["tokens"], r["routing"], r["layer"], f(r["ms"]), f(r["vs_limit"]), f(r["vs_limit_even"]), f(r["gpu_ms"]),
+          f(r["gpu_vs_limit"]), f(r["host_ms"]), "yes" if r["host_ms"] > r["gpu_ms"] else "no",
+          f(r.get("plan_ms")), f(r.get("dispatch_combine_ms")), f(r.get("experts_ms")),
+          f"{r['meta_gpu_us']:.0f} / {r['meta_host_us']:.0f}" if "meta_gpu_us" in r else "-", f"{r['max_diff']:.1e}"]
+         for r in ran])
+    failed = [f"- {r['tokens']} tokens, {r['routing']}, {r['layer']}: did not run: {r['error']}" for r in rows
+              if "error" in r]
+    return out + ("\n\n" + "\n".join(failed) if failed else "")
 
 
 def report(args, rows: list[dict], limits: dict) -> None:
@@ -396,16 +446,7 @@ def report(args, rows: list[dict], limits: dict) -> None:
           f"{v['gemm_even_ms']:.2f}", f"{v['even_tflops_per_s']:.0f}", f"{v['row_gb']:.2f}",
           f"{v['copy_gb_per_s']:.0f}", f"{v['bytes_ms']:.2f}", f"{v['limit_ms']:.2f}", f"{v['limit_even_ms']:.2f}"]
          for T, v in limits.items()]))
-    text += ["", "## The layers", ""]
-    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    text.append(markdown_table(
-        ["tokens", "routing", "layer", "ms", "/ limit", "/ limit (even)", "GPU ms", "GPU / limit", "host ms",
-         "host-bound", "plan ms", "dispatch/combine ms", "experts ms", "metadata graph GPU / host us", "max diff"],
-        [[r["tokens"], r["routing"], r["layer"], f(r["ms"]), f(r["vs_limit"]), f(r["vs_limit_even"]), f(r["gpu_ms"]),
-          f(r["gpu_vs_limit"]), f(r["host_ms"]), "yes" if r["host_ms"] > r["gpu_ms"] else "no",
-          f(r.get("plan_ms")), f(r.get("dispatch_combine_ms")), f(r.get("experts_ms")),
-          f"{r['meta_gpu_us']:.0f} / {r['meta_host_us']:.0f}" if "meta_gpu_us" in r else "-", f"{r['max_diff']:.1e}"]
-         for r in rows]))
+    text += ["", "## The layers", "", layers_table(rows)]
     text += ["", "Per-GEMM times (ms): dense / even groups", ""]
     names = [n for n, *_ in gemm_shapes(1, 1, 1)]
     text.append(markdown_table(["tokens", *names],
