@@ -456,7 +456,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         # dispatch and combine on the comm stream: with two chunks, or with combine_side_stream (the token
         # gradients go home beside the weight-gradient GEMMs)
         comm = _comm(call, grad_y, len(call.chunks) > 1 or call.combine_side_stream)
-        in_place, grad_x = _in_place(call), None
+        in_place, grad_x, local_grads = _in_place(call), None, None
 
         def dispatch(i, ch):
             with _on(comm), phase(tm, "dispatch_combine", collective=True):
@@ -484,8 +484,11 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 _wait(done, grad_y.device)
                 grad_assign = ws.combine(gxm, gxs, ch.n_main, ch.n_slot, T * k, copy=False, base=ch.base,
                                          out=grad_assign, **({"skip_local": True} if in_place else {}))
-                if in_place:  # this rank's own rows summed in place, now: their memory is free before the wgrad
-                    grad_x = _sum_choices(grad_assign, k, T, (ch.inv, gxm, gxs))
+            if in_place:  # this rank's own rows are summed in place, from gxm, gxs
+                local_grads = (ch.inv, gxm, gxs)
+                if comm is None:  # now, so that their memory is free before the weight gradients
+                    with phase(tm, "dispatch_combine"):
+                        grad_x, local_grads = _sum_choices(grad_assign, k, T, local_grads), None
             if comm is not None:  # the comm stream reads them: kept until it is joined below
                 data_grads.append((gxm, gxs))
             del gxm, gxs
@@ -520,9 +523,9 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         if comm is not None:
             torch.cuda.current_stream(grad_y.device).wait_stream(comm)
         del data_grads
-        if grad_x is None:
+        if grad_x is None:  # on this stream, after the comm stream's join (a tensor made there would need record_stream)
             with phase(tm, "dispatch_combine"):
-                grad_x = _sum_choices(grad_assign, k, T)
+                grad_x = _sum_choices(grad_assign, k, T, local_grads)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves
             return grad_x, grad_w, None, g1, g2
         return (grad_x, grad_w, None, *g1.unbind(0), *g2.unbind(0))
