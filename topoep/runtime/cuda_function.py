@@ -14,6 +14,9 @@ never by the routing:
                 staging
     combine     one kernel stores every result row into its source's buffer at its assignment index; one
                 more (weighting.py) sums each token's k rows with its top-k weights
+A rank's own rows stay in place (the peer workspace, one chunk: `_in_place`): the dispatch writes them into the
+tensor kept for backward, the copy out of the receive buffers and the combine leave them out, and the weighting reads
+their results where the GEMM wrote them (CudaChunk.inv; weighting.py's `local`); the same in backward.
 With two chunks (LayerConfig.num_chunks=2) the tokens are split in two halves, each with its own route (the plan's route row
 split at the boundary), layout and region of the receive buffers; on a GPU with the peer transport, dispatch and
 combine then run on a comm stream, the second half's dispatch beside the first half's GEMMs and the first half's
@@ -416,7 +419,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
                 saved.append(keep)
                 if in_place:
                     local_out = (ch.inv, *ys_)
-                del ys_  # combined on this stream: the memory is free for the next chunk and the weighting
+                del ys_  # combined on this stream: the memory is free for the next chunk (in place: local_out keeps it)
         else:
             received = [dispatch(i, ch) for i, ch in enumerate(call.chunks)]
             for ch, got in zip(call.chunks, received):
