@@ -283,9 +283,10 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
     E, H, Fd = args.experts, args.hidden, args.ffn
     layers = {}
     for policy in ("static", "topoep"):
-        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=Topology(num_domains=1, ranks_per_domain=1),
-                                  num_slots=args.slots, policy=policy, backend="cuda", dtype=torch.bfloat16,
-                                  device=dev, t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
+                                  topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
+                                  policy=policy, backend="cuda", dtype=torch.bfloat16, device=dev,
+                                  t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)

@@ -1,5 +1,5 @@
-"""Run by tests/test_symm_rows.py on a GPU as main("cuda") (or `python tests/symm_rows_check.py cuda`): backend cuda's row kernels
-of topoep/runtime/symm.py (the dispatch, the copy out of the receive buffers, the combine) against a loop over the
+"""Run by tests/test_symm_rows.py on a GPU as main("cuda") (or `python tests/symm_rows_check.py cuda`): backend
+cuda's row kernels of topoep/runtime/symm.py (the dispatch, the copy out of the receive buffers, the combine) against a loop over the
 rows, with several ranks emulated in one process (each rank's buffers are tensors of their own, the kernels reach
 them through the same address tables the symmetric workspace builds). Covers the main and slot buffers, rows that
 spill beyond the region, the top-k scale, and a rank's own rows kept in place (`LOCAL`, `SKIP_LOCAL`). Copies are

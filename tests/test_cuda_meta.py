@@ -11,7 +11,8 @@ def test_outputs_round_trip_through_one_buffer_per_dtype():
     g = torch.Generator().manual_seed(0)
     outs = (torch.randint(0, 9, (3, 5), generator=g), torch.randn(7, dtype=torch.float64, generator=g),
             torch.tensor(True), torch.randint(0, 9, (0,), generator=g), torch.randint(-4, 4, (11,), generator=g).int(),
-            torch.randint(0, 9, (2, 3, 1), generator=g), torch.rand(3, generator=g) > 0.5, torch.zeros(1, dtype=torch.int64))
+            torch.randint(0, 9, (2, 3, 1), generator=g), torch.rand(3, generator=g) > 0.5,
+            torch.zeros(1, dtype=torch.int64))
     packed = _Packed(outs)
     assert len(packed.buffers) == 4  # int64, float64, bool, int32
     copies = [b.clone() for b in packed.buffers]

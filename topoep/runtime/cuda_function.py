@@ -526,7 +526,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         if comm is not None:
             torch.cuda.current_stream(grad_y.device).wait_stream(comm)
         del data_grads
-        if grad_x is None:  # on this stream, after the comm stream's join (a tensor made there would need record_stream)
+        if grad_x is None:  # on this stream, after the comm stream's join (made there, it would need record_stream)
             with phase(tm, "dispatch_combine"):
                 grad_x = _sum_choices(grad_assign, k, T, local_grads)
         if n == 1 and weights[0].dim() == 3:  # the stacked parameters themselves

@@ -204,7 +204,8 @@ class ExpertParallelMoE(nn.Module):
         if self.capacity_factor is not None:
             cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor)
         plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
-        no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)  # slot_skipped, slot_skip_missed (cuda's)
+        # slot_skipped, slot_skip_missed: backend cuda's
+        no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)
         return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit_stats])
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
@@ -352,8 +353,8 @@ class ExpertParallelMoE(nn.Module):
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
         (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
-        offs_main, offs_slot, n_main, n_slot, inv and the SpillWork's fields), wanted: the guard's own decision (False without a guard); relay: the
-        plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.executed_sources' source and
+        offs_main, offs_slot, n_main, n_slot, inv and the SpillWork's fields), wanted: the guard's own decision (False
+        without a guard); relay: the plan's relay trees with LayerConfig.relay_fanout (int64[2, R, N]: topoep.relay.executed_sources' source and
         level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row
         counts are made here once for forward and backward."""
         E = self.num_experts
