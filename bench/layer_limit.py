@@ -257,7 +257,10 @@ def host_profile(run, iters: int = 20, top: int = 40) -> str:
     st = pstats.Stats(prof, stream=out)
     st.sort_stats("cumulative").print_stats(top)
     st.sort_stats("tottime").print_stats(top)
-    return f"### host profile ({iters} calls; cProfile)\n{out.getvalue()}"
+    text = out.getvalue().replace(f"{REPO}/", "")  # paths relative to the repository
+    for site in sorted({p for p in sys.path if p.endswith("site-packages")}, key=len, reverse=True):
+        text = text.replace(f"{site}/", "site-packages/")
+    return f"### host profile ({iters} calls; cProfile)\n{text}"
 
 
 class GraphedLayer:
