@@ -39,7 +39,7 @@ class _Packed:
         self.buffers, self.layout = [], []  # per dtype: (split sizes, [(output index, piece, shape or None)])
         for dtype, members in groups.items():
             step = max(1, ALIGN // outs[members[0]].element_size())
-            zeros = torch.zeros(step, dtype=dtype, device=outs[members[0]].device)
+            filler = torch.empty(step, dtype=dtype, device=outs[members[0]].device)  # padding: never read, no fill
             parts, sizes, places = [], [], []
             for i in members:
                 t = outs[i].reshape(-1)
@@ -48,7 +48,7 @@ class _Packed:
                 sizes.append(t.numel())
                 pad = -t.numel() % step
                 if pad:
-                    parts.append(zeros[:pad])
+                    parts.append(filler[:pad])
                     sizes.append(pad)
             self.buffers.append(torch.cat(parts))
             self.layout.append((sizes, places))
