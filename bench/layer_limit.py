@@ -426,6 +426,8 @@ def layers_table(rows: list[dict]) -> str:
          for r in ran])
     failed = [f"- {r['tokens']} tokens, {r['routing']}, {r['layer']}: did not run: {r['error']}" for r in rows
               if "error" in r]
+    failed += [f"- {r['tokens']} tokens, {r['routing']}, {r['layer']}: the host outlasted the sleep in some calls: its "
+               "GPU ms may include launch gaps" for r in ran if not r.get("gpu_clean", True)]
     return out + ("\n\n" + "\n".join(failed) if failed else "")
 
 

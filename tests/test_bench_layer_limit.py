@@ -59,8 +59,10 @@ def test_layers_table_shows_each_layer_and_says_which_did_not_run():
                gpu_vs_limit=1.5, host_ms=3.3, plan_ms=0.5, dispatch_combine_ms=0.9, experts_ms=2.1, meta_gpu_us=120.4,
                meta_host_us=30.2, max_diff=0.0)
     failed = dict(tokens=4096, routing="balanced", layer="cuda/static graphed", error="capture failed: x")
-    text = layers_table([row, failed])
+    text = layers_table([row, failed, dict(row, layer="plain torch", gpu_clean=False)])
     line = next(ln for ln in text.splitlines() if ln.startswith("| 4096 "))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[2] == "cuda/static" and cells[9] == "yes" and cells[13] == "120 / 30"  # host 3.3 > GPU 2.5
     assert "- 4096 tokens, balanced, cuda/static graphed: did not run: capture failed: x" in text
+    assert "- 4096 tokens, balanced, plain torch: the host outlasted the sleep" in text
+    assert "cuda/static: the host outlasted" not in text
