@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.planners.cuda import CudaPlanner  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
@@ -50,14 +50,9 @@ def _events_median(fn, runs: int, warmup: int, busy: bool = False) -> float:
         fn()
     times = []
     for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if busy:
             torch.cuda._sleep(BUSY_CYCLES)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)  # us
+        times.append(cuda_ms(fn) * 1e3)  # us
     return statistics.median(times)
 
 
