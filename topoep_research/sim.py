@@ -690,7 +690,8 @@ class PlanCache:
 
 def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: Execution | None = None,
              policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None,
-             plan_cache: PlanCache | None = None) -> SimResult:
+             plan_cache: PlanCache | None = None,
+             plus_candidates: tuple[str, ...] = ("topoep_plus_local",)) -> SimResult:
     """Predicted time of one MoE layer call (forward + backward) on `cluster`.
 
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
@@ -703,6 +704,10 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         (`Execution.relay_fanout`) it prices them level by level (the guard's relay_fanout).
     plan_cache: a `PlanCache` to plan omega through (the same plan; its solve time is the one measured
         when the plan was made), or None: solve here.
+    plus_candidates: the other policies a guarded topoep_plus layer plans at the same time, of which the guard keeps
+        the fastest by its prediction (the runtime's: topoep_plus_local; add "topoep_plus_spread" for the layer
+        with the link-aware spread candidate, `topoep.planners.spread`). A candidate without a CUDA kernel is timed
+        as the GPU planner's latency too (the CUDA planner's time, not the reference's).
     """
     execution = execution or EXECUTIONS["topoep"]
     measured = None
@@ -735,7 +740,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     guarded = guard is not None and name != "static" and N > 0
     # the guard's pre-plan bound: where no plan can pay, the static plan runs and no planner does
     skipped = guarded and not bool(guard.worth_planning(omega, topo, main_rank, t_ffn, model.expert_bytes, n_rep))
-    candidates, local_plan = (), 0.0
+    candidates, local_plan, choice = (), 0.0, 0.0
     if skipped:
         plan = solve(omega, topo, num_slots=N, policy="static", expert_bytes=model.expert_bytes,
                      token_bytes=model.token_bytes)
@@ -744,7 +749,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     elif not given:
         # guarded topoep_plus plans its local candidate too (at the same time on the GPU: one planner latency)
         plans = []
-        for each in (name, "topoep_plus_local") if guarded and name == "topoep_plus" else (name,):
+        for each in (name, *plus_candidates) if guarded and name == "topoep_plus" else (name,):
             kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
                       t_ffn=t_ffn)
             if plan_cache is not None:
@@ -758,7 +763,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plan, candidates = plans[0], tuple(plans[1:])
     if guarded and not skipped:
         plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
-        local_plan = float(bool(candidates) and not bool(fired) and int(plan.info["guard_choice"]) == 1)
+        choice = float(int(plan.info["guard_choice"])) if candidates and not bool(fired) else 0.0
+        local_plan = float(choice == 1 and plus_candidates[:1] == ("topoep_plus_local",))
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
@@ -841,6 +847,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     m = metrics(plan)
     stats = {k: m[k] for k in ("imbalance", "static_imbalance", "internode_fraction", "replica_fraction", "num_replicas")}
     stats["local_plan"] = local_plan  # 1: guarded topoep_plus ran its local candidate (topoep_plus_local)
+    stats["guard_choice"] = choice  # guarded topoep_plus: i >= 1 when it ran plus_candidates[i - 1], else 0
     stats["plan_skipped"] = float(skipped)  # 1: the guard's pre-plan bound left planning out
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
     mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)

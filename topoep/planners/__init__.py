@@ -17,13 +17,14 @@ QWEN3_TOKEN_BYTES = 2048 * 2
 
 
 def _policies():
-    from topoep.planners import baselines, plus, reference
+    from topoep.planners import baselines, plus, reference, spread
 
     return {
         "static": reference.solve_static,
         "topoep": reference.solve_topoep,
         "topoep_plus": plus.solve_topoep_plus,
         "topoep_plus_local": functools.partial(plus.solve_topoep_plus, inter_domain=False),
+        "topoep_plus_spread": spread.solve_topoep_plus_spread,
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
@@ -32,13 +33,14 @@ def _policies():
 
 
 # Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
-POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "deepseek", "fastermoe", "flexmoe")
+POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "deepseek", "fastermoe",
+            "flexmoe")
 # Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. Their planners live
 # outside the library and are bound by `register_policy`: "joint" by `import topoep_research` (seconds per
 # plan on the CPU reference at EP 32; its search needs K x R^3 tensors).
 OFFLINE_POLICIES = ("joint",)
 # Policies that weigh expert compute against transfers, and so take t_ffn.
-T_FFN_POLICIES = ("fastermoe", "joint")
+T_FFN_POLICIES = ("fastermoe", "joint", "topoep_plus_spread")
 # The offline policies' planners, name -> fn, as `register_policy` bound them.
 _REGISTERED: dict[str, Callable[..., Plan]] = {}
 

@@ -1,0 +1,145 @@
+"""`topoep_plus_spread` (topoep.planners.spread): its objective recomputed by brute force from the plan, the rollback
+to the best prefix checked against every prefix, and the warm-domain case it exists for (the contract, C1-C5 and
+determinism, is checked for every policy in test_planner_properties.py)."""
+
+import pytest
+import torch
+
+from topoep import Topology, solve, workloads
+from topoep.planners.common import two_level_costs
+from topoep.plan import default_main_rank
+from topoep.planners.spread import REPLICA_TRANSFERS, solve_topoep_plus_spread
+from topoep.topology import FEMTO
+
+W, S, T_FFN = 9_437_184, 4096, 45e-9
+
+
+def _plan(om, topo, slots, max_moves=None):
+    if max_moves is None:
+        return solve(om, topo, num_slots=slots, policy="topoep_plus_spread", expert_bytes=W, token_bytes=S,
+                     t_ffn=T_FFN, backend="reference")
+    return solve_topoep_plus_spread(om, topo, num_slots=slots, main_rank=default_main_rank(om.shape[1], om.shape[0]),
+                                    expert_bytes=W, token_bytes=S, t_ffn=T_FFN, max_moves=max_moves)
+
+
+def _objective(plan) -> int:
+    """t L_max + n W max(b * busiest NIC count, a * busiest NVLink count), counted copy by copy from the plan's slot
+    table (each replica fetched from its expert's main rank; a rank's NIC counts copies sent and received)."""
+    topo = plan.topology
+    a, b, _ = two_level_costs(topo)
+    R = plan.num_ranks
+    nic_out, nic_in, nvl_out, nvl_in = ([0] * R for _ in range(4))
+    for r in range(R):
+        for e in plan.slot_expert[r].tolist():
+            if e < 0:
+                continue
+            home = int(plan.main_rank[e])
+            if int(topo.domain_of[home]) != int(topo.domain_of[r]):
+                nic_out[home] += 1
+                nic_in[r] += 1
+            else:
+                nvl_out[home] += 1
+                nvl_in[r] += 1
+    t = int(round(T_FFN * FEMTO))
+    rep = REPLICA_TRANSFERS * W * max(b * max(nic_out + nic_in), a * max(nvl_out + nvl_in))
+    return t * int(plan.rank_load.max()) + rep
+
+
+CASES = [("warm_domain", 32, 8, 1), ("hot_rank", 16, 4, 2), ("natural", 16, 8, 2), ("source_ragged", 16, 4, 1),
+         ("uniform", 8, 4, 2), ("zero_load", 8, 2, 3), ("hot_domain", 16, 4, 4), ("warm_domain", 16, 2, 4)]
+
+
+@pytest.mark.parametrize("scenario,R,rpd,slots", CASES)
+def test_objective_is_the_plans_and_never_above_static(scenario, R, rpd, slots):
+    om = workloads.scenario(scenario, R, 8 * R, 512, 8, ranks_per_domain=rpd, seed=1)
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+    plan = _plan(om, topo, slots)
+    plan.check(c4=True)
+    static = solve(om, topo, num_slots=slots, policy="static", expert_bytes=W, token_bytes=S)
+    assert plan.info["static_objective_fs"] == _objective(static)
+    # the kept prefix's objective is the plan's, counted copy by copy (dropped load-free replicas only lower it)
+    if plan.info["dropped"] == 0:
+        assert _objective(plan) == plan.info["objective_fs"]
+    assert _objective(plan) <= plan.info["objective_fs"] <= plan.info["static_objective_fs"]
+    assert plan.info["moves"] <= plan.info["greedy_moves"]
+
+
+@pytest.mark.parametrize("scenario,R,rpd,slots", CASES[:4])
+def test_rollback_keeps_the_first_best_prefix(scenario, R, rpd, slots):
+    """Planning with max_moves=k stops the greedy after k moves and rolls back within them: its objective is the
+    best of the first k prefixes. So the full plan's objective is the minimum over every k, reached first at its
+    kept length."""
+    om = workloads.scenario(scenario, R, 8 * R, 512, 8, ranks_per_domain=rpd, seed=2)
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+    full = _plan(om, topo, slots)
+    objs = []
+    for k in range(full.info["greedy_moves"] + 1):
+        p = _plan(om, topo, slots, max_moves=k)
+        assert p.info["greedy_moves"] == k
+        objs.append(p.info["objective_fs"])
+    assert objs == sorted(objs, reverse=True)  # the best prefix of a longer run is at least as good
+    assert full.info["objective_fs"] == objs[-1]
+    kept = full.info["moves"]
+    assert objs[kept] == objs[-1] and (kept == 0 or objs[kept - 1] > objs[-1])  # the first prefix reaching the best
+
+
+def test_warm_domain_spreads_load_and_copies_over_the_other_domains():
+    """Every rank of domain 0 is overloaded: topoep's stage 1 copies the experts of the one rank with the largest
+    demand into every other domain (all copies leave through that rank's NIC); the local variant cannot move load
+    out of the domain. The spread plan has the lowest objective of every policy, with far fewer copies per sender
+    than topoep."""
+    R, rpd, slots = 32, 8, 1
+    om = workloads.scenario("warm_domain", R, 8 * R, 4096, 8, ranks_per_domain=rpd, seed=0)
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+    kw = dict(num_slots=slots, expert_bytes=W, token_bytes=S, backend="reference")
+    plans = {p: solve(om, topo, policy=p, **kw) for p in ("static", "topoep", "topoep_plus_local", "deepseek", "flexmoe")}
+    plans["spread"] = _plan(om, topo, slots)
+    objective = {p: _objective(plan) for p, plan in plans.items()}
+    assert objective["spread"] < min(v for p, v in objective.items() if p != "spread")
+    lmax = {p: int(plan.rank_load.max()) for p, plan in plans.items()}
+    assert lmax["spread"] < min(lmax["topoep_plus_local"], lmax["deepseek"])
+
+    def busiest_sender(plan):
+        homes = plan.main_rank[plan.slot_expert[plan.slot_expert >= 0]]
+        return int(torch.bincount(homes, minlength=R).max()) if homes.numel() else 0
+
+    assert busiest_sender(plans["spread"]) * 4 < busiest_sender(plans["topoep"])
+    # load left domain 0: the other domains host copies of its experts, and only of its experts
+    dom0 = plans["spread"].main_rank < rpd
+    spilled = plans["spread"].slot_expert[rpd:]
+    assert bool(dom0[spilled[spilled >= 0]].all()) and int((spilled >= 0).sum()) > 0
+
+
+def test_a_larger_t_ffn_buys_more_copies():
+    """The objective trades the straggler's compute against the busiest copy link: where compute is dearer the plan
+    balances at least as far."""
+    R, rpd = 16, 4
+    om = workloads.scenario("hot_rank", R, 8 * R, 4096, 8, ranks_per_domain=rpd, seed=0)
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+    kw = dict(num_slots=2, policy="topoep_plus_spread", expert_bytes=W, token_bytes=S, backend="reference")
+    cheap, dear = solve(om, topo, t_ffn=1e-9, **kw), solve(om, topo, t_ffn=1e-6, **kw)
+    assert int(dear.rank_load.max()) < int(cheap.rank_load.max())
+    assert dear.num_replicas > cheap.num_replicas
+
+
+def test_bad_t_ffn_is_refused():
+    om = torch.ones(4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="t_ffn must be a finite positive"):
+        solve(om, Topology(num_domains=2, ranks_per_domain=2), policy="topoep_plus_spread", t_ffn=-1.0)
+
+
+def test_the_simulated_layer_keeps_the_spread_candidate_where_it_is_faster():
+    from topoep.runtime import NetBenefitGuard
+    from topoep_research import sim
+
+    cl = sim.CLUSTERS["paper_h800"]
+    R = 32
+    model = sim.MODELS["qwen3"].with_experts(8 * R)
+    om = workloads.scenario("warm_domain", R, model.num_experts, 4096, model.top_k,
+                            ranks_per_domain=cl.domain_size(R), seed=0)
+    kw = dict(model=model, policy="topoep_plus", num_slots=1, guard=NetBenefitGuard())
+    plain = sim.simulate(om, cl, **kw)
+    spread = sim.simulate(om, cl, plus_candidates=("topoep_plus_local", "topoep_plus_spread"), **kw)
+    flexmoe = sim.simulate(om, cl, **{**kw, "policy": "flexmoe"})
+    assert spread.stats["guard_choice"] == 2 and spread.stats["local_plan"] == 0
+    assert spread.layer_s < min(plain.layer_s, flexmoe.layer_s)
