@@ -8,7 +8,7 @@ import torch
 from topoep import Topology, solve, workloads
 from topoep.planners.common import two_level_costs
 from topoep.plan import default_main_rank
-from topoep.planners.spread import REPLICA_TRANSFERS, solve_topoep_plus_spread
+from topoep.planners.spread import REPLICA_TRANSFERS, TOKEN_TRANSFERS, solve_topoep_plus_spread
 from topoep.topology import FEMTO
 
 W, S, T_FFN = 9_437_184, 4096, 45e-9
@@ -23,8 +23,9 @@ def _plan(om, topo, slots, max_moves=None):
 
 
 def _objective(plan) -> int:
-    """t L_max + n W max(b * busiest NIC count, a * busiest NVLink count), counted copy by copy from the plan's slot
-    table (each replica fetched from its expert's main rank; a rank's NIC counts copies sent and received)."""
+    """The planner's objective recomputed from the plan: t L_max, the replica term counted copy by copy from the slot
+    table (each replica fetched from its expert's main rank; a rank's NIC counts copies sent and received), and the
+    token term from the instances' loads per domain."""
     topo = plan.topology
     a, b, _ = two_level_costs(topo)
     R = plan.num_ranks
@@ -42,7 +43,16 @@ def _objective(plan) -> int:
                 nvl_in[r] += 1
     t = int(round(T_FFN * FEMTO))
     rep = REPLICA_TRANSFERS * W * max(b * max(nic_out + nic_in), a * max(nvl_out + nvl_in))
-    return t * int(plan.rank_load.max()) + rep
+    # token term: per domain, its sources' demand against its instances' load, expert by expert
+    rpd = topo.ranks_per_domain
+    demand = plan.omega.view(topo.num_domains, rpd, -1).sum(1)  # [M, E]
+    dom = topo.domain_of[plan.instance_rank]
+    held = torch.zeros_like(demand)
+    for p in range(plan.num_instances):
+        if int(plan.instance_expert[p]) >= 0:
+            held[dom[p], plan.instance_expert[p]] += plan.instance_load[p]
+    busiest = int(torch.maximum((demand - held).clamp(min=0).sum(1), (held - demand).clamp(min=0).sum(1)).max())
+    return t * int(plan.rank_load.max()) + rep + TOKEN_TRANSFERS * S * b * busiest // rpd
 
 
 CASES = [("warm_domain", 32, 8, 1), ("hot_rank", 16, 4, 2), ("natural", 16, 8, 2), ("source_ragged", 16, 4, 1),
@@ -86,8 +96,8 @@ def test_rollback_keeps_the_first_best_prefix(scenario, R, rpd, slots):
 def test_warm_domain_spreads_load_and_copies_over_the_other_domains():
     """Every rank of domain 0 is overloaded: topoep's stage 1 copies the experts of the one rank with the largest
     demand into every other domain (all copies leave through that rank's NIC); the local variant cannot move load
-    out of the domain. The spread plan has the lowest objective of every policy, with far fewer copies per sender
-    than topoep."""
+    out of the domain. The spread plan has the lowest objective and the lowest L_max of every policy, with far fewer
+    copies per sender than topoep."""
     R, rpd, slots = 32, 8, 1
     om = workloads.scenario("warm_domain", R, 8 * R, 4096, 8, ranks_per_domain=rpd, seed=0)
     topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
@@ -97,13 +107,13 @@ def test_warm_domain_spreads_load_and_copies_over_the_other_domains():
     objective = {p: _objective(plan) for p, plan in plans.items()}
     assert objective["spread"] < min(v for p, v in objective.items() if p != "spread")
     lmax = {p: int(plan.rank_load.max()) for p, plan in plans.items()}
-    assert lmax["spread"] < min(lmax["topoep_plus_local"], lmax["deepseek"])
+    assert lmax["spread"] < min(v for p, v in lmax.items() if p != "spread") and 2 * lmax["spread"] < lmax["static"]
 
     def busiest_sender(plan):
         homes = plan.main_rank[plan.slot_expert[plan.slot_expert >= 0]]
         return int(torch.bincount(homes, minlength=R).max()) if homes.numel() else 0
 
-    assert busiest_sender(plans["spread"]) * 4 < busiest_sender(plans["topoep"])
+    assert busiest_sender(plans["spread"]) * 3 < busiest_sender(plans["topoep"])
     # load left domain 0: the other domains host copies of its experts, and only of its experts
     dom0 = plans["spread"].main_rank < rpd
     spilled = plans["spread"].slot_expert[rpd:]

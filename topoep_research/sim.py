@@ -783,8 +783,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         t_gather = gather_s(R, E, cluster)
         if plan_s is not None:
             solve_s = plan_s
-        elif plan.policy in CUDA_POLICIES:
-            solve_s = gpu_planner_s(R, plan.policy)
+        elif plan.policy in CUDA_POLICIES or candidates:  # candidates: planned beside topoep_plus on the GPU
+            solve_s = gpu_planner_s(R, name if candidates else plan.policy)
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host

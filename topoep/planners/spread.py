@@ -9,25 +9,33 @@ ranks keep their load (`warm_domain` at EP 64, 1 slot: 56 copies from one rank, 
 by the busiest link; this planner trades exactly these two.
 
 Algorithm (integers only, lowest-index ties, deterministic; a, b = `common.two_level_costs` in fs per byte, t =
-t_ffn in fs, W = expert_bytes, n = REPLICA_TRANSFERS; every instance starts as the static plan: all of e's demand
-on its main rank; per rank four counters of replica copies, NIC out / in and NVLink out / in):
+t_ffn in fs, W = expert_bytes, S = token_bytes; every instance starts as the static plan: all of e's demand on its
+main rank):
+
+  objective = t L_max + R + K, the straggler's compute and two busiest-link terms:
+  R = REPLICA_TRANSFERS W max(b max NIC count, a max NVLink count): a rank's NIC (NVLink) count is the replica
+      copies it sends plus those it receives across domains (inside its domain), each copy fetched from its expert's
+      main rank;
+  K = TOKEN_TRANSFERS S b max_d max(out_d, in_d) / ranks_per_domain: out_d = sum_e (D[d, e] - U_d[e])^+ the
+      assignments domain d's sources must send to other domains, in_d = sum_e (U_d[e] - D[d, e])^+ those its
+      instances receive from them (U_d[e] the load of e's instances in d), spread evenly over d's NICs.
 
 1. Greedy moves. rb = the busiest rank (ties: lowest id). For every instance of an expert e on rb with load u > 0
-   and every other rank rt with L[rt] < L[rb] that hosts e, or has a free slot (a new replica of e, fetched from
-   e's main rank; into another domain only where C4 allows it, 2 D[d(rt), e] S_tok > W):
-   delta = min(u, floor((L[rb] - L[rt]) / 2)); extra = the rise of the replica term R(c) = n W max(b max NIC
-   count, a max NVLink count) a new copy causes (0 for an existing instance); score = t delta - extra.
-   The largest score wins; ties: rt in rb's domain, then an existing instance, then lower L[rt], lower rt, lower
-   e. A new replica takes rt's lowest free slot. Stop when the best score is <= 0, or after `max_moves` moves
-   (default 4 R (E / R + N)).
-2. Roll back to the best prefix: the objective t L_max + R(counts) after every move; the plan keeps the moves up
-   to the first prefix with the smallest objective (the empty prefix is the static plan). So the per-link
-   objective of the plan is never above static's.
+   and every other rank rt with floor((L[rb] - L[rt]) / 2) > 0 that hosts e, or has a free slot (a new replica of
+   e, fetched from e's main rank; into another domain only where C4 allows it, 2 D[d(rt), e] S > W):
+   delta = min(u, floor((L[rb] - L[rt]) / 2)); extra = the rise of R a new copy causes (0 for an existing
+   instance); score = t delta - extra. The largest score wins; ties: rt in rb's domain, then an existing
+   instance, then lower L[rt], lower rt, lower e. A new replica takes rt's lowest free slot. Stop when the best
+   score is <= 0, or after `max_moves` moves (default 4 R (E / R + N)).
+2. Roll back to the best prefix: the objective after every move; the plan keeps the moves up to the first prefix
+   with the smallest objective (the empty prefix is the static plan). So the plan's objective is never above
+   static's.
 3. Replicas left with no load are dropped; the route is `common.hierarchical_route` (each instance serves its own
    rank first, then its domain, then any source).
 
-Token transfers are not in the objective: the net-benefit guard compares this plan with the others by its full
-per-link prediction (`topoep.runtime.guard`), tokens included, and keeps the fastest or static.
+The token term is a proxy (a domain's NIC traffic spread evenly over its ranks, no rank-level routing): the
+net-benefit guard compares this plan with the others by its full per-link prediction (`topoep.runtime.guard`) and
+keeps the fastest or static.
 
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES), no duplicate instance, integer decisions,
 lowest-index ties. There is no CUDA kernel yet: `topoep.solve` runs this reference on any device (the host reads
@@ -38,13 +46,17 @@ from __future__ import annotations
 
 import torch
 
-from topoep.plan import Plan, domain_demand
+from topoep.plan import Plan
 from topoep.planners.common import hierarchical_route, two_level_costs
 from topoep.topology import FEMTO
 
 # Replica transfers per layer call the objective charges: the forward fetch, the backward reload and the gradient
 # return (all three exposed: backend torch; the guard, which knows the backend, has the final word).
 REPLICA_TRANSFERS = 3
+# Token transfers per layer call the objective charges at the busiest domain's NIC share: the dispatch and the combine
+# of one pass (the chunked pipeline runs about as much of the other pass beside the expert compute). A proxy: the guard
+# prices every token transfer on its busiest link.
+TOKEN_TRANSFERS = 2
 
 
 class _State:
@@ -63,6 +75,18 @@ class _State:
         self.used = [0] * R
         self.nic_out, self.nic_in = [0] * R, [0] * R  # replica copies sent / received over the rank's NIC
         self.nvl_out, self.nvl_in = [0] * R, [0] * R
+        # per domain d and expert e: the load of e's instances in d (Ud) against d's demand for e (D); out[d] = sum_e
+        # (D - Ud)^+ assignments d's sources send to other domains, inn[d] = sum_e (Ud - D)^+ those it receives
+        M = R // rpd
+        self.D = [[0] * len(main_rank) for _ in range(M)]
+        for s in range(R):
+            for e, x in enumerate(omega[s]):
+                self.D[s // rpd][e] += x
+        self.Ud = [[0] * len(main_rank) for _ in range(M)]
+        for e, r in enumerate(main_rank):
+            self.Ud[r // rpd][e] = self.U[r][e]
+        self.out = [sum(max(d - u, 0) for d, u in zip(self.D[m], self.Ud[m])) for m in range(M)]
+        self.inn = [sum(max(u - d, 0) for d, u in zip(self.D[m], self.Ud[m])) for m in range(M)]
 
     def apply(self, rb: int, rt: int, e: int, delta: int, home: int) -> None:
         if e not in self.U[rt]:
@@ -79,18 +103,29 @@ class _State:
         self.U[rt][e] += delta
         self.L[rb] -= delta
         self.L[rt] += delta
+        for m, x in ((rb // self.rpd, -delta), (rt // self.rpd, delta)):
+            d, u = self.D[m][e], self.Ud[m][e]
+            self.Ud[m][e] = u + x
+            self.out[m] += max(d - u - x, 0) - max(d - u, 0)
+            self.inn[m] += max(u + x - d, 0) - max(u - d, 0)
+
+    def objective(self, t: int, a: int, b: int, W: int, S: int) -> int:
+        """t L_max + the replica term + the token term (module docstring)."""
+        rep = _replica_fs(max(max(self.nic_out), max(self.nic_in)), max(max(self.nvl_out), max(self.nvl_in)), a, b, W)
+        tok = TOKEN_TRANSFERS * S * b * max(max(self.out), max(self.inn)) // self.rpd
+        return t * max(self.L) + rep + tok
 
 
 def _replica_fs(nic: int, nvl: int, a: int, b: int, W: int) -> int:
-    """R(counts): the replica term of the objective for the busiest NIC / NVLink copy counts."""
+    """R: the replica term of the objective for the busiest NIC / NVLink copy counts."""
     return REPLICA_TRANSFERS * W * max(b * nic, a * nvl)
 
 
 def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, t_ffn=None,
                              max_moves: int | None = None, **kw) -> Plan:
     """The `topoep_plus_spread` policy (module docstring). info: "moves" (kept after the rollback), "greedy_moves"
-    (made before it), "objective_fs" and "static_objective_fs" (t L_max + R(counts) of the kept prefix and of
-    static), "dropped" (replicas of the kept prefix left with no load, step 3)."""
+    (made before it), "objective_fs" and "static_objective_fs" (the objective of the kept prefix and of static),
+    "dropped" (replicas of the kept prefix left with no load, step 3)."""
     from topoep.metrics import DEFAULT_T_FFN
 
     R, E = omega.shape
@@ -103,9 +138,9 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
         max_moves = 4 * R * (E // R + N)
     om = omega.tolist()
     mr = main_rank.tolist()
-    D = domain_demand(omega, topology).tolist()
     st = _State(om, mr, N, rpd)
-    static_obj = t * max(st.L)
+    D = st.D
+    static_obj = st.objective(t, a, b, W, S)
     best_obj, best_len, history = static_obj, 0, []
     dom = [r // rpd for r in range(R)]
     while N > 0 and len(history) < max_moves:
@@ -114,34 +149,31 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
         mx_nic = max(max(st.nic_out), max(st.nic_in))
         mx_nvl = max(max(st.nvl_out), max(st.nvl_in))
         cur = _replica_fs(mx_nic, mx_nvl, a, b, W)
-        order = sorted((r for r in range(R) if L[r] < L[rb]), key=lambda r: (L[r], r))
         best = None
-        for e in sorted(st.U[rb]):
-            u = st.U[rb][e]
-            if u <= 0:
+        for rt in range(R):
+            half = (L[rb] - L[rt]) // 2
+            if half <= 0:
                 continue
-            home = mr[e]
-            cands = [rt for rt in order if e in st.U[rt]]
-            # for a new replica, the least loaded rank (then lowest id) of each class wins its class: rb's domain,
-            # the other domains (there only where C4 allows the copy)
-            for same in (True, False):
-                for rt in order:
-                    if ((dom[rt] == dom[rb]) == same and e not in st.U[rt] and st.used[rt] < N
-                            and (dom[rt] == dom[home] or 2 * D[dom[rt]][e] * S > W)):
-                        cands.append(rt)
-                        break
-            for rt in cands:
+            free = st.used[rt] < N
+            for e, u in st.U[rb].items():
+                if u <= 0:
+                    continue
                 existing = e in st.U[rt]
+                home = mr[e]
                 extra = 0
                 if not existing:
+                    if not free:
+                        continue
                     if dom[home] != dom[rt]:
+                        if not 2 * D[dom[rt]][e] * S > W:  # C4
+                            continue
                         nic = max(mx_nic, st.nic_out[home] + 1, st.nic_in[rt] + 1)
                         extra = _replica_fs(nic, mx_nvl, a, b, W) - cur
                     else:
                         nvl = max(mx_nvl, st.nvl_out[home] + 1, st.nvl_in[rt] + 1)
                         extra = _replica_fs(mx_nic, nvl, a, b, W) - cur
-                delta = min(u, (L[rb] - L[rt]) // 2)
-                key = (-(t * delta - extra), dom[rt] != dom[rb], not existing, L[rt], rt, e)
+                delta = min(u, half)
+                key = (extra - t * delta, dom[rt] != dom[rb], not existing, L[rt], rt, e)
                 if best is None or key < best[0]:
                     best = (key, rt, e, delta)
         if best is None or best[0][0] >= 0 or best[3] <= 0:
@@ -149,8 +181,7 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
         _, rt, e, delta = best
         st.apply(rb, rt, e, delta, mr[e])
         history.append((rb, rt, e, delta))
-        obj = t * max(st.L) + _replica_fs(max(max(st.nic_out), max(st.nic_in)),
-                                          max(max(st.nvl_out), max(st.nvl_in)), a, b, W)
+        obj = st.objective(t, a, b, W, S)
         if obj < best_obj:
             best_obj, best_len = obj, len(history)
 
