@@ -26,8 +26,10 @@ from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research.bound import link_lower_bound, link_objective  # noqa: E402
 
-POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "deepseek", "fastermoe", "flexmoe")
+POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "deepseek", "fastermoe",
+            "flexmoe")
 GUARDED = "guarded_plus"  # what a guarded topoep_plus layer executes: plus, its local plan or static (guard.select)
+GUARDED_SPREAD = "guarded_spread"  # the same layer with the spread candidate too (plus, local, spread or static)
 EXPERT_BYTES, TOKEN_BYTES = 3 * 2048 * 768 * 2, 2048 * 2  # Qwen3-30B-A3B's expert and token row, bf16
 
 
@@ -49,6 +51,8 @@ def run(args) -> list[dict]:
         plans = {p: solve(omega, topo, num_slots=slots, policy=p, **kw) for p in POLICIES}
         plans[GUARDED] = guard.select(plans["topoep_plus"], DEFAULT_T_FFN, 1,
                                       candidates=(plans["topoep_plus_local"],))[0]
+        plans[GUARDED_SPREAD] = guard.select(plans["topoep_plus"], DEFAULT_T_FFN, 1,
+                                             candidates=(plans["topoep_plus_local"], plans["topoep_plus_spread"]))[0]
         for name, plan in plans.items():
             row[f"{name}_ms"] = 1e3 * link_objective(plan, guard, DEFAULT_T_FFN)
         rows.append(row)
@@ -57,7 +61,7 @@ def run(args) -> list[dict]:
 
 def report(args, rows: list[dict]) -> str:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-    names = POLICIES + (GUARDED,)
+    names = POLICIES + (GUARDED, GUARDED_SPREAD)
     body = [[r["ep"], r["slots"], r["scenario"], f"{r['bound_ms']:.3f}"] + [f"{r[f'{p}_ms'] / r['bound_ms']:.2f}"
                                                                           for p in names] for r in rows]
     geo = [[p, f"{math.exp(sum(math.log(r[f'{p}_ms'] / r['bound_ms']) for r in rows) / len(rows)):.2f}",
@@ -73,7 +77,8 @@ def report(args, rows: list[dict]) -> str:
         "- each policy's column: its plan's per-link objective (`topoep_research.bound.link_objective`: the guard's "
         "prediction of straggler compute and token transfers, plus one direct replica fetch, latencies left out) / "
         "the LP lower bound (`link_lower_bound`, C1-C3, valid for every plan); guarded_plus: the plan a guarded "
-        "topoep_plus layer executes (topoep_plus, its local plan, or static)",
+        "topoep_plus layer executes (topoep_plus, its local plan, or static); guarded_spread: the same with "
+        "topoep_plus_spread as a third candidate",
         "- reproduce: `python bench/link_bound.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
         "## Over all cells",

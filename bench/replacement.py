@@ -76,9 +76,10 @@ def replaced_homes(omega: torch.Tensor) -> torch.Tensor:
     return torch.tensor(home, dtype=torch.int64)
 
 
-def guarded_plus(omega, topo, cl, model, slots: int, main_rank: torch.Tensor, guard) -> sim.SimResult:
-    """The simulated layer of guarded topoep_plus with its local candidate (as `sim.simulate` runs it for megatron's
-    homes), on the given homes."""
+def guarded_plus(omega, topo, cl, model, slots: int, main_rank: torch.Tensor, guard,
+                 candidates: tuple[str, ...] = ("topoep_plus_local",)) -> sim.SimResult:
+    """The simulated layer of guarded topoep_plus with its candidates (as `sim.simulate` runs it for megatron's
+    homes: topoep_plus_local, and topoep_plus_spread where asked), on the given homes."""
     kw = dict(num_slots=slots, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes, main_rank=main_rank)
     t_ffn = cl.t_ffn(model)
     n = sim.EXECUTIONS["topoep"].exposed_replica_transfers
@@ -87,8 +88,8 @@ def guarded_plus(omega, topo, cl, model, slots: int, main_rank: torch.Tensor, gu
         plan = solve(omega, topo, policy="static", **kw)
     else:
         plus = solve(omega, topo, policy="topoep_plus", **kw)
-        local = solve(omega, topo, policy="topoep_plus_local", **kw)
-        plan = g.select(plus, t_ffn, n, candidates=(local,))[0]
+        others = tuple(solve(omega, topo, policy=c, t_ffn=t_ffn, **kw) for c in candidates)
+        plan = g.select(plus, t_ffn, n, candidates=others)[0]
         plan.policy = "topoep_plus"
     return sim.simulate(plan, cl, model=model)
 
@@ -120,14 +121,19 @@ def run(args) -> list[dict]:
         new = replaced_homes(omega)
         today = guarded_plus(omega, topo, cl, model, slots, old, guard).layer_s
         replaced = guarded_plus(omega, topo, cl, model, slots, new, guard).layer_s
+        spread = ("topoep_plus_local", "topoep_plus_spread")
+        today_spread = guarded_plus(omega, topo, cl, model, slots, old, guard, spread).layer_s
+        replaced_spread = guarded_plus(omega, topo, cl, model, slots, new, guard, spread).layer_s
         peers = {p: sim.simulate(omega, cl, model=model, policy=p, num_slots=slots, guard=guard).layer_s
                  for p in ("deepseek", "flexmoe")}
         t_move = move_seconds(old, new, topo, model.expert_bytes * (1 + args.state_factor))
         row = {"preset": preset, "ep": ep, "slots": slots, "scenario": scen, "static_ms": 1e3 * static,
                "today_ms": 1e3 * today, "replaced_ms": 1e3 * replaced, "moved_experts": int((old != new).sum()),
-               "move_ms": 1e3 * t_move, **{f"{p}_ms": 1e3 * t for p, t in peers.items()}}
+               "move_ms": 1e3 * t_move, **{f"{p}_ms": 1e3 * t for p, t in peers.items()},
+               "today_spread_ms": 1e3 * today_spread, "replaced_spread_ms": 1e3 * replaced_spread}
         for n in args.every:
             row[f"replaced_every_{n}_ms"] = 1e3 * (replaced + t_move / (n * args.microbatches))
+            row[f"replaced_spread_every_{n}_ms"] = 1e3 * (replaced_spread + t_move / (n * args.microbatches))
         rows.append(row)
     return rows
 
@@ -136,15 +142,18 @@ def report(args, rows: list[dict]) -> str:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     every = [f"every {n} / static" for n in args.every]
     header = ["preset", "EP", "slots", "scenario", "static ms", "plus / static", "re-placed / static"] + every + [
-        "moved experts", "move ms", "best peer / static"]
+        "moved experts", "move ms", "best peer / static", "plus+spread / static",
+        f"re-placed plus+spread every {args.every[-1]} / static"]
     body = []
     for r in rows:
         s = r["static_ms"]
         body.append([r["preset"], r["ep"], r["slots"], r["scenario"], f"{s:.2f}", f"{r['today_ms'] / s:.2f}",
                      f"{r['replaced_ms'] / s:.2f}"] + [f"{r[f'replaced_every_{n}_ms'] / s:.2f}" for n in args.every]
                     + [r["moved_experts"], f"{r['move_ms']:.1f}",
-                       f"{min(r['deepseek_ms'], r['flexmoe_ms']) / s:.2f}"])
+                       f"{min(r['deepseek_ms'], r['flexmoe_ms']) / s:.2f}", f"{r['today_spread_ms'] / s:.2f}",
+                       f"{r[f'replaced_spread_every_{args.every[-1]}_ms'] / s:.2f}"])
     gains = [1 - r[f"replaced_every_{args.every[-1]}_ms"] / r["today_ms"] for r in rows]
+    gains_spread = [1 - r[f"replaced_spread_every_{args.every[-1]}_ms"] / r["today_spread_ms"] for r in rows]
     return "\n".join([
         "# Re-placing expert homes every N steps, on top of per-microbatch replicas (simulated)",
         "",
@@ -157,13 +166,15 @@ def report(args, rows: list[dict]) -> str:
         "by this routing's expert loads (heaviest first, least loaded rank with room), the routing assumed to keep "
         "its hot set until the next re-placement (the most re-placement can give); every N: re-placed plus the move "
         "of weights and optimizer state amortised over N steps; best peer: guarded deepseek or flexmoe on megatron's "
-        "homes (both re-place nothing here)",
+        "homes (both re-place nothing here); plus+spread: guarded topoep_plus with topoep_plus_spread as a third "
+        "candidate (`topoep.planners.spread`), on megatron's homes and re-placed",
         "- reproduce: `python bench/replacement.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
         markdown_table(header, body),
         "",
         f"Re-placing every {args.every[-1]} steps cuts guarded topoep_plus's layer by "
-        f"{100 * min(gains):.0f} % to {100 * max(gains):.0f} % across these cells (negative: slower).",
+        f"{100 * min(gains):.0f} % to {100 * max(gains):.0f} % across these cells (negative: slower); the layer with "
+        f"the spread candidate by {100 * min(gains_spread):.0f} % to {100 * max(gains_spread):.0f} %.",
         "",
     ])
 

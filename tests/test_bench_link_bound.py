@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.link_bound import GUARDED, POLICIES, main
+from bench.link_bound import GUARDED, GUARDED_SPREAD, POLICIES, main
 
 
 def test_a_small_sweep_reports_every_policy_at_or_above_the_bound(tmp_path):
@@ -14,10 +14,10 @@ def test_a_small_sweep_reports_every_policy_at_or_above_the_bound(tmp_path):
     rows = json.loads((tmp_path / "link_bound.json").read_text())["rows"]
     assert len(rows) == 2
     for r in rows:
-        for p in POLICIES + (GUARDED,):
+        for p in POLICIES + (GUARDED, GUARDED_SPREAD):
             assert r[f"{p}_ms"] >= r["bound_ms"] * (1 - 1e-7), p
     text = (tmp_path / "link_bound.md").read_text()
-    assert all(f"| {p} |" in text for p in POLICIES + (GUARDED,))
+    assert all(f"| {p} |" in text for p in POLICIES + (GUARDED, GUARDED_SPREAD))
     assert text.count("| 4 | 1 |") == 2
 
 

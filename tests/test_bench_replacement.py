@@ -29,8 +29,10 @@ def test_replacement_report(tmp_path):
     for r in rows:
         assert r["replaced_every_1_ms"] >= r["replaced_every_100_ms"] >= r["replaced_ms"]
         assert r["replaced_every_1_ms"] - r["replaced_ms"] == pytest.approx(r["move_ms"], rel=1e-9)
+        assert r["replaced_spread_every_1_ms"] - r["replaced_spread_ms"] == pytest.approx(r["move_ms"], rel=1e-9)
     warm = rows[0]
     assert warm["moved_experts"] > 0 and warm["replaced_ms"] < warm["today_ms"]
+    assert warm["today_spread_ms"] < warm["today_ms"]  # the spread candidate relieves the warm domain
     text = (tmp_path / "rp.md").read_text()
     assert "| paper_h800 | 16 | 2 | warm_domain |" in text and "Re-placing every 100 steps cuts" in text
 
