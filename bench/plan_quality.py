@@ -301,7 +301,7 @@ def plot_pareto(rows, path: Path) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    markers = dict(zip(policies, "osD^vP*X"))
+    markers = dict(zip(policies, "osD^vP*Xhp<>"))
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 4.4), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for p in policies:
