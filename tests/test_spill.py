@@ -60,3 +60,18 @@ def test_spill_kernels_equal_their_references_on_the_gpu():
     import spill_check
 
     assert spill_check.main("cuda") == 0
+
+
+def test_spill_work_kernel_equals_spill_work_in_the_interpreter():
+    lines = interpreted_cases("spill_work_check.py")
+    assert len(lines) == 10 and all(ln.endswith(": equal") for ln in lines), lines
+    assert sum(" spilled rows=0:" not in ln for ln in lines) >= 5  # most cases spill
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_spill_work_kernel_equals_spill_work_on_the_gpu():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import spill_work_check
+
+    assert spill_work_check.main("cuda") == 0

@@ -56,6 +56,9 @@ KERNELS = {
                                  g_lo=I32, g_hi=I32, xs_bases=I64, gs_bases=I64, main1="i64", main2="i64",
                                  slot1="i64", slot2="i64", gmain1="i64", gmain2="i64", gslot1="i64", gslot2="i64"),
                             dict(H=2048, F=768, BM=SP.BM, BK=SP.BK, BF=SP.BF, BH=SP.BH, FP32=False)),
+    "_spill_work_kernel": (dict(C=I64, prev=I64, n_out=I64, first_out=I64, tile_end_out=I64, groups_out=I64,
+                                num_groups_out=I64, rows_out=I64, R=I32, G=I32, rank=I32, e_loc=I32, region_rows=I32),
+                           dict(HAS_PREV=True, TILE=SP.BM, BLOCK_R=64, BLOCK_G=32)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
                                   lslot="*bf16", lcap=I32, T=I32),

@@ -37,7 +37,7 @@ from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_ro
                                    send_layout)
 from topoep.runtime import guard_cuda, layout_triton
 from topoep.runtime.pool import ReplicaPool
-from topoep.runtime.spill import SpillWork, spill_work
+from topoep.runtime.spill import SpillWork, spill_work, spill_work_triton
 from topoep.runtime.timing import PhaseTimer, phase
 
 LAYOUT = 9 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
@@ -427,7 +427,7 @@ class ExpertParallelMoE(nn.Module):
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
         offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in (sizes_main, sizes_slot))
         n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in (sizes_main, sizes_slot))
-        work = spill_work(C, self.rank, E_loc, region_rows, prev)
+        work = (spill_work_triton if C.is_cuda else spill_work)(C, self.rank, E_loc, region_rows, prev)  # 1 kernel
         inv = order.new_empty(0)
         if in_place:  # a scatter with the other assignments sent to a dropped extra element (no host sync)
             A = order.numel()

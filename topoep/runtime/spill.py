@@ -89,6 +89,72 @@ def spill_work(C: torch.Tensor, rank: int, experts_per_rank: int, region_rows: i
                      rows=n.sum().view(1))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _spill_work_kernel(C, prev, n_out, first_out, tile_end_out, groups_out, num_groups_out, rows_out, R, G,
+                           rank, e_loc, region_rows, HAS_PREV: tl.constexpr, TILE: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+        """spill_work in one program (its torch form is the reference): C int64[R, R, G]; writes n, first [R, G],
+        tile_end [R * G], groups [G], num_groups [1], rows [1]."""
+        sv = tl.arange(0, BLOCK_R)
+        gv = tl.arange(0, BLOCK_G)
+        s, g = sv[:, None], gv[None, :]
+        m = (s < R) & (g < G)
+        cnt = tl.load(C + s * R * G + rank * G + g, mask=m, other=0)  # [R, G]: rows each source sends here
+        per_group = tl.sum(cnt, 0)
+        gstart = tl.cumsum(per_group, 0) - per_group
+        main_rows = tl.sum(tl.where(gv < e_loc, per_group, 0), 0)
+        gstart = tl.where(gv >= e_loc, gstart - main_rows, gstart)  # slot groups: their own region from row 0
+        start = gstart[None, :] + (tl.cumsum(cnt, 0) - cnt)
+        lo = tl.maximum(start, region_rows)
+        n = tl.maximum(start + cnt - lo, 0)
+        before = tl.zeros([BLOCK_R], dtype=tl.int64)  # each source's rows to the ranks before this one
+        d = 0
+        while d < rank:  # (a while loop: Triton's interpreter runs it, not a range over a runtime bound)
+            before += tl.sum(tl.load(C + s * R * G + d * G + g, mask=m, other=0), 1)
+            d += 1
+        first = before[:, None] + (tl.cumsum(cnt, 1) - cnt) + (lo - start)
+        if HAS_PREV:
+            first += tl.load(prev + s, mask=s < R, other=0)
+        tl.store(n_out + s * G + g, n, mask=m)
+        tl.store(first_out + s * G + g, first, mask=m)
+        tiles = (n + TILE - 1) // TILE
+        row_tiles = tl.sum(tiles, 1)
+        tile_end = (tl.cumsum(row_tiles, 0) - row_tiles)[:, None] + tl.cumsum(tiles, 1)
+        tl.store(tile_end_out + s * G + g, tile_end, mask=m)
+        has = (tl.sum(n, 0) > 0) & (gv < G)
+        num = tl.sum(has.to(tl.int64), 0)
+        lacks = (~has) & (gv < G)
+        pos = tl.where(has, tl.cumsum(has.to(tl.int64), 0) - 1, num + tl.cumsum(lacks.to(tl.int64), 0) - 1)
+        tl.store(groups_out + pos, gv.to(tl.int64), mask=gv < G)  # the groups with spilled rows first, stable
+        tl.store(num_groups_out, num)
+        tl.store(rows_out, tl.sum(tl.sum(n, 1), 0))
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+def spill_work_triton(C: torch.Tensor, rank: int, experts_per_rank: int, region_rows: int,
+                      prev_rows: torch.Tensor | None = None) -> SpillWork:
+    """spill_work as one Triton kernel (bit-equal: integer arithmetic): one launch in the metadata graph instead of
+    about 25 small torch ones."""
+    R, _, G = C.shape
+    dev = C.device
+    new = lambda *shape: torch.empty(shape, dtype=torch.int64, device=dev)  # noqa: E731
+    n, first, tile_end, groups, num_groups, rows = new(R, G), new(R, G), new(R * G), new(G), new(1), new(1)
+    C = C.contiguous()
+    _spill_work_kernel[(1,)](C, prev_rows.contiguous() if prev_rows is not None else C, n, first, tile_end, groups,
+                             num_groups, rows, R, G, rank, experts_per_rank, region_rows,
+                             HAS_PREV=prev_rows is not None, TILE=BM, BLOCK_R=max(2, _pow2(R)),
+                             BLOCK_G=max(2, _pow2(G)))
+    return SpillWork(n=n, first=first, tile_end=tile_end, groups=groups, num_groups=num_groups, rows=rows)
+
+
 # -- the arithmetic, in torch (the CPU harness, and the reference of the kernels) ------------------------------------
 
 def _bf(t: torch.Tensor) -> torch.Tensor:
