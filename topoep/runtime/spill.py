@@ -132,17 +132,12 @@ if triton is not None:
         tl.store(rows_out, tl.sum(tl.sum(n, 1), 0))
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p <<= 1
-    return p
-
-
 def spill_work_triton(C: torch.Tensor, rank: int, experts_per_rank: int, region_rows: int,
                       prev_rows: torch.Tensor | None = None) -> SpillWork:
     """spill_work as one Triton kernel (bit-equal: integer arithmetic): one launch in the metadata graph instead of
     about 25 small torch ones."""
+    from topoep.runtime.symm import _pow2
+
     R, _, G = C.shape
     dev = C.device
     new = lambda *shape: torch.empty(shape, dtype=torch.int64, device=dev)  # noqa: E731
