@@ -13,6 +13,7 @@ from triton.compiler import ASTSource, compile  # noqa: E402
 
 import topoep.runtime.layout_triton as LT  # noqa: E402
 import topoep.runtime.spill as SP  # noqa: E402
+import topoep.runtime.stats_triton as ST  # noqa: E402
 import topoep.runtime.symm as S  # noqa: E402
 import topoep.runtime.weighting as W  # noqa: E402
 
@@ -59,13 +60,17 @@ KERNELS = {
     "_spill_work_kernel": (dict(C=I64, prev=I64, n_out=I64, first_out=I64, tile_end_out=I64, groups_out=I64,
                                 num_groups_out=I64, rows_out=I64, R=I32, G=I32, rank=I32, e_loc=I32, region_rows=I32),
                            dict(HAS_PREV=True, TILE=SP.BM, BLOCK_R=64, BLOCK_G=32)),
+    # stats_triton.py, 32 ranks, 640 experts, 2 slots
+    "_plan_stats_kernel": (dict(route=I64, omega=I64, slot_expert=I64, dom=I64, cost="*fp64", consts="*fp64",
+                                scratch="*fp64", out="*fp64", R=I32, E=I32, N=I32, P=I32, E_loc=I32),
+                           dict(BLOCK_P=1024, BLOCK_R=32, BLOCK_E=1024, BLOCK_RN=64)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
                                   lslot="*bf16", lcap=I32, T=I32),
                              dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True, LOCAL=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
-MODULES = (S, LT, W, SP)
+MODULES = (S, LT, W, SP, ST)
 
 
 def _kernel(name):

@@ -35,7 +35,7 @@ from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
                                    count_keys, group_counts, local_group, receive_positions, received_sizes,
                                    send_layout)
-from topoep.runtime import guard_cuda, layout_triton
+from topoep.runtime import guard_cuda, layout_triton, stats_triton
 from topoep.runtime.pool import ReplicaPool
 from topoep.runtime.spill import SpillWork, spill_work, spill_work_triton
 from topoep.runtime.timing import PhaseTimer, phase
@@ -385,7 +385,7 @@ class ExpertParallelMoE(nn.Module):
             skipped = ((~allow).to(torch.float64) if self.slot_hint is not None else
                        torch.zeros((), dtype=torch.float64, device=omega.device))
             hint = torch.stack([skipped, skipped * guard_stats[3]])
-            stats.copy_(torch.cat([plan_stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
+            stats.copy_(torch.cat([stats_triton.stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
         T = topk_idx.shape[0]
         if len(ws.regions) == 1:
             layouts = self._cuda_layout(topk_idx, plan, ws.regions[0], in_place=getattr(ws, "in_place", False))
