@@ -69,7 +69,7 @@ step_local() {  # a change to backend cuda's local path, checked and measured: t
   # failure: nothing is timed on a broken layer) and their sync audit, the EP 8 tests with the ranks sharing the GPU
   # (2 domains of 4: remote and local rows) and their sync audit, then step limit
   TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -x -rA tests/test_cuda_backend_gpu.py tests/test_weighting.py \
-    tests/test_symm_rows.py tests/test_spill.py > "$RUNS.ep1" 2>&1
+    tests/test_symm_rows.py tests/test_spill.py tests/test_stats_triton.py > "$RUNS.ep1" 2>&1
   cp "$RUNS.ep1" "$OUT/cuda_backend_ep1_tests.log"
   if ! tail -1 "$RUNS.ep1" | grep -q passed || tail -1 "$RUNS.ep1" | grep -q failed; then
     grep -E "Error|error|assert|FAILED" "$RUNS.ep1" | head -30; tail -3 "$RUNS.ep1"; return 1
