@@ -12,7 +12,7 @@ import torch
 
 from topoep import Plan, Topology, solve
 from topoep.plan import default_main_rank
-from topoep.runtime.layout import group_counts, receive_positions, send_layout
+from topoep.runtime.layout import group_counts, own_rows, receive_positions, send_layout
 from topoep.runtime.layout_triton import BLOCK, fused_layout
 from topoep.workloads import biased_topk
 
@@ -69,9 +69,15 @@ def compare(n: int, label: str, idx, plan, device: str) -> bool:
     for rank in range(plan.num_ranks):
         _, key_ref, order_ref = send_layout(idx[rank], plan, rank)
         dest_ref, pos_ref, slot_ref = receive_positions(C, key_ref, rank, plan.num_experts // plan.num_ranks)
-        got = fused_layout(idx[rank], plan, rank, C)
-        for name, g, r in zip(("key", "order", "dest", "pos", "is_slot"), got,
-                              (key_ref, order_ref, dest_ref, pos_ref, slot_ref)):
+        # the region ends inside this rank's received rows (some of its own rows stay, some lie beyond it)
+        region = max(1, int(C[:, rank].sum()) // 2)
+        inv_ref = own_rows(order_ref, dest_ref, pos_ref, slot_ref, rank, region)
+        got = fused_layout(idx[rank], plan, rank, C, region)
+        if not torch.equal(fused_layout(idx[rank], plan, rank, C)[1], got[1]):
+            print(f"case {n} ({label}) rank {rank}: the layout with inv differs from the one without")
+            return False
+        for name, g, r in zip(("key", "order", "dest", "pos", "is_slot", "inv"), got,
+                              (key_ref, order_ref, dest_ref, pos_ref, slot_ref, inv_ref)):
             if not (g.dtype == r.dtype and torch.equal(g, r)):
                 print(f"case {n} ({label}) rank {rank}: {name} differs ({g.dtype} vs {r.dtype})\n"
                       f"  got {g.tolist()[:40]}\n  ref {r.tolist()[:40]}")

@@ -47,7 +47,8 @@ KERNELS = {
     "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_rank_ptr=I64, inst_start_ptr=I64,
                             rep_first_ptr=I64, rep_count_ptr=I64, rep_list_ptr=I64, key_start_ptr=I64,
                             recv_start_ptr=I64, order_ptr=I64, key_ptr=I64, dest_ptr=I64, pos_ptr=I64,
-                            slot_ptr="*i8", A=I32, E=I32, E_loc=I32, N=I32, G=I32, nb=I32), dict(B=LT.BLOCK)),
+                            slot_ptr="*i8", inv_ptr=I64, me=I32, region_rows=I32, A=I32, E=I32, E_loc=I32, N=I32,
+                            G=I32, nb=I32), dict(B=LT.BLOCK, INV=True)),
     # spill.py, Qwen3's expert shape
     "_spill_rows_kernel": (dict(tile_end=I64, n_sg=I64, first_sg=I64, n_pairs=I32, G=I32, E_loc=I32, xs_bases=I64,
                                 gs_bases=I64, meta_bases=I64, back_bases=I64, main1="i64", main2="i64", slot1="i64",
@@ -85,6 +86,7 @@ def test_every_kernel_is_listed():
 # other specialisations the backend launches: (kernel, constexprs that differ)
 VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
             ("_weighted_sum_kernel", dict(LOCAL=False)),  # every row from the combine (a2a, two chunks)
+            ("_layout_kernel", dict(INV=False)),  # two chunks, the a2a workspace
             ("_dispatch_kernel", dict(HAS_SCALE=False, HAS_SRC2=False)),  # the forward dispatch
             ("_dispatch_kernel", dict(HAS_SCALE=False, SPILL=False, HAS_SRC2=False)),  # without a capacity
             ("_dispatch_kernel", dict(HAS_SCALE=True, LOCAL=False)),  # the backward dispatch

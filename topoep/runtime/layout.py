@@ -210,3 +210,15 @@ def received_sizes(C: torch.Tensor, rank: int, experts_per_rank: int) -> tuple[t
     """(int64[E_loc] rows of each main group, int64[N] rows of each slot group) this rank receives."""
     got = C[:, rank, :].sum(0)
     return got[:experts_per_rank], got[experts_per_rank:]
+
+
+def own_rows(order: torch.Tensor, dest: torch.Tensor, pos: torch.Tensor, is_slot: torch.Tensor, rank: int,
+             region_rows: int) -> torch.Tensor:
+    """int64[A] per assignment index (order: each send row's assignment; dest, pos, is_slot: where it goes): its
+    row in `rank`'s region when it stays on that rank within the region's region_rows rows (+ region_rows for a
+    slot's), else -1. Backend cuda's weighting reads such rows in place (weighting.py's `local`). A scatter whose
+    other rows go to a dropped extra element: no host synchronisation."""
+    A = order.numel()
+    stays = (dest == rank) & (pos < region_rows)
+    return torch.full((A + 1,), -1, dtype=torch.int64, device=order.device).scatter_(
+        0, torch.where(stays, order, A), torch.where(is_slot, pos + region_rows, pos))[:A]

@@ -56,14 +56,16 @@ if triton is not None:
     @triton.jit
     def _layout_kernel(e_ptr, first_ptr, route_ptr, inst_rank_ptr, inst_start_ptr, rep_first_ptr, rep_count_ptr,
                        rep_list_ptr, key_start_ptr, recv_start_ptr, order_ptr, key_ptr, dest_ptr, pos_ptr, slot_ptr,
-                       A, E, E_loc, N, G, nb, B: tl.constexpr):
+                       inv_ptr, me, region_rows, A, E, E_loc, N, G, nb, B: tl.constexpr, INV: tl.constexpr):
         """The send position of each assignment of block b, and what goes there (module docstring).
         first[x, b]: the ordinal of block b's first assignment of expert x; route: this rank's row of the
         plan's route [P]; inst_start [P]: each instance's first ordinal; rep_list[rep_first[x] + j], j <
         rep_count[x]: expert x's replica instances in slot order; key_start / recv_start [R * G]: where each
         (destination, group) key starts in the send order / in the destination's buffer. A position outside
         [0, A) (only a plan that does not route this rank's assignments, which fused_layout asserts against)
-        is not written."""
+        is not written. With INV, inv[a] for every assignment a (layout.own_rows, its reference): its row in
+        rank me's region when it stays on me within the region's region_rows rows (+ region_rows for a slot's),
+        else -1."""
         b = tl.program_id(0)
         i = tl.arange(0, B)
         a = b * B + i
@@ -97,6 +99,9 @@ if triton is not None:
         tl.store(dest_ptr + at, key // G, mask=ok)
         tl.store(pos_ptr + at, pos, mask=ok)
         tl.store(slot_ptr + at, (group >= E_loc).to(tl.int8), mask=ok)
+        if INV:
+            stays = ok & (key // G == me) & (pos < region_rows)
+            tl.store(inv_ptr + a, tl.where(stays, tl.where(group >= E_loc, pos + region_rows, pos), -1), mask=m)
 
 
 def instance_tables(route_row: torch.Tensor, inst_expert: torch.Tensor, num_experts: int):
@@ -125,10 +130,11 @@ def instance_tables(route_row: torch.Tensor, inst_expert: torch.Tensor, num_expe
     return inst_start, rep_first, rep_count, rep_list
 
 
-def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor):
+def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor, region_rows: int | None = None):
     """(send_key, order, dest, pos, is_slot) of this rank's assignments, all in send order: the same
     tensors as `layout.send_layout(topk_idx, plan, rank)[1:]` followed by `layout.receive_positions(C, key,
-    rank, E_loc)`, with C = `layout.group_counts(plan)`. No host synchronisation; graph-capturable."""
+    rank, E_loc)`, with C = `layout.group_counts(plan)`; with region_rows, then inv int64[A] (per assignment, as
+    `layout.own_rows`). No host synchronisation; graph-capturable."""
     if triton is None:
         raise RuntimeError("fused_layout needs Triton (backend cuda)")
     e = topk_idx.reshape(-1)
@@ -146,6 +152,7 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
     nb = triton.cdiv(A, BLOCK) if A else 0
     order, key, dest, pos = (torch.empty(A, dtype=torch.int64, device=dev) for _ in range(4))
     is_slot = torch.empty(A, dtype=torch.int8, device=dev)
+    inv = torch.empty(A if region_rows is not None else 0, dtype=torch.int64, device=dev)
     total = torch.zeros(E, dtype=torch.int64, device=dev)  # this rank's assignments of each expert
     if nb:
         counts = torch.empty(E, nb, dtype=torch.int64, device=dev)
@@ -154,7 +161,9 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
         csum = torch.cumsum(counts, 1)
         first, total = csum - counts, csum[:, -1]
         _layout_kernel[(nb,)](e, first, route, inst_rank, inst_start, rep_first, rep_count, rep_list, key_start,
-                              recv_start, order, key, dest, pos, is_slot, A, E, E_loc, max(N, 1), G, nb, B=BLOCK)
+                              recv_start, order, key, dest, pos, is_slot, inv if region_rows is not None else order,
+                              rank, region_rows or 0, A, E, E_loc, max(N, 1), G, nb, B=BLOCK,
+                              INV=region_rows is not None)
     # the positions are a permutation only if the plan routes exactly this rank's assignments of every expert
     # (C1) and nothing to an empty slot (which would shift the later keys): checked on the device (the kernel
     # leaves out positions outside [0, A) rather than write there)
@@ -162,4 +171,5 @@ def fused_layout(topk_idx: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor)
         0, inst_expert.clamp(min=0), torch.where(inst_expert >= 0, route, 0))
     torch._assert_async((routed == total).all() & (route.sum() == A), "fused_layout: the plan's route does not "
                         "match this rank's assignments of every expert (or routes some to an empty slot)")
-    return key, order, dest, pos, is_slot.view(torch.bool)
+    out = (key, order, dest, pos, is_slot.view(torch.bool))
+    return out + (inv,) if region_rows is not None else out

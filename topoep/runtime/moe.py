@@ -33,7 +33,7 @@ from topoep.relay import RelayTrees, executed_sources, max_level
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
-                                   count_keys, group_counts, local_group, receive_positions, received_sizes,
+                                   count_keys, group_counts, local_group, own_rows, receive_positions, received_sizes,
                                    send_layout)
 from topoep.runtime import guard_cuda, layout_triton, stats_triton
 from topoep.runtime.pool import ReplicaPool
@@ -418,22 +418,21 @@ class ExpertParallelMoE(nn.Module):
         rank that stays here, its row in the region (+ region_rows for a slot's), -1 for the others: where the
         weighting reads it in place (weighting.py's `local`)."""
         E_loc = self.experts_per_rank
-        if topk_idx.is_cuda:  # two Triton kernels instead of about 60 small torch ones
+        inv = topk_idx.new_empty(0)
+        if topk_idx.is_cuda:  # two Triton kernels instead of about 60 small torch ones (and inv in the second)
             C = group_counts(plan)  # from the plan's route: no exchange
-            key, order, dest, pos, is_slot = layout_triton.fused_layout(topk_idx, plan, self.rank, C)
+            key, order, dest, pos, is_slot, *rest = layout_triton.fused_layout(
+                topk_idx, plan, self.rank, C, region_rows if in_place else None)
+            inv = rest[0] if in_place else inv
         else:
             C, key, order = send_layout(topk_idx, plan, self.rank)
             dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
+            if in_place:
+                inv = own_rows(order, dest, pos, is_slot, self.rank, region_rows)
         sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
         offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in (sizes_main, sizes_slot))
         n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in (sizes_main, sizes_slot))
         work = (spill_work_triton if C.is_cuda else spill_work)(C, self.rank, E_loc, region_rows, prev)  # 1 kernel
-        inv = order.new_empty(0)
-        if in_place:  # a scatter with the other assignments sent to a dropped extra element (no host sync)
-            A = order.numel()
-            stays = (dest == self.rank) & (pos < region_rows)
-            inv = torch.full((A + 1,), -1, dtype=torch.int64, device=order.device).scatter_(
-                0, torch.where(stays, order, A), torch.where(is_slot, pos + region_rows, pos))[:A]
         return (order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, inv,
                 *(getattr(work, f.name) for f in dataclasses.fields(SpillWork)))
 
