@@ -241,8 +241,11 @@ if triton is not None:
         is_main = g < E_loc
         gi = tl.where(is_main, g, g - E_loc).to(tl.int64)
         # the byte addresses to pointers one by one, then the choice between pointers, then elements
-        w1 = tl.where(is_main, main1.to(tl.pointer_type(tl.bfloat16)), slot1.to(tl.pointer_type(tl.bfloat16)))
-        w2 = tl.where(is_main, main2.to(tl.pointer_type(tl.bfloat16)), slot2.to(tl.pointer_type(tl.bfloat16)))
+        # (each address widened to 64 bits first: Triton passes a small integer argument as int32)
+        w1 = tl.where(is_main, main1.to(tl.int64).to(tl.pointer_type(tl.bfloat16)),
+                      slot1.to(tl.int64).to(tl.pointer_type(tl.bfloat16)))
+        w2 = tl.where(is_main, main2.to(tl.int64).to(tl.pointer_type(tl.bfloat16)),
+                      slot2.to(tl.int64).to(tl.pointer_type(tl.bfloat16)))
         return w1 + gi * (2 * F * H), w2 + gi * (H * F)
 
     @triton.jit
