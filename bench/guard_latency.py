@@ -5,6 +5,11 @@ with `relay_fanout=2` (the relayed-or-direct choice per plan, then the relay tre
 `topoep.runtime.guard_cuda`, the layer's path on a GPU). Each replayed from a CUDA graph on a busy stream (its GPU
 time alone), as the layer's metadata graph runs it.
 
+Beside it, a guarded topoep_plus layer's whole decision as its metadata graph runs it: the pre-plan bound
+(`NetBenefitGuard.worth_planning`), both planners at once (`plan_concurrently`, reading the bound's flag) and the
+guard's selection (kernel; with relays also the trees): on uniform routing, where the bound leaves planning out and
+the guard prices nothing (what a guarded layer adds to the static layer's metadata there), and on the workload.
+
     python bench/guard_latency.py            # EP 8, 32, 128 (domains of 8), 640 experts, 2 slots
 
 The plans come from the CUDA planner on planner_latency.py's workload (megatron's biased router, skew -2.5, top-8).
@@ -25,13 +30,17 @@ if __package__ in (None, ""):
 from bench.common import REPO, markdown_table, run_info, write_report  # noqa: E402
 from bench.planner_latency import _events_median, workload  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
-from topoep.planners import solve  # noqa: E402
+from topoep.plan import default_main_rank  # noqa: E402
+from topoep.planners import plan_concurrently, solve  # noqa: E402
 from topoep.relay import executed_sources  # noqa: E402
 from topoep.runtime import guard_cuda  # noqa: E402
 from topoep.runtime.guard import NetBenefitGuard  # noqa: E402
 
 # select with the local candidate; the same with relay_fanout=2 and the trees; each on the reference and the kernel
 VARIANTS = ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
+# the whole decision of a guarded topoep_plus layer (kernels), on uniform routing (skipped) and on the workload
+CHAINS = ("chain_skip", "chain_skip_relay", "chain_plan", "chain_plan_relay")
+W_BYTES, S_BYTES = 3 * 2048 * 768 * 2, 2048 * 2
 
 
 def _decide(variant: str, plan, local):
@@ -44,6 +53,20 @@ def _decide(variant: str, plan, local):
     return executed.route,
 
 
+def _chain(relay: bool, omega: torch.Tensor, topo, slots: int):
+    """A guarded topoep_plus layer's decision (moe.py `_guarded_plan`, capacity step left out): the pre-plan bound,
+    topoep_plus and topoep_plus_local at once (static where the bound says no), the guard's selection, the trees."""
+    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
+    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
+    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
+    plan, local = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local"), kw)
+    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), planned=worth)[0]  # kernel on a GPU
+    if relay:
+        return executed.route, *(guard_cuda.executed_sources if omega.is_cuda else executed_sources)(executed, 2)
+    return executed.route,
+
+
 def _floor(x: torch.Tensor):
     """One tiny kernel: what replaying any graph costs here (the guard runs inside the metadata graph, which a
     layer replays anyway)."""
@@ -53,7 +76,7 @@ def _floor(x: torch.Tensor):
 def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     topo, omega_cpu = workload(ep, experts)
     omega = omega_cpu.cuda()
-    kw = dict(num_slots=slots, expert_bytes=3 * 2048 * 768 * 2, token_bytes=2048 * 2)
+    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES)
     plan = solve(omega, topo, policy="topoep_plus", **kw)
     local = solve(omega, topo, policy="topoep_plus_local", **kw)
     row = {"ep": ep, "experts": experts, "domains": topo.num_domains, "slots": slots}
@@ -62,16 +85,25 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     with torch.cuda.graph(graph):
         _floor(one)
     row["floor_us"] = _events_median(graph.replay, runs, warmup, busy=True)
-    for variant in VARIANTS:
+    uniform = torch.full_like(omega, int(omega.sum()) // omega.numel())
+    guard = NetBenefitGuard()
+    mr = default_main_rank(experts, ep, omega.device)
+    if guard.worth_planning(uniform, topo, mr, DEFAULT_T_FFN, W_BYTES, 1).item():
+        raise SystemExit(f"EP {ep}: the pre-plan bound plans uniform routing; the skipped chain would not be timed")
+    row["workload_planned"] = bool(guard.worth_planning(omega, topo, mr, DEFAULT_T_FFN, W_BYTES, 1).item())
+    works = {v: (lambda v=v: _decide(v, plan, local)) for v in VARIANTS}
+    works.update({c: (lambda c=c: _chain(c.endswith("relay"), uniform if "skip" in c else omega, topo, slots))
+                  for c in CHAINS})
+    for variant, work in works.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm the caches (topologies on the device) outside the capture
             for _ in range(2):
-                _decide(variant, plan, local)
+                work()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            _decide(variant, plan, local)
+            work()
         row[f"{variant}_us"] = _events_median(graph.replay, runs, warmup, busy=True)
     return row
 
@@ -85,6 +117,14 @@ def table(rows: list[dict]) -> str:
                             f"{r['guard_relay_cuda_us']:.1f}",
                             f"{r['guard_relay_cuda_us'] / r['guard_relay_us']:.3f}", f"{r['floor_us']:.1f}"]
                            for r in rows])
+
+
+def chain_table(rows: list[dict]) -> str:
+    return markdown_table(["EP", "uniform routing: bound + planners + guard us", "+ relays us",
+                           "workload: bound + planners + guard us", "+ relays us", "workload planned"],
+                          [[r["ep"], f"{r['chain_skip_us']:.1f}", f"{r['chain_skip_relay_us']:.1f}",
+                            f"{r['chain_plan_us']:.1f}", f"{r['chain_plan_relay_us']:.1f}",
+                            "yes" if r["workload_planned"] else "no"] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -119,9 +159,20 @@ def main(argv=None) -> int:
         "",
         table(rows),
         "",
+        "## A guarded topoep_plus layer's whole decision",
+        "",
+        "The pre-plan bound (`worth_planning`), topoep_plus and topoep_plus_local at once (`plan_concurrently`, the "
+        "static plan where the bound says no) and the guard's selection (kernel; + relays: relay_fanout=2 and the "
+        "kept plan's trees), one CUDA graph on a busy stream. Uniform routing: the bound leaves planning out and the "
+        "guard prices nothing, so this is what a guarded layer adds to the static layer's metadata there "
+        "(`topoep_research.sim.GPU_GUARD_SKIP_US`).",
+        "",
+        chain_table(rows),
+        "",
     ])
     write_report(args, text, rows)
     print(table(rows))
+    print(chain_table(rows))
     return 0
 
 

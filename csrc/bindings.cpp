@@ -138,7 +138,8 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                   const std::vector<at::Tensor>& routes, const std::vector<at::Tensor>& slots,
                   int64_t ranks_per_domain, int64_t token_bytes, int64_t expert_bytes, double t_ffn,
                   int64_t token_transfers, double token_overlap, double plan_s, double latency, int64_t exposed,
-                  int64_t fanout, int64_t levels, const c10::optional<at::Tensor>& allow, at::Tensor route_out,
+                  int64_t fanout, int64_t levels, const c10::optional<at::Tensor>& allow,
+                  const c10::optional<at::Tensor>& planned, at::Tensor route_out,
                   at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor fired, at::Tensor relay,
                   at::Tensor saved, at::Tensor cost, at::Tensor workspace) {
   check_i64_cuda(omega, "omega");
@@ -161,6 +162,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   }
   check_outputs(omega, N, slot_out, route_out);
   check_bool_scalar(allow, omega, "allow");
+  check_bool_scalar(planned, omega, "planned");
   TORCH_CHECK(fanout >= 0 && levels >= 0 && levels <= topoep::kMaxRelayLevels && (fanout == 0) == (levels == 0),
               "fanout 0 needs levels 0, a fanout >= 1 between 1 and ", topoep::kMaxRelayLevels, " levels; got fanout ",
               fanout, ", levels ", levels);
@@ -189,6 +191,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.t_ffn = t_ffn, a.h = token_overlap, a.plan_s = plan_s, a.latency = latency;
   a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
   a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
+  a.planned = planned.has_value() ? planned->data_ptr<bool>() : nullptr;
   a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
   a.choice = choice.data_ptr<int64_t>(), a.use = use.data_ptr<bool>(), a.fired = fired.data_ptr<bool>();
   a.relay = relay.data_ptr<bool>();
@@ -253,6 +256,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
         "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
         "float token_overlap, float plan_s, float latency, int exposed, int fanout, int levels, Tensor? allow, "
+        "Tensor? planned, "
         "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "
         "Tensor(f!) relay, Tensor(g!) saved, Tensor(h!) cost, Tensor(i!) workspace) -> ()");
   m.def("guard_workspace_elems(int P, int R, int levels) -> int", &guard_workspace_elems);

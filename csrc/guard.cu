@@ -10,6 +10,9 @@
 // same sum in any order), turned into seconds by one multiplication (guard.py SECONDS_PER_FS); the remaining float64
 // operations are the reference's, in its order, with explicit round-to-nearest intrinsics (no fused multiply-add).
 //
+// Where the planners left the call out (`planned` false: the guard's pre-plan bound, `worth_planning`), launch (1)
+// only writes the static decision (saved = cost = 0) and launch (2) the static plan.
+//
 // Launches: (1) a block per (plan q, source rank s), q = 0 the static plan: the rows s sends to every rank (shared
 // memory), the rank loads, the token bytes x cost on every link; for the balanced plans also the slots of rank s:
 // their direct fetch and their relay tree's transfer, per level. The last block to finish (a counter) takes the
@@ -100,6 +103,12 @@ __device__ void decide(const GuardArgs& a, const Acc& acc);
 __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* ws) {
   extern __shared__ i64 rows[];
   const int s = blockIdx.x, q = blockIdx.y, R = a.R, E = a.E, N = a.N, I = E + R * N;
+  if (a.planned != nullptr && !*a.planned) {  // no plan was made: nothing to price, the static plan runs
+    if (s == 0 && q == 0 && threadIdx.x == 0) {  // (the workspace stays zero: no block adds to it)
+      *a.choice = 0, *a.use = false, *a.fired = true, *a.relay = false, *a.saved = 0.0, *a.cost = 0.0;
+    }
+    return;
+  }
   const Acc acc = guard_layout(ws, a.P, R, a.levels, nullptr);
   for (int r = threadIdx.x; r < R; r += blockDim.x) rows[r] = 0;
   __syncthreads();

@@ -102,6 +102,7 @@ struct GuardArgs {
   double t_ffn, h, plan_s, latency;
   int m, n, fanout, levels;  // token transfers, exposed replica transfers, relay fanout (0: none), relay levels
   const bool* allow;
+  const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced
   int64_t *route_out, *slot_out, *choice;
   bool *use, *fired, *relay;
   double *saved, *cost;

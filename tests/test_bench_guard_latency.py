@@ -5,7 +5,7 @@ CUDA it says where to run it."""
 import pytest
 import torch
 
-from bench.guard_latency import VARIANTS, _decide, main, table
+from bench.guard_latency import VARIANTS, _chain, _decide, chain_table, main, table
 from bench.planner_latency import workload
 from topoep import solve
 
@@ -25,6 +25,23 @@ def test_the_variants_return_the_executed_plan_and_its_trees():
     plain, relayed = (_decide(v, plan, local) for v in VARIANTS[:2])  # the kernel variants need a GPU
     assert len(plain) == 1 and len(relayed) == 3 and plain[0].shape == relayed[0].shape == plan.route.shape
     assert relayed[1].shape == plan.slot_expert.shape == relayed[2].shape
+
+
+def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
+    text = chain_table([dict(ep=32, chain_skip_us=4.0, chain_skip_relay_us=5.5, chain_plan_us=60.0,
+                             chain_plan_relay_us=70.25, workload_planned=True)])
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 32 "))
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes"]
+    topo, omega = workload(16, 64)
+    uniform = torch.full_like(omega, int(omega.sum()) // omega.numel())
+    static = solve(uniform, topo, num_slots=2, policy="static").route
+    for relay in (False, True):
+        out = _chain(relay, uniform, topo, 2)  # the bound leaves planning out: the static plan, no trees
+        assert torch.equal(out[0], static) and len(out) == (3 if relay else 1)
+        if relay:
+            assert (out[1] == -1).all() and (out[2] == 0).all()
+    skewed = _chain(False, omega, topo, 2)[0]  # the workload is planned
+    assert not torch.equal(skewed, solve(omega, topo, num_slots=2, policy="static").route)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

@@ -61,6 +61,30 @@ def outputs(executed, fired, saved, cost, relay_flag: bool):
     return [t.cpu() for t in out]
 
 
+# (allow, planned) of the guard: no flag, the host's allow either way, the planners' flag either way, both
+FLAGS = ((None, None), (True, None), (False, None), (None, True), (None, False), (True, False), (False, True))
+
+
+def test_unplanned_call_prices_nothing_and_runs_static():
+    """planned False (the planners left the call out): the static plan runs, choice 0, no relayed fetch, T_saved =
+    T_plan + T_transfer = 0, whatever the plans say; planned True is the same as no flag."""
+    for seed in range(6):
+        plans, rng = plans_of(seed)
+        for guard in guards(rng):
+            relay_flag = guard.relay_fanout is not None
+            args = dict(t_ffn=2e-7, exposed_transfers=1, candidates=tuple(plans[1:]))
+            free = outputs(*guard.select(plans[0], **args), relay_flag)
+            assert all(torch.equal(x, y) for x, y in
+                       zip(free, outputs(*guard.select(plans[0], **args, planned=torch.tensor(True)), relay_flag)))
+            ex, fired, saved, cost = guard.select(plans[0], **args, planned=torch.tensor(False))
+            assert bool(fired) and float(saved) == 0.0 and float(cost) == 0.0 and int(ex.info["guard_choice"]) == 0
+            assert (ex.slot_expert == -1).all()
+            assert torch.equal(ex.route, solve(plans[0].omega, plans[0].topology, num_slots=plans[0].num_slots,
+                                               policy="static").route)
+            if relay_flag:
+                assert not bool(ex.info["relay"])
+
+
 def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
     plans, _ = plans_of(0)
     assert not guard_cuda.usable(NetBenefitGuard(), tuple(plans))  # CPU plans: the reference
@@ -75,8 +99,8 @@ def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
 @gpu
 @pytest.mark.parametrize("chunk", range(4))
 def test_guard_kernel_equals_reference(chunk):
-    """Random routings x 5 guards x 3 values of t_ffn x {1, 2, 3} plans x allow None / True / False: the executed
-    plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
+    """Random routings x 5 guards x 3 values of t_ffn x {1, 2, 3} plans x the flags (allow, planned) of FLAGS: the
+    executed plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
     bit for bit, on the GPU's torch reference and on the CPU's."""
     decisions = set()
     for seed in range(chunk * 12, chunk * 12 + 12):
@@ -86,16 +110,18 @@ def test_guard_kernel_equals_reference(chunk):
             relay_flag = guard.relay_fanout is not None
             for t_ffn in (1e-9, 2e-7, 1e-5):
                 for P in (1, 2, 3):
-                    for allow in (None, True, False):
-                        a = None if allow is None else torch.tensor(allow)
+                    for allow, planned in FLAGS:
+                        a, pl = (None if f is None else torch.tensor(f) for f in (allow, planned))
                         args = dict(t_ffn=t_ffn, exposed_transfers=rng.choice([1, 3]))
-                        got = guard.select(gpu_plans[0], **args, allow=None if a is None else a.cuda(),
-                                           candidates=tuple(gpu_plans[1:P]), backend="cuda")
-                        ref = guard.select(gpu_plans[0], **args, allow=None if a is None else a.cuda(),
-                                           candidates=tuple(gpu_plans[1:P]), backend="reference")
-                        host = guard.select(cpu_plans[0], **args, allow=a, candidates=tuple(cpu_plans[1:P]))
+                        on_gpu = dict(allow=None if a is None else a.cuda(), planned=None if pl is None else pl.cuda())
+                        got = guard.select(gpu_plans[0], **args, **on_gpu, candidates=tuple(gpu_plans[1:P]),
+                                           backend="cuda")
+                        ref = guard.select(gpu_plans[0], **args, **on_gpu, candidates=tuple(gpu_plans[1:P]),
+                                           backend="reference")
+                        host = guard.select(cpu_plans[0], **args, allow=a, planned=pl,
+                                            candidates=tuple(cpu_plans[1:P]))
                         g, r, h = (outputs(*x, relay_flag) for x in (got, ref, host))
-                        where = f"seed {seed}, {guard}, t_ffn {t_ffn}, {P} plans, allow {allow}"
+                        where = f"seed {seed}, {guard}, t_ffn {t_ffn}, {P} plans, allow {allow}, planned {planned}"
                         for i, (x, y, z) in enumerate(zip(g, r, h)):
                             assert torch.equal(x, y), f"output {i} differs from the GPU reference: {where}"
                             assert torch.equal(x, z), f"output {i} differs from the CPU reference: {where}"

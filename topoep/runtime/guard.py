@@ -267,7 +267,7 @@ class NetBenefitGuard:
         return bound > self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
 
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
-               candidates: tuple[Plan, ...] = (), backend: str = "auto"):
+               candidates: tuple[Plan, ...] = (), backend: str = "auto", planned: torch.Tensor | None = None):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
 
         `plan` is the balanced plan; `candidates`: other balanced plans of the same routing and shapes (topoep_plus's
@@ -277,7 +277,9 @@ class NetBenefitGuard:
         optional): False forces the static plan (the host left out the replica machinery, or `worth_planning`
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
         way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
-        (`fetch_choice`; `topoep.relay.executed_sources` reads it).
+        (`fetch_choice`; `topoep.relay.executed_sources` reads it). `planned` (bool 0-d, optional): False when the
+        planners left this call out (`worth_planning`): nothing is priced, the static plan runs, choice is 0, relay
+        False and T_saved = T_plan + T_transfer = 0 (the kernel returns at once; the reference masks its results).
 
         backend: "reference" (torch, any device), "cuda" (csrc/guard.cu, `topoep.runtime.guard_cuda`: the same
         results bit for bit, two launches) or "auto": the kernel where it applies (CUDA plans, token
@@ -299,7 +301,8 @@ class NetBenefitGuard:
                              "backend='reference'")
         if kernel:
             slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
-                                                                                      exposed_transfers, allow)
+                                                                                      exposed_transfers, allow,
+                                                                                      planned)
             return self._executed(plan, slot_expert, route, choice, relay), fired, saved, cost
         saved, cost, relay = self._predict(plans, t_ffn, exposed_transfers)
         if candidates:  # the largest net saving; argmax returns the first of equal ones (ties: the earliest)
@@ -315,6 +318,9 @@ class NetBenefitGuard:
         else:
             choice = torch.zeros((), dtype=torch.int64, device=saved.device)
             slot_expert, route, saved, cost, relay = plan.slot_expert, plan.route, saved[0], cost[0], relay[0]
+        if planned is not None:  # nothing was planned: the kernel prices nothing (zeros, choice 0, direct fetch)
+            saved, cost = (torch.where(planned, v, torch.zeros_like(v)) for v in (saved, cost))
+            choice, relay = torch.where(planned, choice, torch.zeros_like(choice)), relay & planned
         use = saved > cost
         if allow is not None:
             use = use & allow

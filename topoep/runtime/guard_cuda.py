@@ -29,7 +29,8 @@ def usable(guard, plans: tuple[Plan, ...]) -> bool:
     return guard.relay_fanout is None or max_level(plan.topology, guard.relay_fanout) <= MAX_LEVELS
 
 
-def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None):
+def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None,
+           planned: torch.Tensor | None = None):
     """(slot_expert int64[R, N], route int64[R, E + R N] of the executed plan, choice int64 0-d, fired bool 0-d (the
     static plan runs), relay bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d) of the kept plan: what
     `NetBenefitGuard.select` computes, on the plans' device."""
@@ -52,7 +53,7 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
                      [p.slot_expert for p in plans], plan.topology.ranks_per_domain, int(plan.token_bytes),
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
-                     allow, route, slot, choice, use, fired, relay, saved, cost, ws)
+                     allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
     return slot, route, choice, fired, relay, saved, cost
 
 

@@ -46,8 +46,8 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
     "guard_fired",  # 1 if the call executed the static plan instead of the balanced one: the guard decided so,
     # or (backend cuda, skip_lag) the host had left the call's replica machinery out
-    "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs)
-    "guard_cost_ms",  # its predicted T_plan + T_transfer
+    "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs or plan_skipped)
+    "guard_cost_ms",  # its predicted T_plan + T_transfer (likewise)
     "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
@@ -233,8 +233,8 @@ class ExpertParallelMoE(nn.Module):
         guard_stats = torch.zeros(6, dtype=torch.float64, device=omega.device)
         wanted = None
         if guarded:
-            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, worth if allow is None else allow & worth,
-                                                         candidates=candidates)
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow, candidates=candidates,
+                                                         planned=worth)
             wanted = (saved > cost) & worth
             local = (plan.info["guard_choice"] == 1) & ~fired
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
