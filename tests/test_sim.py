@@ -186,7 +186,7 @@ def test_simulate_applies_the_net_benefit_guard():
     # no plan could pay: planning was left out, the call costs what the static one does (both gather the counts,
     # as megatron's dispatcher does) plus the guard's selection on the device
     assert static.terms["plan"] == sim.gather_s(8, 128, cl) > 0 and static.terms["guard"] == 0
-    assert r.terms["guard"] == sim.gpu_guard_s(8) > 0
+    assert r.terms["guard"] == sim.gpu_decision_s(8, skipped=True) > sim.gpu_guard_s(8) > 0  # the whole decision
     assert r.terms["plan"] == static.terms["plan"] + r.terms["guard"]
     assert r.layer_s == pytest.approx(static.layer_s + r.terms["guard"], rel=1e-12)
     # skewed routing: planned (the planner's latency and the guard on top of the gather) and executed
@@ -334,6 +334,10 @@ def test_gpu_planner_latency_model():
     for relay, pts in ((False, sim.GPU_GUARD_US), (True, sim.GPU_GUARD_RELAY_US)):
         for R, us in pts:
             assert sim.gpu_guard_s(R, relay) == pytest.approx(us * 1e-6)
+    for relay, skipped, pts in ((False, True, sim.GPU_DECISION_SKIP_US), (True, True, sim.GPU_DECISION_SKIP_RELAY_US),
+                                (False, False, sim.GPU_DECISION_PLUS_US), (True, False, sim.GPU_DECISION_PLUS_RELAY_US)):
+        for R, us in pts:
+            assert sim.gpu_decision_s(R, relay, skipped) == pytest.approx(us * 1e-6)
     assert sim.gpu_planner_s(128) < sim.gpu_planner_s(256) < sim.gpu_planner_s(1024)
     (_, lo), (_, hi) = sim.GPU_PLANNER_US[1:3]  # EP 16 and 32
     assert min(lo, hi) * 1e-6 < sim.gpu_planner_s(24) < max(lo, hi) * 1e-6  # interpolated between them

@@ -287,6 +287,15 @@ GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4
 # though a graph of one tiny kernel takes about 3 us the same way and the metadata graph is replayed anyway.
 GPU_GUARD_US = ((8, 11.6), (32, 10.9), (128, 15.2))
 GPU_GUARD_RELAY_US = ((8, 16.0), (32, 17.5), (128, 22.2))
+# A guarded topoep_plus layer's whole decision (us; results/guard_latency.md, same run conditions): the pre-plan bound
+# (worth_planning's torch ops), topoep_plus and topoep_plus_local at once on two streams, the guard's kernel (and with
+# relays the trees). SKIP: on uniform routing, where the bound leaves planning out (the planners write the static
+# plan, the guard prices nothing): what any guarded layer adds to the static layer's metadata there. PLUS: on the
+# planner-latency workload, planned: what a guarded topoep_plus layer's planning and guard cost together.
+GPU_DECISION_SKIP_US = ((8, 26.9), (32, 29.1), (128, 28.8))
+GPU_DECISION_SKIP_RELAY_US = ((8, 28.5), (32, 29.7), (128, 30.0))
+GPU_DECISION_PLUS_US = ((8, 78.9), (32, 75.0), (128, 93.2))
+GPU_DECISION_PLUS_RELAY_US = ((8, 83.6), (32, 81.8), (128, 102.0))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
@@ -518,6 +527,14 @@ def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
 def gpu_guard_s(num_ranks: int, relay: bool = False) -> float:
     """The net-benefit guard's GPU time per layer call (GPU_GUARD_US; GPU_GUARD_RELAY_US with relay trees)."""
     return _interpolated_s(GPU_GUARD_RELAY_US if relay else GPU_GUARD_US, num_ranks)
+
+
+def gpu_decision_s(num_ranks: int, relay: bool = False, skipped: bool = False) -> float:
+    """A guarded topoep_plus layer's whole decision on the GPU per call (GPU_DECISION_*): skipped, where the pre-plan
+    bound left planning out (any guarded layer), else planned with its candidates."""
+    pts = ((GPU_DECISION_SKIP_RELAY_US if relay else GPU_DECISION_SKIP_US) if skipped else
+           (GPU_DECISION_PLUS_RELAY_US if relay else GPU_DECISION_PLUS_US))
+    return _interpolated_s(pts, num_ranks)
 
 
 def _interpolated_s(pts, num_ranks: int) -> float:
@@ -769,9 +786,13 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     dom = plan.topology.domain_of
     S, W = float(model.token_bytes), float(model.expert_bytes)
 
-    # plan (and the guard's selection on the device, which a guarded layer runs in every call)
-    # (also where its pre-plan bound left planning out: the host never reads that decision)
-    t_guard = gpu_guard_s(R, execution.relay_fanout is not None) if guarded and execution.plan_s is None else 0.0
+    # plan (and the guard's selection on the device, which a guarded layer runs in every call). Where its pre-plan
+    # bound left planning out (the host never reads that decision), the whole measured decision: the bound, the
+    # planners writing the static plan and the guard pricing nothing
+    relayed = execution.relay_fanout is not None
+    t_guard = 0.0
+    if guarded and execution.plan_s is None:
+        t_guard = gpu_decision_s(R, relayed, skipped=True) if skipped else gpu_guard_s(R, relayed)
     if execution.plan_s is not None:  # a calibrated execution: its fitted constants, all included
         t_plan, t_gather = (execution.static_plan_s if plan.policy == "static" or skipped else execution.plan_s), 0.0
     elif plan.policy == "static" or skipped:
@@ -783,8 +804,11 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         t_gather = gather_s(R, E, cluster)
         if plan_s is not None:
             solve_s = plan_s
-        elif plan.policy in CUDA_POLICIES or candidates:  # candidates: planned beside topoep_plus on the GPU
-            solve_s = gpu_planner_s(R, name if candidates else plan.policy)
+        elif candidates:  # a guarded topoep_plus layer: its measured decision (bound, planners at once, guard)
+            solve_s = gpu_decision_s(R, relayed) - t_guard
+        elif plan.policy in CUDA_POLICIES:  # (a guarded layer's pre-plan bound is left out here: measured only
+            # in the topoep_plus layer's decision above)
+            solve_s = gpu_planner_s(R, plan.policy)
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host
