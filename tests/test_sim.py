@@ -192,8 +192,9 @@ def test_simulate_applies_the_net_benefit_guard():
     # skewed routing: planned (the planner's latency and the guard on top of the gather) and executed
     om = workloads.biased_routing(8, 128, 256, 8, -3.0, seed=1, layout="concentrated")
     r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
-    assert r.stats["num_replicas"] > 0 and r.terms["plan"] == pytest.approx(sim.gather_s(8, 128, cl)
-                                                                             + sim.gpu_planner_s(8) + sim.gpu_guard_s(8))
+    assert r.stats["num_replicas"] > 0 and r.terms["plan"] == pytest.approx(
+        sim.gather_s(8, 128, cl) + sim.gpu_planner_s(8) + sim.gpu_bound_s(8) + sim.gpu_guard_s(8))
+    assert 0 < sim.gpu_bound_s(8) < sim.gpu_decision_s(8, skipped=True)  # the bound alone: less than a skipped call
     relayed = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard(),
                            execution=replace(sim.EXECUTIONS["topoep"], relay_fanout=2))
     assert relayed.terms["guard"] == sim.gpu_guard_s(8, relay=True) > sim.gpu_guard_s(8)
@@ -338,6 +339,10 @@ def test_gpu_planner_latency_model():
                                 (False, False, sim.GPU_DECISION_PLUS_US), (True, False, sim.GPU_DECISION_PLUS_RELAY_US)):
         for R, us in pts:
             assert sim.gpu_decision_s(R, relay, skipped) == pytest.approx(us * 1e-6)
+    for R, _ in sim.GPU_DECISION_PLUS_US:  # a guarded topoep_plus layer's planned decision, put back together
+        for relay in (False, True):
+            assert (sim.gpu_planner_s(R, "topoep_plus") + sim.gpu_bound_s(R, relay) + sim.gpu_guard_s(R, relay)
+                    == pytest.approx(sim.gpu_decision_s(R, relay)))
     assert sim.gpu_planner_s(128) < sim.gpu_planner_s(256) < sim.gpu_planner_s(1024)
     (_, lo), (_, hi) = sim.GPU_PLANNER_US[1:3]  # EP 16 and 32
     assert min(lo, hi) * 1e-6 < sim.gpu_planner_s(24) < max(lo, hi) * 1e-6  # interpolated between them

@@ -537,6 +537,16 @@ def gpu_decision_s(num_ranks: int, relay: bool = False, skipped: bool = False) -
     return _interpolated_s(pts, num_ranks)
 
 
+def gpu_bound_s(num_ranks: int, relay: bool = False) -> float:
+    """What a planned guarded call's decision takes beyond its planner and the guard's kernel: the pre-plan bound's
+    ops and the planners' stream fork and join. Not measured alone: a guarded topoep_plus layer's measured decision
+    (GPU_DECISION_PLUS_US) less the guard (GPU_GUARD_US) and topoep_plus's planner (GPU_PLANNER_PLUS_US), which
+    results/guard_latency.md and results/planner_latency.md measured in separate runs; charged to every guarded
+    layer that plans."""
+    return max(0.0, gpu_decision_s(num_ranks, relay) - gpu_guard_s(num_ranks, relay)
+               - gpu_planner_s(num_ranks, "topoep_plus"))
+
+
 def _interpolated_s(pts, num_ranks: int) -> float:
     """Seconds at num_ranks from measured (ranks, us) points: the first point's below them, linear in log2(ranks)
     between them, linear in ranks beyond the last (the last segment's slope)."""
@@ -804,14 +814,13 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         t_gather = gather_s(R, E, cluster)
         if plan_s is not None:
             solve_s = plan_s
-        elif candidates:  # a guarded topoep_plus layer: its measured decision (bound, planners at once, guard)
-            solve_s = gpu_decision_s(R, relayed) - t_guard
-        elif plan.policy in CUDA_POLICIES:  # (a guarded layer's pre-plan bound is left out here: measured only
-            # in the topoep_plus layer's decision above)
-            solve_s = gpu_planner_s(R, plan.policy)
+        elif plan.policy in CUDA_POLICIES or candidates:  # candidates: planned beside topoep_plus on the GPU
+            solve_s = gpu_planner_s(R, name if candidates else plan.policy)
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host
+        if guarded and plan_s is None:  # the pre-plan bound and the planners' streams, as every guarded layer runs
+            solve_s += gpu_bound_s(R, relayed)
         t_plan = t_gather + solve_s + t_guard
 
     # tokens: one transfer of each chunk carries 1/n of every flow
