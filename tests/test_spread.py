@@ -8,7 +8,8 @@ import torch
 from topoep import Topology, solve, workloads
 from topoep.planners.common import two_level_costs
 from topoep.plan import default_main_rank
-from topoep.planners.spread import REPLICA_TRANSFERS, TOKEN_TRANSFERS, solve_topoep_plus_spread
+from topoep.planners.spread import (INGRESS_TRANSFERS, REPLICA_TRANSFERS, TOKEN_TRANSFERS, _State,
+                                    solve_topoep_plus_spread)
 from topoep.topology import FEMTO
 
 W, S, T_FFN = 9_437_184, 4096, 45e-9
@@ -25,7 +26,7 @@ def _plan(om, topo, slots, max_moves=None):
 def _objective(plan) -> int:
     """The planner's objective recomputed from the plan: t L_max, the replica term counted copy by copy from the slot
     table (each replica fetched from its expert's main rank; a rank's NIC counts copies sent and received), and the
-    token term from the instances' loads per domain."""
+    token term from the instances' loads per domain and per rank."""
     topo = plan.topology
     a, b, _ = two_level_costs(topo)
     R = plan.num_ranks
@@ -52,7 +53,46 @@ def _objective(plan) -> int:
         if int(plan.instance_expert[p]) >= 0:
             held[dom[p], plan.instance_expert[p]] += plan.instance_load[p]
     busiest = int(torch.maximum((demand - held).clamp(min=0).sum(1), (held - demand).clamp(min=0).sum(1)).max())
-    return t * int(plan.rank_load.max()) + rep + TOKEN_TRANSFERS * S * b * busiest // rpd
+    # and each rank's share of its domain's inflow: instance by instance, in proportion to its load
+    xin = [0] * R
+    for p in range(plan.num_instances):
+        e = int(plan.instance_expert[p])
+        if e < 0:
+            continue
+        d, u = int(dom[p]), int(plan.instance_load[p])
+        xin[int(plan.instance_rank[p])] += _share(u, int(held[d, e]), int(demand[d, e]))
+    tok = max(TOKEN_TRANSFERS * S * b * busiest // rpd, INGRESS_TRANSFERS * S * b * max(xin))
+    return t * int(plan.rank_load.max()) + rep + tok
+
+
+def _share(u: int, held: int, demand: int) -> int:
+    """An instance's share of its domain's inflow for its expert: its load u of the domain's `held`, `demand`."""
+    return u * max(held - demand, 0) // held if held > 0 else 0
+
+
+def test_ingress_shares_follow_every_move():
+    """The greedy's per-rank inflow shares (kept move by move) equal a recount from its loads after random moves,
+    also on the ranks a move does not touch (another instance of the moved expert in the same domain)."""
+    import random
+
+    rng = random.Random(3)
+    for seed in range(5):
+        R, rpd, N = 8, 4, 2
+        om = workloads.scenario("natural", R, 4 * R, 256, 4, ranks_per_domain=rpd, seed=seed).tolist()
+        mr = default_main_rank(4 * R, R).tolist()
+        st = _State(om, mr, N, rpd)
+        for _ in range(40):
+            rb = rng.randrange(R)
+            held = [e for e, u in st.U[rb].items() if u > 0]
+            if not held:
+                continue
+            e, rt = rng.choice(held), rng.randrange(R)
+            if rt == rb or (e not in st.U[rt] and st.used[rt] == N):
+                continue
+            st.apply(rb, rt, e, rng.randint(1, st.U[rb][e]), mr[e])
+            recount = [sum(_share(u, st.Ud[r // rpd][x], st.D[r // rpd][x]) for x, u in st.U[r].items())
+                       for r in range(R)]
+            assert st.xin == recount
 
 
 CASES = [("warm_domain", 32, 8, 1), ("hot_rank", 16, 4, 2), ("natural", 16, 8, 2), ("source_ragged", 16, 4, 1),

@@ -16,9 +16,12 @@ main rank):
   R = REPLICA_TRANSFERS W max(b max NIC count, a max NVLink count): a rank's NIC (NVLink) count is the replica
       copies it sends plus those it receives across domains (inside its domain), each copy fetched from its expert's
       main rank;
-  K = TOKEN_TRANSFERS S b max_d max(out_d, in_d) / ranks_per_domain: out_d = sum_e (D[d, e] - U_d[e])^+ the
-      assignments domain d's sources must send to other domains, in_d = sum_e (U_d[e] - D[d, e])^+ those its
-      instances receive from them (U_d[e] the load of e's instances in d), spread evenly over d's NICs.
+  K = max(TOKEN_TRANSFERS S b max_d max(out_d, in_d) / ranks_per_domain, INGRESS_TRANSFERS S b max_r xin_r):
+      out_d = sum_e (D[d, e] - U_d[e])^+ the assignments domain d's sources must send to other domains, in_d =
+      sum_e (U_d[e] - D[d, e])^+ those its instances receive from them (U_d[e] the load of e's instances in d),
+      spread evenly over d's NICs; xin_r = sum over r's instances of e of floor(U_r[e] (U_d[e] - D[d, e])^+ /
+      U_d[e]), rank r's share of its domain's inflow (each instance in proportion to its load): the busiest NIC
+      ingress, where one rank's instances draw most of the inflow.
 
 1. Greedy moves. rb = the busiest rank (ties: lowest id). For every instance of an expert e on rb with load u > 0
    and every other rank rt with floor((L[rb] - L[rt]) / 2) > 0 that hosts e, or has a free slot (a new replica of
@@ -33,7 +36,7 @@ main rank):
 3. Replicas left with no load are dropped; the route is `common.hierarchical_route` (each instance serves its own
    rank first, then its domain, then any source).
 
-The token term is a proxy (a domain's NIC traffic spread evenly over its ranks, no rank-level routing): the
+The token term is a proxy (a domain's NIC traffic, and each rank's share of its inflow, without the route): the
 net-benefit guard compares this plan with the others by its full per-link prediction (`topoep.runtime.guard`) and
 keeps the fastest or static.
 
@@ -57,6 +60,10 @@ REPLICA_TRANSFERS = 3
 # of one pass (the chunked pipeline runs about as much of the other pass beside the expert compute). A proxy: the guard
 # prices every token transfer on its busiest link.
 TOKEN_TRANSFERS = 2
+# Token transfers per layer call the objective charges at the busiest rank's NIC ingress (forward and backward each
+# dispatch and combine: the guard's token_transfers). Where one rank's instances draw most of their domain's inflow,
+# its own NIC, not the domain's average, is the busiest link.
+INGRESS_TRANSFERS = 4
 
 
 class _State:
@@ -87,6 +94,20 @@ class _State:
             self.Ud[r // rpd][e] = self.U[r][e]
         self.out = [sum(max(d - u, 0) for d, u in zip(self.D[m], self.Ud[m])) for m in range(M)]
         self.inn = [sum(max(u - d, 0) for d, u in zip(self.D[m], self.Ud[m])) for m in range(M)]
+        # per rank r: the assignments its instances receive from other domains, each instance (r, e) its share of
+        # its domain's inflow for e: floor(U[r][e] (Ud - D)^+ / Ud); xin[r] their sum
+        self.part = [dict() for _ in range(R)]
+        self.xin = [0] * R
+        for r in range(R):
+            for e in self.U[r]:
+                self._share(r, e)
+
+    def _share(self, r: int, e: int) -> None:
+        m = r // self.rpd
+        ud, u = self.Ud[m][e], self.U[r].get(e, 0)
+        new = u * max(ud - self.D[m][e], 0) // ud if ud > 0 else 0
+        self.xin[r] += new - self.part[r].get(e, 0)
+        self.part[r][e] = new
 
     def apply(self, rb: int, rt: int, e: int, delta: int, home: int) -> None:
         if e not in self.U[rt]:
@@ -108,11 +129,16 @@ class _State:
             self.Ud[m][e] = u + x
             self.out[m] += max(d - u - x, 0) - max(d - u, 0)
             self.inn[m] += max(u + x - d, 0) - max(u - d, 0)
+        for m in {rb // self.rpd, rt // self.rpd}:  # every instance of e in the two domains shares anew
+            for r in range(m * self.rpd, (m + 1) * self.rpd):
+                if e in self.U[r]:
+                    self._share(r, e)
 
     def objective(self, t: int, a: int, b: int, W: int, S: int) -> int:
         """t L_max + the replica term + the token term (module docstring)."""
         rep = _replica_fs(max(max(self.nic_out), max(self.nic_in)), max(max(self.nvl_out), max(self.nvl_in)), a, b, W)
-        tok = TOKEN_TRANSFERS * S * b * max(max(self.out), max(self.inn)) // self.rpd
+        tok = max(TOKEN_TRANSFERS * S * b * max(max(self.out), max(self.inn)) // self.rpd,
+                  INGRESS_TRANSFERS * S * b * max(self.xin))
         return t * max(self.L) + rep + tok
 
 
