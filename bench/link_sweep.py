@@ -33,8 +33,8 @@ SPREAD_RELAY = "topoep_plus_spread_relay"  # the same with relay trees of 2
 # the topoep_plus layers: column -> (relay fanout, the candidates the guard chooses from besides topoep_plus's plan)
 OURS = {"topoep_plus": (None, ("topoep_plus_local",)), RELAY: (2, ("topoep_plus_local",)),
         SPREAD: (None, ("topoep_plus_local", "topoep_plus_spread")),
-        SPREAD_RELAY: (2, ("topoep_plus_local", "topoep_plus_spread"))}
-CHOICES = ("plus", "local", "spread")  # `ran`: topoep_plus's plan, or candidate 1 or 2
+        SPREAD_RELAY: (2, ("topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree"))}
+CHOICES = ("plus", "local", "spread", "tree")  # `ran`: topoep_plus's plan, or candidate 1, 2 or 3
 PEERS = ("topoep", "deepseek", "fastermoe", "flexmoe")  # what topoep_plus must match (issue: within 1.01x the best)
 
 
@@ -136,8 +136,10 @@ def report(args, rows: list[dict]) -> str:
         "replica fetch down relay trees of 2 children per node and the direct one; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
-        "planner is the host reference only, timed here as the CUDA planner's latency); `ran`: the plan the guard kept "
-        "(plus, local, spread, or static when the guard fired or nothing was planned); "
+        "planner is the host reference only, timed here as the CUDA planner's latency); with relays also a fourth, "
+        "`topoep_plus_spread_tree` (the same planner pricing a remote domain's copies as its relay tree fetches "
+        "them); `ran`: the plan the guard kept (plus, local, spread, tree, or static when the guard fired or nothing "
+        "was planned); "
         "bound: the variant / the static layer on perfectly balanced routing",
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",

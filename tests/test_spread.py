@@ -15,12 +15,12 @@ from topoep.topology import FEMTO
 W, S, T_FFN = 9_437_184, 4096, 45e-9
 
 
-def _plan(om, topo, slots, max_moves=None):
+def _plan(om, topo, slots, max_moves=None, trees=False):
     if max_moves is None:
-        return solve(om, topo, num_slots=slots, policy="topoep_plus_spread", expert_bytes=W, token_bytes=S,
-                     t_ffn=T_FFN, backend="reference")
+        return solve(om, topo, num_slots=slots, policy="topoep_plus_spread_tree" if trees else "topoep_plus_spread",
+                     expert_bytes=W, token_bytes=S, t_ffn=T_FFN, backend="reference")
     return solve_topoep_plus_spread(om, topo, num_slots=slots, main_rank=default_main_rank(om.shape[1], om.shape[0]),
-                                    expert_bytes=W, token_bytes=S, t_ffn=T_FFN, max_moves=max_moves)
+                                    expert_bytes=W, token_bytes=S, t_ffn=T_FFN, max_moves=max_moves, trees=trees)
 
 
 def _objective(plan) -> int:
@@ -114,17 +114,20 @@ def test_objective_is_the_plans_and_never_above_static(scenario, R, rpd, slots):
     assert plan.info["moves"] <= plan.info["greedy_moves"]
 
 
+@pytest.mark.parametrize("trees", [False, True])
 @pytest.mark.parametrize("scenario,R,rpd,slots", CASES[:4])
-def test_rollback_keeps_the_first_best_prefix(scenario, R, rpd, slots):
+def test_rollback_keeps_the_first_best_prefix(scenario, R, rpd, slots, trees):
     """Planning with max_moves=k stops the greedy after k moves and rolls back within them: its objective is the
     best of the first k prefixes. So the full plan's objective is the minimum over every k, reached first at its
-    kept length."""
+    kept length; never above static's. With the trees' pricing (topoep_plus_spread_tree) too."""
     om = workloads.scenario(scenario, R, 8 * R, 512, 8, ranks_per_domain=rpd, seed=2)
     topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
-    full = _plan(om, topo, slots)
+    full = _plan(om, topo, slots, trees=trees)
+    assert full.policy == ("topoep_plus_spread_tree" if trees else "topoep_plus_spread")
+    assert full.info["objective_fs"] <= full.info["static_objective_fs"]
     objs = []
     for k in range(full.info["greedy_moves"] + 1):
-        p = _plan(om, topo, slots, max_moves=k)
+        p = _plan(om, topo, slots, max_moves=k, trees=trees)
         assert p.info["greedy_moves"] == k
         objs.append(p.info["objective_fs"])
     assert objs == sorted(objs, reverse=True)  # the best prefix of a longer run is at least as good
@@ -160,6 +163,27 @@ def test_warm_domain_spreads_load_and_copies_over_the_other_domains():
     assert bool(dom0[spilled[spilled >= 0]].all()) and int((spilled >= 0).sum()) > 0
 
 
+def test_trees_price_a_domains_later_copies_on_nvlink_from_its_first():
+    """Under the trees' pricing the first copy of an expert in another domain crosses the NIC from its home; the
+    domain's later copies fetch from that first copy over NVLink (the direct pricing: every copy from the home over
+    the NIC)."""
+    R, rpd, N = 8, 4, 2
+    om = [[1] * 16 for _ in range(R)]
+    mr = default_main_rank(16, R).tolist()
+    for trees in (False, True):
+        st = _State(om, mr, N, rpd, trees)
+        e, home = 0, mr[0]  # expert 0 lives on rank 0 (domain 0)
+        for rt in (5, 6, 7):  # three copies into domain 1, then one into the home's domain
+            st.apply(home, rt, e, 1, home)
+        st.apply(home, 1, e, 1, home)
+        if trees:
+            assert (st.nic_out[home], st.nic_in[5], st.nic_in[6]) == (1, 1, 0)
+            assert (st.nvl_out[5], st.nvl_in[6], st.nvl_in[7], st.nvl_out[home]) == (2, 1, 1, 1)
+        else:
+            assert (st.nic_out[home], st.nic_in[5], st.nic_in[6], st.nvl_out[home]) == (3, 1, 1, 1)
+            assert st.nvl_out[5] == 0
+
+
 def test_a_larger_t_ffn_buys_more_copies():
     """The objective trades the straggler's compute against the busiest copy link: where compute is dearer the plan
     balances at least as far."""
@@ -193,3 +217,24 @@ def test_the_simulated_layer_keeps_the_spread_candidate_where_it_is_faster():
     flexmoe = sim.simulate(om, cl, **{**kw, "policy": "flexmoe"})
     assert spread.stats["guard_choice"] == 2 and spread.stats["local_plan"] == 0
     assert spread.layer_s < min(plain.layer_s, flexmoe.layer_s)
+
+
+def test_the_relayed_layer_keeps_the_tree_candidate_where_it_is_faster():
+    """A hot rank at EP 16 with relayed fetches: the candidate priced for the trees is kept and is faster than the
+    directly priced one."""
+    import dataclasses
+
+    from topoep.runtime import NetBenefitGuard
+    from topoep_research import sim
+
+    cl = sim.CLUSTERS["paper_h800"]
+    R = 16
+    model = sim.MODELS["qwen3"].with_experts(8 * R)
+    om = workloads.scenario("hot_rank", R, model.num_experts, 4096, model.top_k,
+                            ranks_per_domain=cl.domain_size(R), seed=0)
+    kw = dict(model=model, policy="topoep_plus", num_slots=2, guard=NetBenefitGuard(),
+              execution=dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=2))
+    direct = sim.simulate(om, cl, plus_candidates=("topoep_plus_local", "topoep_plus_spread"), **kw)
+    tree = sim.simulate(om, cl, plus_candidates=("topoep_plus_local", "topoep_plus_spread",
+                                                 "topoep_plus_spread_tree"), **kw)
+    assert tree.stats["guard_choice"] == 3 and tree.layer_s < direct.layer_s

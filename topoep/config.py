@@ -34,8 +34,9 @@ class LayerConfig:
     domains and its own-rank-first route; with the guard, the layer also plans topoep_plus_local at the same time and
     keeps whichever the per-link model predicts faster), topoep_plus_local (topoep_plus without the paper's
     inter-domain replicas: every replica in its main's domain), topoep_plus_spread (load moved across the whole EP
-    group, priced on the busiest link; host planner, like the peers), deepseek, fastermoe, flexmoe (peer policies on
-    the same runtime)."""
+    group, priced on the busiest link; host planner, like the peers), topoep_plus_spread_tree (the same, its remote
+    copies priced as relay trees fetch them: for relay_fanout; host planner), deepseek, fastermoe, flexmoe (peer
+    policies on the same runtime)."""
     num_slots: int = 2
     """Replica slots per rank (shared by all layers of a process through one replica pool)."""
     backend: str = "torch"

@@ -31,7 +31,8 @@ import torch
 from topoep.topology import Topology
 
 # Policies bound by C4 (the topology-aware ones); the topology-unaware baselines are exempt.
-C4_POLICIES = frozenset({"topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "joint"})
+C4_POLICIES = frozenset({"topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree",
+                         "joint"})
 
 
 @dataclass(eq=False, kw_only=True)

@@ -25,6 +25,7 @@ def _policies():
         "topoep_plus": plus.solve_topoep_plus,
         "topoep_plus_local": functools.partial(plus.solve_topoep_plus, inter_domain=False),
         "topoep_plus_spread": spread.solve_topoep_plus_spread,
+        "topoep_plus_spread_tree": functools.partial(spread.solve_topoep_plus_spread, trees=True),
         "deepseek": baselines.solve_deepseek,
         "fastermoe": baselines.solve_fastermoe,
         "flexmoe": baselines.solve_flexmoe,
@@ -33,14 +34,14 @@ def _policies():
 
 
 # Policies the runtime can run per layer and microbatch (ExpertParallelMoE, eplb.policy, the simulator).
-POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "deepseek", "fastermoe",
-            "flexmoe")
+POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree",
+            "deepseek", "fastermoe", "flexmoe")
 # Offline planners: `solve` and bench/plan_quality.py run them, the runtime does not. Their planners live
 # outside the library and are bound by `register_policy`: "joint" by `import topoep_research` (seconds per
 # plan on the CPU reference at EP 32; its search needs K x R^3 tensors).
 OFFLINE_POLICIES = ("joint",)
 # Policies that weigh expert compute against transfers, and so take t_ffn.
-T_FFN_POLICIES = ("fastermoe", "joint", "topoep_plus_spread")
+T_FFN_POLICIES = ("fastermoe", "joint", "topoep_plus_spread", "topoep_plus_spread_tree")
 # The offline policies' planners, name -> fn, as `register_policy` bound them.
 _REGISTERED: dict[str, Callable[..., Plan]] = {}
 

@@ -69,9 +69,9 @@ INGRESS_TRANSFERS = 4
 class _State:
     """The greedy's loads and replica-copy counters on Python ints."""
 
-    def __init__(self, omega: list, main_rank: list, num_slots: int, rpd: int):
+    def __init__(self, omega: list, main_rank: list, num_slots: int, rpd: int, trees: bool = False):
         R = len(omega)
-        self.rpd = rpd
+        self.rpd, self.trees = rpd, trees
         self.U = [dict() for _ in range(R)]  # U[r] = {expert: load of its instance on r}
         self.L = [0] * R
         for e, r in enumerate(main_rank):
@@ -82,6 +82,7 @@ class _State:
         self.used = [0] * R
         self.nic_out, self.nic_in = [0] * R, [0] * R  # replica copies sent / received over the rank's NIC
         self.nvl_out, self.nvl_in = [0] * R, [0] * R
+        self.first = {}  # (expert, domain) -> the rank of its first copy there (trees: the later copies fetch from it)
         # per domain d and expert e: the load of e's instances in d (Ud) against d's demand for e (D); out[d] = sum_e
         # (D - Ud)^+ assignments d's sources send to other domains, inn[d] = sum_e (Ud - D)^+ those it receives
         M = R // rpd
@@ -109,16 +110,26 @@ class _State:
         self.xin[r] += new - self.part[r].get(e, 0)
         self.part[r][e] = new
 
+    def source(self, e: int, rt: int, home: int) -> tuple[int, bool]:
+        """(the rank a new copy of e on rt fetches from, whether over the NIC): its home; with trees, a remote
+        domain's later copies from the domain's first copy, over NVLink."""
+        if home // self.rpd == rt // self.rpd:
+            return home, False
+        first = self.first.get((e, rt // self.rpd)) if self.trees else None
+        return (home, True) if first is None else (first, False)
+
     def apply(self, rb: int, rt: int, e: int, delta: int, home: int) -> None:
         if e not in self.U[rt]:
             self.slots[rt][self.used[rt]] = e
             self.used[rt] += 1
             self.U[rt][e] = 0
-            if home // self.rpd != rt // self.rpd:
-                self.nic_out[home] += 1
+            src, nic = self.source(e, rt, home)
+            self.first.setdefault((e, rt // self.rpd), rt)
+            if nic:
+                self.nic_out[src] += 1
                 self.nic_in[rt] += 1
             else:
-                self.nvl_out[home] += 1
+                self.nvl_out[src] += 1
                 self.nvl_in[rt] += 1
         self.U[rb][e] -= delta
         self.U[rt][e] += delta
@@ -148,10 +159,12 @@ def _replica_fs(nic: int, nvl: int, a: int, b: int, W: int) -> int:
 
 
 def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, t_ffn=None,
-                             max_moves: int | None = None, **kw) -> Plan:
-    """The `topoep_plus_spread` policy (module docstring). info: "moves" (kept after the rollback), "greedy_moves"
-    (made before it), "objective_fs" and "static_objective_fs" (the objective of the kept prefix and of static),
-    "dropped" (replicas of the kept prefix left with no load, step 3)."""
+                             max_moves: int | None = None, trees: bool = False, **kw) -> Plan:
+    """The `topoep_plus_spread` policy (module docstring); with `trees`, `topoep_plus_spread_tree`: the replica term
+    counts each remote domain's copies of an expert as its relay tree fetches them (`topoep.relay`): the first over
+    the NIC from the home, the others over NVLink from that first copy. info: "moves" (kept after the rollback),
+    "greedy_moves" (made before it), "objective_fs" and "static_objective_fs" (the objective of the kept prefix and
+    of static), "dropped" (replicas of the kept prefix left with no load, step 3)."""
     from topoep.metrics import DEFAULT_T_FFN
 
     R, E = omega.shape
@@ -164,7 +177,7 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
         max_moves = 4 * R * (E // R + N)
     om = omega.tolist()
     mr = main_rank.tolist()
-    st = _State(om, mr, N, rpd)
+    st = _State(om, mr, N, rpd, trees)
     D = st.D
     static_obj = st.objective(t, a, b, W, S)
     best_obj, best_len, history = static_obj, 0, []
@@ -190,13 +203,14 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
                 if not existing:
                     if not free:
                         continue
-                    if dom[home] != dom[rt]:
-                        if not 2 * D[dom[rt]][e] * S > W:  # C4
-                            continue
-                        nic = max(mx_nic, st.nic_out[home] + 1, st.nic_in[rt] + 1)
+                    if dom[home] != dom[rt] and not 2 * D[dom[rt]][e] * S > W:  # C4
+                        continue
+                    src, over_nic = st.source(e, rt, home)
+                    if over_nic:
+                        nic = max(mx_nic, st.nic_out[src] + 1, st.nic_in[rt] + 1)
                         extra = _replica_fs(nic, mx_nvl, a, b, W) - cur
                     else:
-                        nvl = max(mx_nvl, st.nvl_out[home] + 1, st.nvl_in[rt] + 1)
+                        nvl = max(mx_nvl, st.nvl_out[src] + 1, st.nvl_in[rt] + 1)
                         extra = _replica_fs(mx_nic, nvl, a, b, W) - cur
                 delta = min(u, half)
                 key = (extra - t * delta, dom[rt] != dom[rb], not existing, L[rt], rt, e)
@@ -212,7 +226,7 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
             best_obj, best_len = obj, len(history)
 
     # 2. the best prefix, replayed from static
-    kept = _State(om, mr, N, rpd)
+    kept = _State(om, mr, N, rpd, trees)
     for rb, rt, e, delta in history[:best_len]:
         kept.apply(rb, rt, e, delta, mr[e])
     load = [kept.U[mr[e]][e] for e in range(E)]
@@ -229,4 +243,5 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     info = {"moves": best_len, "greedy_moves": len(history), "objective_fs": best_obj,
             "static_objective_fs": static_obj, "dropped": dropped}
     return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
-                route=route, policy="topoep_plus_spread", expert_bytes=W, token_bytes=S, info=info, **kw)
+                route=route, policy="topoep_plus_spread_tree" if trees else "topoep_plus_spread", expert_bytes=W,
+                token_bytes=S, info=info, **kw)
