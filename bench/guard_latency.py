@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         "static plan where the bound says no) and the guard's selection (kernel; + relays: relay_fanout=2 and the "
         "kept plan's trees), one CUDA graph on a busy stream. Uniform routing: the bound leaves planning out and the "
         "guard prices nothing, so this is what a guarded layer adds to the static layer's metadata there "
-        "(`topoep_research.sim.GPU_GUARD_SKIP_US`).",
+        "(`topoep_research.sim.GPU_DECISION_SKIP_US`).",
         "",
         chain_table(rows),
         "",
