@@ -8,7 +8,9 @@ time alone), as the layer's metadata graph runs it.
 Beside it, a guarded topoep_plus layer's whole decision as its metadata graph runs it: the pre-plan bound
 (`NetBenefitGuard.worth_planning`), both planners at once (`plan_concurrently`, reading the bound's flag) and the
 guard's selection (kernel; with relays also the trees): on uniform routing, where the bound leaves planning out and
-the guard prices nothing (what a guarded layer adds to the static layer's metadata there), and on the workload.
+the guard prices nothing (what a guarded layer adds to the static layer's metadata there), and on the workload;
+and the decision of a call whose replica machinery backend cuda's slot hint left out (on uniform routing, every call
+after the first `skip_lag`): the bound and the static plan only.
 
     python bench/guard_latency.py            # EP 8, 32, 128 (domains of 8), 640 experts, 2 slots
 
@@ -39,7 +41,7 @@ from topoep.runtime.guard import NetBenefitGuard  # noqa: E402
 # select with the local candidate; the same with relay_fanout=2 and the trees; each on the reference and the kernel
 VARIANTS = ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
 # the whole decision of a guarded topoep_plus layer (kernels), on uniform routing (skipped) and on the workload
-CHAINS = ("chain_skip", "chain_skip_relay", "chain_plan", "chain_plan_relay")
+CHAINS = ("chain_skip", "chain_skip_relay", "chain_plan", "chain_plan_relay", "chain_hint", "chain_hint_relay")
 W_BYTES, S_BYTES = 3 * 2048 * 768 * 2, 2048 * 2
 
 
@@ -67,6 +69,19 @@ def _chain(relay: bool, omega: torch.Tensor, topo, slots: int):
     return executed.route,
 
 
+def _hint_chain(relay: bool, omega: torch.Tensor, topo, slots: int):
+    """A call the slot hint left out (moe.py `_unplanned`): the pre-plan bound and the static plan (and with relays
+    the static plan's trees: none)."""
+    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
+    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
+    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    plan = solve(omega, topo, policy="static", num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES)
+    if relay:
+        plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
+        return worth, plan.route, *(guard_cuda.executed_sources if omega.is_cuda else executed_sources)(plan, 2)
+    return worth, plan.route
+
+
 def _floor(x: torch.Tensor):
     """One tiny kernel: what replaying any graph costs here (the guard runs inside the metadata graph, which a
     layer replays anyway)."""
@@ -92,8 +107,8 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
         raise SystemExit(f"EP {ep}: the pre-plan bound plans uniform routing; the skipped chain would not be timed")
     row["workload_planned"] = bool(guard.worth_planning(omega, topo, mr, DEFAULT_T_FFN, W_BYTES, 1).item())
     works = {v: (lambda v=v: _decide(v, plan, local)) for v in VARIANTS}
-    works.update({c: (lambda c=c: _chain(c.endswith("relay"), uniform if "skip" in c else omega, topo, slots))
-                  for c in CHAINS})
+    works.update({c: (lambda c=c: (_hint_chain if "hint" in c else _chain)(
+        c.endswith("relay"), omega if "plan" in c else uniform, topo, slots)) for c in CHAINS})
     for variant, work in works.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -121,10 +136,12 @@ def table(rows: list[dict]) -> str:
 
 def chain_table(rows: list[dict]) -> str:
     return markdown_table(["EP", "uniform routing: bound + planners + guard us", "+ relays us",
-                           "workload: bound + planners + guard us", "+ relays us", "workload planned"],
+                           "workload: bound + planners + guard us", "+ relays us", "workload planned",
+                           "slot hint left out: bound + static plan us", "+ relays us"],
                           [[r["ep"], f"{r['chain_skip_us']:.1f}", f"{r['chain_skip_relay_us']:.1f}",
                             f"{r['chain_plan_us']:.1f}", f"{r['chain_plan_relay_us']:.1f}",
-                            "yes" if r["workload_planned"] else "no"] for r in rows])
+                            "yes" if r["workload_planned"] else "no", f"{r['chain_hint_us']:.1f}",
+                            f"{r['chain_hint_relay_us']:.1f}"] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -165,7 +182,9 @@ def main(argv=None) -> int:
         "static plan where the bound says no) and the guard's selection (kernel; + relays: relay_fanout=2 and the "
         "kept plan's trees), one CUDA graph on a busy stream. Uniform routing: the bound leaves planning out and the "
         "guard prices nothing, so this is what a guarded layer adds to the static layer's metadata there "
-        "(`topoep_research.sim.GPU_DECISION_SKIP_US`).",
+        "(`topoep_research.sim.GPU_DECISION_SKIP_US`). Slot hint left out: a call of backend cuda whose replica "
+        "machinery the slot hint left out (on uniform routing every call after the first `skip_lag`) runs the bound "
+        "and the static plan only (the static layer runs the static plan too; the simulator does not model it yet).",
         "",
         chain_table(rows),
         "",

@@ -5,7 +5,7 @@ CUDA it says where to run it."""
 import pytest
 import torch
 
-from bench.guard_latency import VARIANTS, _chain, _decide, chain_table, main, table
+from bench.guard_latency import VARIANTS, _chain, _decide, _hint_chain, chain_table, main, table
 from bench.planner_latency import workload
 from topoep import solve
 
@@ -29,9 +29,10 @@ def test_the_variants_return_the_executed_plan_and_its_trees():
 
 def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
     text = chain_table([dict(ep=32, chain_skip_us=4.0, chain_skip_relay_us=5.5, chain_plan_us=60.0,
-                             chain_plan_relay_us=70.25, workload_planned=True)])
+                             chain_plan_relay_us=70.25, workload_planned=True, chain_hint_us=3.0,
+                             chain_hint_relay_us=3.5)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 32 "))
-    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes", "3.0", "3.5"]
     topo, omega = workload(16, 64)
     uniform = torch.full_like(omega, int(omega.sum()) // omega.numel())
     static = solve(uniform, topo, num_slots=2, policy="static").route
@@ -40,6 +41,12 @@ def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
         assert torch.equal(out[0], static) and len(out) == (3 if relay else 1)
         if relay:
             assert (out[1] == -1).all() and (out[2] == 0).all()
+    for relay in (False, True):  # a call the hint left out: the bound's verdict and the static plan, no trees
+        out = _hint_chain(relay, uniform, topo, 2)
+        assert not bool(out[0]) and torch.equal(out[1], static) and len(out) == (4 if relay else 2)
+        if relay:
+            assert (out[2] == -1).all() and (out[3] == 0).all()
+    assert bool(_hint_chain(False, omega, topo, 2)[0])  # the workload: a plan may pay
     skewed = _chain(False, omega, topo, 2)[0]  # the workload is planned
     assert not torch.equal(skewed, solve(omega, topo, num_slots=2, policy="static").route)
 

@@ -173,3 +173,61 @@ def test_the_slot_hint_keeps_the_slots_the_capacity_step_uses(kind, skips):
         assert all(same), same
         assert skipped == skipped_static == skips, (skipped, skipped_static, moves)
         assert all(m > 0 for m in moves) == (kind == "one_rank"), moves
+
+
+def _unplanned(rank, world):
+    """Backend cuda (CPU harness), a guarded topoep_plus layer with the slot hint (lag 2; a guard of no planning or
+    latency cost): exactly even routing for 4 calls, then skewed routing for 4. Which policies each call solved (the
+    planners are counted) and its statistics."""
+    from topoep.runtime import NetBenefitGuard, moe
+
+    solved = []
+    real_solve, real_concurrent = moe.solve, moe.plan_concurrently
+
+    def counting_solve(omega, topology, policy="topoep", **kw):
+        solved[-1].append(policy)
+        return real_solve(omega, topology, policy=policy, **kw)
+
+    def counting_concurrent(omega, topology, policies, kw):
+        solved[-1].extend(policies)
+        return real_concurrent(omega, topology, policies, kw)
+
+    moe.solve, moe.plan_concurrently = counting_solve, counting_concurrent
+    try:
+        E = world * E_LOC
+        g = torch.Generator().manual_seed(5)
+        fc1, fc2 = _experts(world, g)
+        layer = _layer(rank, world, world, fc1, fc2, num_slots=2, policy="topoep_plus", backend="cuda",
+                       guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0), capacity_factor=None,
+                       _cpu_harness=True)
+        stats = []
+        for call in range(8):
+            solved.append([])
+            if call < 4:  # every expert exactly equally often: no plan can pay
+                idx = (torch.arange(T * K).view(T, K) + call) % E
+            else:  # every token on rank 0's experts: planning pays
+                idx = torch.stack([torch.randperm(E_LOC, generator=g)[:K] for _ in range(T)])
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+            w = torch.softmax(torch.randn(T, K, generator=g), 1).to(torch.bfloat16)
+            layer(x, idx, w)
+            s = layer.stats_dict()
+            stats.append((s["slot_skipped"], s["guard_wanted"], s["plan_skipped"], s["guard_saved_ms"],
+                          s["guard_cost_ms"], s["num_replicas"]))
+        return solved, stats
+    finally:
+        moe.solve, moe.plan_concurrently = real_solve, real_concurrent
+
+
+def test_a_call_the_slot_hint_left_out_plans_nothing():
+    """Calls 3-4 (uniform, the hint skips): only the static plan is made, nothing priced, wanted = the bound's
+    verdict (no). Calls 5-6 (skewed) are skipped too (lag 2) but their bound says a plan may pay, so calls 7-8 plan
+    both candidates, the guard decides and replicas run."""
+    for solved, stats in run_ranks(_unplanned, 2):
+        plus = ["topoep_plus", "topoep_plus_local"]
+        assert solved == [plus, plus, ["static"], ["static"], ["static"], ["static"], plus, plus], solved
+        for skipped, wanted, plan_skipped, saved, cost, replicas in stats[2:4]:
+            assert (skipped, wanted, plan_skipped, saved, cost, replicas) == (1.0, 0.0, 1.0, 0.0, 0.0, 0.0)
+        for skipped, wanted, plan_skipped, saved, cost, replicas in stats[4:6]:
+            assert (skipped, wanted, plan_skipped, replicas) == (1.0, 1.0, 0.0, 0.0)
+        for skipped, wanted, plan_skipped, saved, cost, replicas in stats[6:]:
+            assert skipped == 0.0 and plan_skipped == 0.0 and saved > cost and wanted == 1.0 and replicas > 0

@@ -63,19 +63,21 @@ class _Packed:
 
 
 class MetadataGraphs:
-    """Per-layer cache: input shape -> (graph, static input, static outputs)."""
+    """Per-layer cache: (input shape, variant) -> (graph, static input, static outputs); variant: a host value that
+    changes the work (one graph per value)."""
 
     def __init__(self, enabled: bool = True):
         self._graphs: dict = {}
         self.enabled = enabled
         self.replays = 0
 
-    def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple:
+    def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor, variant=None) -> tuple:
         """fn(topk_idx, *inputs) -> tuple of tensors, through the graph when possible. Every input is a device
-        tensor whose shape is fixed by topk_idx's (the graph copies it into its own before each replay)."""
+        tensor whose shape is fixed by topk_idx's (the graph copies it into its own before each replay); fn's work
+        may depend on `variant` (hashable), which selects the graph."""
         if not self.enabled or not topk_idx.is_cuda or torch.cuda.is_current_stream_capturing():
             return fn(topk_idx, *inputs)
-        key = (tuple(topk_idx.shape), topk_idx.device)
+        key = (tuple(topk_idx.shape), topk_idx.device, variant)
         entry = self._graphs.get(key)
         if entry is None:  # first call: eager (compiles kernels, creates workspaces)
             self._graphs[key] = "warm"

@@ -48,7 +48,8 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     # or (backend cuda, skip_lag) the host had left the call's replica machinery out
     "guard_saved_ms",  # the guard's predicted T_saved of the balanced plan (0 when no guard runs or plan_skipped)
     "guard_cost_ms",  # its predicted T_plan + T_transfer (likewise)
-    "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer)
+    "guard_wanted",  # 1 if the guard itself wanted the balanced plan (T_saved > T_plan + T_transfer); in a call that
+    # planned nothing (backend cuda's slot hint left the replica machinery out) the pre-plan bound's verdict
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
@@ -209,11 +210,16 @@ class ExpertParallelMoE(nn.Module):
         return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit_stats])
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
-                      capacity: int | None = None) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                      capacity: int | None = None,
+                      planning: bool = True) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(the plan after the net-benefit guard and the capacity step, float64[6] guard statistics, the guard's own
         decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard, float64[2] capacity
         statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
-        plan and keeps the capacity step off the slots: the host left this call's replica machinery out."""
+        plan and keeps the capacity step off the slots: the host left this call's replica machinery out. `planning`
+        False (host; backend cuda, where the slot hint left the replica machinery out, so the static plan runs
+        anyway): no planner and no guard run, only the pre-plan bound, whose verdict stands in for the guard's
+        decision (`wanted`: the hint brings the machinery back `skip_lag` calls after the bound says a plan may pay;
+        the guard then decides in full)."""
         N = self.num_slots
         guarded = self.guard is not None and self.policy != "static" and N > 0
         worth = None
@@ -224,6 +230,8 @@ class ExpertParallelMoE(nn.Module):
             worth = self.guard.worth_planning(omega, self.topology, main_rank, self.t_ffn, self.expert_bytes, n)
         kw = dict(num_slots=N, expert_bytes=self.expert_bytes, token_bytes=token_bytes, t_ffn=self.t_ffn,
                   grid_blocks=self.config.planner_blocks, enable=worth)
+        if guarded and not planning:
+            return self._unplanned(omega, worth, kw, allow, capacity)
         candidates = ()
         if guarded and self.policy == "topoep_plus":  # and its local plan; the guard keeps the better (plus.py)
             plan, local = plan_concurrently(omega, self.topology, ("topoep_plus", "topoep_plus_local"), kw)
@@ -239,16 +247,35 @@ class ExpertParallelMoE(nn.Module):
             local = (plan.info["guard_choice"] == 1) & ~fired
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
                                        (~worth).to(torch.float64), local.to(torch.float64)])
-        fit_stats = torch.zeros(2, dtype=torch.float64, device=omega.device)
-        if capacity is not None:
-            relay = plan.info.get("relay")
-            plan, fit_stats = self._fit(plan, capacity, allow)
-            if relay is not None:  # the guard's choice of fetch holds for the fitted plan
-                plan.info["relay"] = relay
+        plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, wanted, fit_stats
 
-    def _fit(self, plan: Plan, capacity: int, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
-        """The capacity step on the GPU (no host synchronisation) or on the CPU; (plan, float64[2] statistics)."""
+    def _unplanned(self, omega: torch.Tensor, worth: torch.Tensor, kw: dict, allow: torch.Tensor | None,
+                   capacity: int | None) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_guarded_plan` of a call that plans nothing: the static plan (then the capacity step, without new slots
+        where `allow` is False), the guard's statistics as fired with nothing priced, wanted = the bound's verdict."""
+        plan = solve(omega, self.topology, policy="static", num_slots=kw["num_slots"], expert_bytes=kw["expert_bytes"],
+                     token_bytes=kw["token_bytes"])
+        zero = torch.zeros((), dtype=torch.float64, device=omega.device)
+        plan.info["guard_choice"] = torch.zeros((), dtype=torch.int64, device=omega.device)
+        if self.guard.relay_fanout is not None:
+            plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
+        guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero])
+        plan, fit_stats = self._fit(plan, capacity, allow)
+        return plan, guard_stats, worth, fit_stats
+
+    def _fit(self, plan: Plan, capacity: int | None, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
+        """The capacity step on the GPU (no host synchronisation) or on the CPU; (plan, float64[2] statistics). The
+        guard's choice of fetch (info["relay"]) holds for the fitted plan. No capacity: the plan as it is."""
+        if capacity is None:
+            return plan, torch.zeros(2, dtype=torch.float64, device=plan.omega.device)
+        relay = plan.info.get("relay")
+        plan, stats = self._fit_capacity(plan, capacity, allow)
+        if relay is not None:
+            plan.info["relay"] = relay
+        return plan, stats
+
+    def _fit_capacity(self, plan: Plan, capacity: int, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
         if plan.route.is_cuda:
             from topoep.planners.cuda import fit_capacity_cuda
 
@@ -328,9 +355,11 @@ class ExpertParallelMoE(nn.Module):
         token_bytes = self.hidden_size * x.element_size()
         with phase(tm, "plan", collective=True):  # with backend cuda: plan and receive layout
             t0 = time.perf_counter()
+            # a call whose replica machinery the host left out plans nothing (`_guarded_plan`'s `planning`)
+            planning = self.slot_hint is None or use_slots
             omega, slot_expert, route, stats, wanted, relay, *layout = self._meta_graphs(
-                lambda idx, allow: self._cuda_metadata(ws, idx, allow, token_bytes), topk_idx,
-                device_flag(use_slots, x.device))
+                lambda idx, allow: self._cuda_metadata(ws, idx, allow, token_bytes, planning), topk_idx,
+                device_flag(use_slots, x.device), variant=planning)
             if self.slot_hint is not None:
                 self.slot_hint.record(wanted)
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
@@ -350,7 +379,8 @@ class ExpertParallelMoE(nn.Module):
                              relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout)) if fanout else None)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
-    def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int) -> tuple:
+    def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int,
+                       planning: bool = True) -> tuple:
         """Counts -> omega -> plan (guarded; static unless `allow`) -> statistics -> receive layout, as tensors
         (graph-capturable): (omega, slot_expert, route, stats, wanted, relay, then per chunk order, dest, pos, is_slot,
         offs_main, offs_slot, n_main, n_slot, inv and the SpillWork's fields), wanted: the guard's own decision (False
@@ -365,7 +395,7 @@ class ExpertParallelMoE(nn.Module):
         cap = None
         if self.capacity_factor is not None:
             cap = capacity_rows(ws.a_cap, self.capacity_factor)
-        plan, guard_stats, wanted, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap)
+        plan, guard_stats, wanted, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap, planning)
         if wanted is None:
             wanted = torch.zeros((), dtype=torch.bool, device=omega.device)
         if cap is not None:  # the slots are needed again when the capacity step placed a replica
