@@ -1,4 +1,5 @@
-"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py, weighting.py, spill.py) compiles for sm_90 (H100/H200)
+"""CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py, weighting.py, spill.py,
+stats_triton.py, worth_triton.py) compiles for sm_90 (H100/H200)
 without a GPU, with the argument types the backend passes. Catches type and syntax errors before any GPU
 time; that the kernels compute the right thing is checked on the GPU (tests/test_cuda_backend_gpu.py)."""
 
@@ -16,6 +17,7 @@ import topoep.runtime.spill as SP  # noqa: E402
 import topoep.runtime.stats_triton as ST  # noqa: E402
 import topoep.runtime.symm as S  # noqa: E402
 import topoep.runtime.weighting as W  # noqa: E402
+import topoep.runtime.worth_triton as WT  # noqa: E402
 
 I64, I32 = "*i64", "i32"
 KERNELS = {
@@ -65,13 +67,16 @@ KERNELS = {
     "_plan_stats_kernel": (dict(route=I64, omega=I64, slot_expert=I64, dom=I64, cost="*fp64", consts="*fp64",
                                 scratch="*fp64", out="*fp64", R=I32, E=I32, N=I32, P=I32, E_loc=I32),
                            dict(BLOCK_P=1024, BLOCK_R=32, BLOCK_E=1024, BLOCK_RN=64)),
+    # worth_triton.py, 32 ranks, 640 experts
+    "_worth_kernel": (dict(omega=I64, consts="*fp64", scratch=I64, out="*i1", R=I32, E=I32, E_loc=I32),
+                      dict(BLOCK_S=16, BLOCK_E=1024, BLOCK_R=32, BLOCK_L=32)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
                                   lslot="*bf16", lcap=I32, T=I32),
                              dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True, LOCAL=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
-MODULES = (S, LT, W, SP, ST)
+MODULES = (S, LT, W, SP, ST, WT)
 
 
 def _kernel(name):

@@ -263,7 +263,7 @@ step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (test
     grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
       > "$OUT/guard/$name.log"; return $rc; }
   if [ "${GUARD_KERNEL:-1}" = 1 ]; then
-    _g kernel_tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_guard_cuda.py \
+    _g kernel_tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_guard_cuda.py tests/test_worth_triton.py \
       || { echo "guard kernel tests failed: no benchmark"; return; }
     timeout 240 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -v -i warn | tail -12
   fi

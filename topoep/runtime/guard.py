@@ -59,6 +59,7 @@ import torch
 from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
 from topoep.relay import relay_fetch_fs
+from topoep.runtime import worth_triton
 from topoep.planners.common import static_rank_load
 from topoep.topology import Topology
 
@@ -259,12 +260,15 @@ class NetBenefitGuard:
         R = topology.num_ranks
         if R < 2:
             return torch.zeros((), dtype=torch.bool, device=omega.device)
+        cost = self._cost_topology(topology).cost
+        cheapest = float(cost.masked_fill(torch.eye(R, dtype=torch.bool), float("inf")).min())  # host constants
+        threshold = self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
+        if omega.is_cuda and worth_triton.usable(omega, main_rank):  # one kernel, the same decision
+            return worth_triton.worth_planning_triton(omega, t_ffn, threshold)
         load = static_rank_load(omega, main_rank.to(omega.device), R)
         mean_ceil = torch.div(load.sum() + R - 1, R, rounding_mode="floor")
         bound = t_ffn * (load.max() - mean_ceil).to(torch.float64)
-        cost = self._cost_topology(topology).cost
-        cheapest = float(cost.masked_fill(torch.eye(R, dtype=torch.bool), float("inf")).min())  # host constants
-        return bound > self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
+        return bound > threshold
 
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
                candidates: tuple[Plan, ...] = (), backend: str = "auto", planned: torch.Tensor | None = None):
