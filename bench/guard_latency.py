@@ -109,6 +109,7 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     works = {v: (lambda v=v: _decide(v, plan, local)) for v in VARIANTS}
     works.update({c: (lambda c=c: (_hint_chain if "hint" in c else _chain)(
         c.endswith("relay"), omega if "plan" in c else uniform, topo, slots)) for c in CHAINS})
+    works["static_plan"] = lambda: (solve(uniform, topo, policy="static", **kw).route,)  # what the static layer runs
     for variant, work in works.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -137,11 +138,11 @@ def table(rows: list[dict]) -> str:
 def chain_table(rows: list[dict]) -> str:
     return markdown_table(["EP", "uniform routing: bound + planners + guard us", "+ relays us",
                            "workload: bound + planners + guard us", "+ relays us", "workload planned",
-                           "slot hint left out: bound + static plan us", "+ relays us"],
+                           "slot hint left out: bound + static plan us", "+ relays us", "static plan alone us"],
                           [[r["ep"], f"{r['chain_skip_us']:.1f}", f"{r['chain_skip_relay_us']:.1f}",
                             f"{r['chain_plan_us']:.1f}", f"{r['chain_plan_relay_us']:.1f}",
                             "yes" if r["workload_planned"] else "no", f"{r['chain_hint_us']:.1f}",
-                            f"{r['chain_hint_relay_us']:.1f}"] for r in rows])
+                            f"{r['chain_hint_relay_us']:.1f}", f"{r['static_plan_us']:.1f}"] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
         "guard prices nothing, so this is what a guarded layer adds to the static layer's metadata there "
         "(`topoep_research.sim.GPU_DECISION_SKIP_US`). Slot hint left out: a call of backend cuda whose replica "
         "machinery the slot hint left out (on uniform routing every call after the first `skip_lag`) runs the bound "
-        "and the static plan only (the static layer runs the static plan too; the simulator does not model it yet).",
+        "and the static plan only; the static layer runs the static plan too (static plan alone), so the hint's call "
+        "adds the difference to the static layer's metadata (`topoep_research.sim.GPU_DECISION_HINT_US`).",
         "",
         chain_table(rows),
         "",

@@ -30,9 +30,10 @@ def test_the_variants_return_the_executed_plan_and_its_trees():
 def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
     text = chain_table([dict(ep=32, chain_skip_us=4.0, chain_skip_relay_us=5.5, chain_plan_us=60.0,
                              chain_plan_relay_us=70.25, workload_planned=True, chain_hint_us=3.0,
-                             chain_hint_relay_us=3.5)])
+                             chain_hint_relay_us=3.5, static_plan_us=2.25)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 32 "))
-    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes", "3.0", "3.5"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes", "3.0", "3.5",
+                                                          "2.2"]
     topo, omega = workload(16, 64)
     uniform = torch.full_like(omega, int(omega.sum()) // omega.numel())
     static = solve(uniform, topo, num_slots=2, policy="static").route

@@ -68,8 +68,8 @@ KERNELS = {
                                 scratch="*fp64", out="*fp64", R=I32, E=I32, N=I32, P=I32, E_loc=I32),
                            dict(BLOCK_P=1024, BLOCK_R=32, BLOCK_E=1024, BLOCK_RN=64)),
     # worth_triton.py, 32 ranks, 640 experts
-    "_worth_kernel": (dict(omega=I64, consts="*fp64", scratch=I64, out="*i1", R=I32, E=I32, E_loc=I32),
-                      dict(BLOCK_S=16, BLOCK_E=1024, BLOCK_R=32, BLOCK_L=32)),
+    "_worth_kernel": (dict(omega=I64, consts="*fp64", partial=I64, counter="*i32", out="*i1", R=I32, E=I32,
+                           E_loc=I32, NPROG=I32), dict(BLOCK_S=32, BLOCK_RB=2, BLOCK_L=32, BLOCK_P=16)),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
                                   lslot="*bf16", lcap=I32, T=I32),

@@ -1,12 +1,13 @@
 """The net-benefit guard's pre-plan bound (`NetBenefitGuard.worth_planning`, its reference) as one Triton kernel.
 
 The reference is about ten small torch operations (the static rank loads, their sum and maximum, the bound, the
-comparison); a guarded layer runs it in every call's metadata graph, also where nothing is planned. Here one program
-does it for the default placement (rank r hosts experts r E_loc .. (r + 1) E_loc - 1): the expert totals over the
-sources in tiles of rows, the rank loads from them (read back from a scratch row after a barrier of the program),
-their maximum and sum, then the bound in float64. The loads are integers and the bound one float64 multiplication
-and one comparison with a threshold made on the host, as the reference does: the decision equals the reference's on
-every input.
+comparison); a guarded layer runs it in every call's metadata graph, also where nothing is planned. Here one launch
+does it for the default placement (rank r hosts experts r E_loc .. (r + 1) E_loc - 1): each program sums the
+columns of a block of ranks over every source row (tiles of rows), so it holds those ranks' loads, and writes their
+maximum and sum to a partial row; the program that arrives last at an atomic counter reduces the partials (the
+counter's acquire-release makes the others' partials visible to it) and writes the decision: t_ffn (L_max -
+ceil(mean)) > threshold, the bound one float64 multiplication and one comparison with a threshold made on the host,
+as the reference does. The loads are integers: the decision equals the reference's on every input.
 """
 
 from __future__ import annotations
@@ -22,31 +23,36 @@ except ImportError:  # CPU-only environments: the module imports, the kernel is 
 if triton is not None:
 
     @triton.jit
-    def _worth_kernel(omega, consts, scratch, out, R, E, E_loc, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
+    def _worth_kernel(omega, consts, partial, counter, out, R, E, E_loc, NPROG, BLOCK_S: tl.constexpr,
+                      BLOCK_RB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
         """out bool[1]: t_ffn (L_max - ceil(mean)) > threshold; consts float64[2]: t_ffn, threshold (float64: a
-        Python float argument would be fp32); scratch int64[>= E]."""
-        ev = tl.arange(0, BLOCK_E)
-        em = ev < E
+        Python float argument would be fp32); partial int64[2 NPROG]; counter int32[1], zero on entry."""
+        pid = tl.program_id(0)
+        rk = pid * BLOCK_RB + tl.arange(0, BLOCK_RB)  # this program's ranks
+        lv = tl.arange(0, BLOCK_L)
+        col = rk[:, None] * E_loc + lv[None, :]  # [RB, L]: their experts
+        cmask = (rk[:, None] < R) & (lv[None, :] < E_loc)
         sv = tl.arange(0, BLOCK_S)
-        total = tl.zeros([BLOCK_E], dtype=tl.int64)
+        acc = tl.zeros([BLOCK_RB, BLOCK_L], dtype=tl.int64)
         s = 0
         while s < R:  # (while loops: Triton's interpreter runs them, not ranges over runtime bounds)
             rows = s + sv
-            tile = tl.load(omega + rows[:, None].to(tl.int64) * E + ev[None, :],
-                           mask=(rows[:, None] < R) & em[None, :], other=0)
-            total += tl.sum(tile, 0)
+            tile = tl.load(omega + rows[:, None, None].to(tl.int64) * E + col[None, :, :],
+                           mask=(rows[:, None, None] < R) & cmask[None, :, :], other=0)
+            acc += tl.sum(tile, 0)
             s += BLOCK_S
-        tl.store(scratch + ev, total, mask=em)
-        tl.debug_barrier()
-        rv = tl.arange(0, BLOCK_R)
-        lv = tl.arange(0, BLOCK_L)
-        mask = (rv[:, None] < R) & (lv[None, :] < E_loc)
-        load = tl.sum(tl.load(scratch + rv[:, None] * E_loc + lv[None, :], mask=mask, other=0), 1)
-        load_max = tl.max(tl.where(rv < R, load, 0), 0)
-        mean_ceil = (tl.sum(load, 0) + R - 1) // R
-        bound = tl.load(consts + 0) * (load_max - mean_ceil).to(tl.float64)
-        tl.store(out, bound > tl.load(consts + 1))
+        load = tl.sum(acc, 1)  # [RB]; 0 past the last rank (loads are >= 0: neutral for the maximum)
+        tl.store(partial + pid, tl.max(load, 0))
+        tl.store(partial + NPROG + pid, tl.sum(load, 0))
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")  # releases this program's partials
+        if arrived == NPROG - 1:  # the last program: every partial is visible (acquired above)
+            pv = tl.arange(0, BLOCK_P)
+            pm = pv < NPROG
+            load_max = tl.max(tl.load(partial + pv, mask=pm, other=0, volatile=True), 0)
+            total = tl.sum(tl.load(partial + NPROG + pv, mask=pm, other=0, volatile=True), 0)
+            mean_ceil = (total + R - 1) // R
+            bound = tl.load(consts + 0) * (load_max - mean_ceil).to(tl.float64)
+            tl.store(out, bound > tl.load(consts + 1))
 
 
 _CONSTS: dict = {}
@@ -79,10 +85,14 @@ def worth_planning_triton(omega: torch.Tensor, t_ffn: float, threshold: float) -
     consts = _CONSTS.get(key)
     if consts is None:  # made once per value: a metadata graph's capture then copies nothing from the host
         consts = _CONSTS[key] = torch.tensor(key[:2], dtype=torch.float64, device=dev)
-    scratch = torch.empty(E, dtype=torch.int64, device=dev)
+    e_loc = E // R
+    BLOCK_L = _pow2(e_loc)
+    BLOCK_RB = max(1, min(_pow2(R), 64 // BLOCK_L))  # about 64 columns per program
+    BLOCK_S = max(1, min(_pow2(R), 4096 // (BLOCK_RB * BLOCK_L)))  # tiles of at most 4096 counts
+    nprog = -(-R // BLOCK_RB)
+    partial = torch.empty(2 * nprog, dtype=torch.int64, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
     out = torch.empty(1, dtype=torch.bool, device=dev)
-    BLOCK_E = _pow2(E)
-    BLOCK_S = max(1, min(_pow2(R), 16384 // BLOCK_E))
-    _worth_kernel[(1,)](omega.contiguous(), consts, scratch, out, R, E, E // R, BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E,
-                        BLOCK_R=_pow2(R), BLOCK_L=_pow2(E // R))
+    _worth_kernel[(nprog,)](omega.contiguous(), consts, partial, counter, out, R, E, e_loc, nprog, BLOCK_S=BLOCK_S,
+                            BLOCK_RB=BLOCK_RB, BLOCK_L=BLOCK_L, BLOCK_P=_pow2(nprog))
     return out.view(())
