@@ -19,14 +19,14 @@ def test_link_sweep_small(tmp_path):
     hot = [r for r in rows if r["scenario"] == "hot_rank"]
     assert all(r["topoep_plus_ms"] < r["static_ms"] for r in hot)  # a hot rank: balancing pays
     assert all(r["topoep_plus_ran"] in ("plus", "local") for r in hot)
-    # uniform routing: nothing planned, the static layer's time (both pay the count all-gather) plus the guarded
-    # layer's decision on the GPU (bound, planners writing the static plan, guard)
+    # uniform routing: nothing planned, the static layer's time (both pay the count all-gather) plus what the slot
+    # hint's call adds on the GPU (the bound beside the static plan)
     from topoep_research import sim
 
     for r in rows:
         if r["scenario"] == "uniform":
             assert r["topoep_plus_ran"] == "static"
-            assert abs(r["topoep_plus_ms"] - r["static_ms"] - 1e3 * sim.gpu_decision_s(r["ep"], skipped=True)) < 1e-9
+            assert abs(r["topoep_plus_ms"] - r["static_ms"] - 1e3 * sim.gpu_hint_s(r["ep"])) < 1e-9
     # the spread layer chooses among a superset of the plain layer's plans: where the plain layer planned, it is
     # never slower by the guard's prediction; the simulator agrees on these cells
     for r in rows:

@@ -186,9 +186,13 @@ def test_simulate_applies_the_net_benefit_guard():
     # no plan could pay: planning was left out, the call costs what the static one does (both gather the counts,
     # as megatron's dispatcher does) plus the guard's selection on the device
     assert static.terms["plan"] == sim.gather_s(8, 128, cl) > 0 and static.terms["guard"] == 0
-    assert r.terms["guard"] == sim.gpu_decision_s(8, skipped=True) > sim.gpu_guard_s(8) > 0  # the whole decision
+    # the slot hint's call (backend cuda): the bound beside the static plan the static layer runs too
+    assert r.terms["guard"] == sim.gpu_hint_s(8) > 0 and sim.gpu_hint_s(8) < sim.gpu_decision_s(8, skipped=True)
     assert r.terms["plan"] == static.terms["plan"] + r.terms["guard"]
     assert r.layer_s == pytest.approx(static.layer_s + r.terms["guard"], rel=1e-12)
+    no_hint = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard(),
+                           execution=replace(sim.EXECUTIONS["topoep"], slot_hint=False))
+    assert no_hint.terms["guard"] == sim.gpu_decision_s(8, skipped=True) > sim.gpu_hint_s(8)  # the whole decision
     # skewed routing: planned (the planner's latency and the guard on top of the gather) and executed
     om = workloads.biased_routing(8, 128, 256, 8, -3.0, seed=1, layout="concentrated")
     r = sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard())
@@ -339,6 +343,10 @@ def test_gpu_planner_latency_model():
                                 (False, False, sim.GPU_DECISION_PLUS_US), (True, False, sim.GPU_DECISION_PLUS_RELAY_US)):
         for R, us in pts:
             assert sim.gpu_decision_s(R, relay, skipped) == pytest.approx(us * 1e-6)
+    for (R, hint), (_, hint_relay), (_, static) in zip(sim.GPU_DECISION_HINT_US, sim.GPU_DECISION_HINT_RELAY_US,
+                                                       sim.GPU_STATIC_PLAN_US):  # the hint's call beside static
+        assert sim.gpu_hint_s(R) == pytest.approx((hint - static) * 1e-6)
+        assert sim.gpu_hint_s(R, relay=True) == pytest.approx((hint_relay - static) * 1e-6)
     for R, _ in sim.GPU_DECISION_PLUS_US:  # a guarded topoep_plus layer's planned decision, put back together
         for relay in (False, True):
             assert (sim.gpu_planner_s(R, "topoep_plus") + sim.gpu_bound_s(R, relay) + sim.gpu_guard_s(R, relay)

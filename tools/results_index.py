@@ -138,6 +138,7 @@ GPU = [
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
     Entry(("gpu/guard_skip",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard"),
+    Entry(("gpu/hint_skip",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard"),
     Entry(("gpu/layer_limit",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup limit; "
           "bash tools/gpu_session.sh setup local (its README names each run's options)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "

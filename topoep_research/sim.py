@@ -255,6 +255,11 @@ class Execution:
     """Replica fetches down relay trees of this many children per node (topoep.relay; the levels one after the
     other, each at its busiest link; the traffic columns stay the direct fetch's); None: every copy from its home in
     one transfer."""
+    slot_hint: bool = True
+    """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
+    bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
+    (gpu_hint_s). One routing stands for every call here, so the bound's verdict is taken as steady; where it flips
+    from call to call the hint lags, which this does not model. False: the whole skipped decision (gpu_decision_s)."""
 
     def __post_init__(self):
         _check(self, "num_chunks", "int", 1)
@@ -282,20 +287,26 @@ GPU_PLANNER_US = ((8, 36.5), (16, 29.4), (32, 32.6), (64, 39.4), (128, 46.3))
 GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4))
 # The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
 # H200, replayed from a CUDA graph on a busy stream, from results/guard_latency.md; with relay_fanout=2 (the relay
-# choice and the executed plan's trees) the second table. A guarded layer runs it in every call, also when the
-# guard's pre-plan bound leaves planning out. Interpolated as the planner's. The whole graph's time is charged,
-# though a graph of one tiny kernel takes about 3 us the same way and the metadata graph is replayed anyway.
-GPU_GUARD_US = ((8, 11.6), (32, 10.9), (128, 15.2))
-GPU_GUARD_RELAY_US = ((8, 16.0), (32, 17.5), (128, 22.2))
+# choice and the executed plan's trees) the second table. A guarded layer runs it in every call that plans.
+# Interpolated as the planner's. The whole graph's time is charged, though a graph of one tiny kernel takes about
+# 3 us the same way and the metadata graph is replayed anyway. Every GPU_DECISION_* and GPU_STATIC_PLAN_US below
+# comes from the same run.
+GPU_GUARD_US = ((8, 11.7), (32, 11.4), (128, 15.7))
+GPU_GUARD_RELAY_US = ((8, 16.2), (32, 18.0), (128, 24.1))
 # A guarded topoep_plus layer's whole decision (us; results/guard_latency.md, same run conditions): the pre-plan bound
-# (worth_planning's torch ops), topoep_plus and topoep_plus_local at once on two streams, the guard's kernel (and with
+# (worth_planning's kernel), topoep_plus and topoep_plus_local at once on two streams, the guard's kernel (and with
 # relays the trees). SKIP: on uniform routing, where the bound leaves planning out (the planners write the static
-# plan, the guard prices nothing): what any guarded layer adds to the static layer's metadata there. PLUS: on the
-# planner-latency workload, planned: what a guarded topoep_plus layer's planning and guard cost together.
-GPU_DECISION_SKIP_US = ((8, 26.9), (32, 29.1), (128, 28.8))
-GPU_DECISION_SKIP_RELAY_US = ((8, 28.5), (32, 29.7), (128, 30.0))
-GPU_DECISION_PLUS_US = ((8, 78.9), (32, 75.0), (128, 93.2))
-GPU_DECISION_PLUS_RELAY_US = ((8, 83.6), (32, 81.8), (128, 102.0))
+# plan, the guard prices nothing). PLUS: on the planner-latency workload, planned: what a guarded topoep_plus
+# layer's planning and guard cost together. HINT: a call of backend cuda whose replica machinery the slot hint left
+# out (`SlotSkipHint`): the bound and the static plan only. STATIC_PLAN: the static plan alone, which the static
+# layer runs too (the simulator charges the static layer no plan time, so a hint's call is charged HINT less it).
+GPU_DECISION_SKIP_US = ((8, 11.7), (32, 11.8), (128, 14.8))
+GPU_DECISION_SKIP_RELAY_US = ((8, 12.8), (32, 13.1), (128, 16.0))
+GPU_DECISION_PLUS_US = ((8, 64.6), (32, 58.9), (128, 79.5))
+GPU_DECISION_PLUS_RELAY_US = ((8, 69.4), (32, 66.0), (128, 87.6))
+GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
+GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
+GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
@@ -535,6 +546,13 @@ def gpu_decision_s(num_ranks: int, relay: bool = False, skipped: bool = False) -
     pts = ((GPU_DECISION_SKIP_RELAY_US if relay else GPU_DECISION_SKIP_US) if skipped else
            (GPU_DECISION_PLUS_RELAY_US if relay else GPU_DECISION_PLUS_US))
     return _interpolated_s(pts, num_ranks)
+
+
+def gpu_hint_s(num_ranks: int, relay: bool = False) -> float:
+    """What a call the slot hint left out adds to the static layer's metadata on the GPU: the bound and the static
+    plan (GPU_DECISION_HINT_*) less the static plan alone (GPU_STATIC_PLAN_US), never below 0."""
+    hint = _interpolated_s(GPU_DECISION_HINT_RELAY_US if relay else GPU_DECISION_HINT_US, num_ranks)
+    return max(0.0, hint - _interpolated_s(GPU_STATIC_PLAN_US, num_ranks))
 
 
 def gpu_bound_s(num_ranks: int, relay: bool = False) -> float:
@@ -802,7 +820,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     relayed = execution.relay_fanout is not None
     t_guard = 0.0
     if guarded and execution.plan_s is None:
-        t_guard = gpu_decision_s(R, relayed, skipped=True) if skipped else gpu_guard_s(R, relayed)
+        t_guard = ((gpu_hint_s(R, relayed) if execution.slot_hint else gpu_decision_s(R, relayed, skipped=True))
+                   if skipped else gpu_guard_s(R, relayed))
     if execution.plan_s is not None:  # a calibrated execution: its fitted constants, all included
         t_plan, t_gather = (execution.static_plan_s if plan.policy == "static" or skipped else execution.plan_s), 0.0
     elif plan.policy == "static" or skipped:
