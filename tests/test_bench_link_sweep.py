@@ -37,3 +37,11 @@ def test_link_sweep_small(tmp_path):
         misses = sum(not link_sweep.verdict(r, ours)["ok"] for r in rows)
         (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {ours} | ")]
         assert f"| {misses} of 4 |" in line
+    # the busiest sender's copies: none where nothing was planned, and the summary shows the maximum over the cells
+    for r in rows:
+        if r["scenario"] == "uniform":
+            assert all(r[f"topoep_plus_sends_{k}"] == 0 for k in link_sweep.SENDS)
+    for ours in link_sweep.OURS:
+        m = {k: int(max(r[f"{ours}_sends_{k}"] for r in rows)) for k in link_sweep.SENDS}
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {ours} | ")]
+        assert line.rstrip(" |").endswith(f"{m['nvlink']} / {m['nic']} ({m['nvlink_expert']} / {m['nic_expert']})")

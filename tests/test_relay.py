@@ -171,3 +171,34 @@ def test_the_simulator_relays_a_hot_experts_copies():
     assert relayed.terms["fetch"] < direct.terms["fetch"] and relayed.layer_s < direct.layer_s
     with pytest.raises(ValueError, match="relay_fanout"):
         dataclasses.replace(ex, relay_fanout=0)
+
+
+@pytest.mark.parametrize("fanout", [None, 2])
+def test_sender_copies_equal_a_count_and_relays_bound_them(fanout):
+    """topoep.relay.sender_copies against a count copy by copy; with relay trees a rank sends at most `fanout` copies
+    of one expert over NVLink and at most one per other domain over its NIC."""
+    from topoep.relay import sender_copies
+
+    over = 0
+    for plan in _plans():
+        source = relay_sources(plan, fanout)[0] if fanout else None
+        got = sender_copies(plan, source)
+        R, N, d, M = plan.num_ranks, plan.num_slots, plan.topology.ranks_per_domain, plan.topology.num_domains
+        count = {}
+        for r in range(R):
+            for n in range(N):
+                e = int(plan.slot_expert[r, n])
+                if e < 0:
+                    continue
+                s = int(source[r, n]) if fanout else int(plan.main_rank[e])
+                link = "nic" if s // d != r // d else "nvlink"
+                for key in ((link, s), (f"{link}_expert", s, e)):
+                    count[key] = count.get(key, 0) + 1
+        for name in ("nvlink", "nic", "nvlink_expert", "nic_expert"):
+            want = max((v for k, v in count.items() if k[0] == name), default=0)
+            assert got[name] == want, (plan.policy, name, got, want)
+        if fanout:
+            assert got["nvlink_expert"] <= fanout and got["nic_expert"] <= M - 1, (plan.policy, got)
+            direct = sender_copies(plan)
+            over += direct["nvlink_expert"] > fanout or direct["nic_expert"] > M - 1
+    assert fanout is None or over > 0  # without relays some rank sends more: the bound above is not vacuous

@@ -152,3 +152,29 @@ def relay_fetch_fs(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, tor
     synchronisation (`max_level` levels)."""
     flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
     return transfer_fs(flows, plan.expert_bytes, topology).sum(), (flows.sum((1, 2)) > 0).sum()
+
+
+def sender_copies(plan: Plan, source: torch.Tensor | None = None) -> dict[str, int]:
+    """How many replica copies the busiest senders send in one fetch of `plan`: with `source` (int64[R, N], e.g.
+    `executed_sources`' first tensor) as the slots fetch, else every copy from its home. "nvlink" and "nic": the most
+    copies one rank sends over its NVLink port and over its NIC, all experts together; "nvlink_expert" and
+    "nic_expert": the most copies of one expert one rank sends over each. With relay trees of `fanout` children a
+    rank sends at most `fanout` copies of an expert over NVLink and its home at most one per other domain over the
+    NIC. Reads the counts on the host (a report, not the runtime)."""
+    R, E = plan.num_ranks, plan.num_experts
+    se = plan.slot_expert
+    occ = se >= 0
+    if source is None:
+        source = torch.where(occ, plan.main_rank.to(se.device)[se.clamp(min=0)], -1)
+    dom = plan.topology.domain_of.to(se.device)
+    dst = torch.arange(R, device=se.device)[:, None].expand_as(se)
+    src = source.clamp(min=0)
+    nic = occ & (dom[src] != dom[dst])
+    out = {}
+    for name, mask in (("nvlink", occ & ~nic), ("nic", nic)):
+        one = torch.ones_like(src[mask])
+        per_rank = torch.zeros(R, dtype=torch.int64, device=se.device).index_add_(0, src[mask], one)
+        per_expert = torch.zeros(R * E, dtype=torch.int64, device=se.device).index_add_(0, src[mask] * E + se[mask],
+                                                                                         one)
+        out[name], out[f"{name}_expert"] = int(per_rank.max()), int(per_expert.max())
+    return out

@@ -89,7 +89,7 @@ from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
-from topoep.relay import executed_sources, relay_levels
+from topoep.relay import executed_sources, relay_levels, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
 
@@ -901,6 +901,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     stats["local_plan"] = local_plan  # 1: guarded topoep_plus ran its local candidate (topoep_plus_local)
     stats["guard_choice"] = choice  # guarded topoep_plus: i >= 1 when it ran plus_candidates[i - 1], else 0
     stats["plan_skipped"] = float(skipped)  # 1: the guard's pre-plan bound left planning out
+    # the busiest senders of the fetch as it runs (relayed or direct): copies per rank, and of one expert
+    fetch_src = executed_sources(plan, execution.relay_fanout)[0] if execution.relay_fanout is not None else None
+    stats.update({f"sends_{k}": float(v) for k, v in sender_copies(plan, fetch_src).items()})
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
     mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
