@@ -126,6 +126,19 @@ def _sends(rows: list[dict], layer: str) -> str:
     return f"{m['nvlink']} / {m['nic']} ({m['nvlink_expert']} / {m['nic_expert']})"
 
 
+def beyond_tree(row: dict, layer: str, fanout: int = 2) -> tuple[bool, bool]:
+    """Whether a rank of `layer`'s fetch in this cell sent more copies of one expert than a relay tree of `fanout`
+    children lets it: over NVLink (more than fanout), over the NIC (more than one per other domain)."""
+    return (row[f"{layer}_sends_nvlink_expert"] > fanout,
+            row[f"{layer}_sends_nic_expert"] > row["domains"] - 1)
+
+
+def _beyond(rows: list[dict], layer: str) -> str:
+    """Cells beyond a relay tree of 2's share: any, over NVLink, over the NIC."""
+    flags = [beyond_tree(r, layer) for r in rows]
+    return f"{sum(a or b for a, b in flags)} ({sum(a for a, _ in flags)} / {sum(b for _, b in flags)})"
+
+
 def report(args, rows: list[dict]) -> str:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     lines = [
@@ -159,17 +172,20 @@ def report(args, rows: list[dict]) -> str:
               "Targets: ours / static <= 1.00 (1.01 on uniform) and <= 1.01 x the best of topoep, deepseek, "
               "fastermoe, flexmoe (all guarded).", "",
               markdown_table(["layer", "relay fanout", "guard candidates", "cells missed", "worst / best peer",
-                              "median / bound", "busiest sender's copies: NVLink / NIC (of one expert)"],
+                              "median / bound", "busiest sender's copies: NVLink / NIC (of one expert)",
+                              "cells beyond a tree's share (NVLink / NIC)"],
                              [[o, OURS[o][0] or "-", ", ".join(("topoep_plus",) + OURS[o][1]),
                                f"{len(misses[o])} of {len(rows)}",
                                f"{max(v['vs_best'] for v in verdicts[o]):.2f}",
-                               f"{sorted(v['vs_bound'] for v in verdicts[o])[len(rows) // 2]:.2f}", _sends(rows, o)]
+                               f"{sorted(v['vs_bound'] for v in verdicts[o])[len(rows) // 2]:.2f}", _sends(rows, o),
+                               _beyond(rows, o)]
                               for o in OURS]),
               "",
               "Busiest sender: the most replica copies one rank sends in a fetch as it ran (relayed or direct, the "
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
               "children a rank sends at most f copies of one expert over NVLink and its home one per other domain "
-              "over the NIC.", ""]
+              "over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of 2 lets it (the "
+              "guard runs the direct fetch where its model finds it faster).", ""]
     for o in OURS:
         if misses[o]:
             lines += [f"{o}:", "",

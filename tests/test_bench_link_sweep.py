@@ -44,4 +44,10 @@ def test_link_sweep_small(tmp_path):
     for ours in link_sweep.OURS:
         m = {k: int(max(r[f"{ours}_sends_{k}"] for r in rows)) for k in link_sweep.SENDS}
         (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {ours} | ")]
-        assert line.rstrip(" |").endswith(f"{m['nvlink']} / {m['nic']} ({m['nvlink_expert']} / {m['nic_expert']})")
+        flags = [link_sweep.beyond_tree(r, ours) for r in rows]
+        beyond = f"{sum(a or b for a, b in flags)} ({sum(a for a, _ in flags)} / {sum(b for _, b in flags)})"
+        assert line.rstrip(" |").endswith(f"{m['nvlink']} / {m['nic']} ({m['nvlink_expert']} / {m['nic_expert']}) | "
+                                          + beyond)
+    row = {"domains": 4, "x_sends_nvlink_expert": 3.0, "x_sends_nic_expert": 3.0}
+    assert link_sweep.beyond_tree(row, "x") == (True, False)  # 3 > 2 over NVLink; 3 NIC copies for 3 other domains
+    assert link_sweep.beyond_tree(row | {"x_sends_nic_expert": 4.0}, "x", fanout=3) == (False, True)
