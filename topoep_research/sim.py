@@ -848,13 +848,14 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     t_chunk, _ = transfer_time({k: v / n for k, v in tok_loads.items()}, cluster)
     t_chunk += execution.comm_overhead_s / (4 * n)
 
-    # replicas
+    # replicas; relayed: (source, level) of every slot's fetch as it runs
     B = replica_matrix(plan)
     has_rep = bool(B.any())
+    fetch = executed_sources(plan, execution.relay_fanout) if execution.relay_fanout is not None else None
     t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
-    if has_rep and execution.relay_fanout is not None:  # the relay trees' levels, one after the other
+    if has_rep and fetch is not None:  # the relay trees' levels, one after the other
         t_rep = sum(transfer_time(link_loads(level.double() * W, dom), cluster)[0]
-                    for level in relay_levels(plan, *executed_sources(plan, execution.relay_fanout)))
+                    for level in relay_levels(plan, *fetch))
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)
@@ -902,8 +903,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     stats["guard_choice"] = choice  # guarded topoep_plus: i >= 1 when it ran plus_candidates[i - 1], else 0
     stats["plan_skipped"] = float(skipped)  # 1: the guard's pre-plan bound left planning out
     # the busiest senders of the fetch as it runs (relayed or direct): copies per rank, and of one expert
-    fetch_src = executed_sources(plan, execution.relay_fanout)[0] if execution.relay_fanout is not None else None
-    stats.update({f"sends_{k}": float(v) for k, v in sender_copies(plan, fetch_src).items()})
+    sends = sender_copies(plan, fetch[0] if fetch is not None else None)
+    stats.update({f"sends_{k}": float(v) for k, v in sends.items()})
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
     mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
