@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -85,6 +85,14 @@ step_limit() {  # one layer at EP 1 against its physical limit (bench/layer_limi
   # same run, our layer (static, topoep), a plain PyTorch MoE and megatron's; LIMIT_ARGS adds options (e.g. --profile)
   timeout ${LIMIT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/layer_limit.py \
     --out "$OUT" ${LIMIT_ARGS:-} 2>&1 | grep -v -i warn | grep -E "^  [0-9]|^\||Error|error" | tail -60
+}
+
+step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py) against its reference and
+  # torch._grouped_mm, then the six grouped GEMMs of a layer call kernel by kernel (bench/grouped_gemm.py; GEMM_ARGS
+  # adds options, e.g. --inductor)
+  timeout 300 python3 -m pytest -q -rA tests/test_grouped_gemm.py 2>&1 | tail -8 | tee "$OUT/grouped_gemm_tests.log"
+  timeout ${GEMM_TIMEOUT:-420} python3 bench/grouped_gemm.py --out "$OUT" ${GEMM_ARGS:-} 2>&1 | grep -v -i warn \
+    | grep -E "^\||Error|error" | head -60
 }
 
 step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 with the two-chunk pipeline
