@@ -7,7 +7,7 @@ Backend cuda runs an expert call as six grouped GEMMs over the rows of every exp
 forward fc1 and fc2, their data gradients and their weight gradients. This script times each of them, in the exact
 call form the layer uses, with:
     aten        torch._grouped_mm (CUTLASS), what the layer runs by default
-    triton      the weight gradients with `topoep.runtime.grouped_gemm.grouped_wgrad`, one row per tile shape of
+    triton      the weight gradients with `topoep_research.grouped_gemm.grouped_wgrad`, one row per tile shape of
                 --configs (WgradConfig fields block_p, block_q, block_k, num_warps, num_stages)
     inductor    (--inductor) torch.compile(torch._grouped_mm, mode="max-autotune-no-cudagraphs"): inductor's Triton
                 grouped-GEMM templates autotuned against aten on this GPU, for reference
@@ -108,7 +108,7 @@ def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(args) -> tuple[list[dict], list[str]]:
-    from topoep.runtime.grouped_gemm import WgradConfig, grouped_wgrad
+    from topoep_research.grouped_gemm import WgradConfig, grouped_wgrad
 
     dev = torch.device("cuda")
     E, H, Fd, k = args.experts, args.hidden, args.ffn, args.topk

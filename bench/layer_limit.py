@@ -25,8 +25,8 @@ The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, 
 Layers, all on the same input, routing, weights and output gradient:
     cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
                                  at EP 1 topoep's guard fires on every call (nothing to balance)
-    cuda/static graphed          (--graphed) the same static layer with its forward and backward captured as CUDA
-                                 graphs by the caller (torch.cuda.make_graphed_callables): no host work of the
+    cuda/static graphed,         (--graphed) the same layers with their forward and backward captured as CUDA
+    cuda/topoep graphed          graphs (topoep.graph_layer, on the first call's inputs): no host work of the
                                  layer per call; a capture the layer does not allow is reported as such
     plain torch                  the MoE layer any user could write: sort the choices by expert, gather the
                                  rows, torch._grouped_mm, SwiGLU, torch._grouped_mm, weight, index_add into the
@@ -264,17 +264,19 @@ def host_profile(run, iters: int = 20, top: int = 40) -> str:
 
 
 class GraphedLayer:
-    """The layer's forward and backward as CUDA graphs the caller captures (`torch.cuda.make_graphed_callables`, on
-    the first call's inputs; later calls copy theirs in): what a caller that allows graphs gets. Replays run no host
-    code of the layer, so its statistics are not updated."""
+    """The layer captured whole by `topoep.graph_layer` on the first call's inputs; later calls replay its forward and
+    backward graphs (what a caller that allows graphs gets; the statistics stay counted)."""
 
     def __init__(self, layer):
-        self.layer, self.graphed = layer, None
+        self.layer, self.captured = layer, False
 
     def __call__(self, x, idx, w):
-        if self.graphed is None:
-            self.graphed = torch.cuda.make_graphed_callables(self.layer, (x, idx, w))
-        return self.graphed(x, idx, w)
+        from topoep import graph_layer
+
+        if not self.captured:
+            graph_layer(self.layer, x, idx, w)
+            self.captured = True
+        return self.layer(x, idx, w)
 
 
 def build(args, T: int, dev, fc1, fc2) -> dict:
@@ -311,16 +313,17 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
             y, _ = mlayer(x.view(Tn, 1, H))
             return y.view(Tn, H)
         layers["megatron/alltoall"] = (mlayer, mrun)
-    if args.graphed:  # last (a failed capture may leave the stream unusable); a layer of its own: a captured
+    if args.graphed:  # last (a failed capture may leave the stream unusable); layers of their own: a captured
         # pool or metadata graph changes the layer's state
-        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
-                                  topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
-                                  policy="static", backend="cuda", dtype=torch.bfloat16, device=dev,
-                                  t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
-        with torch.no_grad():
-            layer.fc1.copy_(fc1)
-            layer.fc2.copy_(fc2)
-        layers["cuda/static graphed"] = (layer, GraphedLayer(layer))
+        for policy in ("static", "topoep"):
+            layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
+                                      topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
+                                      policy=policy, backend="cuda", dtype=torch.bfloat16, device=dev,
+                                      t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+            with torch.no_grad():
+                layer.fc1.copy_(fc1)
+                layer.fc2.copy_(fc2)
+            layers[f"cuda/{policy} graphed"] = (layer, GraphedLayer(layer))
     return layers
 
 

@@ -521,6 +521,70 @@ def test_no_host_sync_and_forward_graph_replay():
         assert replays == 1 and same_as_eager  # the layer's own metadata graph: replayed, and equal to eager
 
 
+def _graphed_layer(rank, world):
+    """topoep.graph_layer: a layer captured whole (forward and backward) against an identical eager layer, on three
+    routings replayed one after another: outputs and every gradient bit for bit, no host sync in a replay, and the
+    statistics of the replays averaged as the eager calls' are."""
+    from topoep import ExpertParallelMoE, graph_layer
+    from topoep.runtime import NetBenefitGuard
+
+    dev = _setup(rank)
+    E = world * E_LOC
+    layers = []  # no slot hint: the eager layer would leave some calls' replica machinery out, a capture never does
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
+                                        num_slots=2, policy="topoep", backend="cuda", dtype=torch.bfloat16,
+                                        device=dev, guard=NetBenefitGuard(skip_lag=None),
+                                        **cuda_options(prefetch=False)))
+    eager, graphed = layers
+    batches = [tuple(t.to(dev) for t in b[rank]) for b in (_routing(world, s, 3.0, dev) for s in range(3))]
+
+    def inputs(b):
+        x = b[0].to(torch.bfloat16).requires_grad_()
+        w = b[2].to(torch.bfloat16).requires_grad_()
+        return x, b[1], w
+
+    graph_layer(graphed, *inputs(batches[0]))
+    eager.pop_stats()
+    graphed.pop_stats()  # the warm-up calls counted: start both from here
+    same, sync_free = [], True
+    for b in batches + batches[:1]:
+        out = []
+        for layer in (eager, graphed):
+            layer.zero_grad(set_to_none=True)
+            x, idx, w = inputs(b)
+            if layer is graphed:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = layer(x, idx, w)
+                (y * b[3].to(torch.bfloat16)).sum().backward()
+            except RuntimeError:
+                sync_free = False
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            out.append([y.detach(), x.grad, w.grad, layer.fc1.grad, layer.fc2.grad])
+        same.append([torch.equal(a, c) for a, c in zip(*out)])
+    (se, ce), (sg, cg) = eager.pop_stats(), graphed.pop_stats()
+    from topoep.runtime import LAYER_STAT_NAMES
+
+    keep = [i for i, n in enumerate(LAYER_STAT_NAMES) if n != "planner_ms"]
+    stats_equal = torch.allclose(se[keep], sg[keep], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="captured shapes"):
+        graphed(*inputs(batches[0])[:2], batches[0][2].to(torch.bfloat16))  # weights without grad
+    return same, sync_free, (ce, cg), stats_equal, sg[LAYER_STAT_NAMES.index("planner_ms")].item()
+
+
+def test_graphed_layer_replays_equal_the_eager_layer():
+    for same, sync_free, calls, stats_equal, planner_ms in run_ranks(_graphed_layer, WORLD, backend="nccl"):
+        assert sync_free
+        assert all(all(s) for s in same), same
+        assert calls == (4, 4) and stats_equal
+        assert planner_ms == 0.0  # a replay plans nothing on the host
+
+
 def test_triton_layout_equals_the_torch_layout_on_the_gpu():
     import layout_triton_check
 

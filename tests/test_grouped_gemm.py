@@ -1,4 +1,4 @@
-"""The experts' weight-gradient kernel (topoep.runtime.grouped_gemm) against its torch form: under Triton's
+"""The experts' weight-gradient kernel (topoep_research.grouped_gemm) against its torch form: under Triton's
 interpreter (CPU) and on the GPU, where it is also compared with torch._grouped_mm, which computes the same."""
 
 import sys
@@ -16,7 +16,7 @@ def test_wgrad_kernel_equals_the_reference_in_the_interpreter():
 
 
 def test_reference_is_the_grouped_weight_gradient():
-    from topoep.runtime.grouped_gemm import wgrad_reference
+    from topoep_research.grouped_gemm import wgrad_reference
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(9, 3, generator=g), torch.randn(9, 4, generator=g)
@@ -27,7 +27,7 @@ def test_reference_is_the_grouped_weight_gradient():
 
 
 def test_bad_input_is_named():
-    from topoep.runtime.grouped_gemm import WgradConfig, grouped_wgrad, triton
+    from topoep_research.grouped_gemm import WgradConfig, grouped_wgrad, triton
 
     with pytest.raises(ValueError, match="block_k=24"):
         WgradConfig(block_k=24)
@@ -52,7 +52,7 @@ def test_wgrad_kernel_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"), reason="needs a GPU")
 def test_wgrad_kernel_equals_grouped_mm_on_the_layer_shape():
-    from topoep.runtime.grouped_gemm import grouped_wgrad
+    from topoep_research.grouped_gemm import grouped_wgrad
 
     g = torch.Generator(device="cuda").manual_seed(0)
     counts = torch.randint(200, 320, (128,), device="cuda", generator=g)

@@ -1,6 +1,6 @@
 """Run by tests/test_grouped_gemm.py in a subprocess with TRITON_INTERPRET=1 (Triton's interpreter runs the kernel on
 CPU tensors; it must be set before triton is imported), and by its GPU test as main("cuda"): the experts' weight
-gradient kernel (topoep.runtime.grouped_gemm.grouped_wgrad) against wgrad_reference on groups of many sizes (empty,
+gradient kernel (topoep_research.grouped_gemm.grouped_wgrad) against wgrad_reference on groups of many sizes (empty,
 shorter than a step, ragged tails, a region whose rows past the last offset hold garbage) and tile shapes. Prints one
 line per case; exits 1 on the first difference beyond bf16 rounding."""
 
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from topoep.runtime.grouped_gemm import WgradConfig, grouped_wgrad, wgrad_reference
+from topoep_research.grouped_gemm import WgradConfig, grouped_wgrad, wgrad_reference
 
 
 def cases(device: str):

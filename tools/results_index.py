@@ -137,6 +137,8 @@ GPU = [
           "in its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
+    Entry(("gpu/grouped_gemm",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gemm (its README names "
+          "the second run's options)"),
     Entry(("gpu/guard_skip",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard"),
     Entry(("gpu/hint_skip",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard"),
     Entry(("gpu/layer_limit",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup limit; "

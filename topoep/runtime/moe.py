@@ -292,9 +292,21 @@ class ExpertParallelMoE(nn.Module):
         slot hint's 2: skipped, skipped and wanted; the capacity step's 2), on the device; planner_ms stays on the host
         until it is read (one device operation per call: the sum)."""
         self.last_plan = plan
-        self._last_stats = (stats, planner_ms)
-        self._stats_sum = stats if self._stats_sum is None else self._stats_sum + stats
-        self._planner_ms_sum += planner_ms
+        capturing = stats.is_cuda and torch.cuda.is_current_stream_capturing()
+        # a captured call runs no host code when replayed: no host planning time, and the replays are counted by
+        # whoever replays the graph (graphs.graph_layer: count_replay)
+        self._last_stats = (stats, 0.0 if capturing else planner_ms)
+        if self._stats_sum is None:  # the sums and the number of calls, in place: a captured call adds to them too
+            self._stats_sum = torch.zeros(stats.numel() + 1, dtype=stats.dtype, device=stats.device)
+        self._stats_sum[:-1].add_(stats)
+        self._stats_sum[-1:].add_(1.0)
+        if not capturing:
+            self._planner_ms_sum += planner_ms
+            self._stats_calls += 1
+
+    def count_replay(self) -> None:
+        """One more call, replayed from a CUDA graph the caller captured (graphs.graph_layer calls it): its statistics
+        were added on the device by the replay; the host counts the call, with no host planning time."""
         self._stats_calls += 1
 
     @staticmethod
@@ -471,9 +483,13 @@ class ExpertParallelMoE(nn.Module):
         reset. A trainer calls it once per step to log every micro-batch's plans without a sync per layer.
         The mean of "guard_fired" is the fraction of calls in which the guard fired (times calls: how often)."""
         calls = self._stats_calls
-        out = (self._with_planner_ms(self._stats_sum, self._planner_ms_sum) / calls if calls else None, calls)
-        self._stats_sum, self._planner_ms_sum, self._stats_calls = None, 0.0, 0
-        return out
+        out = None
+        if calls:  # the device's own count of the calls divides the device sums (replays included)
+            acc = self._stats_sum
+            out = self._with_planner_ms(acc[:-1] / acc[-1:].clamp(min=1), self._planner_ms_sum / calls)
+            acc.zero_()  # in place: a captured call keeps adding to this buffer
+        self._planner_ms_sum, self._stats_calls = 0.0, 0
+        return out, calls
 
     def stats_dict(self) -> dict[str, float]:
         """The last call's statistics as Python floats (synchronises: call it every N steps)."""

@@ -1,4 +1,7 @@
-"""The experts' weight gradients as one Triton kernel (`wgrad_reference`, its torch form, beside it).
+"""The experts' weight gradients as one Triton kernel (`wgrad_reference`, its torch form, beside it): a measured
+candidate for backend cuda's weight gradients. On the layer's shapes it is slower than `torch._grouped_mm`
+(`results/grouped_gemm.md`), so the layer does not use it; it stays here with its checks as the baseline of that
+comparison.
 
 For groups of rows g = 0 .. G-1 given by their end offsets (the rows of group g are offs[g-1] .. offs[g] - 1 of the
 inputs, offs[-1] = 0), `grouped_wgrad(a, b, offs)` writes out[g] = a[rows of g]^T b[rows of g]: a [M, P], b [M, Q],
@@ -11,7 +14,8 @@ sums over a short K, and the kernel's time goes to starting and finishing tiles 
 One program here computes one BLOCK_P x BLOCK_Q tile of one group's output over all of the group's rows, with the
 programs of a group adjacent in launch order (the group's rows stay in L2 while its tiles run); the output is
 written once, in bf16. The tile shape is a `WgradConfig`; `bench/grouped_gemm.py` measures them against
-`torch._grouped_mm` on the layer's shapes.
+`torch._grouped_mm` on the layer's shapes. What it lacks against CUTLASS's kernel: TMA loads and a persistent
+schedule that overlaps one tile's epilogue with the next tile's loads.
 
 Under Triton's interpreter (CPU checks) the row loop is a while loop, which the interpreter runs; compiled, it is a
 `tl.range` loop, which Triton software-pipelines. Both run the same step (`_wgrad_step`).
