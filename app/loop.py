@@ -105,6 +105,11 @@ def job_from_config(cfg) -> tuple[Job, dict]:
         raise ValueError(f"eplb.transport=a2a with parallel.pp={parts['parallel'].pp}: its NVSHMEM buffers are "
                          "collective allocations made at a stage's first forward, which the other stages do not "
                          "reach in step; use parallel.pp=1 or eplb.transport=peer")
+    if parts["eplb"].enabled and parts["eplb"].layer_graphs and parts["parallel"].pp > 1:
+        raise ValueError(f"eplb.layer_graphs=true with parallel.pp={parts['parallel'].pp}: a captured layer keeps "
+                         "one call's tensors for backward in its graphs' buffers, and a pipeline schedule runs "
+                         "several micro-batches' forwards before their backwards; use parallel.pp=1 or "
+                         "eplb.layer_graphs=false")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     for g, obj in parts.items():  # the values as checked (e.g. eplb.policy filled in from eplb.name)
         resolved[g] = dataclasses.asdict(obj)

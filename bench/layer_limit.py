@@ -26,7 +26,7 @@ Layers, all on the same input, routing, weights and output gradient:
     cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
                                  at EP 1 topoep's guard fires on every call (nothing to balance)
     cuda/static graphed,         (--graphed) the same layers with their forward and backward captured as CUDA
-    cuda/topoep graphed          graphs (topoep.graph_layer, on the first call's inputs): no host work of the
+    cuda/topoep graphed          graphs on their first call (LayerConfig.layer_graphs, topoep.graph_layer): no host work of the
                                  layer per call; a capture the layer does not allow is reported as such
     plain torch                  the MoE layer any user could write: sort the choices by expert, gather the
                                  rows, torch._grouped_mm, SwiGLU, torch._grouped_mm, weight, index_add into the
@@ -263,22 +263,6 @@ def host_profile(run, iters: int = 20, top: int = 40) -> str:
     return f"### host profile ({iters} calls; cProfile)\n{text}"
 
 
-class GraphedLayer:
-    """The layer captured whole by `topoep.graph_layer` on the first call's inputs; later calls replay its forward and
-    backward graphs (what a caller that allows graphs gets; the statistics stay counted)."""
-
-    def __init__(self, layer):
-        self.layer, self.captured = layer, False
-
-    def __call__(self, x, idx, w):
-        from topoep import graph_layer
-
-        if not self.captured:
-            graph_layer(self.layer, x, idx, w)
-            self.captured = True
-        return self.layer(x, idx, w)
-
-
 def build(args, T: int, dev, fc1, fc2) -> dict:
     """{name: (module or None, forward(x, idx, w) -> y)} of the layers (module docstring)."""
     from bench.moe_layer import megatron_layer
@@ -319,11 +303,11 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
                                       topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
                                       policy=policy, backend="cuda", dtype=torch.bfloat16, device=dev,
-                                      t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+                                      t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T, layer_graphs=True)
             with torch.no_grad():
                 layer.fc1.copy_(fc1)
                 layer.fc2.copy_(fc2)
-            layers[f"cuda/{policy} graphed"] = (layer, GraphedLayer(layer))
+            layers[f"cuda/{policy} graphed"] = (layer, layer)
     return layers
 
 

@@ -521,22 +521,34 @@ def test_no_host_sync_and_forward_graph_replay():
         assert replays == 1 and same_as_eager  # the layer's own metadata graph: replayed, and equal to eager
 
 
-def _graphed_layer(rank, world):
-    """topoep.graph_layer: a layer captured whole (forward and backward) against an identical eager layer, on three
-    routings replayed one after another: outputs and every gradient bit for bit, no host sync in a replay, and the
-    statistics of the replays averaged as the eager calls' are."""
+def _graphed_layer(rank, world, owned):
+    """A layer captured whole (forward and backward) against an identical eager layer, on three routings replayed one
+    after another: outputs and every gradient bit for bit, no host sync in a replay, and the statistics of the
+    replays averaged as the eager calls' are. owned: the layer's own stacked parameters, captured by
+    topoep.graph_layer; else per-expert weights it reads through expert_weights (as under megatron), captured on its
+    first call by LayerConfig.layer_graphs."""
     from topoep import ExpertParallelMoE, graph_layer
-    from topoep.runtime import NetBenefitGuard
+    from topoep.runtime import LAYER_STAT_NAMES, NetBenefitGuard
 
     dev = _setup(rank)
     E = world * E_LOC
-    layers = []  # no slot hint: the eager layer would leave some calls' replica machinery out, a capture never does
-    for _ in range(2):
+    layers, weights = [], []  # no slot hint: the eager layer would leave some calls' replica machinery out
+    for graphed in (False, True):
         torch.manual_seed(0)
+        kw = {}
+        if not owned:
+            w1 = [torch.nn.Parameter(torch.randn(2 * FD, H, device=dev).to(torch.bfloat16) * H ** -0.5)
+                  for _ in range(E_LOC)]
+            w2 = [torch.nn.Parameter(torch.randn(H, FD, device=dev).to(torch.bfloat16) * FD ** -0.5)
+                  for _ in range(E_LOC)]
+            kw = dict(expert_weights=lambda w1=w1, w2=w2: (w1, w2), layer_graphs=graphed)
+            weights.append(w1 + w2)
         layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
                                         num_slots=2, policy="topoep", backend="cuda", dtype=torch.bfloat16,
                                         device=dev, guard=NetBenefitGuard(skip_lag=None),
-                                        **cuda_options(prefetch=False)))
+                                        **cuda_options(prefetch=False, **kw)))
+        if owned:
+            weights.append([layers[-1].fc1, layers[-1].fc2])
     eager, graphed = layers
     batches = [tuple(t.to(dev) for t in b[rank]) for b in (_routing(world, s, 3.0, dev) for s in range(3))]
 
@@ -545,14 +557,21 @@ def _graphed_layer(rank, world):
         w = b[2].to(torch.bfloat16).requires_grad_()
         return x, b[1], w
 
-    graph_layer(graphed, *inputs(batches[0]))
+    if owned:
+        graph_layer(graphed, *inputs(batches[0]))
+    else:  # captured by its first call (a step of its own here, so that both layers start counting after it)
+        x, idx, w = inputs(batches[0])
+        graphed(x, idx, w).sum().backward()
+        eager(*inputs(batches[0])).sum().backward()
     eager.pop_stats()
     graphed.pop_stats()  # the warm-up calls counted: start both from here
     same, sync_free = [], True
     for b in batches + batches[:1]:
         out = []
-        for layer in (eager, graphed):
+        for layer, ws in zip(layers, weights):
             layer.zero_grad(set_to_none=True)
+            for p in ws:
+                p.grad = None
             x, idx, w = inputs(b)
             if layer is graphed:
                 torch.cuda.synchronize()
@@ -565,20 +584,24 @@ def _graphed_layer(rank, world):
                 raise
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-            out.append([y.detach(), x.grad, w.grad, layer.fc1.grad, layer.fc2.grad])
-        same.append([torch.equal(a, c) for a, c in zip(*out)])
+            out.append([y.detach(), x.grad, w.grad, *[p.grad for p in ws]])
+        same.append([a is not None and torch.equal(a, c) for a, c in zip(*out)])
     (se, ce), (sg, cg) = eager.pop_stats(), graphed.pop_stats()
-    from topoep.runtime import LAYER_STAT_NAMES
-
     keep = [i for i, n in enumerate(LAYER_STAT_NAMES) if n != "planner_ms"]
     stats_equal = torch.allclose(se[keep], sg[keep], rtol=1e-12, atol=1e-12)
+    x, idx, _ = inputs(batches[0])
     with pytest.raises(ValueError, match="captured shapes"):
-        graphed(*inputs(batches[0])[:2], batches[0][2].to(torch.bfloat16))  # weights without grad
+        graphed(x, idx, batches[0][2].to(torch.bfloat16))  # weights without grad
+    y = graphed(*inputs(batches[0]))
+    with pytest.raises(RuntimeError, match="before the backward of its previous call"):
+        graphed(*inputs(batches[1]))
+    y.sum().backward()
     return same, sync_free, (ce, cg), stats_equal, sg[LAYER_STAT_NAMES.index("planner_ms")].item()
 
 
-def test_graphed_layer_replays_equal_the_eager_layer():
-    for same, sync_free, calls, stats_equal, planner_ms in run_ranks(_graphed_layer, WORLD, backend="nccl"):
+@pytest.mark.parametrize("owned", [True, False], ids=["graph_layer", "layer_graphs_expert_weights"])
+def test_graphed_layer_replays_equal_the_eager_layer(owned):
+    for same, sync_free, calls, stats_equal, planner_ms in run_ranks(_graphed_layer, WORLD, owned, backend="nccl"):
         assert sync_free
         assert all(all(s) for s in same), same
         assert calls == (4, 4) and stats_equal

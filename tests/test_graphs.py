@@ -53,3 +53,28 @@ def test_graph_layer_rejects_what_it_cannot_capture():
         graph_layer(_layer(), x, idx, w)
     with pytest.raises(ValueError, match="ExpertParallelMoE"):
         graph_layer(torch.nn.Linear(2, 2), x, idx, w)
+
+
+def test_layer_graphs_config_is_checked():
+    from topoep import LayerConfig
+
+    assert LayerConfig(backend="cuda", layer_graphs=True).layer_graphs
+    with pytest.raises(ValueError, match="LayerConfig.layer_graphs=true captures backend cuda"):
+        LayerConfig(layer_graphs=True)
+    with pytest.raises(ValueError, match="prefetch"):
+        LayerConfig(backend="cuda", layer_graphs=True, prefetch=True)
+    with pytest.raises(ValueError, match="layer_graphs must be true or false"):
+        LayerConfig(backend="cuda", layer_graphs="yes")
+
+
+def test_trainer_refuses_layer_graphs_with_pipeline_parallelism():
+    from app.config import register_configs
+    from app.loop import job_from_config
+    from bench.eval_worker import compose
+
+    register_configs()
+    graphs = ["eplb=topoep", "eplb.backend=cuda", "eplb.layer_graphs=true"]
+    with pytest.raises(ValueError, match="eplb.layer_graphs=true with parallel.pp=2"):
+        job_from_config(compose([*graphs, "parallel.pp=2"]))
+    job, resolved = job_from_config(compose(graphs))  # pp 1: accepted, and recorded in the run's config
+    assert job.eplb.layer_graphs and resolved["eplb"]["layer_graphs"] is True

@@ -32,6 +32,7 @@ BAD = [  # (field, bad value, what the error says)
     ("prefetch", 1, "LayerConfig.prefetch must be true or false, got 1"),
     ("combine_side_stream", None, "LayerConfig.combine_side_stream must be true or false"),
     ("cuda_graphs", "0", "LayerConfig.cuda_graphs must be true or false"),
+    ("layer_graphs", "yes", "LayerConfig.layer_graphs must be true or false, got 'yes'"),
     ("relay_fanout", 0, "LayerConfig.relay_fanout must be an integer >= 1, got 0"),
 ]
 

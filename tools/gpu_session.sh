@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -93,6 +93,24 @@ step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py
   timeout 300 python3 -m pytest -q -rA tests/test_grouped_gemm.py 2>&1 | tail -8 | tee "$OUT/grouped_gemm_tests.log"
   timeout ${GEMM_TIMEOUT:-420} python3 bench/grouped_gemm.py --out "$OUT" ${GEMM_ARGS:-} 2>&1 | grep -v -i warn \
     | grep -E "^\||Error|error" | head -60
+}
+
+step_graphs() {  # whole-layer CUDA graphs (topoep.graph_layer, LayerConfig.layer_graphs): their GPU tests at EP 1 and
+  # at EP 8 as 2 domains of 4 with the ranks sharing the GPU, then the trainer with eplb.layer_graphs false and true
+  # (model=qwen3, backend cuda, STEPS steps: the same losses), then step limit at 4096 tokens with the graphed layers
+  TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k graphed > "$RUNS.g1" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$RUNS.g1" | tee "$OUT/graphs_ep1_tests.log"
+  (export TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4
+   timeout -k 10 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k graphed > "$RUNS.g8" 2>&1)
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$RUNS.g8" | tee "$OUT/graphs_shared_ep8_tests.log"
+  for g in false true; do
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py model=qwen3 \
+      trainer=default eplb=topoep eplb.backend=cuda eplb.layer_graphs=$g trainer.steps=${STEPS:-20} logger=none \
+      trainer.run_dir=$RUNS/qwen3-graphs-$g > "$RUNS-qwen3-graphs-$g.log" 2>&1
+    echo "== qwen3 eplb.layer_graphs=$g: exit $?"
+    grep -E "^world|^step|Error|error" "$RUNS-qwen3-graphs-$g.log" | tee "$OUT/qwen3-layer-graphs-$g.log" | tail -3
+  done
+  LIMIT_ARGS="--no-megatron --iters 10 --graphed --tokens 4096 ${LIMIT_ARGS:-}" step_limit
 }
 
 step_ep1_paths() {  # on a one-GPU machine: backend cuda's GPU tests at EP 1 with the two-chunk pipeline

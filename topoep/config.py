@@ -78,6 +78,11 @@ class LayerConfig:
     cuda_graphs: bool = True
     """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
     runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""
+    layer_graphs: bool = False
+    """Backend cuda: capture the whole layer call, forward and backward, as CUDA graphs on the layer's first call
+    (`topoep.graph_layer`; its warm-up calls run first) and replay them in every later call: the host then issues a
+    call in about a millisecond, however many kernels the layer launches. Every call must have the first call's
+    shapes (a fixed micro-batch size and sequence length); not with prefetch."""
     relay_fanout: int | None = None
     """Fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing per expert and
     domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
@@ -115,9 +120,15 @@ class LayerConfig:
         if self.capacity_factor is not None and self.transport == "a2a":
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
-        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs"):
+        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.layer_graphs and self.backend != "cuda":
+            raise ValueError(f"{p}.layer_graphs=true captures backend cuda's calls (backend {self.backend} reads the "
+                             f"routing's sizes on the host): set {p}.backend=cuda or {p}.layer_graphs=false")
+        if self.layer_graphs and self.prefetch:
+            raise ValueError(f"{p}.layer_graphs=true cannot capture a call while a prefetch is in flight: set "
+                             f"{p}.prefetch=false or {p}.layer_graphs=false")
         if isinstance(self.t_ffn, int) and not isinstance(self.t_ffn, bool):
             self.t_ffn = float(self.t_ffn)
         if self.t_ffn is not None and (not isinstance(self.t_ffn, float) or not 0 < self.t_ffn < math.inf):

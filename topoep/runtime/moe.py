@@ -27,6 +27,7 @@ from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
 from topoep.runtime.backend import capacity_rows, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
+from topoep.runtime.graphs import graph_layer
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import RelayTrees, executed_sources, max_level
@@ -132,6 +133,7 @@ class ExpertParallelMoE(nn.Module):
         self.timer: PhaseTimer | None = None
         self._last_stats = None  # (the last call's statistics without planner_ms, its planner_ms): `stats`
         self._stats_sum, self._planner_ms_sum, self._stats_calls = None, 0.0, 0
+        self._graphed = None  # graphs.graph_layer: the captured calls' shapes, dtypes and requires_grad
         # backend cuda: the metadata CUDA graphs (cuda_meta.py); a policy without a GPU planner synchronises
         # the host, so its metadata runs eagerly
         self._meta_graphs = MetadataGraphs(enabled=config.cuda_graphs and has_cuda_kernel(policy, topology))
@@ -184,10 +186,19 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
         self._validate(x, topk_idx, topk_weights)
+        if self.config.layer_graphs and self._graphed is None and x.is_cuda:
+            graph_layer(self, x, topk_idx, topk_weights)  # its warm-up calls and capture run _forward_with
+            return self.forward(x, topk_idx, topk_weights)  # graph_layer's: this call is the first replay
+        return self._forward_with(x, topk_idx, topk_weights, *self._weights())
+
+    def _weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(fc1, fc2) as the call takes them: the stacked parameters with backend cuda (no per-expert views, no host
+        work per expert), else one tensor per local expert."""
         if self.backend.name == "cuda" and self._expert_weights is None:
-            fc1, fc2 = [self.fc1], [self.fc2]  # the stacked parameters: no per-expert views (no host work per expert)
-        else:
-            fc1, fc2 = self.main_weights()
+            return [self.fc1], [self.fc2]
+        return self.main_weights()
+
+    def _forward_with(self, x, topk_idx, topk_weights, fc1: list, fc2: list) -> torch.Tensor:
         if fc1[0].dtype != x.dtype:
             raise ValueError(f"x has dtype {x.dtype} but the expert weights are {fc1[0].dtype}: run the layer in "
                              "the weights' dtype (e.g. under megatron's Float16Module for bf16)")
