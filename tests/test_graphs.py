@@ -78,3 +78,100 @@ def test_trainer_refuses_layer_graphs_with_pipeline_parallelism():
         job_from_config(compose([*graphs, "parallel.pp=2"]))
     job, resolved = job_from_config(compose(graphs))  # pp 1: accepted, and recorded in the run's config
     assert job.eplb.layer_graphs and resolved["eplb"]["layer_graphs"] is True
+
+
+def _wrapper_on_the_harness(rank, world):
+    """graph_layer's wrapper on backend cuda's CPU harness, the capture replaced by an eager stand-in that warms up
+    as torch's does: a layer reading per-expert weights through expert_weights (as under megatron) gives the eager
+    layer's outputs and weight gradients, counts its calls, and refuses a second call before the backward, other
+    shapes and other weight tensors; in eval mode it runs eagerly."""
+    import topoep.runtime.graphs as graphs
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime import NetBenefitGuard
+
+    captured = {}
+
+    def stand_in(fn, sample, num_warmup_iters):
+        captured["weights"] = sample[3:]
+        for _ in range(num_warmup_iters):
+            fn(*sample).sum().backward()
+
+        def replay(*args):  # a replay adds its statistics on the device and runs none of the layer's host code
+            layer = captured["layer"]
+            calls, ms = layer._stats_calls, layer._planner_ms_sum
+            y = fn(*args)
+            layer._stats_calls, layer._planner_ms_sum = calls, ms
+            return y
+        return replay
+
+    graphs._capture = stand_in
+    E_LOC, H, FD, T, K = 4, 16, 8, 12, 2
+    E = world * E_LOC
+    layers, weights = [], []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(rank)
+        w1 = [torch.nn.Parameter((torch.randn(2 * FD, H, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        w2 = [torch.nn.Parameter((torch.randn(H, FD, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        weights.append(w1 + w2)
+        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                        topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=1,
+                                        policy="topoep", backend="cuda", dtype=torch.bfloat16, device="cpu",
+                                        guard=NetBenefitGuard(skip_lag=None), _cpu_harness=True,
+                                        expert_weights=lambda w1=w1, w2=w2: (w1, w2)))
+    eager, graphed = layers
+    captured["layer"] = graphed
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+        idx = torch.randn(T, E, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=g).to(torch.bfloat16).requires_grad_()
+        return x, idx, w
+
+    graph_layer(graphed, *inputs(0))
+    out = {"weights_are_inputs": all(a is b for a, b in zip(captured["weights"], weights[1]))}
+    eager.pop_stats(), graphed.pop_stats()
+    same = []
+    for seed in (1, 2):
+        res = []
+        for layer, ws in zip(layers, weights):
+            for p in ws:
+                p.grad = None
+            y = layer(*inputs(seed))
+            y.float().sum().backward()
+            res.append([y.detach(), *[p.grad for p in ws]])
+        same.append(all(torch.equal(a, b) for a, b in zip(*res)))
+    out["same"] = same
+    out["calls"] = (eager.pop_stats()[1], graphed.pop_stats()[1])
+    errors = []
+    y = graphed(*inputs(3))
+    for bad in (lambda: graphed(*inputs(4)), lambda: graphed(inputs(4)[0][:6], *inputs(4)[1:])):
+        try:
+            bad()
+        except (RuntimeError, ValueError) as e:
+            errors.append(type(e).__name__)
+    y.float().sum().backward()
+    try:
+        graphed(inputs(4)[0][:6], inputs(4)[1][:6], inputs(4)[2][:6])
+    except ValueError as e:
+        errors.append("shapes" if "captured shapes" in str(e) else str(e))
+    w1 = graphed._expert_weights()[0]  # the list the layer reads: its first expert's fc1 becomes another tensor
+    w1[0] = torch.nn.Parameter(w1[0].detach().clone())
+    try:
+        graphed(*inputs(5))
+    except ValueError as e:
+        errors.append("weights" if "expert weights are not the tensors" in str(e) else str(e))
+    out["errors"] = errors
+    return out
+
+
+def test_graph_layer_wrapper_on_the_cpu_harness():
+    from distributed import run_ranks
+
+    for out in run_ranks(_wrapper_on_the_harness, 2):
+        assert out["weights_are_inputs"]
+        assert out["same"] == [True, True]
+        assert out["calls"] == (2, 2)
+        # before the backward: a second call, and one of other shapes (its shapes are checked first); after it, a
+        # call of other shapes, and other weight tensors
+        assert out["errors"] == ["RuntimeError", "ValueError", "shapes", "weights"], out["errors"]
