@@ -301,7 +301,7 @@ class ExpertParallelMoE(nn.Module):
         """Keep the call's plan and statistics for pop_stats / stats_dict: stats is LAYER_STAT_NAMES without
         planner_ms (the plan's STAT_NAMES, the guard's 6: fired, saved, cost, wanted, plan skipped, local plan; the
         slot hint's 2: skipped, skipped and wanted; the capacity step's 2), on the device; planner_ms stays on the host
-        until it is read (one device operation per call: the sum)."""
+        until it is read (two device operations per call: the sums and the count)."""
         self.last_plan = plan
         capturing = stats.is_cuda and torch.cuda.is_current_stream_capturing()
         # a captured call runs no host code when replayed: no host planning time, and the replays are counted by
