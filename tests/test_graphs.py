@@ -175,3 +175,24 @@ def test_graph_layer_wrapper_on_the_cpu_harness():
         # before the backward: a second call, and one of other shapes (its shapes are checked first); after it, a
         # call of other shapes, and other weight tensors
         assert out["errors"] == ["RuntimeError", "ValueError", "shapes", "weights"], out["errors"]
+
+
+def _harness_without_a_gpu(rank, world):
+    from topoep import ExpertParallelMoE, Topology
+
+    layer = ExpertParallelMoE(num_experts=8, hidden_size=16, ffn_hidden_size=8, topology=Topology(num_domains=1,
+                              ranks_per_domain=world), num_slots=1, policy="topoep", backend="cuda",
+                              dtype=torch.bfloat16, device="cpu", _cpu_harness=True, layer_graphs=True)
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    try:
+        layer(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.bfloat16))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_layer_graphs_on_the_cpu_names_the_gpu():
+    from distributed import run_ranks
+
+    for msg in run_ranks(_harness_without_a_gpu, 2):
+        assert "captures CUDA graphs: x is on cpu" in msg, msg

@@ -186,7 +186,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
         self._validate(x, topk_idx, topk_weights)
-        if self.config.layer_graphs and self._graphed is None and x.is_cuda:
+        if self.config.layer_graphs and self._graphed is None:
             graph_layer(self, x, topk_idx, topk_weights)  # its warm-up calls and capture run _forward_with
             return self.forward(x, topk_idx, topk_weights)  # graph_layer's: this call is the first replay
         return self._forward_with(x, topk_idx, topk_weights, *self._weights())
