@@ -270,16 +270,18 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
     from topoep.metrics import ffn_time_per_assignment
 
     E, H, Fd = args.experts, args.hidden, args.ffn
-    layers = {}
-    for policy in ("static", "topoep"):
+
+    def ours(policy: str, layer_graphs: bool = False):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
                                   topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
                                   policy=policy, backend="cuda", dtype=torch.bfloat16, device=dev,
-                                  t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T)
+                                  t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T, layer_graphs=layer_graphs)
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
-        layers[f"cuda/{policy}"] = (layer, layer)
+        return layer, layer
+
+    layers = {f"cuda/{policy}": ours(policy) for policy in ("static", "topoep")}
     p1, p2 = torch.nn.Parameter(fc1.clone()), torch.nn.Parameter(fc2.clone())
     holder = torch.nn.Module()
     holder.fc1, holder.fc2 = p1, p2
@@ -300,14 +302,7 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
     if args.graphed:  # last (a failed capture may leave the stream unusable); layers of their own: a captured
         # pool or metadata graph changes the layer's state
         for policy in ("static", "topoep"):
-            layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
-                                      topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=args.slots,
-                                      policy=policy, backend="cuda", dtype=torch.bfloat16, device=dev,
-                                      t_ffn=ffn_time_per_assignment(H, Fd), max_tokens=T, layer_graphs=True)
-            with torch.no_grad():
-                layer.fc1.copy_(fc1)
-                layer.fc2.copy_(fc2)
-            layers[f"cuda/{policy} graphed"] = (layer, layer)
+            layers[f"cuda/{policy} graphed"] = ours(policy, layer_graphs=True)
     return layers
 
 
