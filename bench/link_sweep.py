@@ -50,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--experts-per-rank", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--nic-scale", type=float, default=1.0, help="multiply every preset's NIC bandwidth by this")
+    ap.add_argument("--relay-chunks", type=int, default=4,
+                    help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -57,8 +59,8 @@ def parse_args(argv=None):
     for name in ("eps", "slots"):
         if any(v < (1 if name == "eps" else 0) for v in getattr(args, name)):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")
-    if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0:
-        raise SystemExit("--experts-per-rank and --tokens must be >= 1 and --nic-scale > 0")
+    if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0 or args.relay_chunks < 1:
+        raise SystemExit("--experts-per-rank, --tokens and --relay-chunks must be >= 1 and --nic-scale > 0")
     return args
 
 
@@ -93,7 +95,8 @@ def run(args) -> list[dict]:
                "bound_ms": 1e3 * bounds[(preset, ep)]}
         for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
             fanout, cands = OURS.get(policy, (None, ()))
-            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=fanout) if fanout else None
+            ex = (dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=fanout, relay_chunks=args.relay_chunks)
+                  if fanout else None)
             r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in OURS else "topoep_plus",
                              num_slots=slots, guard=None if policy == "static" else guard, execution=ex,
                              **({"plus_candidates": cands} if policy in OURS else {}))
@@ -154,8 +157,10 @@ def report(args, rows: list[dict]) -> str:
         "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
         "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
         "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: the same with "
-        "`relay_fanout=2` (`topoep.relay`; both backends execute it): the guard also chooses, per plan, between the "
-        "replica fetch down relay trees of 2 children per node and the direct one; "
+        f"`relay_fanout=2`, `relay_chunks={args.relay_chunks}` (`topoep.relay`; both backends execute it): the guard "
+        "also chooses, per plan, between the replica fetch down relay trees of 2 children per node, each copy in "
+        f"{args.relay_chunks} chunks forwarded as they arrive (the levels overlap), and the direct one, and relays "
+        "wherever the direct fetch would make a home send more copies of one expert than a tree's share; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
         "planner is the host reference only, timed here as the CUDA planner's latency); with relays also a fourth, "
@@ -185,7 +190,8 @@ def report(args, rows: list[dict]) -> str:
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
               "children a rank sends at most f copies of one expert over NVLink and its home one per other domain "
               "over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of 2 lets it (the "
-              "guard runs the direct fetch where its model finds it faster).", ""]
+              "layers without relays fetch every copy from its home; the relay layers' guard relays every such "
+              "fetch).", ""]
     for o in OURS:
         if misses[o]:
             lines += [f"{o}:", "",

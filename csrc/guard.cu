@@ -15,7 +15,8 @@
 //
 // Launches: (1) a block per (plan q, source rank s), q = 0 the static plan: the rows s sends to every rank (shared
 // memory), the rank loads, the token bytes x cost on every link; for the balanced plans also the slots of rank s:
-// their direct fetch and their relay tree's transfer, per level. The last block to finish (a counter) takes the
+// their direct fetch and their relay tree's transfer, per level, and whether the direct fetch makes a home send more
+// copies of one expert than a tree's share (relay.direct_beyond_tree). The last block to finish (a counter) takes the
 // maxima (a warp per maximum), predicts every plan, chooses, and zeroes the accumulators and the counter for the next
 // call: the workspace is zero between calls (the caller allocates it zeroed and keeps it; calls on one stream);
 // (2) the executed plan: the kept plan's route and slot table, or the static plan's.
@@ -47,9 +48,11 @@ __device__ __forceinline__ i64 heap_depth(i64 index, int fanout) {
   return depth;
 }
 
-// relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level)
+// relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level); with `beyond`,
+// also whether the direct fetch of this copy exceeds a tree's share (relay.direct_beyond_tree): it is the home's
+// (fanout + 1)-th copy of e into its own domain or the second into another
 __device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int N, int rpd, int fanout,
-                           int g, i64 e, i64* source, i64* level) {
+                           int g, i64 e, i64* source, i64* level, bool* beyond = nullptr) {
   const int rank = g / N, dom = rank / rpd;
   const i64 home = main_rank[e];
   const bool local = home / rpd == dom;
@@ -58,6 +61,7 @@ __device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__
   for (int k = base; k < g; ++k) p += slot[k] == e;
   const i64 idx = local ? p + 1 : p;
   *level = heap_depth(idx, fanout) + (local ? 0 : 1);
+  if (beyond) *beyond = local ? idx > fanout : idx >= 1;
   const i64 parent_idx = idx >= 1 ? (idx - 1) / fanout : -1;
   if ((local && parent_idx == 0) || (!local && idx == 0)) {
     *source = home;
@@ -77,7 +81,7 @@ __device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__
 }
 
 struct Acc {  // the workspace's accumulators (guard_layout), then the counter of finished blocks
-  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *done;
+  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *beyond, *done;
   size_t elems;  // the accumulators' size (the counter is the element after them)
 };
 
@@ -86,9 +90,11 @@ __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t
   const int Q = P + 1;
   const size_t load = b.take((size_t)Q * R), tok = b.take((size_t)Q * kLinks * R);
   const size_t fetch = b.take((size_t)P * kLinks * R), relayed = b.take((size_t)P * L * kLinks * R);
-  const size_t copies = b.take((size_t)P * L), occupied = b.take(P), accumulated = b.end, done = b.take(1);
+  const size_t copies = b.take((size_t)P * L), occupied = b.take(P), beyond = b.take(P);
+  const size_t accumulated = b.end, done = b.take(1);
   if (elems) *elems = b.end;
-  return Acc{ws + load, ws + tok, ws + fetch, ws + relayed, ws + copies, ws + occupied, ws + done, accumulated};
+  return Acc{ws + load,     ws + tok,    ws + fetch, ws + relayed, ws + copies,
+             ws + occupied, ws + beyond, ws + done,  accumulated};
 }
 
 // one flow of `fs` femtoseconds from s to r (s != r) onto a [kLinks][R] link array
@@ -155,8 +161,10 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
       add_flow(acc.fetch + (i64)p * kLinks * R, R, a.rpd, home, s, a.expert_bytes * a.cost_fs[(i64)home * R + s]);
     if (a.fanout > 0) {
       i64 src, lvl;
-      relay_node(slot, a.main_rank, N, a.rpd, a.fanout, g, e, &src, &lvl);
+      bool beyond;
+      relay_node(slot, a.main_rank, N, a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
       add(acc.copies + (i64)p * a.levels + (lvl - 1), 1);
+      if (beyond) add(acc.beyond + p, 1);
       if (src != s)
         add_flow(acc.relayed + ((i64)p * a.levels + (lvl - 1)) * kLinks * R, R, a.rpd, (int)src, s,
                  a.expert_bytes * a.cost_fs[src * R + s]);
@@ -195,15 +203,16 @@ __device__ __forceinline__ double layer_time(double x, double t, int m, double h
 // to zero. Reads with ld_l2: the other blocks' atomics are in L2.
 __device__ void decide(const GuardArgs& a, const Acc& acc) {
   // maxima: per plan q in 0..P: its largest rank load and busiest token link; per balanced plan: the direct fetch's
-  // busiest link and each relay level's
-  __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelayLevels)];
-  __shared__ i64 relay_levels_used[kMaxGuardPlans];
-  const int R = a.R, P = a.P, L = a.levels, Q = P + 1;
-  const int items = 2 * Q + P * (1 + L);
+  // busiest link and each relay step's (relay.relay_steps: step s carries the levels l - 1 in [s - C + 1, s])
+  __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelaySteps)];
+  __shared__ i64 relay_steps_used[kMaxGuardPlans];
+  const int R = a.R, P = a.P, L = a.levels, C = a.chunks, Q = P + 1;
+  const int S = L > 0 ? L + C - 1 : 0;  // relay steps per plan
+  const int items = 2 * Q + P * (1 + S);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int it = warp; it < items; it += warps) {
     const i64* src;
-    int n;
+    int n, window = 1;  // a relay step sums its window of levels link by link
     if (it < Q) {
       src = acc.load + (i64)it * R, n = R;
     } else if (it < 2 * Q) {
@@ -211,20 +220,30 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
     } else if (it < 2 * Q + P) {
       src = acc.fetch + (i64)(it - 2 * Q) * kLinks * R, n = kLinks * R;
     } else {
-      src = acc.relayed + (i64)(it - 2 * Q - P) * kLinks * R, n = kLinks * R;
+      const int p = (it - 2 * Q - P) / S, s = (it - 2 * Q - P) % S;
+      const int first = s - C + 1 > 0 ? s - C + 1 : 0, last = s < L - 1 ? s : L - 1;
+      src = acc.relayed + ((i64)p * L + first) * kLinks * R, n = kLinks * R, window = last - first + 1;
     }
     i64 v = 0;
     for (int k = lane; k < n; k += 32) {
-      const i64 x = ld_l2(src + k);
+      i64 x = 0;
+      for (int l = 0; l < window; ++l) x += ld_l2(src + (i64)l * kLinks * R + k);
       v = x > v ? x : v;
     }
     v = warp_max(v);
     if (lane == 0) maxima[it] = v;
   }
-  if (threadIdx.x < P) {  // the relay levels that carry a copy, and whether the plan has a replica
+  if (threadIdx.x < P) {  // the relay steps that carry a copy, whether the plan has a replica, whether its direct
+    // fetch exceeds a tree's share
     i64 used = 0;
-    for (int l = 0; l < L; ++l) used += ld_l2(acc.copies + (i64)threadIdx.x * L + l) > 0;
-    relay_levels_used[threadIdx.x] = used * 2 + (ld_l2(acc.occupied + threadIdx.x) > 0);
+    for (int s = 0; s < S; ++s) {
+      i64 copies = 0;
+      for (int l = (s - C + 1 > 0 ? s - C + 1 : 0); l <= (s < L - 1 ? s : L - 1); ++l)
+        copies += ld_l2(acc.copies + (i64)threadIdx.x * L + l);
+      used += copies > 0;
+    }
+    relay_steps_used[threadIdx.x] = (used * 2 + (ld_l2(acc.beyond + threadIdx.x) > 0)) * 2 +
+                                    (ld_l2(acc.occupied + threadIdx.x) > 0);
   }
   __syncthreads();
   for (size_t k = threadIdx.x; k < acc.elems; k += blockDim.x) acc.load[k] = 0;  // the workspace is zero again
@@ -244,13 +263,15 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
     bool relay = false;
     if (a.fanout > 0) {
       i64 fs = 0;
-      for (int l = 0; l < L; ++l) fs += maxima[2 * Q + P + p * L + l];
-      const i64 levels = relay_levels_used[p] / 2;
-      const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)levels, a.latency));
-      relay = relayed < t;
+      for (int s = 0; s < S; ++s) fs += maxima[2 * Q + P + p * S + s];
+      fs /= C;  // each step moves 1/C of its copies (relay.relay_fetch_fs: the sum, floor-divided)
+      const i64 steps = relay_steps_used[p] / 4;
+      const bool beyond = (relay_steps_used[p] / 2) & 1;
+      const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)steps, a.latency));
+      relay = relayed < t || beyond;
       if (relay) t = relayed;
     }
-    const double occupied = (relay_levels_used[p] & 1) ? 1.0 : 0.0;
+    const double occupied = (relay_steps_used[p] & 1) ? 1.0 : 0.0;
     const double cost = __dadd_rn(a.plan_s, __dmul_rn(__dmul_rn((double)a.n, t), occupied));
     const double net = __dsub_rn(saved, cost);
     if (p == 0 || net > best_net) {  // the first of equal ones (torch.argmax)

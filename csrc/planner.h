@@ -88,9 +88,11 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
 // main_rank int64[E], cost_fs int64[R, R], route[p] int64[R, E + R*N], slot[p] int64[R, N], allow one bool or null;
 // outputs route_out, slot_out (the executed plan), choice int64, use, fired (= !use) and relay bool, saved and cost
 // float64. Domains
-// are contiguous blocks of rpd ranks. fanout 0: no relays (levels 0), else relay trees of that fanout over `levels`
-// levels (topoep.relay.max_level, at most kMaxRelayLevels).
-constexpr int kMaxGuardPlans = 4, kMaxRelayLevels = 128;
+// are contiguous blocks of rpd ranks. fanout 0: no relays (levels 0, chunks 1), else relay trees of that fanout over
+// `levels` levels (topoep.relay.max_level, at most kMaxRelayLevels), each copy in `chunks` chunks (at most
+// kMaxRelayChunks; the fetch runs levels + chunks - 1 steps, topoep.relay.relay_steps).
+constexpr int kMaxGuardPlans = 4, kMaxRelayLevels = 128, kMaxRelayChunks = 64;
+constexpr int kMaxRelaySteps = kMaxRelayLevels + kMaxRelayChunks - 1;
 struct GuardArgs {
   const int64_t* omega;
   const int64_t* main_rank;
@@ -100,7 +102,8 @@ struct GuardArgs {
   int P, R, E, N, rpd;
   int64_t token_bytes, expert_bytes;
   double t_ffn, h, plan_s, latency;
-  int m, n, fanout, levels;  // token transfers, exposed replica transfers, relay fanout (0: none), relay levels
+  int m, n, fanout, levels, chunks;  // token transfers, exposed replica transfers, relay fanout (0: none), relay
+                                     // levels, chunks per relayed copy
   const bool* allow;
   const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced
   int64_t *route_out, *slot_out, *choice;

@@ -90,17 +90,17 @@ def test_rows_arrive_in_the_layout_and_come_back(policy, blocks):
     assert slot_rows == 0 if policy == "static" else slot_rows > 0  # replicas served rows
 
 
-def _replicas_and_gradients(rank, world, policy, fanout=None):
+def _replicas_and_gradients(rank, world, policy, fanout=None, chunks=1):
     from topoep.relay import relay_trees
     from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
 
     ex = GlooExchange(blocks_per_peer=3)  # weight rows of 16 and 8 elements, padded to 24
     _, plan = _plan(rank, world, policy, ex, one_hot=fanout is not None)
-    relay = relay_trees(plan, fanout) if fanout else None
+    relay = relay_trees(plan, fanout, chunks) if fanout else None
     pool = A2AReplicaPool(ex, N, H, F, torch.float32)
     e0 = rank * E_LOC
     W1 = torch.stack([torch.full((2 * F, H), float(e0 + i)) + torch.arange(H) for i in range(E_LOC)])
-    W2 = torch.stack([torch.full((H, F), -float(e0 + i)) for i in range(E_LOC)])
+    W2 = torch.stack([torch.full((H, F), -float(e0 + i)) - torch.arange(F) for i in range(E_LOC)])
     se = plan.slot_expert
     pool.fetch(se, W1, W2, E_LOC, relay=relay)
     filled = 0
@@ -108,7 +108,7 @@ def _replicas_and_gradients(rank, world, policy, fanout=None):
         e = int(se[rank, j])
         if e >= 0:
             assert torch.equal(pool.fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
-            assert torch.equal(pool.fc2[j], torch.full((H, F), -float(e)))
+            assert torch.equal(pool.fc2[j], torch.full((H, F), -float(e)) - torch.arange(F))
             filled += 1
     # gradients: slot j of rank s has (s + 1) * 10 + j; the main rank sums them per expert
     s1, s2 = torch.empty_like(pool.fc1), torch.empty_like(pool.fc2)
@@ -129,12 +129,14 @@ def _replicas_and_gradients(rank, world, policy, fanout=None):
     return filled, relayed
 
 
-@pytest.mark.parametrize("policy,fanout", [("topoep", None), ("deepseek", None), ("topoep", 1), ("topoep_plus", 2),
-                                           ("deepseek", 1)])
-def test_replicas_are_fetched_and_gradients_return_summed(policy, fanout):
-    """Directly from the homes, and down / up relay trees (LayerConfig.relay_fanout): the same slots, the same sums
+@pytest.mark.parametrize("policy,fanout,chunks", [("topoep", None, 1), ("deepseek", None, 1), ("topoep", 1, 1),
+                                                  ("topoep_plus", 2, 1), ("deepseek", 1, 1), ("topoep", 1, 3),
+                                                  ("topoep_plus", 2, 2)])
+def test_replicas_are_fetched_and_gradients_return_summed(policy, fanout, chunks):
+    """Directly from the homes, and down / up relay trees (LayerConfig.relay_fanout), also in chunks whose levels
+    overlap (LayerConfig.relay_chunks: rows of one chunk, 24 elements here): the same slots, the same sums
     (integers: exact in any order)."""
-    res = run_ranks(_replicas_and_gradients, 4, policy, fanout)
+    res = run_ranks(_replicas_and_gradients, 4, policy, fanout, chunks)
     assert sum(r[0] for r in res) > 0
     if fanout and policy != "deepseek":
         assert res[0][1] > 0  # some copy was fetched from another copy, not from its home

@@ -14,8 +14,9 @@ otherwise; run them on the GPU machine):
   (whose replicas are still there) does not.
 
 TOPOEP_GPU_CHUNKS=2 runs backend cuda's layers with two token chunks, TOPOEP_GPU_PREFETCH=1 with a second bank of
-replica slots, TOPOEP_GPU_RELAY=f with replica fetches and gradient returns down / up relay trees of fanout f
-(LayerConfig.num_chunks, .prefetch, .relay_fanout). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
+replica slots, TOPOEP_GPU_RELAY=f with replica fetches and gradient returns down / up relay trees of fanout f, and
+TOPOEP_GPU_RELAY_CHUNKS=c with each relayed copy in c chunks (LayerConfig.num_chunks, .prefetch, .relay_fanout,
+.relay_chunks). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
@@ -39,6 +40,7 @@ CF = None if TRANSPORT == "a2a" else DEFAULT_CAPACITY_FACTOR
 CHUNKS = int(os.environ.get("TOPOEP_GPU_CHUNKS", "1"))  # backend cuda's token chunks (LayerConfig.num_chunks)
 PREFETCH = os.environ.get("TOPOEP_GPU_PREFETCH", "0") == "1"  # a second bank of replica slots (LayerConfig.prefetch)
 RELAY = int(os.environ.get("TOPOEP_GPU_RELAY", "0")) or None  # replica fetches down relay trees (LayerConfig.relay_fanout)
+RELAY_CHUNKS = int(os.environ.get("TOPOEP_GPU_RELAY_CHUNKS", "1"))  # chunks per relayed copy (LayerConfig.relay_chunks)
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 1 rank and a "
                      "domain size that divides it")
@@ -54,7 +56,7 @@ pytestmark = [pytest.mark.gpu,
 def cuda_options(**changes) -> dict:
     """The LayerConfig fields of this run's backend cuda layers (the variant the TOPOEP_GPU_* variables choose)."""
     return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH,
-            "relay_fanout": RELAY, **changes}
+            "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, **changes}
 
 
 def _topology():

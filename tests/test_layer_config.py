@@ -34,6 +34,7 @@ BAD = [  # (field, bad value, what the error says)
     ("cuda_graphs", "0", "LayerConfig.cuda_graphs must be true or false"),
     ("layer_graphs", "yes", "LayerConfig.layer_graphs must be true or false, got 'yes'"),
     ("relay_fanout", 0, "LayerConfig.relay_fanout must be an integer >= 1, got 0"),
+    ("relay_chunks", 0, "LayerConfig.relay_chunks must be an integer >= 1, got 0"),
 ]
 
 

@@ -202,3 +202,75 @@ def test_sender_copies_equal_a_count_and_relays_bound_them(fanout):
             direct = sender_copies(plan)
             over += direct["nvlink_expert"] > fanout or direct["nic_expert"] > M - 1
     assert fanout is None or over > 0  # without relays some rank sends more: the bound above is not vacuous
+
+
+def test_relay_steps_overlap_the_levels_chunk_by_chunk():
+    """relay_steps: step s holds every level l whose chunk s - (l - 1) exists (step_chunk), so each level's copies
+    appear in `chunks` consecutive steps starting at step l - 1; one chunk is the levels themselves. chunk_range
+    tiles a copy's elements."""
+    from topoep.relay import check_chunks, chunk_range, relay_steps, step_chunk
+
+    flows = torch.randint(0, 3, (3, 4, 4))
+    assert torch.equal(relay_steps(flows, 1), flows)
+    for C in (2, 3, 5):
+        steps = relay_steps(flows, C)
+        assert steps.shape == (3 + C - 1, 4, 4)
+        for s in range(3 + C - 1):
+            want = sum((flows[lv - 1] for lv in (1, 2, 3) if step_chunk(s, lv, C) is not None),
+                       torch.zeros(4, 4, dtype=flows.dtype))
+            assert torch.equal(steps[s], want)
+        assert torch.equal(steps.sum(0), C * flows.sum(0))  # every level's copies in C steps
+        for lv in (1, 2, 3):
+            assert [s for s in range(3 + C - 1) if step_chunk(s, lv, C) is not None] == list(range(lv - 1, lv - 1 + C))
+    for n, C in ((10, 3), (12, 4), (2, 5), (7, 1)):
+        ranges = [chunk_range(n, C, c) for c in range(C)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(lo <= hi for lo, hi in ranges)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
+            check_chunks(bad)
+
+
+def test_relay_fetch_fs_prices_each_step_at_its_busiest_link():
+    """relay_fetch_fs: one chunk sums the levels' busiest links (transfer_fs per level); C chunks sum the steps'
+    busiest links of everything each step carries, divided by C; the steps that carry a copy are counted. Over
+    these plans the chunked fetch is never slower than the level-by-level one plus the extra steps' share."""
+    from topoep.links import transfer_fs
+    from topoep.relay import relay_fetch_fs, relay_steps
+
+    for plan in _plans():
+        topo = plan.topology
+        flows = relay_levels(plan, *relay_sources(plan, 2), max_level(topo, 2))
+        per_level = transfer_fs(flows, plan.expert_bytes, topo)
+        fs1, steps1 = relay_fetch_fs(plan, 2, topo)
+        assert int(fs1) == int(per_level.sum()) and int(steps1) == int((flows.sum((1, 2)) > 0).sum())
+        for C in (2, 4):
+            fs, steps = relay_fetch_fs(plan, 2, topo, C)
+            by_step = transfer_fs(relay_steps(flows, C), plan.expert_bytes, topo)
+            assert int(fs) == int(by_step.sum()) // C
+            used = int(steps1)
+            assert int(steps) == (used + C - 1 if used else 0)
+            # a step's busiest link is at most the sum of its levels' (each level in C steps): never above
+            assert int(fs) <= int(per_level.sum())
+
+
+def test_direct_beyond_tree_equals_a_count_per_home():
+    """direct_beyond_tree: True exactly when, fetching every copy from its home, some home sends more than `fanout`
+    copies of one expert into its own domain or more than one into another domain."""
+    from topoep.relay import direct_beyond_tree
+
+    seen = set()
+    for plan in _plans():
+        d = plan.topology.ranks_per_domain
+        for fanout in (1, 2, 3):
+            into = {}
+            for r in range(plan.num_ranks):
+                for n in range(plan.num_slots):
+                    e = int(plan.slot_expert[r, n])
+                    if e >= 0:
+                        into[(e, r // d)] = into.get((e, r // d), 0) + 1
+            want = any(n > (fanout if dom == int(plan.main_rank[e]) // d else 1) for (e, dom), n in into.items())
+            got = direct_beyond_tree(plan, fanout)
+            assert got.dtype == torch.bool and got.shape == () and bool(got) == want
+            seen.add(want)
+    assert seen == {False, True}

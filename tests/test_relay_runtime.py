@@ -12,6 +12,12 @@ from topoep import ExpertParallelMoE, LayerConfig, Topology
 from topoep.relay import max_level, relay_sources
 
 
+# (name, relay_fanout, relay_chunks): copies in 3 chunks whose levels overlap (relay2_c3: a weight of 2 F H elements
+# does not divide into 3 equal chunks here)
+RUNS = (("direct", None, 1), ("relay1", 1, 1), ("relay2", 2, 1), ("relay2_again", 2, 1), ("relay2_c3", 2, 3),
+        ("relay1_c4", 1, 4))
+
+
 def _relay(rank, world, rpd):
     E_loc, T, k, H, Fd, N = 2, 32, 2, 8, 6, 3
     R, E = world, world * E_loc
@@ -22,10 +28,10 @@ def _relay(rank, world, rpd):
     ref = dense_reference(x, idx, w, fc1, fc2, gy)
     lo, hi = rank * E_loc, (rank + 1) * E_loc
     out = {}
-    for name, fanout in (("direct", None), ("relay1", 1), ("relay2", 2), ("relay2_again", 2)):
+    for name, fanout, chunks in RUNS:
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   config=LayerConfig(policy="topoep_plus", num_slots=N, guard=False,
-                                                     relay_fanout=fanout))
+                                                     relay_fanout=fanout, relay_chunks=chunks))
         with torch.no_grad():
             layer.fc1.copy_(fc1[lo:hi])
             layer.fc2.copy_(fc2[lo:hi])
@@ -51,6 +57,9 @@ def test_relayed_fetch_and_tree_return_match_the_direct_path():
             for a, b in zip(got[1:], direct[1:]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # gradients: another summation order
         assert all(torch.equal(a, b) for a, b in zip(relay2, again))  # a fixed order: bit-reproducible
+        # chunked: element by element the same copies and the same sums in the same order as level by level
+        for chunked, plain in (("relay2_c3", "relay2"), ("relay1_c4", "relay1")):
+            assert all(torch.equal(a, b) for a, b in zip(out[chunked][0], out[plain][0])), chunked
         assert out["relay1"][1] >= 4 and out["relay1"][2] >= 3  # chains: copies sent on by other copies
 
 
@@ -74,11 +83,11 @@ def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
         idx[..., 0] = torch.where(idx[..., 1] == seed % 2, idx[..., 0], torch.full_like(idx[..., 0], seed % 2))
         inputs.append((x, idx, w, fc1, fc2, gy))
     out, before = {}, (0, 0, 0)
-    for name, fanout in (("direct", None), ("relay1", 1), ("relay2", 2), ("relay2_again", 2)):
+    for name, fanout, relay_chunks in RUNS:
         layers, losses, leaves = [], [], []
         for x, idx, w, fc1, fc2, gy in inputs:
             fields = dict(options or {}, policy="topoep_plus", num_slots=N, guard=False, backend="cuda",
-                          relay_fanout=fanout, num_chunks=chunks, prefetch=prefetch)
+                          relay_fanout=fanout, relay_chunks=relay_chunks, num_chunks=chunks, prefetch=prefetch)
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                       config=LayerConfig(**fields), dtype=torch.bfloat16, device=dev,
                                       **({} if options is not None else {"_cpu_harness": True}))
@@ -123,6 +132,10 @@ def check_relays(results, prefetch):
             assert out[name][3] == out["direct"][3]  # the same fills, reloads left out, prefetches
         assert out["direct"][3][2 if prefetch else 1] >= 1  # prefetches happened / a reload was left out
         assert all(torch.equal(a, b) for a, b in zip(out["relay2"][0], out["relay2_again"][0]))
+        # chunked trees: the same slots (outputs bit for bit) and the same sums element by element
+        for chunked, plain in (("relay2_c3", "relay2"), ("relay1_c4", "relay1")):
+            assert all(torch.equal(a, b) for a, b in zip(out[chunked][0], out[plain][0])), chunked
+            assert out[chunked][3] == out["direct"][3]
         assert out["relay1"][1] >= 1 and out["relay1"][2] >= 2  # copies fetched from other copies
 
 
@@ -154,3 +167,23 @@ def test_relay_fanout_is_checked():
     # one level per depth of a tree over a domain's ranks, plus the NIC hop into the other domains
     assert [max_level(Topology(num_domains=m, ranks_per_domain=d), f) for m, d, f in
             ((1, 1, 2), (1, 4, 2), (2, 4, 2), (2, 4, 1), (4, 8, 2), (2, 8, 8))] == [1, 2, 3, 4, 4, 2]
+
+
+def test_relay_chunks_are_checked_and_reach_the_guard():
+    """LayerConfig.relay_chunks: an integer 1-64 that needs relay_fanout; the layer's guard prices the chunks that
+    run."""
+    from topoep.runtime.guard import NetBenefitGuard
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="LayerConfig.relay_chunks must be an integer >= 1"):
+            LayerConfig(relay_fanout=2, relay_chunks=bad)
+    with pytest.raises(ValueError, match="at most 64 chunks"):
+        LayerConfig(relay_fanout=2, relay_chunks=65)
+    with pytest.raises(ValueError, match="relay_fanout is null"):
+        LayerConfig(relay_chunks=4)
+    with pytest.raises(ValueError, match="NetBenefitGuard.relay_chunks must be an integer >= 1"):
+        NetBenefitGuard(relay_fanout=2, relay_chunks=0)
+    topo = Topology(num_domains=1, ranks_per_domain=1)
+    layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo, relay_fanout=2,
+                              relay_chunks=4)
+    assert (layer.guard.relay_fanout, layer.guard.relay_chunks) == (2, 4)

@@ -88,6 +88,11 @@ class LayerConfig:
     domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
     home. Both backends and both transports of backend cuda; backend cuda runs a fixed number of levels
     (topoep.relay.max_level: 1 + log of the domain size), each ending with a barrier of the group."""
+    relay_chunks: int = 1
+    """With relay_fanout: every relayed copy travels in this many chunks, and a relay forwards each chunk as soon as
+    it has it, so the trees' levels overlap (levels + relay_chunks - 1 steps instead of one level after the other,
+    `topoep.relay.relay_steps`); the gradient return runs up the trees alike. Backend cuda pays a barrier of the
+    group per step. The guard prices the fetch this way. Results do not depend on it (1 to 64)."""
 
     def __post_init__(self):
         from topoep.planners import OFFLINE_POLICIES, POLICIES
@@ -137,6 +142,14 @@ class LayerConfig:
         _check_int(self, "planner_blocks", 0)
         if self.relay_fanout is not None:
             _check_int(self, "relay_fanout", 1)
+        _check_int(self, "relay_chunks", 1)
+        if self.relay_chunks > 64:
+            raise ValueError(f"{p}.relay_chunks={self.relay_chunks}: at most 64 chunks per relayed copy (the guard "
+                             f"kernel's bound); 2-8 already overlap the levels")
+        if self.relay_chunks > 1 and self.relay_fanout is None:
+            raise ValueError(f"{p}.relay_chunks={self.relay_chunks} chunks the relayed replica fetch, but "
+                             f"{p}.relay_fanout is null (every copy from its home, nothing relayed): set "
+                             f"{p}.relay_fanout (e.g. 2) or {p}.relay_chunks=1")
         if self.max_tokens is not None:
             _check_int(self, "max_tokens", 1)
 

@@ -8,9 +8,13 @@ form one tree per domain, in a fixed order that every rank computes alike from t
   - the domain's copies, in slot order (rank, then slot), hang below the root as a heap of `fanout` children per
     node: node i of the list [root, copy 1, copy 2, ...] fetches from node (i - 1) // fanout.
 A copy can only be sent once it has arrived, so a relayed fetch runs in levels (the copies at depth 1 first, then
-depth 2, ...); each level is one transfer, timed at its busiest link (`topoep.links`). The gradient return follows the
-trees in reverse, deepest level first, every node summing its children's gradients in list order onto its own before
-sending (a fixed order: the sums stay bit-reproducible).
+depth 2, ...). With `chunks` C > 1 every copy travels in C chunks (contiguous element ranges of the weights), and a
+node forwards a chunk as soon as it has it: the fetch is a pipeline of L + C - 1 steps (`relay_steps`), step s moving
+chunk s - (l - 1) of every level l with 0 <= s - (l - 1) < C, so the levels overlap instead of waiting for each other.
+Each step is one transfer of 1/C of the copies, timed at its busiest link (`topoep.links`); levels that share a step
+share its links. The gradient return follows the trees in reverse, deepest level first (chunked alike), every node
+summing its children's gradients in list order onto its own before sending (a fixed order, element by element: the
+sums stay bit-reproducible and do not depend on C).
 
 Everything here is tensor code on the plan's device, without host synchronisation: the number of levels is bounded by
 the shapes (`max_level`), so a runtime that must not read the plan on the host runs that many levels, empty ones
@@ -34,6 +38,30 @@ class RelayTrees(NamedTuple):
     source: torch.Tensor  # int64[R, N]: the rank each slot fetches its replica from (-1: an empty slot)
     level: torch.Tensor  # int64[R, N]: the level of that transfer (1 = first; 0: an empty slot)
     levels: int  # the levels to run: max_level, a bound from the shapes (the runtime never reads the plan on the host)
+    chunks: int = 1  # chunks per copy (`relay_steps`): the runtime runs levels + chunks - 1 steps
+
+
+def check_chunks(chunks, what: str = "chunks") -> int:
+    """`chunks` if it is an integer >= 1, else a ValueError naming `what`."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{what} must be an integer >= 1 (the chunks a relayed replica copy travels in, forwarded "
+                         f"down the tree as each arrives), got {chunks!r}")
+    return chunks
+
+
+def chunk_range(numel: int, chunks: int, c: int) -> tuple[int, int]:
+    """Elements [lo, hi) of chunk c of a copy of numel elements in `chunks` chunks: chunks of ceil(numel / chunks)
+    elements, the last one shorter (empty ones possible when numel < chunks)."""
+    span = -(-numel // chunks)
+    return min(numel, c * span), min(numel, (c + 1) * span)
+
+
+def step_chunk(step: int, level: int, chunks: int) -> int | None:
+    """The chunk that the copies of `level` (1-based) move in fetch step `step` (0-based) of a pipeline of `chunks`
+    chunks, or None when that level is idle in that step. The gradient return runs the same steps with the levels
+    reversed (level l of L moves like level L + 1 - l)."""
+    c = step - (level - 1)
+    return c if 0 <= c < chunks else None
 
 
 def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tensor:
@@ -123,9 +151,10 @@ def executed_sources(plan: Plan, fanout: int) -> tuple[torch.Tensor, torch.Tenso
             torch.where(use, level, occ.to(torch.int64)))
 
 
-def relay_trees(plan: Plan, fanout: int) -> RelayTrees:
-    """`executed_sources` with the number of levels a runtime runs (`max_level`): device tensors, no host sync."""
-    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout))
+def relay_trees(plan: Plan, fanout: int, chunks: int = 1) -> RelayTrees:
+    """`executed_sources` with the number of levels a runtime runs (`max_level`) and the chunks per copy: device
+    tensors, no host sync."""
+    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout), check_chunks(chunks))
 
 
 def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: int | None = None) -> torch.Tensor:
@@ -145,13 +174,49 @@ def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: 
     return flat.view(L, R, R)
 
 
-def relay_fetch_fs(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, torch.Tensor]:
-    """(femtoseconds int64 0-d, levels int64 0-d) of one relayed replica fetch of `plan` under `topology`'s integer
-    per-byte costs: each level at its busiest link (`topoep.links.transfer_fs`), the levels one after the other, and
-    the number of levels that carry a copy. Exact integers (the net-benefit guard decides on them); no host
-    synchronisation (`max_level` levels)."""
+def relay_steps(flows: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+    """[L + C - 1, R, R]: the copies of each step of a fetch whose levels' copies are `flows` [L, R, R]
+    (`relay_levels`) and travel in C = `chunks` chunks: step s carries chunk s - (l - 1) of level l (1-based) for
+    0 <= s - (l - 1) < C (`step_chunk`), so it holds the copies of the levels l - 1 in [s - C + 1, s], each moving
+    1/C of its bytes. C = 1: the levels themselves."""
+    check_chunks(chunks)
+    L = flows.shape[0]
+    steps = flows.new_zeros((L + chunks - 1, *flows.shape[1:]))
+    for c in range(chunks):
+        steps[c:c + L] += flows
+    return steps
+
+
+def relay_fetch_fs(plan: Plan, fanout: int, topology, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(femtoseconds int64 0-d, steps int64 0-d) of one relayed replica fetch of `plan` under `topology`'s integer
+    per-byte costs: each step of `relay_steps` at its busiest link (`topoep.links.transfer_fs` of all the copies the
+    step carries), the steps one after the other, each moving 1/chunks of its copies' bytes (the sum of the steps'
+    femtoseconds, divided by chunks, rounded down); and the number of steps that carry a copy (each pays a
+    transfer's latency). Exact integers (the net-benefit guard decides on them); no host synchronisation
+    (`max_level` levels)."""
     flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
-    return transfer_fs(flows, plan.expert_bytes, topology).sum(), (flows.sum((1, 2)) > 0).sum()
+    steps = relay_steps(flows, chunks)
+    return transfer_fs(steps, plan.expert_bytes, topology).sum() // chunks, (steps.sum((1, 2)) > 0).sum()
+
+
+def direct_beyond_tree(plan: Plan, fanout: int) -> torch.Tensor:
+    """bool 0-d: whether the direct fetch of `plan` (every copy from its home) makes a home send more copies of one
+    expert than a relay tree of `fanout` children lets any rank send: more than `fanout` into the home's own domain
+    (over NVLink), or more than one into another domain (over the NIC). The net-benefit guard then relays that plan's
+    fetch even where the direct one is predicted faster, so no sender carries more than a tree's share. No host
+    synchronisation."""
+    se = plan.slot_expert
+    occ = se >= 0
+    dom = plan.topology.domain_of.to(se.device)
+    D, E, R = plan.topology.num_domains, plan.num_experts, plan.num_ranks
+    dst = torch.arange(R, device=se.device)[:, None].expand_as(se)
+    key = (se.clamp(min=0) * D + dom[dst]).reshape(-1)
+    counts = torch.zeros(E * D, dtype=torch.int64, device=se.device).index_add_(
+        0, key, occ.reshape(-1).to(torch.int64)).view(E, D)  # copies of e in domain m
+    home_dom = dom[plan.main_rank.to(se.device)][:, None]
+    same = counts.gather(1, home_dom)
+    other = counts.scatter(1, home_dom, 0)
+    return (same > fanout).any() | (other > 1).any()
 
 
 def sender_copies(plan: Plan, source: torch.Tensor | None = None) -> dict[str, int]:

@@ -89,7 +89,7 @@ from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
-from topoep.relay import executed_sources, relay_levels, sender_copies
+from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.topology import Topology
 
@@ -255,6 +255,10 @@ class Execution:
     """Replica fetches down relay trees of this many children per node (topoep.relay; the levels one after the
     other, each at its busiest link; the traffic columns stay the direct fetch's); None: every copy from its home in
     one transfer."""
+    relay_chunks: int = 1
+    """With relay_fanout: each relayed copy in this many chunks, the levels overlapping (topoep.relay.relay_steps:
+    levels + relay_chunks - 1 steps, each a transfer of 1/relay_chunks of the copies it carries, at its busiest link
+    with its latency); the guard prices the same."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
@@ -265,6 +269,7 @@ class Execution:
         _check(self, "num_chunks", "int", 1)
         if self.relay_fanout is not None:
             _check(self, "relay_fanout", "int", 1)
+        _check(self, "relay_chunks", "int", 1)
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
                      "replica_latency_s", "static_plan_s", "host_round_trip_s"):
             _check(self, name, "float", 0.0)
@@ -775,7 +780,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
     if guard is not None and execution.relay_fanout is not None and guard.relay_fanout is None:
-        guard = replace(guard, relay_fanout=execution.relay_fanout)  # the guard prices the relayed fetch that runs
+        guard = replace(guard, relay_fanout=execution.relay_fanout,  # the guard prices the relayed fetch that runs
+                        relay_chunks=execution.relay_chunks)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots
@@ -853,9 +859,10 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     has_rep = bool(B.any())
     fetch = executed_sources(plan, execution.relay_fanout) if execution.relay_fanout is not None else None
     t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
-    if has_rep and fetch is not None:  # the relay trees' levels, one after the other
-        t_rep = sum(transfer_time(link_loads(level.double() * W, dom), cluster)[0]
-                    for level in relay_levels(plan, *fetch))
+    if has_rep and fetch is not None:  # the relay trees' steps (levels overlapping in chunks), one after the other
+        C = execution.relay_chunks
+        t_rep = sum(transfer_time(link_loads(step.double() * (W / C), dom), cluster)[0]
+                    for step in relay_steps(relay_levels(plan, *fetch), C))
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from topoep.relay import chunk_range, step_chunk
 from topoep.runtime.layout import count_keys
 from topoep.runtime.pool import SlotBanks
 
@@ -424,37 +425,62 @@ class A2AReplicaPool(SlotBanks):
         se_me = se.view(self.R, self.num_slots)[self.rank]
         return ((se[:, None] == se_me[None, :]) & (se_me >= 0)[None, :]).to(torch.int32).argmax(1)
 
+    def _chunked(self, b: dict, n: int, chunks: int) -> tuple[dict, int]:
+        """The exchange buffers b as rows of one chunk (views of their first elements: the chunk's width rounded up
+        to the exchange's pieces, at most the full row) and that width."""
+        if chunks == 1:
+            return b, b["send"].shape[1]
+        piece = 8 * self.exchange.blocks_per_peer
+        w = min(b["send"].shape[1], -(-(-(-n // chunks)) // piece) * piece)
+        return {k: v.view(-1)[:v.shape[0] * w].view(v.shape[0], w) for k, v in b.items()}, w
+
     def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0,
               relay=None) -> None:
         """Every main rank sends the weights of its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F])
         to the slots of `bank` the plan gives them; with `relay` (topoep.relay.RelayTrees) every slot's copy comes
-        from its source, one all-to-all per level (a relay sends from its own slot, filled at an earlier level)."""
+        from its source, one all-to-all per step of topoep.relay.relay_steps (relay.chunks chunks per copy; one
+        chunk: a step per level; a relay sends from its own slot, whose chunk arrived in an earlier step)."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
         source, level, levels = self._trees(se, e_loc, relay)
+        C = relay.chunks if relay is not None else 1
         f = torch.arange(R * N, device=se.device)
         j = torch.arange(N, device=se.device)
         home = _owner(se, e_loc) == me
         local = (se - me * e_loc).clamp(0, e_loc - 1)
         held = self._held(se) if relay is not None else None
-        for lv in range(1, levels + 1):
-            mine = (source == me) & (level == lv)
+        my_level = level.view(R, N)[me]
+        for step in range(levels + C - 1):
+            active = [(lv, c) for lv in range(1, levels + 1) if (c := step_chunk(step, lv, C)) is not None]
+            on = _levels_in(level, active)
+            mine = (source == me) & on
             send_order = torch.argsort(torch.where(mine, f, R * N + f), stable=True)  # mine first, (rank, slot) order
             splits = count_keys(torch.where(mine, f // N, R), R + 1)[:R]
-            # my slot j's row: rows come in (source rank, slot) order, from the slots of this level
-            here = level.view(R, N)[me] == lv
+            # my slot j's row: rows come in (source rank, slot) order, from the slots of this step
+            here = _levels_in(my_level, active)
             key = torch.where(here, source.view(R, N)[me] * N + j, R * N + j)
             row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
-            for W, slots, b in zip((W1, W2), self.bank_weights(bank), self._bufs):
+            sent_level = level.index_select(0, send_order)
+            for W, slots, full in zip((W1, W2), self.bank_weights(bank), self._bufs):
                 n = slots[0].numel()
-                rows = W.reshape(e_loc, -1).index_select(0, local.index_select(0, send_order))
+                b, w = self._chunked(full, n, C)
+                whole = W.reshape(e_loc, -1).index_select(0, local.index_select(0, send_order))
                 if relay is not None:  # a relay's rows come from its slots
-                    rows = torch.where(home.index_select(0, send_order)[:, None], rows,
-                                       slots.reshape(N, -1).index_select(0, held.index_select(0, send_order)))
-                b["send"][:, :n].copy_(rows)
+                    whole = torch.where(home.index_select(0, send_order)[:, None], whole,
+                                        slots.reshape(N, -1).index_select(0, held.index_select(0, send_order)))
+                for lv, c in active:  # each level's chunk of its rows
+                    lo, hi = chunk_range(n, C, c)
+                    rows = whole[:, lo:hi] if len(active) == 1 else torch.where(
+                        (sent_level == lv)[:, None], whole[:, lo:hi], b["send"][:, :hi - lo])
+                    b["send"][:, :hi - lo].copy_(rows)
                 self.exchange.all_to_all(b["send"], b["recv"], splits)
-                got = b["recv"][:, :n].index_select(0, row_of)
-                slots.view(N, -1).copy_(got if relay is None else torch.where(here[:, None], got, slots.view(N, -1)))
+                got = b["recv"].index_select(0, row_of)
+                flat = slots.view(N, -1)
+                for lv, c in active:
+                    lo, hi = chunk_range(n, C, c)
+                    take = here & (my_level == lv) if relay is not None else None
+                    flat[:, lo:hi].copy_(got[:, :hi - lo] if take is None else
+                                         torch.where(take[:, None], got[:, :hi - lo], flat[:, lo:hi]))
 
     def publish(self) -> None:
         """Nothing to do: the fetch is a collective on the layer's stream, ordered with everything else."""
@@ -464,34 +490,56 @@ class A2AReplicaPool(SlotBanks):
         """The slots' weight gradients src = (fc1 grads [N, 2F, H], fc2 grads [N, H, F]) go to their expert's
         main rank, which adds them to grad1 [E_loc, 2F, H] / grad2 [E_loc, H, F], summed in (source rank, slot)
         order in fp32. With `relay` (topoep.relay.RelayTrees) up the relay trees, deepest level first, one
-        all-to-all per level: a slot of level l sends to the rank it fetched from, which adds what its children
-        sent to its own slot's gradient (in src, in place) before its level sends it on. The slots keep their
-        weights."""
+        all-to-all per step (relay.chunks chunks per copy, the fetch's steps with the levels reversed): a slot of
+        level l sends to the rank it fetched from, which adds what its children sent to its own slot's gradient
+        (in src, in place) before its level sends that chunk on. The slots keep their weights."""
         R, N, me = self.R, self.num_slots, self.rank
         se = slot_expert.reshape(-1)
         source, level, levels = self._trees(se, e_loc, relay)
+        C = relay.chunks if relay is not None else 1
         j = torch.arange(N, device=se.device)
         accs = tuple(s.reshape(N, -1) for s in src)
         if relay is not None and not all(a.data_ptr() == s.data_ptr() and s.is_contiguous() for a, s in zip(accs, src)):
             raise ValueError("return_grads with relays adds the children's gradients into src in place: pass "
                              "contiguous tensors")
-        held = self._held(se) if relay is not None else None
-        for lv in range(levels, 0, -1):
-            dest = torch.where(level.view(R, N)[me] == lv, source.view(R, N)[me], -1)
+        held = self._held(se).to(torch.int64) if relay is not None else None
+        my_level = level.view(R, N)[me]
+        for step in range(levels + C - 1):
+            active = [(lv, c) for lv in range(levels, 0, -1) if (c := step_chunk(step, levels + 1 - lv, C)) is not None]
+            dest = torch.where(_levels_in(my_level, active), source.view(R, N)[me], -1)
             send_order = torch.argsort(torch.where(dest >= 0, dest * N + j, R * N + j), stable=True)
             splits = count_keys(torch.where(dest >= 0, dest, R), R + 1)[:R]
-            # what arrives: the gradients of the slots of this level that fetched from me, in (source, slot) order;
-            # each goes to my main expert (level 1: I am their home) or to my slot holding it (a relay)
-            owned = (source == me) & (level == lv)
-            if lv == 1:
-                targets, count, grads = se - me * e_loc, e_loc, (grad1.view(e_loc, -1), grad2.view(e_loc, -1))
-            else:
-                targets, count, grads = held.to(torch.int64), N, accs
-            for acc, grad, b in zip(accs, grads, self._bufs):
+            sent_level = my_level.index_select(0, send_order)
+            # what arrives: the gradients of this step's slots that fetched from me, in (source, slot) order; each
+            # goes to my main expert (level 1: I am their home) or to my slot holding it (a relay)
+            owned = (source == me) & _levels_in(level, active)
+            for acc, grad, full in zip(accs, (grad1.view(e_loc, -1), grad2.view(e_loc, -1)), self._bufs):
                 n = acc.shape[1]
-                b["gsend"][:, :n].copy_(acc.index_select(0, send_order))
+                b, w = self._chunked(full, n, C)
+                whole = acc.index_select(0, send_order)
+                for lv, c in active:
+                    lo, hi = chunk_range(n, C, c)
+                    rows = whole[:, lo:hi] if len(active) == 1 else torch.where(
+                        (sent_level == lv)[:, None], whole[:, lo:hi], b["gsend"][:, :hi - lo])
+                    b["gsend"][:, :hi - lo].copy_(rows)
                 self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
-                _add_rows(grad, b["grecv"][:, :n], owned, targets, count)
+                for lv, c in active:
+                    lo, hi = chunk_range(n, C, c)
+                    if lv == 1:
+                        targets, count, g = se - me * e_loc, e_loc, grad
+                    else:
+                        targets, count, g = held, N, acc
+                    if len(active) > 1:  # only the rows of this level
+                        targets = torch.where(level == lv, targets, count)
+                    _add_rows(g[:, lo:hi], b["grecv"][:, :hi - lo], owned, targets, count)
+
+
+def _levels_in(level: torch.Tensor, active: list) -> torch.Tensor:
+    """bool, level's shape: the entries whose level is one of `active`'s (level, chunk) pairs."""
+    on = torch.zeros_like(level, dtype=torch.bool)
+    for lv, _ in active:
+        on |= level == lv
+    return on
 
 
 def _add_rows(g: torch.Tensor, got: torch.Tensor, owned: torch.Tensor, targets: torch.Tensor, count: int) -> None:

@@ -155,6 +155,43 @@ class TorchBackend:
             out.append((send, recv))
         return out
 
+    def _relay_steps(self, routes: list, chunks: int, n: int, reverse: bool = False):
+        """The steps of a chunked relayed transfer (topoep.relay.relay_steps): per step, [(peer, slot j, expert e,
+        lo, hi)] this rank sends and receives, each moving elements [lo, hi) of a flattened copy of n elements, both
+        in (peer, slot) order. reverse: the gradient return, the deepest level first (a level's send list becomes
+        what it receives)."""
+        from topoep.relay import chunk_range, step_chunk
+
+        L = len(routes)
+        out = []
+        for step in range(L + chunks - 1):
+            send, recv = [], []
+            for lv, (snd, rcv) in enumerate(routes, start=1):
+                c = step_chunk(step, L + 1 - lv if reverse else lv, chunks)
+                if c is None:
+                    continue
+                lo, hi = chunk_range(n, chunks, c)
+                if reverse:
+                    snd, rcv = rcv, snd
+                send += [(peer, j, e, lo, hi) for peer, j, e in snd]
+                recv += [(peer, j, e, lo, hi) for peer, j, e in rcv]
+            out.append((sorted(send), sorted(recv)))
+        return out
+
+    def _exchange_chunks(self, rows: list, send: list, recv: list, like: torch.Tensor) -> list:
+        """All-to-all of chunk rows: rows[i] (elements hi - lo of send[i]) to rank send[i][0]; returns the received
+        rows, one per entry of recv (their lengths from its lo, hi)."""
+        R = self.world_size
+        in_splits, out_splits = [0] * R, [0] * R
+        for peer, _, _, lo, hi in send:
+            in_splits[peer] += hi - lo
+        for peer, _, _, lo, hi in recv:
+            out_splits[peer] += hi - lo
+        buf = torch.cat(rows) if rows else like.new_empty(0)
+        out = like.new_empty(sum(out_splits))
+        dist.all_to_all_single(out, buf, out_splits, in_splits, group=self.group)
+        return list(out.split([hi - lo for *_, lo, hi in recv])) if recv else []
+
     def _held(self, e: int, plan_row: list, main: list, pool_tensor, E_loc: int):
         """This rank's copy of expert e: its main weights when e is its own (a self-replica included), else the slot
         that holds it (one per rank)."""
@@ -163,11 +200,12 @@ class TorchBackend:
         return pool_tensor[plan_row.index(e)]
 
     def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool,
-                       relay_fanout: int | None = None) -> None:
+                       relay_fanout: int | None = None, relay_chunks: int = 1) -> None:
         """Copy every replicated expert's weights into the slot the plan gives it: from its main rank, or with
-        relay_fanout down the relay trees of topoep.relay, level by level (a copy is sent on once it has arrived)."""
+        relay_fanout down the relay trees of topoep.relay, level by level (a copy is sent on once it has arrived),
+        each copy in relay_chunks chunks whose levels overlap (`topoep.relay.relay_steps`)."""
         if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
-            return self._fetch_relayed(plan, main_fc1, main_fc2, pool, relay_fanout)
+            return self._fetch_relayed(plan, main_fc1, main_fc2, pool, relay_fanout, relay_chunks)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:  # no replica anywhere (the same on every rank)
             return
@@ -180,46 +218,50 @@ class TorchBackend:
             pool.fc1[j].copy_(row[:n1].view_as(pool.fc1[j]))
             pool.fc2[j].copy_(row[n1:].view_as(pool.fc2[j]))
 
-    def _fetch_relayed(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int) -> None:
+    def _fetch_relayed(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int,
+                       chunks: int) -> None:
+        """Down the relay trees in the steps of topoep.relay.relay_steps: step s moves chunk s - (l - 1) of every
+        copy of level l (a relay forwards a chunk once it has it)."""
         routes = self._relay_routes(plan, fanout)
         if routes is None:
             return
         E_loc, n1, dtype = plan.num_experts // plan.num_ranks, pool.fc1[0].numel(), pool.fc1.dtype
+        n = n1 + pool.fc2[0].numel()
         row = plan.slot_expert[self.rank].tolist()
-        for send, recv in routes:
-            rows = [torch.cat([self._held(e, row, main_fc1, pool.fc1, E_loc).detach().reshape(-1).to(dtype),
-                               self._held(e, row, main_fc2, pool.fc2, E_loc).detach().reshape(-1).to(dtype)])
-                    for _, _, e in send]
-            got = self._exchange(rows, [r for r, _, _ in send], [s for s, _, _ in recv], pool)
-            for data, (_, j, _) in zip(got, recv):
-                pool.fc1[j].copy_(data[:n1].view_as(pool.fc1[j]))
-                pool.fc2[j].copy_(data[n1:].view_as(pool.fc2[j]))
+        for send, recv in self._relay_steps(routes, chunks, n):
+            rows = [_flat_range(self._held(e, row, main_fc1, pool.fc1, E_loc).detach(),
+                                self._held(e, row, main_fc2, pool.fc2, E_loc).detach(), lo, hi).to(dtype)
+                    for _, _, e, lo, hi in send]
+            for data, (_, j, _, lo, hi) in zip(self._exchange_chunks(rows, send, recv, pool.fc1), recv):
+                _flat_range_update(pool.fc1[j], pool.fc2[j], lo, hi, data, add=False)
 
-    def _return_relayed(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list, fanout: int) -> None:
-        """The relay trees in reverse, deepest level first: every copy sends its gradient (its own plus what its
-        children sent, added in (child rank, slot) order) to the rank it fetched from."""
+    def _return_relayed(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list, fanout: int,
+                        chunks: int) -> None:
+        """The relay trees in reverse, deepest level first, in the chunked steps of the fetch: every copy sends its
+        gradient (its own plus what its children sent, added in (child rank, slot) order) to the rank it fetched
+        from. Element by element the sums are the same whatever the chunks."""
         routes = self._relay_routes(plan, fanout)
         if routes is None:
             return
         E_loc, n1 = plan.num_experts // plan.num_ranks, pool.fc1[0].numel()
+        n = n1 + pool.fc2[0].numel()
         row = plan.slot_expert[self.rank].tolist()
-        for send, recv in reversed(routes):
-            rows = [torch.cat([pool.fc1[j].reshape(-1), pool.fc2[j].reshape(-1)]) for _, j, _ in recv]
-            got = self._exchange(rows, [s for s, _, _ in recv], [r for r, _, _ in send], pool)
-            for data, (_, j, e) in zip(got, send):  # (child rank, slot) order: a fixed summation order
+        for send, recv in self._relay_steps(routes, chunks, n, reverse=True):
+            rows = [_flat_range(pool.fc1[j], pool.fc2[j], lo, hi) for _, j, _, lo, hi in send]
+            got = self._exchange_chunks(rows, send, recv, pool.fc1)
+            for data, (_, j, e, lo, hi) in zip(got, recv):  # (child rank, slot) order: a fixed summation order
                 # the parent's copy of e: its main gradient, or (a relay) the slot it holds e in
                 g1 = self._held(e, row, grad_fc1, pool.fc1, E_loc)
                 g2 = self._held(e, row, grad_fc2, pool.fc2, E_loc)
-                g1.add_(data[:n1].view_as(g1))
-                g2.add_(data[n1:].view_as(g2))
+                _flat_range_update(g1, g2, lo, hi, data, add=True)
 
     def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list,
-                     relay_fanout: int | None = None) -> None:
+                     relay_fanout: int | None = None, relay_chunks: int = 1) -> None:
         """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
         grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order; with relay_fanout up the
         relay trees (`_return_relayed`)."""
         if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
-            return self._return_relayed(plan, pool, grad_fc1, grad_fc2, relay_fanout)
+            return self._return_relayed(plan, pool, grad_fc1, grad_fc2, relay_fanout, relay_chunks)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:
             return
@@ -232,6 +274,37 @@ class TorchBackend:
             li = e - self.rank * E_loc
             grad_fc1[li].add_(row[:n1].view_as(grad_fc1[li]))
             grad_fc2[li].add_(row[n1:].view_as(grad_fc2[li]))
+
+
+def _flat_parts(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> list:
+    """Elements [lo, hi) of a and b flattened one after the other (a, then b), as 1-d pieces: (tensor, its flat
+    range) pairs."""
+    n1 = a.numel()
+    parts = []
+    if lo < n1:
+        parts.append((a, lo, min(hi, n1)))
+    if hi > n1:
+        parts.append((b, max(lo, n1) - n1, hi - n1))
+    return parts
+
+
+def _flat_range(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of a and b flattened one after the other, as one 1-d tensor."""
+    parts = [t.reshape(-1)[i:j] for t, i, j in _flat_parts(a, b, lo, hi)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else a.new_empty(0)
+
+
+def _flat_range_update(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int, data: torch.Tensor, add: bool) -> None:
+    """Elements [lo, hi) of a and b flattened one after the other: <- data, or += data with `add` (in place, also in
+    a tensor that is not contiguous)."""
+    at = 0
+    for t, i, j in _flat_parts(a, b, lo, hi):
+        d = data[at:at + j - i]
+        at += j - i
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)  # a copy when t is not contiguous
+        flat[i:j].add_(d) if add else flat[i:j].copy_(d)
+        if not t.is_contiguous():
+            t.copy_(flat.view_as(t))
 
 
 def e_main(e: int, experts_per_rank: int) -> int:

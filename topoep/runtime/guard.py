@@ -9,8 +9,10 @@ port or NIC, in one direction, at the topology's per-byte cost),
     X(plan)    = x + m * t - h * min(x, m * t),    x = t_ffn * L_max(plan), t = T_dispatch(plan)
     T_plan     = plan_s                                                            planning estimate (a constant)
     T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
-                 (with relay_fanout: or n * sum over the relay trees' levels of (T_level + transfer_latency_s),
-                 whichever is smaller; the executed plan says which runs)
+                 (with relay_fanout: or n * (sum over the relay trees' steps of T_step / C + transfer_latency_s
+                 per step), whichever is smaller, and always the relayed fetch where the direct one would make a
+                 home send more copies of one expert than a tree lets a rank send; the executed plan says which
+                 runs; C = relay_chunks, the steps of `topoep.relay.relay_steps`)
 
 with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
 DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
@@ -58,7 +60,7 @@ import torch
 
 from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
-from topoep.relay import relay_fetch_fs
+from topoep.relay import check_chunks, direct_beyond_tree, relay_fetch_fs
 from topoep.runtime import worth_triton
 from topoep.planners.common import static_rank_load
 from topoep.topology import Topology
@@ -109,10 +111,15 @@ class NetBenefitGuard:
 
     relay_fanout: int | None = None
     """Replica fetches may run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): per
-    plan the guard prices the relayed fetch (the sum of the trees' levels, each at its busiest link, plus
-    transfer_latency_s per level that carries a copy: `topoep.relay.relay_fetch_fs`) and the direct one, keeps
-    the faster (`fetch_choice`) and says which in the executed plan's info["relay"]. None: every copy from its home,
-    one transfer."""
+    plan the guard prices the relayed fetch (the sum of its steps, each at its busiest link, plus transfer_latency_s
+    per step that carries a copy: `topoep.relay.relay_fetch_fs`) and the direct one, keeps the faster, or the
+    relayed one whenever the direct fetch would make a home send more copies of one expert than a tree lets a rank
+    send (`topoep.relay.direct_beyond_tree`: no sender carries more than a tree's share), and says which in the
+    executed plan's info["relay"] (`fetch_choice`). None: every copy from its home, one transfer."""
+
+    relay_chunks: int = 1
+    """The chunks a relayed copy travels in (`LayerConfig.relay_chunks`; the layer sets it): the relay trees' levels
+    run as a pipeline of levels + relay_chunks - 1 steps (`topoep.relay.relay_steps`). 1: level after level."""
 
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
@@ -146,6 +153,7 @@ class NetBenefitGuard:
         if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1):
             raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer "
                              f">= 1, got {f!r}")
+        check_chunks(self.relay_chunks, "NetBenefitGuard.relay_chunks")
         lag = self.skip_lag
         if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
@@ -174,9 +182,10 @@ class NetBenefitGuard:
         return self.fetch_choice(plan, exposed_transfers)[0]
 
     def fetch_choice(self, plan: Plan, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T_transfer float64 0-d, relay bool 0-d): with relay_fanout the faster of the relayed fetch (its levels
-        one after the other, a latency each) and the direct one (one transfer, one latency), and whether that is the
-        relayed one; without, the direct fetch and False."""
+        """(T_transfer float64 0-d, relay bool 0-d): with relay_fanout the faster of the relayed fetch (its steps
+        one after the other, a latency each) and the direct one (one transfer, one latency), the relayed one wherever
+        the direct one exceeds a tree's share (`topoep.relay.direct_beyond_tree`), and whether it is the relayed one;
+        without, the direct fetch and False."""
         t, relay = self._fetch_choices((plan,), exposed_transfers)
         return t[0], relay[0]
 
@@ -245,10 +254,11 @@ class NetBenefitGuard:
         if self.relay_fanout is not None:
             relayed = []
             for p in plans:
-                fs, levels = relay_fetch_fs(p, self.relay_fanout, topo)
-                relayed.append(fs.double() * SECONDS_PER_FS + levels.double() * self.transfer_latency_s)
+                fs, steps = relay_fetch_fs(p, self.relay_fanout, topo, self.relay_chunks)
+                relayed.append(fs.double() * SECONDS_PER_FS + steps.double() * self.transfer_latency_s)
             relayed = torch.stack(relayed)
-            relay = relayed < t
+            beyond = torch.stack([direct_beyond_tree(p, self.relay_fanout) for p in plans])
+            relay = (relayed < t) | beyond
             t = torch.where(relay, relayed, t)
         occupied = torch.stack([(p.slot_expert >= 0).any() for p in plans]).to(torch.float64)
         return exposed_transfers * t * occupied, relay
@@ -301,7 +311,8 @@ class NetBenefitGuard:
         kernel = backend != "reference" and guard_cuda.usable(self, plans)
         if backend == "cuda" and not kernel:
             raise ValueError(f"the guard's CUDA kernel needs CUDA plans, token_top_k=None, at most "
-                             f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels; use "
+                             f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels of at most "
+                             f"{guard_cuda.MAX_CHUNKS} chunks; use "
                              "backend='reference'")
         if kernel:
             slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,

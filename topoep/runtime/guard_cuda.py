@@ -17,16 +17,18 @@ from topoep.relay import max_level
 
 MAX_PLANS = 4  # csrc/planner.h kMaxGuardPlans
 MAX_LEVELS = 128  # csrc/planner.h kMaxRelayLevels
+MAX_CHUNKS = 64  # csrc/planner.h kMaxRelayChunks
 
 
 def usable(guard, plans: tuple[Plan, ...]) -> bool:
     """Whether the kernel computes `guard.select` of these plans: CUDA plans, token rows per assignment (the
     deduplicated estimate, `token_top_k`, is float and stays on the reference), at most MAX_PLANS plans and
-    MAX_LEVELS relay levels. A host-side check of shapes and constants only."""
+    MAX_LEVELS relay levels of at most MAX_CHUNKS chunks. A host-side check of shapes and constants only."""
     plan = plans[0]
     if not plan.route.is_cuda or guard.token_top_k is not None or len(plans) > MAX_PLANS:
         return False
-    return guard.relay_fanout is None or max_level(plan.topology, guard.relay_fanout) <= MAX_LEVELS
+    return guard.relay_fanout is None or (max_level(plan.topology, guard.relay_fanout) <= MAX_LEVELS
+                                          and guard.relay_chunks <= MAX_CHUNKS)
 
 
 def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None,
@@ -53,6 +55,7 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
                      [p.slot_expert for p in plans], plan.topology.ranks_per_domain, int(plan.token_bytes),
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
+                     guard.relay_chunks if fanout else 1,
                      allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
     return slot, route, choice, fired, relay, saved, cost
 

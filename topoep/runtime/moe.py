@@ -109,7 +109,8 @@ class ExpertParallelMoE(nn.Module):
         self.t_ffn = DEFAULT_T_FFN if config.t_ffn is None else config.t_ffn
         self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
         if self.guard is not None and config.relay_fanout is not None and self.guard.relay_fanout is None:
-            self.guard = dataclasses.replace(self.guard, relay_fanout=config.relay_fanout)  # it prices what runs
+            self.guard = dataclasses.replace(self.guard, relay_fanout=config.relay_fanout,  # it prices what runs
+                                             relay_chunks=config.relay_chunks)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     "gloo" if cpu_harness else config.transport)
@@ -352,7 +353,7 @@ class ExpertParallelMoE(nn.Module):
             # the model was cast or moved after construction (e.g. megatron's Float16Module)
             self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm,
-                         relay_fanout=self.config.relay_fanout)
+                         relay_fanout=self.config.relay_fanout, relay_chunks=self.config.relay_chunks)
         return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def _experts_cuda(self, x, topk_idx, topk_weights, fc1, fc2) -> torch.Tensor:
@@ -399,7 +400,8 @@ class ExpertParallelMoE(nn.Module):
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
                              experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled(),
                              combine_side_stream=self.config.combine_side_stream,
-                             relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout)) if fanout else None)
+                             relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout),
+                                              self.config.relay_chunks) if fanout else None)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int,

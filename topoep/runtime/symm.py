@@ -141,77 +141,100 @@ if triton is not None:
                 _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
 
     @triton.jit
-    def _copy_chunk(dst, src, c, numel, CHUNK: tl.constexpr):
-        """Elements [c * CHUNK, (c + 1) * CHUNK) of one expert weight: dst <- src."""
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        m = offs < numel
+    def _copy_range(dst, src, lo, hi, c, CHUNK: tl.constexpr):
+        """Elements [lo + c * CHUNK, lo + (c + 1) * CHUNK) of one expert weight below hi: dst <- src."""
+        offs = lo + c * CHUNK + tl.arange(0, CHUNK)
+        m = offs < hi
         tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
     @triton.jit
-    def _push_slots_kernel(slot_expert, source, level, lv, main_ptrs, own_slots, pool_bases, me, e_loc, N, numel,
-                           CHUNK: tl.constexpr, RELAY: tl.constexpr):
+    def _push_slots_kernel(slot_expert, source, level, step, chunks, span, main_ptrs, own_slots, pool_bases, me,
+                           e_loc, N, numel, CHUNK: tl.constexpr, RELAY: tl.constexpr):
         """Replica fetch, pushed by the sender: slot (r, j) = rj of expert e gets e's weight in slot j of rank r's
         pool. Without RELAY the sender is e's main rank, sending its main weight (main_ptrs[e - me * e_loc]). With
-        RELAY the sender is source[rj], for the slots of level lv only (topoep.relay): its main weight when e is
-        its own, else its own slot holding e (own_slots [N, numel], filled at an earlier level)."""
+        RELAY the sender is source[rj], and in fetch step `step` a slot of level l gets chunk k = step - (l - 1) of
+        its weight if 0 <= k < chunks (elements [k span, (k + 1) span), topoep.relay.step_chunk / chunk_range): the
+        sender's main weight when e is its own, else its own slot holding e (own_slots [N, numel], whose chunk k
+        arrived in an earlier step)."""
         rj = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(slot_expert + rj)
         if RELAY:
-            go = (e >= 0) & (tl.load(level + rj) == lv) & (tl.load(source + rj) == me)
+            k = step - (tl.load(level + rj) - 1)
+            go = (e >= 0) & (k >= 0) & (k < chunks) & (tl.load(source + rj) == me)
         else:
+            k = tl.full([], 0, tl.int32)
             go = (e >= 0) & (e // e_loc == me)
         if go:
+            lo = k.to(tl.int64) * span
+            hi = tl.minimum(lo + span, numel)
             dst = tl.load(pool_bases + rj // N).to(tl.pointer_type(tl.bfloat16)) + (rj % N).to(tl.int64) * numel
             if e // e_loc == me:
                 src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
-                _copy_chunk(dst, src, c, numel, CHUNK)
+                _copy_range(dst, src, lo, hi, c, CHUNK)
             else:  # a relay: my slot holding e (one at most: no duplicate instance on a rank)
                 held = 0
                 for j in range(N):
                     held = tl.where(tl.load(slot_expert + me * N + j) == e, j, held)
-                _copy_chunk(dst, own_slots + held.to(tl.int64) * numel, c, numel, CHUNK)
+                _copy_range(dst, own_slots + held.to(tl.int64) * numel, lo, hi, c, CHUNK)
 
     @triton.jit
-    def _push_grads_kernel(slot_expert, source, level, lv, pool, ret_bases, me, e_loc, N, numel,
-                           CHUNK: tl.constexpr, RELAY: tl.constexpr):
+    def _push_grads_kernel(slot_expert, source, level, step, levels, chunks, span, pool, ret_bases, me, e_loc, N,
+                           numel, CHUNK: tl.constexpr, RELAY: tl.constexpr):
         """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank; with RELAY
-        only my slots of level lv, to the rank each fetched from (source, its parent in the relay tree)."""
+        to the rank it fetched from (source, its parent in the relay tree), in return step `step` chunk
+        k = step - (levels - l) of a slot of level l, if 0 <= k < chunks (the fetch's steps, levels reversed)."""
         j = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(slot_expert + me * N + j)
         if RELAY:
-            go = (e >= 0) & (tl.load(level + me * N + j) == lv)
+            lvl = tl.load(level + me * N + j)
+            k = step - (levels - lvl)
+            go = (e >= 0) & (lvl >= 1) & (k >= 0) & (k < chunks)
             to = tl.load(source + me * N + j)
         else:
+            k = tl.full([], 0, tl.int32)
             go = e >= 0
             to = e // e_loc
         if go:
+            lo = k.to(tl.int64) * span
+            hi = tl.minimum(lo + span, numel)
             dst = tl.load(ret_bases + to).to(tl.pointer_type(tl.bfloat16)) + (me * N + j).to(tl.int64) * numel
-            _copy_chunk(dst, pool + j.to(tl.int64) * numel, c, numel, CHUNK)
+            _copy_range(dst, pool + j.to(tl.int64) * numel, lo, hi, c, CHUNK)
 
     @triton.jit
-    def _reduce_grads_kernel(slot_expert, source, level, lv, ret, grad, me, e_loc, N, RN, numel, CHUNK: tl.constexpr,
-                             RELAY: tl.constexpr, SLOTS: tl.constexpr):
+    def _reduce_grads_kernel(slot_expert, source, level, lv, step, levels, chunks, span, ret, grad, me, e_loc, N, RN,
+                             numel, CHUNK: tl.constexpr, RELAY: tl.constexpr, SLOTS: tl.constexpr):
         """grad[t] += the returned regions of its expert, in (source, slot) order, accumulated in fp32 (a fixed
         order: the result does not depend on timing). Target t is my main expert me * e_loc + t, or with SLOTS my
-        slot t (a relay node, expert slot_expert[me * N + t]). Without RELAY every region of the expert counts; with
-        RELAY only those of level lv sent to me (the target's children in the relay tree)."""
+        slot t (a relay node of level l, expert slot_expert[me * N + t]). Without RELAY every region of the expert
+        counts; with RELAY only those of the children's level sent to me (the target's children in the relay tree):
+        level lv for my main experts (whole weights), l + 1 for a slot, whose chunk k = step - (levels - l) (the one
+        it sends on in return step `step`) if 0 <= k < chunks."""
         t = tl.program_id(0)
         c = tl.program_id(1)
+        lo = tl.full([], 0, tl.int64)
+        hi = lo + numel
         if SLOTS:
             e = tl.load(slot_expert + me * N + t)
+            lvl = tl.load(level + me * N + t)
+            k = step - (levels - lvl)
+            e = tl.where((k >= 0) & (k < chunks), e, -1)
+            child = lvl + 1
+            lo = k.to(tl.int64) * span
+            hi = tl.minimum(lo + span, numel)
         else:
             e = me * e_loc + t
+            child = lv
         hits = 0
         for sj in range(RN):
             hit = tl.load(slot_expert + sj) == e
             if RELAY:
-                hit = hit & (tl.load(level + sj) == lv) & (tl.load(source + sj) == me)
+                hit = hit & (tl.load(level + sj) == child) & (tl.load(source + sj) == me)
             hits += hit.to(tl.int32)
         if (e >= 0) & (hits > 0):
-            offs = c * CHUNK + tl.arange(0, CHUNK)
-            m = offs < numel
+            offs = lo + c * CHUNK + tl.arange(0, CHUNK)
+            m = offs < hi
             g = grad + t.to(tl.int64) * numel + offs
             acc = tl.load(g, mask=m).to(tl.float32)
             for sj in range(RN):
@@ -539,15 +562,17 @@ class SymmReplicaPool(SlotBanks):
         R_N = se.numel()
         src, lvl, levels = ((se, se, 1) if relay is None else
                             (relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous(), relay.levels))
-        for lv in range(1, levels + 1):
-            if lv > 1:
+        C = relay.chunks if relay is not None else 1
+        for step in range(levels + C - 1):
+            if step > 0:
                 self._fc2.barrier(channel=2 + bank)
             for ptrs, buf, bases, own in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2),
                                              self._bank_ptrs, self._banked):
                 numel = buf.tensor[0].numel()
-                _push_slots_kernel[(R_N, triton.cdiv(numel, COPY_CHUNK))](
-                    se, src, lvl, lv, ptrs, own[bank], bases[bank], self.rank, e_loc, self.num_slots, numel,
-                    CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
+                span = -(-numel // C)  # topoep.relay.chunk_range
+                _push_slots_kernel[(R_N, triton.cdiv(span, COPY_CHUNK))](
+                    se, src, lvl, step, C, span, ptrs, own[bank], bases[bank], self.rank, e_loc, self.num_slots,
+                    numel, CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
 
     def publish(self) -> None:
         """A barrier of the group on this stream: every rank's earlier work on its stream (a prefetch it
@@ -572,23 +597,27 @@ class SymmReplicaPool(SlotBanks):
         if relay is not None and not all(s.is_contiguous() for s in srcs):
             raise ValueError("push_grads with relays adds the children's gradients into src1/src2 in place: pass "
                              "contiguous tensors")
-        for lv in range(levels, 0, -1):
+        C = relay.chunks if relay is not None else 1
+        for step in range(levels + C - 1):
+            if step > 0:  # the children's chunks of the last step arrived everywhere: add them before sending on
+                self.ret2.barrier(channel=2)
+                self._reduce(se, src, lvl, 0, srcs, N, e_loc, slots=True, step=step, levels=levels, chunks=C)
             for s, ret in zip(srcs, (self.ret1, self.ret2)):
                 numel = s[0].numel()
-                _push_grads_kernel[(N, triton.cdiv(numel, COPY_CHUNK))](se, src, lvl, lv, s.contiguous(), ret.ptrs,
-                                                                        self.rank, e_loc, N, numel, CHUNK=COPY_CHUNK,
-                                                                        RELAY=relay is not None, num_warps=COPY_WARPS)
-            if lv > 1:
-                self.ret2.barrier(channel=2)
-                self._reduce(se, src, lvl, lv, srcs, N, e_loc, slots=True)
+                span = -(-numel // C)  # topoep.relay.chunk_range
+                _push_grads_kernel[(N, triton.cdiv(span, COPY_CHUNK))](
+                    se, src, lvl, step, levels, C, span, s.contiguous(), ret.ptrs, self.rank, e_loc, N, numel,
+                    CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
 
-    def _reduce(self, se, src, lvl, lv, grads, count, e_loc, slots):
-        """grads (fc1's [count, 2F, H], fc2's [count, H, F]) += their returned regions (_reduce_grads_kernel)."""
+    def _reduce(self, se, src, lvl, lv, grads, count, e_loc, slots, step=0, levels=1, chunks=1):
+        """grads (fc1's [count, 2F, H], fc2's [count, H, F]) += their returned regions (_reduce_grads_kernel): my
+        main experts' whole weights from level lv, or (slots) each slot's chunk of return step `step`."""
         for grad, ret in zip(grads, (self.ret1, self.ret2)):
             numel = grad[0].numel()
-            _reduce_grads_kernel[(count, triton.cdiv(numel, COPY_CHUNK))](
-                se, src, lvl, lv, ret.tensor, grad, self.rank, e_loc, self.num_slots, se.numel(), numel,
-                CHUNK=COPY_CHUNK, RELAY=src is not se, SLOTS=slots)
+            span = -(-numel // chunks) if slots else numel
+            _reduce_grads_kernel[(count, triton.cdiv(span, COPY_CHUNK))](
+                se, src, lvl, lv, step, levels, chunks, span, ret.tensor, grad, self.rank, e_loc, self.num_slots,
+                se.numel(), numel, CHUNK=COPY_CHUNK, RELAY=src is not se, SLOTS=slots)
 
     def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
                      relay=None) -> None:
