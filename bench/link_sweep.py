@@ -50,8 +50,10 @@ def parse_args(argv=None):
     ap.add_argument("--experts-per-rank", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--nic-scale", type=float, default=1.0, help="multiply every preset's NIC bandwidth by this")
-    ap.add_argument("--relay-chunks", type=int, default=4,
+    ap.add_argument("--relay-chunks", type=int, default=1,
                     help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
+    ap.add_argument("--relay-share", action="store_true",
+                    help="the relay layers' relay_share: relay every fetch whose direct form exceeds a tree's share")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -95,8 +97,8 @@ def run(args) -> list[dict]:
                "bound_ms": 1e3 * bounds[(preset, ep)]}
         for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
             fanout, cands = OURS.get(policy, (None, ()))
-            ex = (dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=fanout, relay_chunks=args.relay_chunks)
-                  if fanout else None)
+            ex = (dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=fanout, relay_chunks=args.relay_chunks,
+                                      relay_share=args.relay_share) if fanout else None)
             r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in OURS else "topoep_plus",
                              num_slots=slots, guard=None if policy == "static" else guard, execution=ex,
                              **({"plus_candidates": cands} if policy in OURS else {}))
@@ -157,10 +159,12 @@ def report(args, rows: list[dict]) -> str:
         "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
         "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
         "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: the same with "
-        f"`relay_fanout=2`, `relay_chunks={args.relay_chunks}` (`topoep.relay`; both backends execute it): the guard "
-        "also chooses, per plan, between the replica fetch down relay trees of 2 children per node, each copy in "
-        f"{args.relay_chunks} chunks forwarded as they arrive (the levels overlap), and the direct one, and relays "
-        "wherever the direct fetch would make a home send more copies of one expert than a tree's share; "
+        f"`relay_fanout=2`, `relay_chunks={args.relay_chunks}`, `relay_share={str(args.relay_share).lower()}` "
+        "(`topoep.relay`; both backends execute it): the guard also chooses, per plan, between the replica fetch down "
+        f"relay trees of 2 children per node, each copy in {args.relay_chunks} chunk(s) forwarded as they arrive "
+        "(more than one: the levels overlap, each step paying a transfer latency), and the direct one"
+        + (", and relays wherever the direct fetch would make a home send more copies of one expert than a tree's "
+           "share" if args.relay_share else "") + "; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
         "planner is the host reference only, timed here as the CUDA planner's latency); with relays also a fourth, "
@@ -190,8 +194,9 @@ def report(args, rows: list[dict]) -> str:
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
               "children a rank sends at most f copies of one expert over NVLink and its home one per other domain "
               "over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of 2 lets it (the "
-              "layers without relays fetch every copy from its home; the relay layers' guard relays every such "
-              "fetch).", ""]
+              "layers without relays fetch every copy from its home; " + ("the relay layers' guard relays every such "
+              "fetch)." if args.relay_share else "the relay layers' guard runs the direct fetch where its model finds "
+              "it faster: `--relay-share` relays every such fetch).") + "", ""]
     for o in OURS:
         if misses[o]:
             lines += [f"{o}:", "",

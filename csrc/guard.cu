@@ -268,7 +268,7 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
       const i64 steps = relay_steps_used[p] / 4;
       const bool beyond = (relay_steps_used[p] / 2) & 1;
       const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)steps, a.latency));
-      relay = relayed < t || beyond;
+      relay = relayed < t || (a.share && beyond);
       if (relay) t = relayed;
     }
     const double occupied = (relay_steps_used[p] & 1) ? 1.0 : 0.0;

@@ -104,6 +104,7 @@ struct GuardArgs {
   double t_ffn, h, plan_s, latency;
   int m, n, fanout, levels, chunks;  // token transfers, exposed replica transfers, relay fanout (0: none), relay
                                      // levels, chunks per relayed copy
+  bool share;  // relay every plan whose direct fetch exceeds a tree's share (relay.direct_beyond_tree)
   const bool* allow;
   const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced
   int64_t *route_out, *slot_out, *choice;

@@ -41,7 +41,7 @@ for out in ("route_out", "slot_out", "choice", "use", "fired", "relay", "saved",
 assert "Tensor(a!) source, Tensor(b!) level" in str(ops.relay_trees.default._schema)
 for P, R, L in ((1, 8, 0), (2, 32, 3), (4, 128, 9)):
     assert ops.guard_workspace_elems(P, R, L) == (P + 1) * 5 * R + P * 4 * R + P * L * 4 * R + P * L + 2 * P + 1
-assert "int levels, int chunks, Tensor? allow" in schema, schema
+assert "int levels, int chunks, bool share, Tensor? allow" in schema, schema
 print(lib)
 """
 

@@ -40,8 +40,9 @@ def plans_of(seed: int):
 
 def guards(rng):
     yield NetBenefitGuard()
-    yield NetBenefitGuard(relay_fanout=2, relay_chunks=rng.choice([1, 4]))
-    yield NetBenefitGuard(relay_fanout=1, token_overlap=0.0, transfer_latency_s=0.0, relay_chunks=rng.choice([1, 3]))
+    yield NetBenefitGuard(relay_fanout=2, relay_chunks=rng.choice([1, 4]), relay_share=rng.choice([False, True]))
+    yield NetBenefitGuard(relay_fanout=1, token_overlap=0.0, transfer_latency_s=0.0, relay_chunks=rng.choice([1, 3]),
+                          relay_share=True)
     yield NetBenefitGuard(relay_fanout=3, token_transfers=0, plan_s=0.0, relay_chunks=rng.choice([2, 64]))
     fanout = rng.choice([None, 2])
     yield NetBenefitGuard(bytes_per_s=rng.choice([25e9, 100e9]), relay_fanout=fanout, token_overlap=rng.random(),
@@ -100,7 +101,8 @@ def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
 @gpu
 @pytest.mark.parametrize("chunk", range(4))
 def test_guard_kernel_equals_reference(chunk):
-    """Random routings x 5 guards (relay trees of 1-3 children in 1-64 chunks among them) x 3 values of t_ffn x
+    """Random routings x 5 guards (relay trees of 1-3 children in 1-64 chunks, with and without relay_share, among
+    them) x 3 values of t_ffn x
     {1, 2, 3} plans x the flags (allow, planned) of FLAGS: the
     executed plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
     bit for bit, on the GPU's torch reference and on the CPU's."""

@@ -181,9 +181,13 @@ def test_relay_chunks_are_checked_and_reach_the_guard():
         LayerConfig(relay_fanout=2, relay_chunks=65)
     with pytest.raises(ValueError, match="relay_fanout is null"):
         LayerConfig(relay_chunks=4)
+    with pytest.raises(ValueError, match="relay_share=true bounds the senders"):
+        LayerConfig(relay_share=True)
     with pytest.raises(ValueError, match="NetBenefitGuard.relay_chunks must be an integer >= 1"):
         NetBenefitGuard(relay_fanout=2, relay_chunks=0)
+    with pytest.raises(ValueError, match="NetBenefitGuard.relay_share must be true or false"):
+        NetBenefitGuard(relay_fanout=2, relay_share=1)
     topo = Topology(num_domains=1, ranks_per_domain=1)
     layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo, relay_fanout=2,
-                              relay_chunks=4)
-    assert (layer.guard.relay_fanout, layer.guard.relay_chunks) == (2, 4)
+                              relay_chunks=4, relay_share=True)
+    assert (layer.guard.relay_fanout, layer.guard.relay_chunks, layer.guard.relay_share) == (2, 4, True)

@@ -126,7 +126,7 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
                 if e >= 0:
                     into[(e, dom[r])] = into.get((e, dom[r]), 0) + 1
         beyond = any(n > 1 for n in into.values())
-        for chunks in (1, 3):  # step s carries chunk s - (l - 1) of level l: the levels overlap
+        for chunks, share in ((1, False), (3, False), (1, True), (3, True)):  # step s: chunk s - (l - 1) of level l
             L = max(per_level, default=1)
             steps = []
             for st in range(L + chunks - 1):
@@ -137,10 +137,10 @@ def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
                             flows[key] = flows.get(key, 0) + b
                 steps.append(flows)
             relayed = sum(busiest(f) for f in steps) / chunks + 2e-5 * sum(1 for f in steps if f)
-            t, relay = NetBenefitGuard(relay_fanout=1, relay_chunks=chunks).fetch_choice(plan, 3)
-            want = relayed if relayed < direct or beyond else direct
-            assert t.item() == pytest.approx(3 * want if n_rep else 0.0, rel=1e-12)
-            assert bool(relay) == (n_rep and (relayed < direct or beyond))
+            t, relay = NetBenefitGuard(relay_fanout=1, relay_chunks=chunks, relay_share=share).fetch_choice(plan, 3)
+            relayed_kept = relayed < direct or (share and beyond)  # relay_share: never beyond a tree's share
+            assert t.item() == pytest.approx(3 * (relayed if relayed_kept else direct) if n_rep else 0.0, rel=1e-12)
+            assert bool(relay) == (n_rep and relayed_kept)
             seen_relay.add((relayed < direct, beyond))
         assert NetBenefitGuard().dispatch_time(plan).item() == pytest.approx(busiest(tok), rel=1e-12)
         assert NetBenefitGuard().static_dispatch_time(plan).item() == pytest.approx(busiest(tok_static), rel=1e-12)

@@ -93,6 +93,11 @@ class LayerConfig:
     it has it, so the trees' levels overlap (levels + relay_chunks - 1 steps instead of one level after the other,
     `topoep.relay.relay_steps`); the gradient return runs up the trees alike. Backend cuda pays a barrier of the
     group per step. The guard prices the fetch this way. Results do not depend on it (1 to 64)."""
+    relay_share: bool = False
+    """With relay_fanout: the guard relays every fetch whose direct form would make a home send more copies of one
+    expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into each
+    other domain), even where its per-link model predicts the direct fetch faster: no sender carries more than a
+    tree's share. False: the guard keeps the faster fetch by its model."""
 
     def __post_init__(self):
         from topoep.planners import OFFLINE_POLICIES, POLICIES
@@ -125,7 +130,7 @@ class LayerConfig:
         if self.capacity_factor is not None and self.transport == "a2a":
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
-        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs"):
+        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs", "relay_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -146,6 +151,9 @@ class LayerConfig:
         if self.relay_chunks > 64:
             raise ValueError(f"{p}.relay_chunks={self.relay_chunks}: at most 64 chunks per relayed copy (the guard "
                              f"kernel's bound); 2-8 already overlap the levels")
+        if self.relay_share and self.relay_fanout is None:
+            raise ValueError(f"{p}.relay_share=true bounds the senders of relay trees, but {p}.relay_fanout is null "
+                             f"(nothing relayed): set {p}.relay_fanout (e.g. 2) or {p}.relay_share=false")
         if self.relay_chunks > 1 and self.relay_fanout is None:
             raise ValueError(f"{p}.relay_chunks={self.relay_chunks} chunks the relayed replica fetch, but "
                              f"{p}.relay_fanout is null (every copy from its home, nothing relayed): set "

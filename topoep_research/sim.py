@@ -259,6 +259,9 @@ class Execution:
     """With relay_fanout: each relayed copy in this many chunks, the levels overlapping (topoep.relay.relay_steps:
     levels + relay_chunks - 1 steps, each a transfer of 1/relay_chunks of the copies it carries, at its busiest link
     with its latency); the guard prices the same."""
+    relay_share: bool = False
+    """With relay_fanout: the guard relays every fetch whose direct form exceeds a tree's share
+    (`NetBenefitGuard.relay_share`)."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
@@ -781,7 +784,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         guard = replace(guard, token_top_k=model.top_k)
     if guard is not None and execution.relay_fanout is not None and guard.relay_fanout is None:
         guard = replace(guard, relay_fanout=execution.relay_fanout,  # the guard prices the relayed fetch that runs
-                        relay_chunks=execution.relay_chunks)
+                        relay_chunks=execution.relay_chunks, relay_share=execution.relay_share)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

@@ -10,9 +10,9 @@ port or NIC, in one direction, at the topology's per-byte cost),
     T_plan     = plan_s                                                            planning estimate (a constant)
     T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
                  (with relay_fanout: or n * (sum over the relay trees' steps of T_step / C + transfer_latency_s
-                 per step), whichever is smaller, and always the relayed fetch where the direct one would make a
-                 home send more copies of one expert than a tree lets a rank send; the executed plan says which
-                 runs; C = relay_chunks, the steps of `topoep.relay.relay_steps`)
+                 per step), whichever is smaller (with relay_share always the relayed fetch where the direct one
+                 would make a home send more copies of one expert than a tree lets a rank send); the executed plan
+                 says which runs; C = relay_chunks, the steps of `topoep.relay.relay_steps`)
 
 with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
 DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
@@ -112,14 +112,19 @@ class NetBenefitGuard:
     relay_fanout: int | None = None
     """Replica fetches may run down relay trees of this fanout (`LayerConfig.relay_fanout`; the layer sets it): per
     plan the guard prices the relayed fetch (the sum of its steps, each at its busiest link, plus transfer_latency_s
-    per step that carries a copy: `topoep.relay.relay_fetch_fs`) and the direct one, keeps the faster, or the
-    relayed one whenever the direct fetch would make a home send more copies of one expert than a tree lets a rank
-    send (`topoep.relay.direct_beyond_tree`: no sender carries more than a tree's share), and says which in the
-    executed plan's info["relay"] (`fetch_choice`). None: every copy from its home, one transfer."""
+    per step that carries a copy: `topoep.relay.relay_fetch_fs`) and the direct one, keeps the faster (or, with
+    relay_share, the relayed one wherever the direct one exceeds a tree's share) and says which in the executed
+    plan's info["relay"] (`fetch_choice`). None: every copy from its home, one transfer."""
 
     relay_chunks: int = 1
     """The chunks a relayed copy travels in (`LayerConfig.relay_chunks`; the layer sets it): the relay trees' levels
     run as a pipeline of levels + relay_chunks - 1 steps (`topoep.relay.relay_steps`). 1: level after level."""
+
+    relay_share: bool = False
+    """With relay_fanout: relay a plan's fetch wherever the direct one would make a home send more copies of one
+    expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into
+    another: `topoep.relay.direct_beyond_tree`), even where the model predicts the direct one faster; so no sender
+    carries more than a tree's share (`LayerConfig.relay_share`). False: the faster by the model."""
 
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
@@ -154,6 +159,8 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer "
                              f">= 1, got {f!r}")
         check_chunks(self.relay_chunks, "NetBenefitGuard.relay_chunks")
+        if not isinstance(self.relay_share, bool):
+            raise ValueError(f"NetBenefitGuard.relay_share must be true or false, got {self.relay_share!r}")
         lag = self.skip_lag
         if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
@@ -183,9 +190,9 @@ class NetBenefitGuard:
 
     def fetch_choice(self, plan: Plan, exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T_transfer float64 0-d, relay bool 0-d): with relay_fanout the faster of the relayed fetch (its steps
-        one after the other, a latency each) and the direct one (one transfer, one latency), the relayed one wherever
-        the direct one exceeds a tree's share (`topoep.relay.direct_beyond_tree`), and whether it is the relayed one;
-        without, the direct fetch and False."""
+        one after the other, a latency each) and the direct one (one transfer, one latency), with relay_share the
+        relayed one wherever the direct one exceeds a tree's share (`topoep.relay.direct_beyond_tree`), and whether it
+        is the relayed one; without, the direct fetch and False."""
         t, relay = self._fetch_choices((plan,), exposed_transfers)
         return t[0], relay[0]
 
@@ -257,8 +264,9 @@ class NetBenefitGuard:
                 fs, steps = relay_fetch_fs(p, self.relay_fanout, topo, self.relay_chunks)
                 relayed.append(fs.double() * SECONDS_PER_FS + steps.double() * self.transfer_latency_s)
             relayed = torch.stack(relayed)
-            beyond = torch.stack([direct_beyond_tree(p, self.relay_fanout) for p in plans])
-            relay = (relayed < t) | beyond
+            relay = relayed < t
+            if self.relay_share:
+                relay = relay | torch.stack([direct_beyond_tree(p, self.relay_fanout) for p in plans])
             t = torch.where(relay, relayed, t)
         occupied = torch.stack([(p.slot_expert >= 0).any() for p in plans]).to(torch.float64)
         return exposed_transfers * t * occupied, relay

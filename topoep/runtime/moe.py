@@ -110,7 +110,7 @@ class ExpertParallelMoE(nn.Module):
         self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
         if self.guard is not None and config.relay_fanout is not None and self.guard.relay_fanout is None:
             self.guard = dataclasses.replace(self.guard, relay_fanout=config.relay_fanout,  # it prices what runs
-                                             relay_chunks=config.relay_chunks)
+                                             relay_chunks=config.relay_chunks, relay_share=config.relay_share)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     "gloo" if cpu_harness else config.transport)
