@@ -240,7 +240,7 @@ if triton is not None:
             for sj in range(RN):
                 hit = tl.load(slot_expert + sj) == e
                 if RELAY:
-                    hit = hit & (tl.load(level + sj) == lv) & (tl.load(source + sj) == me)
+                    hit = hit & (tl.load(level + sj) == child) & (tl.load(source + sj) == me)
                 if hit:
                     acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m).to(tl.float32)
             tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
