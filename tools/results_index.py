@@ -64,6 +64,14 @@ REPORTS = [
           "python bench/link_sweep.py --presets paper_h800 --nic-scale 2 --name link_sweep_nic2"),
     Entry(("link_sweep_large.md", "link_sweep_large.json"), "bench/link_sweep.py", "-", "CPU",
           "python bench/link_sweep.py --eps 128 256 --slots 2 --name link_sweep_large"),
+    Entry(("link_sweep_share.md", "link_sweep_share.json"), "bench/link_sweep.py", "-", "CPU",
+          "python bench/link_sweep.py --relay-share --name link_sweep_share"),
+    Entry(("link_sweep_relay_chunks2.md", "link_sweep_relay_chunks2.json"), "bench/link_sweep.py", "-", "CPU",
+          "python bench/link_sweep.py --relay-chunks 2 --name link_sweep_relay_chunks2"),
+    Entry(("link_sweep_relay_chunks4.md", "link_sweep_relay_chunks4.json"), "bench/link_sweep.py", "-", "CPU",
+          "python bench/link_sweep.py --relay-chunks 4 --name link_sweep_relay_chunks4"),
+    Entry(("link_sweep_relay_chunks4_share.md", "link_sweep_relay_chunks4_share.json"), "bench/link_sweep.py", "-",
+          "CPU", "python bench/link_sweep.py --relay-chunks 4 --relay-share --name link_sweep_relay_chunks4_share"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
@@ -145,6 +153,8 @@ GPU = [
           "bash tools/gpu_session.sh setup local (its README names each run's options)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
+    Entry(("gpu/relay_chunks",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup relay_chunks (its "
+          "README names the second run's options)"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
           "bash tools/gpu_session.sh setup cuda",
           "Backend cuda's GPU tests (tests/test_cuda_backend_gpu.py) and the sync audit (tools/sync_audit.py), "
