@@ -64,16 +64,22 @@ def graph_layer(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
                                  for t in (x, topk_idx, topk_weights))
     sample = tuple((t.shape, t.dtype, t.requires_grad) for t in (x, topk_idx, topk_weights))
     # the expert weights are inputs of the graphs, so that their gradients come out of the backward graph whoever
-    # owns them (the layer's parameters, or megatron's expert module through expert_weights)
+    # owns them (the layer's parameters, or megatron's expert module through expert_weights). The capture runs on
+    # leaf aliases of them (the same storage, new autograd leaves): a weight's own gradient accumulator may have been
+    # made on another stream and be kept alive by its owner (megatron's DDP keeps every parameter's, made on the
+    # default stream at its start), and the backward capture, which computes gradients for its inputs, would then
+    # make that stream wait for the capturing one, which CUDA refuses. A replay takes the weights themselves, and
+    # their gradients accumulate outside the graphs as usual.
     fc1, fc2 = layer._weights()
     weights = [*fc1, *fc2]
+    aliases = [w.detach().requires_grad_(w.requires_grad) for w in weights]
     n1 = len(fc1)
 
     def call(x, topk_idx, topk_weights, *w):
         return layer._forward_with(x, topk_idx, topk_weights, list(w[:n1]), list(w[n1:]))
 
     training = layer.training  # a call in the other mode runs eagerly
-    graphed = _capture(call, (x, topk_idx, topk_weights, *weights), num_warmup_iters=num_warmup_iters)
+    graphed = _capture(call, (x, topk_idx, topk_weights, *aliases), num_warmup_iters=num_warmup_iters)
     pending = [False]  # a replay whose backward has not run yet: its saved tensors live in the graphs' buffers
 
     def backward_started(grad):
