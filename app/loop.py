@@ -110,12 +110,6 @@ def job_from_config(cfg) -> tuple[Job, dict]:
                          "one call's tensors for backward in its graphs' buffers, and a pipeline schedule runs "
                          "several micro-batches' forwards before their backwards; use parallel.pp=1 or "
                          "eplb.layer_graphs=false")
-    if parts["eplb"].enabled and parts["eplb"].layer_graphs:
-        raise ValueError("eplb.layer_graphs=true is not available in the trainer: capturing the layer's backward "
-                         "inside the megatron model fails on the GPU (CUDA error 'operation would make the legacy "
-                         "stream depend on a capturing blocking stream', in make_graphed_callables' backward "
-                         "capture), while the same capture of a lone layer works; set eplb.layer_graphs=false. "
-                         "The library's topoep.graph_layer and LayerConfig.layer_graphs work in your own loop")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     for g, obj in parts.items():  # the values as checked (e.g. eplb.policy filled in from eplb.name)
         resolved[g] = dataclasses.asdict(obj)

@@ -67,9 +67,7 @@ def test_layer_graphs_config_is_checked():
         LayerConfig(backend="cuda", layer_graphs="yes")
 
 
-def test_trainer_refuses_layer_graphs():
-    """The trainer refuses eplb.layer_graphs=true, with pipeline parallelism for its schedule, and at all because its
-    capture inside the megatron model failed on the GPU; eplb.layer_graphs=false is accepted and recorded."""
+def test_trainer_refuses_layer_graphs_with_pipeline_parallelism():
     from app.config import register_configs
     from app.loop import job_from_config
     from bench.eval_worker import compose
@@ -78,11 +76,8 @@ def test_trainer_refuses_layer_graphs():
     graphs = ["eplb=topoep", "eplb.backend=cuda", "eplb.layer_graphs=true"]
     with pytest.raises(ValueError, match="eplb.layer_graphs=true with parallel.pp=2"):
         job_from_config(compose([*graphs, "parallel.pp=2"]))
-    with pytest.raises(ValueError, match="eplb.layer_graphs=true is not available in the trainer.*set "
-                                         "eplb.layer_graphs=false"):
-        job_from_config(compose(graphs))
-    job, resolved = job_from_config(compose([*graphs[:2], "eplb.layer_graphs=false"]))
-    assert not job.eplb.layer_graphs and resolved["eplb"]["layer_graphs"] is False
+    job, resolved = job_from_config(compose(graphs))  # pp 1: accepted, and recorded in the run's config
+    assert job.eplb.layer_graphs and resolved["eplb"]["layer_graphs"] is True
 
 
 def _wrapper_on_the_harness(rank, world):

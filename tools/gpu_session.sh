@@ -97,8 +97,8 @@ step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py
 
 step_graphs() {  # whole-layer CUDA graphs (topoep.graph_layer, LayerConfig.layer_graphs): their GPU tests at EP 1 and
   # at EP 8 as 2 domains of 4 with the ranks sharing the GPU, then the trainer with eplb.layer_graphs in
-  # GRAPHS_TRAINER (model=qwen3, backend cuda, STEPS steps; none by default: the trainer refuses true, whose capture
-  # inside the megatron model failed), then step limit at 4096 tokens with the graphed layers
+  # GRAPHS_TRAINER (default "false true"; model=qwen3, backend cuda, STEPS steps: the same losses), then step limit
+  # at 4096 tokens with the graphed layers
   TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k graphed > "$RUNS.g1" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$RUNS.g1" | tee "$OUT/graphs_ep1_tests.log"
   if [ "${GRAPHS_EP8:-1}" = 1 ]; then  # GRAPHS_EP8=0: left out (step shared_ep8 and relay_chunks run these tests too)
@@ -106,7 +106,7 @@ step_graphs() {  # whole-layer CUDA graphs (topoep.graph_layer, LayerConfig.laye
      timeout -k 10 300 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k graphed > "$RUNS.g8" 2>&1)
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$RUNS.g8" | tee "$OUT/graphs_shared_ep8_tests.log"
   fi
-  for g in ${GRAPHS_TRAINER:-}; do  # e.g. GRAPHS_TRAINER="false true" (the trainer refuses true: app/loop.py)
+  for g in ${GRAPHS_TRAINER:-false true}; do
     timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py model=qwen3 \
       trainer=default eplb=topoep eplb.backend=cuda eplb.layer_graphs=$g trainer.steps=${STEPS:-20} logger=none \
       trainer.run_dir=$RUNS/qwen3-graphs-$g > "$RUNS-qwen3-graphs-$g.log" 2>&1
