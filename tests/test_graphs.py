@@ -179,6 +179,86 @@ def test_graph_layer_wrapper_on_the_cpu_harness():
         assert out["errors"] == ["RuntimeError", "ValueError", "shapes", "weights"], out["errors"]
 
 
+def _static_buffers_capture(fn, sample, num_warmup_iters):
+    """A capture stand-in whose backward, as torch's graphed callables do, hands out the same gradient buffers at
+    every call (overwritten by the next call's backward)."""
+    bufs = {}
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            with torch.enable_grad():
+                ins = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+                y = fn(*ins)
+            ctx.ins, ctx.y = ins, y
+            return y.detach()
+
+        @staticmethod
+        def backward(ctx, gy):
+            need = [t for t in ctx.ins if t.requires_grad]
+            grads = iter(torch.autograd.grad(ctx.y, need, gy, allow_unused=True))
+            out = []
+            for i, t in enumerate(ctx.ins):
+                g = next(grads) if t.requires_grad else None
+                if g is not None:
+                    bufs.setdefault(i, torch.zeros_like(g)).copy_(g)
+                    g = bufs[i].detach()
+                out.append(g)
+            return tuple(out)
+
+    return Replay.apply
+
+
+def _accumulation_on_the_harness(rank, world):
+    """Two replays' backwards accumulate into the weights' .grad (no zeroing between them, the first starting from
+    None) as two eager calls do, and the first call's input gradient survives the second replay."""
+    import topoep.runtime.graphs as graphs
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime import NetBenefitGuard
+
+    graphs._capture = _static_buffers_capture
+    E_LOC, H, FD, T, K = 4, 16, 8, 12, 2
+    E = world * E_LOC
+    layers, weights = [], []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(rank)
+        w1 = [torch.nn.Parameter((torch.randn(2 * FD, H, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        w2 = [torch.nn.Parameter((torch.randn(H, FD, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        weights.append(w1 + w2)
+        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                        topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=1,
+                                        policy="topoep", backend="cuda", dtype=torch.bfloat16, device="cpu",
+                                        guard=NetBenefitGuard(skip_lag=None), _cpu_harness=True,
+                                        expert_weights=lambda w1=w1, w2=w2: (w1, w2)))
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+        idx = torch.randn(T, E, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=g).to(torch.bfloat16).requires_grad_()
+        return x, idx, w
+
+    graph_layer(layers[1], *inputs(0))
+    for ws in weights:
+        for p in ws:
+            p.grad = None
+    res = []
+    for layer, ws in zip(layers, weights):
+        xs = []
+        for seed in (1, 2):  # two micro-batches, their gradients accumulated
+            x, idx, w = inputs(seed)
+            layer(x, idx, w).float().sum().backward()
+            xs.append(x.grad)
+        res.append([*xs, *[p.grad for p in ws]])
+    return all(torch.equal(a, b) for a, b in zip(*res))
+
+
+def test_replayed_gradients_accumulate_as_eager_ones():
+    from distributed import run_ranks
+
+    assert run_ranks(_accumulation_on_the_harness, 2) == [True, True]
+
+
 def _harness_without_a_gpu(rank, world):
     from topoep import ExpertParallelMoE, Topology
 

@@ -25,6 +25,12 @@ Limits:
   flight, or an output whose gradient is never computed);
 - the output of a replay is the forward graph's output buffer, overwritten by the next replay: use it (e.g. add the
   residual) before calling the layer again.
+
+Gradients: a replay's backward hands out the backward graph's own buffers, which the next replay overwrites. Where a
+weight had no gradient yet, autograd would keep that buffer as the weight's `.grad`, and the next replay would
+overwrite it (gradient accumulation over micro-batches would give twice the last one). So a buffer that became a
+weight's `.grad` is copied out before the next replay (`_GradBuffers`: nothing to copy where megatron moves `.grad`
+into its main_grad and clears it), and the inputs' gradients are copies.
 """
 
 from __future__ import annotations
@@ -33,6 +39,36 @@ import torch
 
 # the capture (torch's); backend cuda's CPU harness tests replace it with an eager stand-in to check the wrapper
 _capture = torch.cuda.make_graphed_callables
+
+
+class _GradBuffers(torch.autograd.Function):
+    """Identity on (inputs..., weights...) in front of a replay. Backward: the inputs' gradients as copies; the
+    weights' as they come (the backward graph's buffers), their storage remembered in `seen` so that the next replay
+    can copy out a buffer that became a weight's .grad (`keep_grads`)."""
+
+    @staticmethod
+    def forward(ctx, n_inputs: int, seen: list, *tensors):
+        ctx.n_inputs, ctx.seen = n_inputs, seen
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for i, g in enumerate(grads):
+            if g is not None and i < ctx.n_inputs:
+                g = g.clone()
+            elif g is not None:
+                ctx.seen[i - ctx.n_inputs] = g.data_ptr()
+            out.append(g)
+        return (None, None, *out)
+
+
+def keep_grads(weights: list, seen: list) -> None:
+    """Before a replay: a weight whose .grad is the backward graph's buffer (its storage in `seen`) gets a copy."""
+    for i, w in enumerate(weights):
+        g = w.grad
+        if g is not None and seen[i] is not None and g.data_ptr() == seen[i]:
+            w.grad = g.clone()
 
 
 def graph_layer(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -81,6 +117,7 @@ def graph_layer(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     training = layer.training  # a call in the other mode runs eagerly
     graphed = _capture(call, (x, topk_idx, topk_weights, *aliases), num_warmup_iters=num_warmup_iters)
     pending = [False]  # a replay whose backward has not run yet: its saved tensors live in the graphs' buffers
+    seen = [None] * len(weights)  # the storage of each weight's gradient buffer in the backward graph
 
     def backward_started(grad):
         pending[0] = False
@@ -107,6 +144,9 @@ def graph_layer(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
                                "so the earlier call's gradients would be wrong. Run each call's backward before the "
                                "next call (no pipeline schedule with several micro-batches in flight), or set "
                                "LayerConfig.layer_graphs=false")
+        keep_grads(w, seen)
+        if torch.is_grad_enabled():
+            x, topk_weights, *w = _GradBuffers.apply(2, seen, x, topk_weights, *w)
         y = graphed(x, topk_idx, topk_weights, *w)
         layer.count_replay()
         if y.requires_grad:
