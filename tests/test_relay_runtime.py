@@ -191,3 +191,7 @@ def test_relay_chunks_are_checked_and_reach_the_guard():
     layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo, relay_fanout=2,
                               relay_chunks=4, relay_share=True)
     assert (layer.guard.relay_fanout, layer.guard.relay_chunks, layer.guard.relay_share) == (2, 4, True)
+    # a guard passed in keeps its fanout, and gets the chunks that run and the layer's sender bound
+    layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo, relay_fanout=2,
+                              relay_chunks=3, relay_share=True, guard=NetBenefitGuard(relay_fanout=1))
+    assert (layer.guard.relay_fanout, layer.guard.relay_chunks, layer.guard.relay_share) == (1, 3, True)

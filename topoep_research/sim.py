@@ -258,7 +258,8 @@ class Execution:
     relay_chunks: int = 1
     """With relay_fanout: each relayed copy in this many chunks, the levels overlapping (topoep.relay.relay_steps:
     levels + relay_chunks - 1 steps, each a transfer of 1/relay_chunks of the copies it carries, at its busiest link
-    with its latency); the guard prices the same."""
+    with the cluster's transfer latency; `replica_latency_s` once per fetch, as for the levels). The guard prices the
+    same steps with its own `transfer_latency_s` per step."""
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form exceeds a tree's share
     (`NetBenefitGuard.relay_share`)."""
@@ -782,9 +783,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     n_rep = execution.exposed_replica_transfers
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
-    if guard is not None and execution.relay_fanout is not None and guard.relay_fanout is None:
-        guard = replace(guard, relay_fanout=execution.relay_fanout,  # the guard prices the relayed fetch that runs
-                        relay_chunks=execution.relay_chunks, relay_share=execution.relay_share)
+    if guard is not None and execution.relay_fanout is not None:  # the guard prices the relayed fetch that runs
+        guard = replace(guard, relay_fanout=guard.relay_fanout or execution.relay_fanout,
+                        relay_chunks=execution.relay_chunks, relay_share=guard.relay_share or execution.relay_share)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

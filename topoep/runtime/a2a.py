@@ -461,17 +461,19 @@ class A2AReplicaPool(SlotBanks):
             key = torch.where(here, source.view(R, N)[me] * N + j, R * N + j)
             row_of = torch.argsort(torch.argsort(key, stable=True), stable=True)
             sent_level = level.index_select(0, send_order)
+            sent_local = local.index_select(0, send_order)
+            if relay is not None:
+                sent_home, sent_held = home.index_select(0, send_order)[:, None], held.index_select(0, send_order)
             for W, slots, full in zip((W1, W2), self.bank_weights(bank), self._bufs):
                 n = slots[0].numel()
                 b, w = self._chunked(full, n, C)
-                whole = W.reshape(e_loc, -1).index_select(0, local.index_select(0, send_order))
-                if relay is not None:  # a relay's rows come from its slots
-                    whole = torch.where(home.index_select(0, send_order)[:, None], whole,
-                                        slots.reshape(N, -1).index_select(0, held.index_select(0, send_order)))
-                for lv, c in active:  # each level's chunk of its rows
+                for lv, c in active:  # each level's chunk of its rows (only those columns are read)
                     lo, hi = chunk_range(n, C, c)
-                    rows = whole[:, lo:hi] if len(active) == 1 else torch.where(
-                        (sent_level == lv)[:, None], whole[:, lo:hi], b["send"][:, :hi - lo])
+                    rows = W.reshape(e_loc, -1)[:, lo:hi].index_select(0, sent_local)
+                    if relay is not None:  # a relay's rows come from its slots
+                        rows = torch.where(sent_home, rows, slots.reshape(N, -1)[:, lo:hi].index_select(0, sent_held))
+                    if len(active) > 1:
+                        rows = torch.where((sent_level == lv)[:, None], rows, b["send"][:, :hi - lo])
                     b["send"][:, :hi - lo].copy_(rows)
                 self.exchange.all_to_all(b["send"], b["recv"], splits)
                 got = b["recv"].index_select(0, row_of)
@@ -516,11 +518,11 @@ class A2AReplicaPool(SlotBanks):
             for acc, grad, full in zip(accs, (grad1.view(e_loc, -1), grad2.view(e_loc, -1)), self._bufs):
                 n = acc.shape[1]
                 b, w = self._chunked(full, n, C)
-                whole = acc.index_select(0, send_order)
                 for lv, c in active:
                     lo, hi = chunk_range(n, C, c)
-                    rows = whole[:, lo:hi] if len(active) == 1 else torch.where(
-                        (sent_level == lv)[:, None], whole[:, lo:hi], b["gsend"][:, :hi - lo])
+                    rows = acc[:, lo:hi].index_select(0, send_order)
+                    if len(active) > 1:
+                        rows = torch.where((sent_level == lv)[:, None], rows, b["gsend"][:, :hi - lo])
                     b["gsend"][:, :hi - lo].copy_(rows)
                 self.exchange.all_to_all(b["gsend"], b["grecv"], splits)
                 for lv, c in active:

@@ -551,8 +551,9 @@ class SymmReplicaPool(SlotBanks):
               relay=None) -> None:
         """Every main rank pushes its replicated experts (W1 [E_loc, 2F, H], W2 [E_loc, H, F], stacked)
         into the slots of `bank` the plan gives them; with `relay` (topoep.relay.RelayTrees) every slot's copy comes
-        from its source instead, level by level, with a barrier of the group between levels (a copy is sent on only
-        after it arrived everywhere; channel 2 + bank of the fc2 slots, so that fetches into different banks on
+        from its source instead, in the steps of topoep.relay.relay_steps (relay.chunks chunks per copy; one chunk:
+        a step per level), with a barrier of the group between steps (a chunk is sent on only after it arrived
+        everywhere; channel 2 + bank of the fc2 slots, so that fetches into different banks on
         different streams never share one). No barrier at the start or the end: the layer calls it right before a
         dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when the fetch
         runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a barrier after its last
@@ -583,9 +584,10 @@ class SymmReplicaPool(SlotBanks):
                    relay=None) -> None:
         """First half of the gradient return: my slots' weight gradients src1 [N, 2F, H] / src2 [N, H, F]
         (contiguous) go to region (me, slot) of their expert's main rank. With `relay` (topoep.relay.RelayTrees) up
-        the relay trees instead, deepest level first: a slot of level l sends to the rank it fetched from, which
-        after a barrier (channel 2 of ret2) adds what its children sent to its own slot's gradient (in src1/src2,
-        in place: `_reduce`) before its own level sends it on; this ends with level 1's sends to the homes. No
+        the relay trees instead, deepest level first, in the fetch's steps with the levels reversed (relay.chunks
+        chunks per copy): a slot of level l sends a chunk to the rank it fetched from, which after a barrier (channel
+        2 of ret2) adds what its children sent of that chunk to its own slot's gradient (in src1/src2, in place:
+        `_reduce`) before it sends that chunk on; this ends with level 1's sends to the homes. No
         barrier first: the previous return's regions were summed before the dispatch barriers that every rank
         passed since. May run on a side stream (its barriers are on a channel nothing else uses); `reduce_grads`
         must come after it on the layer's stream."""
