@@ -80,14 +80,41 @@ def test_trainer_refuses_layer_graphs_with_pipeline_parallelism():
     assert job.eplb.layer_graphs and resolved["eplb"]["layer_graphs"] is True
 
 
+def _two_layers(rank, world):
+    """Two identical backend-cuda layers on the CPU harness whose per-expert weights are read through expert_weights
+    (as under megatron): (layers, their weight lists, inputs(seed) -> (x, topk_idx, topk_weights))."""
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime import NetBenefitGuard
+
+    E_LOC, H, FD, T, K = 4, 16, 8, 12, 2
+    E = world * E_LOC
+    layers, weights = [], []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(rank)
+        w1 = [torch.nn.Parameter((torch.randn(2 * FD, H, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        w2 = [torch.nn.Parameter((torch.randn(H, FD, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
+        weights.append(w1 + w2)
+        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
+                                        topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=1,
+                                        policy="topoep", backend="cuda", dtype=torch.bfloat16, device="cpu",
+                                        guard=NetBenefitGuard(skip_lag=None), _cpu_harness=True,
+                                        expert_weights=lambda w1=w1, w2=w2: (w1, w2)))
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+        idx = torch.randn(T, E, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=g).to(torch.bfloat16).requires_grad_()
+        return x, idx, w
+    return layers, weights, inputs
+
+
 def _wrapper_on_the_harness(rank, world):
     """graph_layer's wrapper on backend cuda's CPU harness, the capture replaced by an eager stand-in that warms up
     as torch's does: a layer reading per-expert weights through expert_weights (as under megatron) gives the eager
     layer's outputs and weight gradients, counts its calls, and refuses a second call before the backward, other
     shapes and other weight tensors; in eval mode it runs eagerly."""
     import topoep.runtime.graphs as graphs
-    from topoep import ExpertParallelMoE, Topology
-    from topoep.runtime import NetBenefitGuard
 
     captured = {}
 
@@ -105,28 +132,9 @@ def _wrapper_on_the_harness(rank, world):
         return replay
 
     graphs._capture = stand_in
-    E_LOC, H, FD, T, K = 4, 16, 8, 12, 2
-    E = world * E_LOC
-    layers, weights = [], []
-    for _ in range(2):
-        g = torch.Generator().manual_seed(rank)
-        w1 = [torch.nn.Parameter((torch.randn(2 * FD, H, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
-        w2 = [torch.nn.Parameter((torch.randn(H, FD, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
-        weights.append(w1 + w2)
-        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                                        topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=1,
-                                        policy="topoep", backend="cuda", dtype=torch.bfloat16, device="cpu",
-                                        guard=NetBenefitGuard(skip_lag=None), _cpu_harness=True,
-                                        expert_weights=lambda w1=w1, w2=w2: (w1, w2)))
+    layers, weights, inputs = _two_layers(rank, world)
     eager, graphed = layers
     captured["layer"] = graphed
-
-    def inputs(seed):
-        g = torch.Generator().manual_seed(100 * seed + rank)
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
-        idx = torch.randn(T, E, generator=g).topk(K, dim=1).indices
-        w = torch.rand(T, K, generator=g).to(torch.bfloat16).requires_grad_()
-        return x, idx, w
 
     graph_layer(graphed, *inputs(0))
     # the capture's weights: leaf aliases of the expert weights (their storage, new autograd leaves)
@@ -213,30 +221,9 @@ def _accumulation_on_the_harness(rank, world):
     """Two replays' backwards accumulate into the weights' .grad (no zeroing between them, the first starting from
     None) as two eager calls do, and the first call's input gradient survives the second replay."""
     import topoep.runtime.graphs as graphs
-    from topoep import ExpertParallelMoE, Topology
-    from topoep.runtime import NetBenefitGuard
 
     graphs._capture = _static_buffers_capture
-    E_LOC, H, FD, T, K = 4, 16, 8, 12, 2
-    E = world * E_LOC
-    layers, weights = [], []
-    for _ in range(2):
-        g = torch.Generator().manual_seed(rank)
-        w1 = [torch.nn.Parameter((torch.randn(2 * FD, H, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
-        w2 = [torch.nn.Parameter((torch.randn(H, FD, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(E_LOC)]
-        weights.append(w1 + w2)
-        layers.append(ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD,
-                                        topology=Topology(num_domains=1, ranks_per_domain=world), num_slots=1,
-                                        policy="topoep", backend="cuda", dtype=torch.bfloat16, device="cpu",
-                                        guard=NetBenefitGuard(skip_lag=None), _cpu_harness=True,
-                                        expert_weights=lambda w1=w1, w2=w2: (w1, w2)))
-
-    def inputs(seed):
-        g = torch.Generator().manual_seed(100 * seed + rank)
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
-        idx = torch.randn(T, E, generator=g).topk(K, dim=1).indices
-        w = torch.rand(T, K, generator=g).to(torch.bfloat16).requires_grad_()
-        return x, idx, w
+    layers, weights, inputs = _two_layers(rank, world)
 
     graph_layer(layers[1], *inputs(0))
     for ws in weights:
