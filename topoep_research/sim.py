@@ -784,8 +784,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
     if guard is not None and execution.relay_fanout is not None:  # the guard prices the relayed fetch that runs
-        guard = replace(guard, relay_fanout=guard.relay_fanout or execution.relay_fanout,
-                        relay_chunks=execution.relay_chunks, relay_share=guard.relay_share or execution.relay_share)
+        guard = guard.pricing_relays(execution.relay_fanout, execution.relay_chunks, execution.relay_share)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

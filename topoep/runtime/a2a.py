@@ -425,14 +425,14 @@ class A2AReplicaPool(SlotBanks):
         se_me = se.view(self.R, self.num_slots)[self.rank]
         return ((se[:, None] == se_me[None, :]) & (se_me >= 0)[None, :]).to(torch.int32).argmax(1)
 
-    def _chunked(self, b: dict, n: int, chunks: int) -> tuple[dict, int]:
-        """The exchange buffers b as rows of one chunk (views of their first elements: the chunk's width rounded up
-        to the exchange's pieces, at most the full row) and that width."""
+    def _chunked(self, b: dict, n: int, chunks: int) -> dict:
+        """The exchange buffers b as rows of one chunk: views of their first elements, the chunk's width rounded up
+        to the exchange's pieces, at most the full row."""
         if chunks == 1:
-            return b, b["send"].shape[1]
+            return b
         piece = 8 * self.exchange.blocks_per_peer
         w = min(b["send"].shape[1], -(-(-(-n // chunks)) // piece) * piece)
-        return {k: v.view(-1)[:v.shape[0] * w].view(v.shape[0], w) for k, v in b.items()}, w
+        return {k: v.view(-1)[:v.shape[0] * w].view(v.shape[0], w) for k, v in b.items()}
 
     def fetch(self, slot_expert: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int = 0,
               relay=None) -> None:
@@ -466,7 +466,7 @@ class A2AReplicaPool(SlotBanks):
                 sent_home, sent_held = home.index_select(0, send_order)[:, None], held.index_select(0, send_order)
             for W, slots, full in zip((W1, W2), self.bank_weights(bank), self._bufs):
                 n = slots[0].numel()
-                b, w = self._chunked(full, n, C)
+                b = self._chunked(full, n, C)
                 for lv, c in active:  # each level's chunk of its rows (only those columns are read)
                     lo, hi = chunk_range(n, C, c)
                     rows = W.reshape(e_loc, -1)[:, lo:hi].index_select(0, sent_local)
@@ -517,7 +517,7 @@ class A2AReplicaPool(SlotBanks):
             owned = (source == me) & _levels_in(level, active)
             for acc, grad, full in zip(accs, (grad1.view(e_loc, -1), grad2.view(e_loc, -1)), self._bufs):
                 n = acc.shape[1]
-                b, w = self._chunked(full, n, C)
+                b = self._chunked(full, n, C)
                 for lv, c in active:
                     lo, hi = chunk_range(n, C, c)
                     rows = acc[:, lo:hi].index_select(0, send_order)

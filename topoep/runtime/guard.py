@@ -54,7 +54,7 @@ constants, never of measured times: every rank must execute the same plan.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,6 +165,12 @@ class NetBenefitGuard:
         if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 1):
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
                              f"replica machinery), got {lag!r}")
+
+    def pricing_relays(self, fanout: int, chunks: int, share: bool) -> "NetBenefitGuard":
+        """This guard for a layer whose fetches run down relay trees of `fanout` in `chunks` chunks: it prices what
+        runs (the chunks always; the fanout unless it has its own) and bounds the senders if it or the layer asks."""
+        return replace(self, relay_fanout=self.relay_fanout or fanout, relay_chunks=chunks,
+                       relay_share=self.relay_share or share)
 
     @staticmethod
     def build(guard) -> "NetBenefitGuard | None":

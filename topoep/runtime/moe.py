@@ -108,11 +108,8 @@ class ExpertParallelMoE(nn.Module):
         num_slots, policy, num_chunks = config.num_slots, config.policy, config.chunks
         self.t_ffn = DEFAULT_T_FFN if config.t_ffn is None else config.t_ffn
         self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
-        if self.guard is not None and config.relay_fanout is not None:  # it prices what runs: the chunks always,
-            # the fanout unless the guard passed in has its own; the sender bound if either asks for it
-            self.guard = dataclasses.replace(self.guard, relay_fanout=self.guard.relay_fanout or config.relay_fanout,
-                                             relay_chunks=config.relay_chunks,
-                                             relay_share=self.guard.relay_share or config.relay_share)
+        if self.guard is not None and config.relay_fanout is not None:  # it prices the fetch that runs
+            self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     "gloo" if cpu_harness else config.transport)
