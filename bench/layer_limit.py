@@ -49,8 +49,8 @@ megatron's router at skew 0, random top-k):
                 replayed alone, GPU and host us per replay
 
 Writes <out>/<name>.md and .json (default results/layer_limit), with config, commit and hardware; --profile
-(torch.profiler tables per layer) and --host-profile (cProfile of the cuda layers' host work) write
-<out>/<name>_profile.txt.
+(torch.profiler tables per layer), --host-profile (cProfile of the cuda layers' host work) and --meta-profile (the
+kernels of the cuda layers' metadata graph, one by one) write <out>/<name>_profile.txt.
 """
 
 from __future__ import annotations
@@ -210,6 +210,35 @@ def metadata_graph_us(layer, iters: int) -> dict:
     return dict(meta_gpu_us=1e3 * a.elapsed_time(b) / iters, meta_host_us=1e6 * host)
 
 
+def metadata_graph_profile(layer, iters: int = 20) -> str:
+    """torch.profiler over `iters` replays of the layer's metadata CUDA graph alone: every kernel, copy and fill it
+    runs, by name, with its count and GPU time per replay (what the graph's nodes are and what each costs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = [e[0] for e in layer._meta_graphs._graphs.values() if isinstance(e, tuple)]
+    if not graphs:
+        return "(no captured metadata graph)\n"
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graphs[0].replay()
+        torch.cuda.synchronize()
+    per: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        c = per.setdefault(ev.name, [0, 0.0])
+        c[0] += 1
+        c[1] += ev.device_time
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+    nodes = sum(c for c, _ in per.values()) / iters
+    busy = sum(t for _, t in per.values()) / iters
+    lines = [f"{nodes:.0f} device activities per replay, {busy:.1f} us of them busy (the rest of the replay's time "
+             "is the gaps between them)", "", "| per replay | us per replay | name |", "|---|---|---|"]
+    lines += [f"| {c / iters:.1f} | {t / iters:.1f} | {name[:110]} |" for name, (c, t) in rows]
+    return "\n".join(lines) + "\n"
+
+
 def phase_times(layer, run, iters: int, dev) -> dict:
     from topoep.runtime import PHASES, PhaseTimer
 
@@ -317,6 +346,9 @@ def parse_args(argv):
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of every layer (<name>_profile.txt)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile of the cuda layers' host work by Python function (into <name>_profile.txt)")
+    ap.add_argument("--meta-profile", action="store_true",
+                    help="torch.profiler over replays of the cuda layers' metadata graph: its kernels one by one "
+                         "(into <name>_profile.txt)")
     ap.add_argument("--graphed", action="store_true",
                     help="also cuda/static with forward and backward captured as CUDA graphs by the caller")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
@@ -375,6 +407,9 @@ def main(argv=None) -> int:
                            **time_layer(run, args.iters))
                 if name.startswith("cuda/") and not name.endswith("graphed"):  # (a replay runs no host code)
                     row.update(metadata_graph_us(module, args.iters))
+                    if args.meta_profile:
+                        profiles.append(f"## {T} tokens, {rname}, {name}: the metadata graph\n"
+                                        f"{metadata_graph_profile(module)}")
                     if args.profile_iters:
                         row.update(phase_times(module, run, args.profile_iters, dev))
                 if args.profile:
@@ -388,7 +423,7 @@ def main(argv=None) -> int:
                       f"= {row['vs_limit']:.2f}x limit", flush=True)
         del layers
     report(args, rows, limits)
-    if args.profile or args.host_profile:
+    if args.profile or args.host_profile or args.meta_profile:
         (args.out / f"{args.name}_profile.txt").write_text("\n".join(profiles))
     dist.destroy_process_group()
     return 0
