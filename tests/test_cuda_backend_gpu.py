@@ -526,7 +526,8 @@ def test_no_host_sync_and_forward_graph_replay():
 def _graphed_layer(rank, world, owned):
     """A layer captured whole (forward and backward) against an identical eager layer, on three routings replayed one
     after another: outputs and every gradient bit for bit, no host sync in a replay, and the statistics of the
-    replays averaged as the eager calls' are. owned: the layer's own stacked parameters, captured by
+    replays averaged as the eager calls' are, and weight gradients accumulated over two calls as the eager layer's.
+    owned: the layer's own stacked parameters, captured by
     topoep.graph_layer; else per-expert weights it reads through expert_weights (as under megatron), captured on its
     first call by LayerConfig.layer_graphs."""
     from topoep import ExpertParallelMoE, graph_layer
@@ -588,6 +589,17 @@ def _graphed_layer(rank, world, owned):
                 torch.cuda.set_sync_debug_mode(0)
             out.append([y.detach(), x.grad, w.grad, *[p.grad for p in ws]])
         same.append([a is not None and torch.equal(a, c) for a, c in zip(*out)])
+    # gradient accumulation over micro-batches: two calls without clearing .grad add up as the eager ones do
+    acc = []
+    for layer, ws in zip(layers, weights):
+        layer.zero_grad(set_to_none=True)
+        for p in ws:
+            p.grad = None
+        for b in batches[:2]:
+            x, idx, w = inputs(b)
+            (layer(x, idx, w) * b[3].to(torch.bfloat16)).sum().backward()
+        acc.append([p.grad.clone() for p in ws])
+    same.append([torch.equal(a, c) for a, c in zip(*acc)])
     (se, ce), (sg, cg) = eager.pop_stats(), graphed.pop_stats()
     keep = [i for i, n in enumerate(LAYER_STAT_NAMES) if n != "planner_ms"]
     stats_equal = torch.allclose(se[keep], sg[keep], rtol=1e-12, atol=1e-12)
@@ -606,7 +618,7 @@ def test_graphed_layer_replays_equal_the_eager_layer(owned):
     for same, sync_free, calls, stats_equal, planner_ms in run_ranks(_graphed_layer, WORLD, owned, backend="nccl"):
         assert sync_free
         assert all(all(s) for s in same), same
-        assert calls == (4, 4) and stats_equal
+        assert calls == (6, 6) and stats_equal
         assert planner_ms == 0.0  # a replay plans nothing on the host
 
 
