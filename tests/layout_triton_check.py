@@ -1,9 +1,11 @@
 """Run by tests/test_cuda_layout.py in a subprocess with TRITON_INTERPRET=1 (Triton's interpreter runs the
 kernels on CPU tensors; it must be set before triton is imported): `layout_triton.fused_layout` against
-the torch reference (`layout.send_layout` + `layout.receive_positions`) on random plans, bit for bit.
-Prints one line per case and exits 1 on the first difference; last, on the CPU only, a plan that routes
-one assignment to the wrong expert, and one that routes one more to an empty slot, must be rejected. tests/test_cuda_backend_gpu.py calls main("cuda") for
-the same comparisons on the GPU (compiled kernels)."""
+the torch reference (`layout.send_layout` + `layout.receive_positions`, the offsets of `layout.received_sizes`)
+on random plans, bit for bit, and the tables its kernels make against `layout_triton.tables_reference`; then
+`layout_triton.checked_counts` against `layout.count_keys`. Prints one line per case and exits 1 on the first
+difference; last, on the CPU only, out-of-range expert ids, a plan that routes one assignment to the wrong expert,
+and one that routes one more to an empty slot must be rejected. tests/test_cuda_backend_gpu.py calls main("cuda")
+for the same comparisons on the GPU (compiled kernels)."""
 
 import random
 import sys
@@ -12,8 +14,9 @@ import torch
 
 from topoep import Plan, Topology, solve
 from topoep.plan import default_main_rank
-from topoep.runtime.layout import group_counts, own_rows, receive_positions, send_layout
-from topoep.runtime.layout_triton import BLOCK, fused_layout
+from topoep.runtime.layout import group_counts, own_rows, receive_positions, received_sizes, send_layout
+from topoep.runtime.layout import count_keys
+from topoep.runtime.layout_triton import BLOCK, checked_counts, fused_layout, tables_reference, tables_triton
 from topoep.workloads import biased_topk
 
 
@@ -27,6 +30,7 @@ def cases():
     yield 8, 4, 64, 2, 64, 6, -3.0, "topoep"
     yield 8, 8, 40, 4, 50, 5, -2.5, "static"
     yield 4, 2, 16, 2, 0, 2, 0.0, "topoep"  # no assignments
+    yield 1, 1, 24, 2, 4200, 8, -2.0, "topoep"  # more blocks than _tables_kernel scans in one step
 
 
 def hand_plan(R: int, E: int, N: int, T: int, k: int, seed: int, zero_main: bool):
@@ -76,8 +80,22 @@ def compare(n: int, label: str, idx, plan, device: str) -> bool:
         if not torch.equal(fused_layout(idx[rank], plan, rank, C)[1], got[1]):
             print(f"case {n} ({label}) rank {rank}: the layout with inv differs from the one without")
             return False
-        for name, g, r in zip(("key", "order", "dest", "pos", "is_slot", "inv"), got,
-                              (key_ref, order_ref, dest_ref, pos_ref, slot_ref, inv_ref)):
+        # the grouped GEMMs' offsets and row counts, clamped to the region
+        sizes = received_sizes(C, rank, plan.num_experts // plan.num_ranks)
+        offs_ref = [torch.cumsum(z, 0).clamp(max=region).to(torch.int32) for z in sizes]
+        offs_ref += [z.sum().clamp(max=region).view(1) for z in sizes]
+        got_offs = fused_layout(idx[rank], plan, rank, C, offsets_rows=region)[5:]
+        # the tables the layout kernel reads, and the plan's check
+        tables = tables_triton(idx[rank], plan, rank, C)
+        tables_ref = tables_reference(idx[rank], plan, rank, C)
+        if tables[-1] != tables_ref[-1] or not tables[-1]:
+            print(f"case {n} ({label}) rank {rank}: the route check says {tables[-1]}, its reference {tables_ref[-1]}")
+            return False
+        for name, g, r in zip(("key", "order", "dest", "pos", "is_slot", "inv", "offs_main", "offs_slot", "n_main",
+                               "n_slot", "key_start", "recv_start", "inst_start", "rep_first", "rep_count",
+                               "rep_list", "first"),
+                              (*got, *got_offs, *tables[:-1]),
+                              (key_ref, order_ref, dest_ref, pos_ref, slot_ref, inv_ref, *offs_ref, *tables_ref[:-1])):
             if not (g.dtype == r.dtype and torch.equal(g, r)):
                 print(f"case {n} ({label}) rank {rank}: {name} differs ({g.dtype} vs {r.dtype})\n"
                       f"  got {g.tolist()[:40]}\n  ref {r.tolist()[:40]}")
@@ -99,15 +117,33 @@ def main(device: str = "cpu") -> int:
             return 1
     # hand-made plans: one expert in many slots (twice on some ranks), main instances that serve nothing
     for n, (R, E, N, T, k, zero_main) in enumerate([(8, 16, 4, 100, 2, False), (8, 16, 4, 101, 3, True),
-                                                    (32, 64, 2, 33, 3, False), (4, 8, 2, 257, 1, True)], n + 1):
+                                                    (32, 64, 2, 33, 3, False), (4, 8, 2, 257, 1, True),
+                                                    (16, 48, 5, 40, 2, False)], n + 1):
         idx, plan = hand_plan(R, E, N, T, k, seed=n, zero_main=zero_main)
         plan = Plan(omega=plan.omega.to(device), topology=plan.topology, num_slots=N,
                     main_rank=plan.main_rank.to(device), slot_expert=plan.slot_expert.to(device),
                     route=plan.route.to(device), policy="hand", expert_bytes=1, token_bytes=1)
         if not compare(n, f"hand-made R={R} E={E} N={N} T={T} k={k} zero_main={zero_main}", idx, plan, device):
             return 1
+    n += 1
+    for Ec, Tc, kc in ((8, 40, 2), (128, 4096, 8), (24, 3 * BLOCK // 8, 3)):
+        ci = torch.randint(0, Ec, (Tc, kc), generator=torch.Generator().manual_seed(Ec)).to(device)
+        if not torch.equal(checked_counts(ci, Ec), count_keys(ci, Ec)):
+            print(f"case {n}: checked_counts differs from count_keys (E={Ec} T={Tc} k={kc})")
+            return 1
     if device != "cpu":  # a failed device-side assert would leave the process's CUDA context unusable
+        print(f"case {n}: checked_counts equal count_keys")
         return 0
+    for v in (-1, 8):
+        ci = torch.zeros(50, 2, dtype=torch.int64)
+        ci[37, 1] = v
+        try:
+            checked_counts(ci, 8)
+        except RuntimeError:
+            continue
+        print(f"case {n}: checked_counts did NOT reject the value {v} of 8 experts")
+        return 1
+    print(f"case {n}: checked_counts equal count_keys, and values outside [0, E) are rejected")
     # a plan that routes the right total but moves one assignment from expert 1 to expert 2: rejected
     route = plan.route.clone()
     route[0, 1] -= 1

@@ -144,9 +144,10 @@ def test_assignment_ordinals_count_within_each_expert():
 def test_triton_layout_equals_the_torch_layout_in_the_interpreter():
     """tests/layout_triton_check.py in a subprocess with TRITON_INTERPRET=1 (read when triton is imported)."""
     lines = interpreted_cases("layout_triton_check.py")
-    assert len(lines) == 14 and all("equal on every rank" in ln for ln in lines[:12]), lines
+    assert len(lines) == 17 and all("equal on every rank" in ln for ln in lines[:14]), lines
+    assert "checked_counts equal count_keys, and values outside [0, E) are rejected" in lines[14], lines
     # plans that do not route this rank's assignments of every expert, or route one to an empty slot
-    assert "rejected (" in lines[12] and "rejected (" in lines[13], lines
+    assert "rejected (" in lines[15] and "rejected (" in lines[16], lines
     assert any("(0 replicas)" not in ln for ln in lines)  # replicas exercised
 
 

@@ -1,9 +1,12 @@
 """The per-call metadata of backend `cuda` (routing counts, their all-gather, the planner, the net-benefit
 guard, the statistics, the receive layout), replayed as one CUDA graph.
 
-This work is a chain of small kernels on tensors of a few thousand elements (about 150 before the send and
-receive layout became two Triton kernels, layout_triton.py; 43 after it, in a profile at EP 2): run eagerly,
-the host spends longer launching them than the GPU spends running them, and the layer becomes host-bound. None of it synchronises the host and every shape is fixed by (T, k), so each layer captures
+This work is a chain of small kernels on tensors of a few thousand elements (the counts, the layout, the spill
+work and the statistics are Triton kernels: layout_triton.py, spill.py, stats_triton.py; the planner and the guard
+CUDA kernels): run eagerly, the host spends longer launching them than the GPU spends running them, and the layer
+becomes host-bound; in a graph each costs its own run time, a microsecond or more however small
+(`bench/layer_limit.py --meta-profile` lists them). None of it synchronises the host and every shape is fixed by
+(T, k), so each layer captures
 it once per input shape (on the second call: the first one compiles the kernels and creates the
 workspaces) and afterwards copies topk_idx (and the replica-machinery flag) into the graph's inputs, replays
 it, and copies its outputs out (the next replay overwrites them while this call's backward still needs them).

@@ -412,10 +412,9 @@ class ExpertParallelMoE(nn.Module):
         level, the direct fetch where the guard found it faster; empty without); the grouped-GEMM offsets and row
         counts are made here once for forward and backward."""
         E = self.num_experts
-        if topk_idx.is_cuda and topk_idx.numel():  # _validate leaves the values to the device
-            lo, hi = torch.aminmax(topk_idx)
-            torch._assert_async((lo >= 0) & (hi < E), f"topk_idx out of range: values must be in [0, {E})")
-        omega = ws.all_gather(count_keys(topk_idx, E), 0)
+        # on a GPU the values are checked there (_validate leaves them to the device)
+        counts = layout_triton.checked_counts(topk_idx, E) if topk_idx.is_cuda else count_keys(topk_idx, E)
+        omega = ws.all_gather(counts, 0)
         cap = None
         if self.capacity_factor is not None:
             cap = capacity_rows(ws.a_cap, self.capacity_factor)
@@ -473,19 +472,20 @@ class ExpertParallelMoE(nn.Module):
         weighting reads it in place (weighting.py's `local`)."""
         E_loc = self.experts_per_rank
         inv = topk_idx.new_empty(0)
-        if topk_idx.is_cuda:  # two Triton kernels instead of about 60 small torch ones (and inv in the second)
+        if topk_idx.is_cuda:  # three Triton kernels instead of about 110 small torch ones (inv and offsets too)
             C = group_counts(plan)  # from the plan's route: no exchange
             key, order, dest, pos, is_slot, *rest = layout_triton.fused_layout(
-                topk_idx, plan, self.rank, C, region_rows if in_place else None)
+                topk_idx, plan, self.rank, C, region_rows if in_place else None, offsets_rows=region_rows)
             inv = rest[0] if in_place else inv
+            offs_main, offs_slot, n_main, n_slot = rest[-4:]
         else:
             C, key, order = send_layout(topk_idx, plan, self.rank)
             dest, pos, is_slot = receive_positions(C, key, self.rank, E_loc)
             if in_place:
                 inv = own_rows(order, dest, pos, is_slot, self.rank, region_rows)
-        sizes_main, sizes_slot = received_sizes(C, self.rank, E_loc)
-        offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in (sizes_main, sizes_slot))
-        n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in (sizes_main, sizes_slot))
+            sizes = received_sizes(C, self.rank, E_loc)
+            offs_main, offs_slot = (torch.cumsum(s, 0).clamp(max=region_rows).to(torch.int32) for s in sizes)
+            n_main, n_slot = (s.sum().clamp(max=region_rows).view(1) for s in sizes)
         work = (spill_work_triton if C.is_cuda else spill_work)(C, self.rank, E_loc, region_rows, prev)  # 1 kernel
         return (order, dest, pos, is_slot, offs_main, offs_slot, n_main, n_slot, inv,
                 *(getattr(work, f.name) for f in dataclasses.fields(SpillWork)))
