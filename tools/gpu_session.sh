@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks guard tests cuda a2a layer_cuda local limit reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks guard tests cuda a2a layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -85,6 +85,16 @@ step_limit() {  # one layer at EP 1 against its physical limit (bench/layer_limi
   # same run, our layer (static, topoep), a plain PyTorch MoE and megatron's; LIMIT_ARGS adds options (e.g. --profile)
   timeout ${LIMIT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/layer_limit.py \
     --out "$OUT" ${LIMIT_ARGS:-} 2>&1 | grep -v -i warn | grep -E "^  [0-9]|^\||Error|error" | tail -60
+}
+
+step_meta() {  # the metadata graph's kernels: backend cuda's GPU tests at EP 1 (stops at the first failure) and its sync
+  # audit, then step limit at 4096 tokens with --meta-profile (the graph's kernels one by one; LIMIT_ARGS replaces the
+  # options)
+  TOPOEP_GPU_WORLD=1 timeout 300 python3 -m pytest -q -x -rA tests/test_cuda_backend_gpu.py tests/test_spill.py \
+    tests/test_stats_triton.py tests/test_weighting.py 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error" \
+    | tee "$OUT/cuda_backend_ep1_tests.log" | tail -3
+  TOPOEP_GPU_WORLD=1 timeout 100 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | tail -2
+  LIMIT_ARGS="${LIMIT_ARGS:---no-megatron --iters 10 --meta-profile --tokens 4096}" step_limit
 }
 
 step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py) against its reference and
