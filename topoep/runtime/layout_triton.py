@@ -71,6 +71,14 @@ if triton is not None:
         tl.store(ok_ptr + b, tl.sum(bad.to(tl.int32), 0) == 0)
 
     @triton.jit
+    def _slot_step(inst_expert_ptr, route_ptr, E, S, q0, QB: tl.constexpr):
+        """Slots [q0, q0 + QB) of the instance order (instances E + q): (q, q < S, each one's expert, -2 past S,
+        each one's rows in the route row)."""
+        q = q0 + tl.arange(0, QB)
+        qv = q < S
+        return q, qv, tl.load(inst_expert_ptr + E + q, mask=qv, other=-2), tl.load(route_ptr + E + q, mask=qv, other=0)
+
+    @triton.jit
     def _tables_kernel(C_ptr, route_ptr, inst_expert_ptr, counts_ptr, key_start_ptr, recv_start_ptr, inst_start_ptr,
                        rep_first_ptr, rep_count_ptr, rep_list_ptr, first_ptr, offs_main_ptr, offs_slot_ptr, n_ptr,
                        ok_ptr, me, rows, A, R, E, E_loc, G, S, nb, RB: tl.constexpr, GB: tl.constexpr,
@@ -123,10 +131,7 @@ if triton is not None:
             rows_before = tl.zeros([SB], dtype=tl.int64)
             q0 = 0
             while q0 < S:
-                q = q0 + tl.arange(0, QB)
-                qv = q < S
-                sq = tl.load(inst_expert_ptr + E + q, mask=qv, other=-2)
-                cq = tl.load(route_ptr + E + q, mask=qv, other=0)
+                q, qv, sq, cq = _slot_step(inst_expert_ptr, route_ptr, E, S, q0, QB)
                 same = (se[:, None] == sq[None, :]) & (q[None, :] < sp[:, None]) & qv[None, :]
                 n_before += tl.sum(same.to(tl.int64), 1)
                 rows_before += tl.sum(tl.where(same, cq[None, :], 0), 1)
@@ -166,10 +171,7 @@ if triton is not None:
             routed = tl.load(route_ptr + xv, mask=xm, other=0)  # the main instance's rows, then its slots'
             q0 = 0
             while q0 < S:
-                q = q0 + tl.arange(0, QB)
-                qv = q < S
-                sq = tl.load(inst_expert_ptr + E + q, mask=qv, other=-1)
-                cq = tl.load(route_ptr + E + q, mask=qv, other=0)
+                q, qv, sq, cq = _slot_step(inst_expert_ptr, route_ptr, E, S, q0, QB)
                 routed += tl.sum(tl.where(sq[None, :] == xv[:, None], cq[None, :], 0), 1)
                 q0 += QB
             tl.store(ok_ptr + pid, tl.sum((xm & (routed != held)).to(tl.int32), 0) == 0)
