@@ -47,6 +47,13 @@ KERNELS = {
                              dict(CHUNK=S.COPY_CHUNK, RELAY=True, SLOTS=True)),
     # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
     "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, A=I32, E=I32, nb=I32), dict(B=LT.BLOCK, EB=256)),
+    "_checked_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, ok_ptr="*i1", A=I32, E=I32, nb=I32),
+                               dict(B=LT.BLOCK, EB=256)),
+    "_tables_kernel": (dict(C_ptr=I64, route_ptr=I64, inst_expert_ptr=I64, counts_ptr=I64, key_start_ptr=I64,
+                            recv_start_ptr=I64, inst_start_ptr=I64, rep_first_ptr=I64, rep_count_ptr=I64,
+                            rep_list_ptr=I64, first_ptr=I64, offs_main_ptr="*i32", offs_slot_ptr="*i32", n_ptr=I64,
+                            ok_ptr="*i1", me=I32, rows=I32, A=I32, R=I32, E=I32, E_loc=I32, G=I32, S=I32, nb=I32),
+                       dict(RB=8, GB=32, SB=16, EB=256, QB=LT.TABLE_SLOTS, EC=LT.TABLE_EXPERTS, NB=LT.TABLE_COLS)),
     "_layout_kernel": (dict(e_ptr=I64, first_ptr=I64, route_ptr=I64, inst_rank_ptr=I64, inst_start_ptr=I64,
                             rep_first_ptr=I64, rep_count_ptr=I64, rep_list_ptr=I64, key_start_ptr=I64,
                             recv_start_ptr=I64, order_ptr=I64, key_ptr=I64, dest_ptr=I64, pos_ptr=I64,
