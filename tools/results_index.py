@@ -42,6 +42,12 @@ def _layer(name: str, what: str, args: str, gpus: int = 2) -> Entry:
                  f"torchrun --nproc_per_node={gpus} bench/moe_layer.py {args}", what)
 
 
+def _sweep(name: str, args: str) -> Entry:
+    """A variant of bench/link_sweep.py's report: its options `args`, written as <name>.md and .json."""
+    return Entry((f"{name}.md", f"{name}.json"), "bench/link_sweep.py", "-", "CPU",
+                 f"python bench/link_sweep.py {args} --name {name}")
+
+
 def _fig(name: str, what: str, args: str, where: str = "2 GPUs") -> Entry:
     return Entry((f"{name}.md", f"{name}.json", f"{name}.png"), "bench/paper_eval.py", PAPER_EVAL_RUNS, where,
                  f"python bench/paper_eval.py {args}", what)
@@ -58,20 +64,13 @@ REPORTS = [
           "python bench/link_bound.py"),
     Entry(("link_sweep.md", "link_sweep.json"), "bench/link_sweep.py", "- (scenarios generated; the simulator's presets)",
           "CPU", "python bench/link_sweep.py"),
-    Entry(("link_sweep_nic0.5.md", "link_sweep_nic0.5.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --presets paper_h800 --nic-scale 0.5 --name link_sweep_nic0.5"),
-    Entry(("link_sweep_nic2.md", "link_sweep_nic2.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --presets paper_h800 --nic-scale 2 --name link_sweep_nic2"),
-    Entry(("link_sweep_large.md", "link_sweep_large.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --eps 128 256 --slots 2 --name link_sweep_large"),
-    Entry(("link_sweep_share.md", "link_sweep_share.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --relay-share --name link_sweep_share"),
-    Entry(("link_sweep_relay_chunks2.md", "link_sweep_relay_chunks2.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --relay-chunks 2 --name link_sweep_relay_chunks2"),
-    Entry(("link_sweep_relay_chunks4.md", "link_sweep_relay_chunks4.json"), "bench/link_sweep.py", "-", "CPU",
-          "python bench/link_sweep.py --relay-chunks 4 --name link_sweep_relay_chunks4"),
-    Entry(("link_sweep_relay_chunks4_share.md", "link_sweep_relay_chunks4_share.json"), "bench/link_sweep.py", "-",
-          "CPU", "python bench/link_sweep.py --relay-chunks 4 --relay-share --name link_sweep_relay_chunks4_share"),
+    _sweep("link_sweep_nic0.5", "--presets paper_h800 --nic-scale 0.5"),
+    _sweep("link_sweep_nic2", "--presets paper_h800 --nic-scale 2"),
+    _sweep("link_sweep_large", "--eps 128 256 --slots 2"),
+    _sweep("link_sweep_share", "--relay-share"),
+    _sweep("link_sweep_relay_chunks2", "--relay-chunks 2"),
+    _sweep("link_sweep_relay_chunks4", "--relay-chunks 4"),
+    _sweep("link_sweep_relay_chunks4_share", "--relay-chunks 4 --relay-share"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
