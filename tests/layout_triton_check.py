@@ -14,8 +14,7 @@ import torch
 
 from topoep import Plan, Topology, solve
 from topoep.plan import default_main_rank
-from topoep.runtime.layout import group_counts, own_rows, receive_positions, received_sizes, send_layout
-from topoep.runtime.layout import count_keys
+from topoep.runtime.layout import count_keys, group_counts, own_rows, receive_positions, received_sizes, send_layout
 from topoep.runtime.layout_triton import BLOCK, checked_counts, fused_layout, tables_reference, tables_triton
 from topoep.workloads import biased_topk
 

@@ -46,9 +46,8 @@ KERNELS = {
                                   span=I32, ret="*bf16", grad="*bf16", me=I32, e_loc=I32, N=I32, RN=I32, numel=I32),
                              dict(CHUNK=S.COPY_CHUNK, RELAY=True, SLOTS=True)),
     # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
-    "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, A=I32, E=I32, nb=I32), dict(B=LT.BLOCK, EB=256)),
-    "_checked_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, ok_ptr="*i1", A=I32, E=I32, nb=I32),
-                               dict(B=LT.BLOCK, EB=256)),
+    "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, ok_ptr="*i1", A=I32, E=I32, nb=I32),
+                             dict(B=LT.BLOCK, EB=256, CHECK=True)),
     "_tables_kernel": (dict(C_ptr=I64, route_ptr=I64, inst_expert_ptr=I64, counts_ptr=I64, key_start_ptr=I64,
                             recv_start_ptr=I64, inst_start_ptr=I64, rep_first_ptr=I64, rep_count_ptr=I64,
                             rep_list_ptr=I64, first_ptr=I64, offs_main_ptr="*i32", offs_slot_ptr="*i32", n_ptr=I64,
@@ -100,6 +99,7 @@ def test_every_kernel_is_listed():
 VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weighting.sum_choices
             ("_weighted_sum_kernel", dict(LOCAL=False)),  # every row from the combine (a2a, two chunks)
             ("_layout_kernel", dict(INV=False)),  # two chunks, the a2a workspace
+            ("_block_counts_kernel", dict(CHECK=False)),  # the layout's counts (ok_ptr not read)
             ("_dispatch_kernel", dict(HAS_SCALE=False, HAS_SRC2=False)),  # the forward dispatch
             ("_dispatch_kernel", dict(HAS_SCALE=False, SPILL=False, HAS_SRC2=False)),  # without a capacity
             ("_dispatch_kernel", dict(HAS_SCALE=True, LOCAL=False)),  # the backward dispatch

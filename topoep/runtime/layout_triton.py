@@ -46,29 +46,23 @@ TABLE_SLOTS = 64  # slots per step of _tables_kernel's slot x slot comparisons
 if triton is not None:
 
     @triton.jit
-    def _block_counts_kernel(e_ptr, counts_ptr, A, E, nb, B: tl.constexpr, EB: tl.constexpr):
+    def _block_counts_kernel(e_ptr, counts_ptr, ok_ptr, A, E, nb, B: tl.constexpr, EB: tl.constexpr,
+                             CHECK: tl.constexpr):
         """counts[x, b] = assignments of expert x among a in [b * B, (b + 1) * B), b < nb (expert-major, so
         that the sum over blocks is a scan along the last dimension). EB: a power of two > E (bin E takes
-        the lanes past A)."""
+        the lanes past A). With CHECK, values outside [0, E) count nowhere and ok[b] says whether block b had none
+        (`checked_counts`); without, every value is taken to lie in [0, E) and ok_ptr is not read."""
         b = tl.program_id(0)
         a = b * B + tl.arange(0, B)
-        e = tl.load(e_ptr + a, mask=a < A, other=E).to(tl.int32)
-        h = tl.histogram(e, EB)
+        if CHECK:
+            e = tl.load(e_ptr + a, mask=a < A, other=0)
+            bad = (a < A) & ((e < 0) | (e >= E))
+            h = tl.histogram(tl.where((a < A) & ~bad, e, E).to(tl.int32), EB)
+            tl.store(ok_ptr + b, tl.sum(bad.to(tl.int32), 0) == 0)
+        else:
+            h = tl.histogram(tl.load(e_ptr + a, mask=a < A, other=E).to(tl.int32), EB)
         x = tl.arange(0, EB)
         tl.store(counts_ptr + x.to(tl.int64) * nb + b, h.to(tl.int64), mask=x < E)
-
-    @triton.jit
-    def _checked_counts_kernel(e_ptr, counts_ptr, ok_ptr, A, E, nb, B: tl.constexpr, EB: tl.constexpr):
-        """counts[x, b] as `_block_counts_kernel`, for topk_idx values that may lie outside [0, E): those count
-        nowhere, and ok[b] says whether block b had none."""
-        b = tl.program_id(0)
-        a = b * B + tl.arange(0, B)
-        e = tl.load(e_ptr + a, mask=a < A, other=0)
-        bad = (a < A) & ((e < 0) | (e >= E))
-        h = tl.histogram(tl.where((a < A) & ~bad, e, E).to(tl.int32), EB)
-        x = tl.arange(0, EB)
-        tl.store(counts_ptr + x.to(tl.int64) * nb + b, h.to(tl.int64), mask=x < E)
-        tl.store(ok_ptr + b, tl.sum(bad.to(tl.int32), 0) == 0)
 
     @triton.jit
     def _slot_step(inst_expert_ptr, route_ptr, E, S, q0, QB: tl.constexpr):
@@ -266,7 +260,7 @@ def checked_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         return torch.zeros(E, dtype=torch.int64, device=e.device)
     counts = torch.empty(E, nb, dtype=torch.int64, device=e.device)
     ok = torch.empty(nb, dtype=torch.bool, device=e.device)
-    _checked_counts_kernel[(nb,)](e, counts, ok, A, E, nb, B=BLOCK, EB=_pow2(E + 1))
+    _block_counts_kernel[(nb,)](e, counts, ok, A, E, nb, B=BLOCK, EB=_pow2(E + 1), CHECK=True)
     torch._assert_async(ok.all(), f"topk_idx out of range: values must be in [0, {E})")
     return counts.sum(1)
 
@@ -286,7 +280,7 @@ def _tables(e: torch.Tensor, plan: Plan, rank: int, C: torch.Tensor, rows: int) 
     programs = 1 + triton.cdiv(E, TABLE_EXPERTS)
     ok = torch.empty(programs, dtype=torch.bool, device=dev)
     if nb:
-        _block_counts_kernel[(nb,)](e, counts, A, E, nb, B=BLOCK, EB=_pow2(E + 1))
+        _block_counts_kernel[(nb,)](e, counts, counts, A, E, nb, B=BLOCK, EB=_pow2(E + 1), CHECK=False)
     _tables_kernel[(programs,)](C.contiguous(), plan.route[rank].contiguous(), plan.instance_expert.contiguous(),
                                 counts, *tables, first, *offs, ok, rank, rows, A, R, E, E_loc, G, S, nb,
                                 RB=max(2, _pow2(R)), GB=max(2, _pow2(G)), SB=max(2, _pow2(S)), EB=_pow2(E + 1),
