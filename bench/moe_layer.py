@@ -70,7 +70,7 @@ from bench.common import REPO, bench_gpu, cuda_ms, markdown_table, run_info, wit
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
-from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
+from topoep.config import DEFAULT_CAPACITY_FACTOR, TRANSPORTS  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -325,10 +325,11 @@ def parse_args(argv):
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
     ap.add_argument("--capacity-factors", nargs="+", default=["default"],
                     help="ExpertParallelMoE capacity_factor of the TopoEP layers: 'default' "
-                         f"({DEFAULT_CAPACITY_FACTOR}; with --transport a2a: none), 'none' (buffers for the worst case) or a number; each value "
+                         f"({DEFAULT_CAPACITY_FACTOR}; with --transport a2a or deepep: none), 'none' (buffers for the worst case) or a number; each value "
                          "other than the default labels its layers '<backend> cf=<value>'")
-    ap.add_argument("--transport", choices=["peer", "a2a"], default="peer",
-                    help="backend cuda's data movement: peer pointers (one host) or NVSHMEM all-to-alls (a2a)")
+    ap.add_argument("--transport", choices=list(TRANSPORTS), default="peer",
+                    help="backend cuda's data movement: peer pointers (one host), NVSHMEM all-to-alls (a2a) or DeepEP "
+                         "(deepep; installed with tools/build_deepep.sh)")
     ap.add_argument("--reload", choices=["auto", "always"], default="auto",
                     help="backend cuda's replica reload in backward: auto leaves it out when the slots still hold "
                          "the layer's replicas (a lone layer, the last of a model); always reloads, as every MoE "
@@ -418,7 +419,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
         variants += [(be, p, False, cf) for cf in args.capacity_factors for be in args.backends for p in args.policies
                      if p != "static"]
     layers = {}
-    default = None if args.transport == "a2a" else DEFAULT_CAPACITY_FACTOR  # a2a has no spill path
+    # a2a has no spill path, DeepEP sizes its own buffers: both for the worst case
+    default = None if args.transport in ("a2a", "deepep") else DEFAULT_CAPACITY_FACTOR
     for be, policy, guard, cf in variants:
         factor = default if cf == "default" else None if cf == "none" else float(cf)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,

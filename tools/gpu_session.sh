@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks guard tests cuda a2a layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks guard tests cuda a2a deepep layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -95,6 +95,40 @@ step_meta() {  # the metadata graph's kernels: backend cuda's GPU tests at EP 1 
     | tee "$OUT/cuda_backend_ep1_tests.log" | tail -3
   TOPOEP_GPU_WORLD=1 timeout 100 python3 tools/sync_audit.py 2>&1 | grep -E "synchronising|Error" | tail -2
   LIMIT_ARGS="${LIMIT_ARGS:---no-megatron --iters 10 --meta-profile --tokens 4096}" step_limit
+}
+
+step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEEPEP_DIR (default .deepep, carried):
+  # deep_ep-*.whl (tools/build_deepep.sh), nccl/ (optional: an NCCL >= 2.30.4 tree, lib/libnccl.so.2[.xz] and include/,
+  # put over the environment's nvidia-nccl, since DeepEP needs torch to load the NCCL it was built against) and DeepEP/
+  # (optional: its source's tests). Then: torch and deep_ep import, DeepEP's own test at EP = all GPUs, backend cuda's
+  # GPU tests with TOPOEP_GPU_TRANSPORT=deepep at EP = all GPUs, and with 2+ GPUs bench/moe_layer.py on deepep, a2a and
+  # peer (results/moe_layer_deepep.md)
+  local d=${DEEPEP_DIR:-.deepep} nccl
+  nccl=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')
+  if [ -d "$d/nccl/lib" ]; then
+    [ -f "$d/nccl/lib/libnccl.so.2.xz" ] && xz -dc "$d/nccl/lib/libnccl.so.2.xz" > "$nccl/lib/libnccl.so.2"
+    [ -f "$d/nccl/lib/libnccl.so.2" ] && cp "$d/nccl/lib/libnccl.so.2" "$nccl/lib/libnccl.so.2"
+    cp -r "$d/nccl/include/." "$nccl/include/"
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$d"/deep_ep-*.whl
+  export CUDA_HOME=${CUDA_HOME:-$(ls -d /usr/local/cuda-1* | sort -V | tail -1)} EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-/tmp/deepep_jit}
+  (cd /tmp && python3 -c 'import torch, deep_ep; print("torch NCCL", torch.cuda.nccl.version(), "deep_ep", deep_ep.__version__)') \
+    2>&1 | tail -3 | tee "$OUT/deepep_import.log"
+  if [ -d "$d/DeepEP/tests/elastic" ]; then
+    (cd "$d/DeepEP" && timeout 300 python3 tests/elastic/test_ep.py --num-processes "$NGPU" \
+      --num-tokens 512 --hidden 2048 --num-topk 8 --num-experts $((NGPU * 16)) --do-cpu-sync 0 --skip-perf-test \
+      --test-first-only) > "$RUNS.deepep_own" 2>&1
+    echo "DeepEP's test_ep.py: exit $?"; tail -5 "$RUNS.deepep_own" | tee "$OUT/deepep_own_test.log"
+  fi
+  TOPOEP_GPU_WORLD=$NGPU TOPOEP_GPU_TRANSPORT=deepep timeout 420 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
+    > "$RUNS.deepep" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" "$RUNS.deepep" | tee "$OUT/cuda_backend_deepep_tests.log" | tail -12
+  [ "$NGPU" -ge 2 ] || return 0
+  for tr in deepep a2a peer; do
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$NGPU" bench/moe_layer.py \
+      --name moe_layer_deepep_$tr --out "$OUT" --transport $tr --backends cuda --no-megatron --tokens ${TOKENS:-4096} \
+      --skews 0 -4 2>&1 | grep -v -i warn | grep -E "^  [0-9]|Error|error" | tail -12
+  done
 }
 
 step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py) against its reference and

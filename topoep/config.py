@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 BACKENDS = ("torch", "cuda")
-TRANSPORTS = ("peer", "a2a")
+TRANSPORTS = ("peer", "a2a", "deepep")
 DEFAULT_CAPACITY_FACTOR = 1.25
 """Receive rows per region per T x top_k (topoep.planners.capacity; results/capacity.md): with 2 slots every
 policy's plan fits after the capacity step on every routing of the planners' tests, from uniform to megatron's
@@ -43,8 +43,9 @@ class LayerConfig:
     """Execution: torch (torch.distributed collectives; CPU and GPU) or cuda (GPU-native, bf16, no host
     synchronisation)."""
     transport: str = "peer"
-    """Backend cuda's data movement: peer (peer pointers; the EP group on one host) or a2a (NVSHMEM all-to-alls with
-    device-side splits; across hosts)."""
+    """Backend cuda's data movement: peer (peer pointers; the EP group on one host), a2a (NVSHMEM all-to-alls with
+    device-side splits; across hosts) or deepep (DeepEP's dispatch and combine, optional: tools/build_deepep.sh; the
+    replicas move by TopoEP's own transfers). a2a and deepep need capacity_factor=null, deepep one token chunk."""
     num_chunks: int | None = None
     """Token chunks per call, each dispatched, computed and combined in turn (paper 3.3's pipeline). None: the
     backend's default, 2 for torch and 1 for cuda; backend cuda takes 1 or 2."""
@@ -139,6 +140,16 @@ class LayerConfig:
         if self.layer_graphs and self.prefetch:
             raise ValueError(f"{p}.layer_graphs=true cannot capture a call while a prefetch is in flight: set "
                              f"{p}.prefetch=false or {p}.layer_graphs=false")
+        if self.transport == "deepep":
+            if self.capacity_factor is not None:
+                raise ValueError(f"{p}.transport=deepep: DeepEP sizes its own buffers for the worst case, so it takes no "
+                                 f"capacity: set {p}.capacity_factor=null with it")
+            if self.num_chunks not in (None, 1):
+                raise ValueError(f"{p}.transport=deepep runs one token chunk per call (DeepEP overlaps its own "
+                                 f"transfers): set {p}.num_chunks=1 or null")
+            if self.layer_graphs:
+                raise ValueError(f"{p}.transport=deepep cannot be captured whole (DeepEP allocates its outputs at "
+                                 f"every call): set {p}.layer_graphs=false")
         if isinstance(self.t_ffn, int) and not isinstance(self.t_ffn, bool):
             self.t_ffn = float(self.t_ffn)
         if self.t_ffn is not None and (not isinstance(self.t_ffn, float) or not 0 < self.t_ffn < math.inf):

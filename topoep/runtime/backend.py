@@ -332,10 +332,17 @@ def receive_regions(num_ranks: int, max_rows: int, top_k: int, chunks: int,
     return [min(cap, w) for w in worst], cap < max(worst)
 
 
-# The transports make_backend takes: LayerConfig's, and "gloo", backend cuda's logic on CPU processes over gloo
-# (a2a.py's workspace and pool on GlooExchange, torch references in place of the Triton kernels): the CPU tests'
-# harness, reached through ExpertParallelMoE(_cpu_harness=True), not a config value
-HARNESS_TRANSPORTS = TRANSPORTS + ("gloo",)
+# The transports make_backend takes: LayerConfig's, and the CPU tests' harnesses, reached through
+# ExpertParallelMoE(_cpu_harness=True), not config values: "gloo", backend cuda's logic on CPU processes over gloo
+# (a2a.py's workspace and pool on GlooExchange, torch references in place of the Triton kernels), and "deepep_gloo",
+# transport deepep's layer over deepep.ReferenceElasticBuffer (a torch stand-in for DeepEP) with the same pool
+HARNESS_TRANSPORTS = TRANSPORTS + ("gloo", "deepep_gloo")
+GLOO_HARNESS = ("gloo", "deepep_gloo")
+
+
+def harness_transport(transport: str) -> str:
+    """The CPU harness of a configured transport (HARNESS_TRANSPORTS)."""
+    return "deepep_gloo" if transport == "deepep" else "gloo"
 
 
 def make_backend(name: str, group=None, max_tokens: int | None = None, transport: str = "peer"):
@@ -361,8 +368,10 @@ class CudaBackend:
 
     transport: "peer" (symm.py: peer pointers, every rank of the group on one host) or "a2a" (a2a.py:
     NVSHMEM all-to-alls with split sizes on the device, across hosts too; on one host it runs 2 GPUs as
-    virtual domains through the same path as real RDMA); "gloo" runs the same logic on CPU processes (a2a.py
-    over gloo, torch references for the kernels): the CPU tests' harness."""
+    virtual domains through the same path as real RDMA) or "deepep" (deepep.py: DeepEP's dispatch and combine, the
+    replicas by the peer pool on one host and the NVSHMEM pool across hosts); "gloo" runs the same logic on CPU
+    processes (a2a.py over gloo, torch references for the kernels): the CPU tests' harness, and "deepep_gloo"
+    transport deepep's layer there (deepep.ReferenceElasticBuffer)."""
 
     name = "cuda"
     # the forward fetch, the backward reload and the gradient return wait on the stream
@@ -370,7 +379,7 @@ class CudaBackend:
     host_splits = False
 
     def __init__(self, group=None, max_tokens: int | None = None, transport: str = "peer"):
-        if transport != "gloo" and not torch.cuda.is_available():
+        if transport not in GLOO_HARNESS and not torch.cuda.is_available():
             raise ValueError("backend 'cuda' needs a CUDA GPU; use backend='torch' on the CPU")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("backend 'cuda' needs torch.distributed initialised (init_process_group('nccl') with "
@@ -383,6 +392,11 @@ class CudaBackend:
         self.transport = transport
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        self.hosts = len(set(hosts))
+        if transport == "deepep":  # before any collective allocation: a clear error where DeepEP is missing
+            from topoep.runtime.deepep import import_deep_ep
+
+            import_deep_ep()
         if transport == "peer" and len(set(hosts)) > 1:
             raise ValueError(f"backend 'cuda' with transport 'peer' moves data through peer pointers inside one host, "
                              f"but this EP group spans {len(set(hosts))} hosts: use transport='a2a' "
@@ -390,9 +404,11 @@ class CudaBackend:
         self.max_tokens = max_tokens
         self._max_rows = None
         self._exchange = None
-        if transport == "a2a":  # NVSHMEM initialises collectively: here, where every rank builds its layers
+        if transport == "a2a" or (transport == "deepep" and self.hosts > 1):
+            # NVSHMEM initialises collectively: here, where every rank builds its layers (deepep across hosts: the
+            # replica pool's transport)
             self.exchange(torch.device("cuda", torch.cuda.current_device()))
-        if transport == "gloo":
+        if transport in GLOO_HARNESS:
             from topoep.runtime.a2a import GlooExchange
 
             if dist.get_backend(group) != "gloo":
@@ -421,6 +437,10 @@ class CudaBackend:
         from topoep.runtime.symm import SymmWorkspace
 
         rows = self.max_rows(num_tokens, top_k, device)
+        if self.transport in ("deepep", "deepep_gloo"):
+            from topoep.runtime.deepep import DeepEPWorkspace
+
+            return DeepEPWorkspace.shared(self.group, rows // top_k, hidden, top_k, self.transport == "deepep_gloo")
         regions, spills = receive_regions(self.world_size, rows, top_k, chunks, capacity_factor)
         E_loc = num_experts // self.world_size
         G = E_loc + num_slots
@@ -437,7 +457,7 @@ class CudaBackend:
 
         if not num_slots:
             return None
-        if self.transport in ("a2a", "gloo"):
+        if self.transport in ("a2a", "gloo", "deepep_gloo") or (self.transport == "deepep" and self.hosts > 1):
             from topoep.runtime.a2a import A2AReplicaPool
 
             return A2AReplicaPool.shared(self.exchange(device), num_slots, hidden, ffn_hidden, dtype, banks)

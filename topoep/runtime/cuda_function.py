@@ -83,6 +83,7 @@ class CudaLayerCall:
     grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
     combine_side_stream: bool = False  # LayerConfig.combine_side_stream
     relay: object = None  # topoep.relay.RelayTrees: replica fetches and gradient returns down / up relay trees
+    deepep_ids: torch.Tensor | None = None  # transport deepep: int64[T, k] DeepEP expert ids (deepep.deepep_expert_ids)
 
 
 def _send(ch: CudaChunk) -> tuple[torch.Tensor, torch.Tensor]:

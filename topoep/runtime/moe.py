@@ -25,7 +25,7 @@ from topoep.planners import has_cuda_kernel, plan_concurrently, solve
 from topoep.planners.cuda import device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
-from topoep.runtime.backend import capacity_rows, make_backend
+from topoep.runtime.backend import GLOO_HARNESS, capacity_rows, harness_transport, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.graphs import graph_layer
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
@@ -33,6 +33,7 @@ from topoep.plan import Plan, default_main_rank
 from topoep.relay import RelayTrees, executed_sources, max_level
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
 from topoep.runtime.cuda_meta import MetadataGraphs
+from topoep.runtime.deepep import DeepEPExpertParallelFunction, deepep_expert_ids
 from topoep.runtime.layout import (assignment_instances, chunk_layouts, chunk_route_row, copy_splits_to_host,
                                    count_keys, group_counts, local_group, own_rows, receive_positions, received_sizes,
                                    send_layout)
@@ -112,7 +113,7 @@ class ExpertParallelMoE(nn.Module):
             self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
-                                    "gloo" if cpu_harness else config.transport)
+                                    harness_transport(config.transport) if cpu_harness else config.transport)
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
                              "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")
@@ -362,7 +363,7 @@ class ExpertParallelMoE(nn.Module):
         T, k = topk_idx.shape
         N, E_loc = self.num_slots, self.experts_per_rank
         be, tm = self.backend, self.timer
-        cpu_harness = getattr(be, "transport", None) == "gloo"
+        cpu_harness = getattr(be, "transport", None) in GLOO_HARNESS
         if x.is_cuda == cpu_harness or x.dtype != torch.bfloat16:
             where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
             raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
@@ -389,8 +390,9 @@ class ExpertParallelMoE(nn.Module):
             plan = Plan(omega=omega, topology=self.topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
                         route=route, policy=self.policy, expert_bytes=self.expert_bytes, token_bytes=token_bytes)
             self._record(plan, stats, 1e3 * (time.perf_counter() - t0))
-        chunks = [CudaChunk(*layout[i:i + 9], spill=SpillWork(*layout[i + 9:i + LAYOUT]))
-                  for i in range(0, len(layout), LAYOUT)]
+        deepep = getattr(ws, "deepep", False)
+        chunks = [] if deepep else [CudaChunk(*layout[i:i + 9], spill=SpillWork(*layout[i + 9:i + LAYOUT]))
+                                    for i in range(0, len(layout), LAYOUT)]
         for c, ch in enumerate(chunks):  # regions fixed by the workspace, so that every rank agrees on them
             ch.base, ch.cap = sum(ws.regions[:c]), ws.regions[c]
         if len(chunks) == 2:
@@ -401,6 +403,9 @@ class ExpertParallelMoE(nn.Module):
                              combine_side_stream=self.config.combine_side_stream,
                              relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout),
                                               self.config.relay_chunks) if fanout else None)
+        if deepep:  # transport deepep: DeepEP's dispatch and combine (deepep.py)
+            call.deepep_ids = layout[0]
+            return DeepEPExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
         return CudaExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)
 
     def _cuda_metadata(self, ws, topk_idx: torch.Tensor, allow: torch.Tensor, token_bytes: int,
@@ -440,7 +445,9 @@ class ExpertParallelMoE(nn.Module):
             hint = torch.stack([skipped, skipped * guard_stats[3]])
             stats.copy_(torch.cat([stats_triton.stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
         T = topk_idx.shape[0]
-        if len(ws.regions) == 1:
+        if getattr(ws, "deepep", False):  # transport deepep: each assignment's DeepEP expert id is its whole layout
+            layouts = (deepep_expert_ids(topk_idx, plan, self.rank),)
+        elif len(ws.regions) == 1:
             layouts = self._cuda_layout(topk_idx, plan, ws.regions[0], in_place=getattr(ws, "in_place", False))
         else:  # two chunks of tokens (cuda_function.py): the route row split at the boundary, one all-gather
             T1 = (T + 1) // 2
