@@ -45,6 +45,11 @@ not need it, but DeepEP's JIT does where it runs (a full CUDA toolkit there, CUD
 [ -d /usr/local/cuda/include/cccl ] \
   || die "DeepEP's setup.py reads /usr/local/cuda/include/cccl: link it, e.g. ln -s $CUDA_HOME /usr/local/cuda"
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
+if [ ! -f "$CUDA_HOME/include/nvrtc.h" ]; then  # a toolkit without NVRTC's headers: torch's CUDA wheels have them
+  inc=$("$PYTHON" -c 'import nvidia, os, glob; print(next(iter(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "cu*", "include", "nvrtc.h")))), "").rsplit("/", 1)[0])' 2>/dev/null || true)
+  [ -n "$inc" ] || die "no nvrtc.h in $CUDA_HOME/include or in $PYTHON's nvidia wheels: install the toolkit's NVRTC (cuda-nvrtc-dev)"
+  export CPATH="$inc${CPATH:+:$CPATH}"
+fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # fmt (header-only) in third-party/fmt
@@ -76,7 +81,19 @@ if [ $((maj * 10000 + min * 100 + pat)) -lt 23004 ]; then
 into this environment (pip install --no-deps 'nvidia-nccl-cu13>=2.30.4'; pip warns about torch's pin, and torch then \
 runs on it) or pass --nccl-dir with an NCCL >= 2.30.4 tree"
 fi
-export NCCL_DIR="$nccl"
+export NCCL_DIR="$nccl" LIBRARY_PATH="$nccl/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"  # setup.py links -l:libnccl.so.2
+# setup.py links -lcuda, the driver: on a machine without it, the toolkit's link stub (or an empty one with the
+# driver's soname; the driver provides the symbols where DeepEP runs)
+if ! ldconfig -p 2>/dev/null | grep -q "libcuda.so " && [ ! -f "$CUDA_HOME/lib64/stubs/libcuda.so" ]; then
+  stub=$(mktemp -d)
+  echo "" | gcc -x c -shared -o "$stub/libcuda.so" -Wl,-soname,libcuda.so.1 - || die "could not make a libcuda link stub"
+  export LIBRARY_PATH="$stub:$LIBRARY_PATH"
+elif [ -f "$CUDA_HOME/lib64/stubs/libcuda.so" ]; then
+  export LIBRARY_PATH="$CUDA_HOME/lib64/stubs:$LIBRARY_PATH"
+fi
+# NVSHMEM's IBGDA headers (DeepEP's legacy kernels) include rdma-core's mlx5dv.h
+[ -f /usr/include/infiniband/mlx5dv.h ] || die "no /usr/include/infiniband/mlx5dv.h (NVSHMEM's headers need it): \
+install rdma-core's headers (Debian/Ubuntu: apt-get install libibverbs-dev; RHEL: dnf install rdma-core-devel)"
 "$PYTHON" -m pip install -q --disable-pip-version-check wheel ninja >/dev/null \
   || die "could not install the build tools wheel and ninja into $PYTHON's environment"
 

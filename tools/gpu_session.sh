@@ -98,7 +98,8 @@ step_meta() {  # the metadata graph's kernels: backend cuda's GPU tests at EP 1 
 }
 
 step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEEPEP_DIR (default .deepep, carried):
-  # deep_ep-*.whl (tools/build_deepep.sh), nccl/ (optional: an NCCL >= 2.30.4 tree, lib/libnccl.so.2[.xz] and include/,
+  # deep_ep-*.whl (tools/build_deepep.sh; or deep_ep_site.tar.xz, the wheel unpacked), ext/topoep_planner.so
+  # (optional: the planner extension built here), nccl/ (optional: an NCCL >= 2.30.4 tree, lib/libnccl.so.2[.xz] and include/,
   # put over the environment's nvidia-nccl, since DeepEP needs torch to load the NCCL it was built against) and DeepEP/
   # (optional: its source's tests). Then: torch and deep_ep import, DeepEP's own test at EP = all GPUs, backend cuda's
   # GPU tests with TOPOEP_GPU_TRANSPORT=deepep at EP = all GPUs, and with 2+ GPUs bench/moe_layer.py on deepep, a2a and
@@ -110,8 +111,17 @@ step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEE
     [ -f "$d/nccl/lib/libnccl.so.2" ] && cp "$d/nccl/lib/libnccl.so.2" "$nccl/lib/libnccl.so.2"
     cp -r "$d/nccl/include/." "$nccl/include/"
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$d"/deep_ep-*.whl
+  if ls "$d"/deep_ep-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$d"/deep_ep-*.whl
+  else  # the wheel unpacked and compressed (deep_ep_site.tar.xz: a third of the wheel's size to carry)
+    mkdir -p /tmp/site && xz -dc "$d/deep_ep_site.tar.xz" | tar -C /tmp/site -xf -
+  fi
+  if [ -f "$d/ext/topoep_planner.so" ]; then  # the planner extension built here, carried alone
+    local ext; ext=$(python3 -c 'from topoep.planners.cuda import build_dir; print(build_dir())')
+    mkdir -p "$ext" && cp "$d/ext/topoep_planner.so" "$ext/"
+  fi
   export CUDA_HOME=${CUDA_HOME:-$(ls -d /usr/local/cuda-1* | sort -V | tail -1)} EP_JIT_CACHE_DIR=${EP_JIT_CACHE_DIR:-/tmp/deepep_jit}
+  export EP_DISABLE_GIN=${EP_DISABLE_GIN:-1}  # one host, no RDMA NIC: DeepEP's NVLink path only
   (cd /tmp && python3 -c 'import torch, deep_ep; print("torch NCCL", torch.cuda.nccl.version(), "deep_ep", deep_ep.__version__)') \
     2>&1 | tail -3 | tee "$OUT/deepep_import.log"
   if [ -d "$d/DeepEP/tests/elastic" ]; then
@@ -121,7 +131,7 @@ step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEE
     echo "DeepEP's test_ep.py: exit $?"; tail -5 "$RUNS.deepep_own" | tee "$OUT/deepep_own_test.log"
   fi
   TOPOEP_GPU_WORLD=$NGPU TOPOEP_GPU_TRANSPORT=deepep timeout 420 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
-    > "$RUNS.deepep" 2>&1
+    ${DEEPEP_TESTS:+-k "$DEEPEP_TESTS"} > "$RUNS.deepep" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" "$RUNS.deepep" | tee "$OUT/cuda_backend_deepep_tests.log" | tail -12
   [ "$NGPU" -ge 2 ] || return 0
   for tr in deepep a2a peer; do
