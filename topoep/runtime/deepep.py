@@ -276,7 +276,9 @@ class DeepEPExpertParallelFunction(torch.autograd.Function):
         W1, W2 = ctx.stacked or (stack_experts(list(weights[:n])), stack_experts(list(weights[n:])))
         _publish(call, start_fetch(call, W1, W2, reload=True), grad_out.device)
         with phase(tm, "dispatch_combine", collective=True):  # every row gets its token's output gradient
-            g_rows, _, _, _, _ = buf.dispatch(grad_out.contiguous(), handle=handle, do_expand=True)
+            # num_experts: DeepEP chooses its SM count from it before it reads the handle
+            g_rows, _, _, _, _ = buf.dispatch(grad_out.contiguous(), handle=handle, do_expand=True,
+                                              num_experts=deepep_num_experts(call.plan))
         psum = handle.psum_num_recv_tokens_per_expert
         n_main = psum[E_loc - 1:E_loc].to(torch.int64)
         with phase(tm, "experts"):
