@@ -188,8 +188,15 @@ class DeepEPWorkspace:
                                                  num_topk=top_k)
         else:
             deep_ep = import_deep_ep()
+            # deterministic: DeepEP sorts each expert's received rows into a fixed order, so the weight gradients
+            # (sums over those rows) are the same bit for bit at every call, as on the other transports
             self.buffer = deep_ep.ElasticBuffer(group or dist.group.WORLD, num_max_tokens_per_rank=max_tokens,
-                                                hidden=hidden, num_topk=top_k)
+                                                hidden=hidden, num_topk=top_k, deterministic=True)
+        # nothing overflows or spills: DeepEP's buffers hold the worst case (the other workspaces' counters, for the
+        # logs and tests)
+        dev = torch.device("cpu") if reference else torch.device("cuda", torch.cuda.current_device())
+        self.overflow = torch.zeros((), dtype=torch.int64, device=dev)
+        self.spilled_rows = torch.zeros((), dtype=torch.int64, device=dev)
 
     @classmethod
     def shared(cls, group, max_tokens: int, hidden: int, top_k: int, reference: bool) -> "DeepEPWorkspace":
