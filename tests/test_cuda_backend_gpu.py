@@ -44,6 +44,9 @@ not_deepep = pytest.mark.skipif(TRANSPORT == "deepep", reason="the peer and a2a 
 CHUNKS = int(os.environ.get("TOPOEP_GPU_CHUNKS", "1"))  # backend cuda's token chunks (LayerConfig.num_chunks)
 PREFETCH = os.environ.get("TOPOEP_GPU_PREFETCH", "0") == "1"  # a second bank of replica slots (LayerConfig.prefetch)
 RELAY = int(os.environ.get("TOPOEP_GPU_RELAY", "0")) or None  # replica fetches down relay trees (LayerConfig.relay_fanout)
+# transport deepep: DeepEP's deterministic receive order (LayerConfig.deepep_deterministic); 0 leaves it off, where the
+# bitwise comparisons of weight gradients between layers do not hold
+DEEPEP_DETERMINISTIC = os.environ.get("TOPOEP_GPU_DEEPEP_DETERMINISTIC", "1") == "1"
 RELAY_CHUNKS = int(os.environ.get("TOPOEP_GPU_RELAY_CHUNKS", "1"))  # chunks per relayed copy (LayerConfig.relay_chunks)
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 1 rank and a "
@@ -58,9 +61,12 @@ pytestmark = [pytest.mark.gpu,
 
 
 def cuda_options(**changes) -> dict:
-    """The LayerConfig fields of this run's backend cuda layers (the variant the TOPOEP_GPU_* variables choose)."""
+    """The LayerConfig fields of this run's backend cuda layers (the variant the TOPOEP_GPU_* variables choose). With
+    transport deepep: DeepEP's deterministic receive order unless TOPOEP_GPU_DEEPEP_DETERMINISTIC=0 (the bitwise
+    comparisons need it; the sync test always turns it off: DeepEP's sort synchronises the host)."""
+    deepep = {"deepep_deterministic": DEEPEP_DETERMINISTIC} if TRANSPORT == "deepep" else {}
     return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH,
-            "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, **changes}
+            "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, **deepep, **changes}
 
 
 def _topology():
@@ -468,7 +474,7 @@ def _sync_free_and_graph(rank, world):
     topo = _topology()
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                               policy="topoep", backend="cuda", dtype=torch.bfloat16, device=dev,
-                              **cuda_options())
+                              **cuda_options(**({"deepep_deterministic": False} if TRANSPORT == "deepep" else {})))
     batches = [tuple(t.to(dev) for t in b[rank]) for b in (_routing(world, s, 3.0, dev) for s in range(3))]
 
     def step(x, idx, w, gy, backward=True):

@@ -79,7 +79,8 @@ def test_config_refuses_what_deepep_cannot_do():
                        (dict(backend="torch", transport="deepep", capacity_factor=None), "backend=cuda"),
                        (dict(backend="cuda", transport="deepep", capacity_factor=None, num_chunks=2), "num_chunks"),
                        (dict(backend="cuda", transport="deepep", capacity_factor=None, layer_graphs=True),
-                        "layer_graphs=false")):
+                        "layer_graphs=false"),
+                       (dict(backend="cuda", deepep_deterministic=True), "transport=deepep")):
         with pytest.raises(ValueError, match=match):
             LayerConfig(**bad)
 

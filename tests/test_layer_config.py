@@ -36,6 +36,7 @@ BAD = [  # (field, bad value, what the error says)
     ("relay_fanout", 0, "LayerConfig.relay_fanout must be an integer >= 1, got 0"),
     ("relay_chunks", 0, "LayerConfig.relay_chunks must be an integer >= 1, got 0"),
     ("relay_share", 1, "LayerConfig.relay_share must be true or false, got 1"),
+    ("deepep_deterministic", "yes", "LayerConfig.deepep_deterministic must be true or false, got 'yes'"),
 ]
 
 

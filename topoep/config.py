@@ -99,6 +99,11 @@ class LayerConfig:
     expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into each
     other domain), even where its per-link model predicts the direct fetch faster: no sender carries more than a
     tree's share. False: the guard keeps the faster fetch by its model."""
+    deepep_deterministic: bool = False
+    """Transport deepep: DeepEP sorts each expert's received rows into a fixed order, so the weight gradients are the
+    same bit for bit at every call (and equal a static layer's where the guard fires), at the price of a host
+    synchronisation in every dispatch (DeepEP's sort). False: no host synchronisation; the weight gradients equal
+    up to the order in which each expert's rows are summed."""
 
     def __post_init__(self):
         from topoep.planners import OFFLINE_POLICIES, POLICIES
@@ -131,7 +136,8 @@ class LayerConfig:
         if self.capacity_factor is not None and self.transport == "a2a":
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
-        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs", "relay_share"):
+        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs", "relay_share",
+                     "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -140,6 +146,9 @@ class LayerConfig:
         if self.layer_graphs and self.prefetch:
             raise ValueError(f"{p}.layer_graphs=true cannot capture a call while a prefetch is in flight: set "
                              f"{p}.prefetch=false or {p}.layer_graphs=false")
+        if self.deepep_deterministic and self.transport != "deepep":
+            raise ValueError(f"{p}.deepep_deterministic=true orders DeepEP's received rows, but {p}.transport="
+                             f"{self.transport}: set {p}.transport=deepep or {p}.deepep_deterministic=false")
         if self.transport == "deepep":
             if self.capacity_factor is not None:
                 raise ValueError(f"{p}.transport=deepep: DeepEP sizes its own buffers for the worst case, so it takes no "

@@ -431,7 +431,7 @@ class CudaBackend:
         return self._max_rows
 
     def workspace(self, num_tokens: int, top_k: int, num_experts: int, num_slots: int, hidden: int, dtype, device,
-                  chunks: int = 1, capacity_factor: float | None = None):
+                  chunks: int = 1, capacity_factor: float | None = None, deepep_deterministic: bool = False):
         """The process-wide symmetric buffers for calls of this shape (created on first use: collective): a receive
         region per chunk (`receive_regions`)."""
         from topoep.runtime.symm import SymmWorkspace
@@ -440,7 +440,8 @@ class CudaBackend:
         if self.transport in ("deepep", "deepep_gloo"):
             from topoep.runtime.deepep import DeepEPWorkspace
 
-            return DeepEPWorkspace.shared(self.group, rows // top_k, hidden, top_k, self.transport == "deepep_gloo")
+            return DeepEPWorkspace.shared(self.group, rows // top_k, hidden, top_k, self.transport == "deepep_gloo",
+                                          deepep_deterministic)
         regions, spills = receive_regions(self.world_size, rows, top_k, chunks, capacity_factor)
         E_loc = num_experts // self.world_size
         G = E_loc + num_slots

@@ -179,7 +179,7 @@ class DeepEPWorkspace:
     in_place = False
     spills = False
 
-    def __init__(self, group, max_tokens: int, hidden: int, top_k: int, reference: bool):
+    def __init__(self, group, max_tokens: int, hidden: int, top_k: int, reference: bool, deterministic: bool = False):
         self.group = group
         self.R = dist.get_world_size(group)
         self.max_tokens = max_tokens
@@ -188,10 +188,11 @@ class DeepEPWorkspace:
                                                  num_topk=top_k)
         else:
             deep_ep = import_deep_ep()
-            # deterministic: DeepEP sorts each expert's received rows into a fixed order, so the weight gradients
-            # (sums over those rows) are the same bit for bit at every call, as on the other transports
+            # deterministic (LayerConfig.deepep_deterministic): DeepEP sorts each expert's received rows into a fixed
+            # order, so the weight gradients (sums over those rows) are the same bit for bit at every call; its sort
+            # synchronises the host
             self.buffer = deep_ep.ElasticBuffer(group or dist.group.WORLD, num_max_tokens_per_rank=max_tokens,
-                                                hidden=hidden, num_topk=top_k, deterministic=True)
+                                                hidden=hidden, num_topk=top_k, deterministic=deterministic)
         # nothing overflows or spills: DeepEP's buffers hold the worst case (the other workspaces' counters, for the
         # logs and tests)
         dev = torch.device("cpu") if reference else torch.device("cuda", torch.cuda.current_device())
@@ -199,12 +200,13 @@ class DeepEPWorkspace:
         self.spilled_rows = torch.zeros((), dtype=torch.int64, device=dev)
 
     @classmethod
-    def shared(cls, group, max_tokens: int, hidden: int, top_k: int, reference: bool) -> "DeepEPWorkspace":
+    def shared(cls, group, max_tokens: int, hidden: int, top_k: int, reference: bool,
+               deterministic: bool = False) -> "DeepEPWorkspace":
         name = (group or dist.group.WORLD).group_name
-        key = (name, max_tokens, hidden, top_k, reference)
+        key = (name, max_tokens, hidden, top_k, reference, deterministic)
         ws = cls._shared.get(key)
         if ws is None:  # collective: every rank builds its layers' workspaces in the same order
-            ws = cls._shared[key] = cls(group, max_tokens, hidden, top_k, reference)
+            ws = cls._shared[key] = cls(group, max_tokens, hidden, top_k, reference, deterministic)
         return ws
 
     def all_gather(self, t: torch.Tensor, channel: int = 0) -> torch.Tensor:

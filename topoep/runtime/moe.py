@@ -368,7 +368,8 @@ class ExpertParallelMoE(nn.Module):
             where = "on the CPU (transport 'gloo')" if cpu_harness else "on a GPU"
             raise ValueError(f"backend 'cuda' runs bf16 tensors {where}, got x {x.dtype} on {x.device}")
         ws = self.workspace = be.workspace(T, k, self.num_experts, N, self.hidden_size, x.dtype, x.device,
-                                           chunks=self.num_chunks, capacity_factor=self.capacity_factor)
+                                           chunks=self.num_chunks, capacity_factor=self.capacity_factor,
+                                           deepep_deterministic=self.config.deepep_deterministic)
         # static uses a slot only for the capacity, and neither does a call whose guard will fire (slot_hint): no
         # fetch, no slot GEMMs, no gradient return
         use_slots = self._uses_slots and (self.slot_hint is None or self.slot_hint.allow(x.device))
