@@ -19,6 +19,7 @@ from app.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from app.logger import Logger
 from app.moe_stats import COLUMNS, MoEStats
 from app.plots import expert_load_heatmap
+from topoep.runtime.deepep import release_buffers
 
 
 @dataclasses.dataclass
@@ -249,6 +250,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
         _release_ddp_hooks(ddp)
     else:
         ps.destroy_model_parallel()
+        release_buffers()  # transport deepep's buffers, while their process group lives
         dist.destroy_process_group()
     return history if is_logger else []
 

@@ -71,6 +71,7 @@ from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR, TRANSPORTS  # noqa: E402
+from topoep.runtime.deepep import release_buffers  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -536,6 +537,7 @@ def main(argv=None) -> int:
         ps.destroy_model_parallel()
     if own_group:
         dist.barrier()  # every rank done before teardown (with transport a2a the run hung at exit once)
+        release_buffers()  # transport deepep's buffers, while their process group lives
         dist.destroy_process_group()
     return 0
 

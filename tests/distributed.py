@@ -63,6 +63,9 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            from topoep.runtime.deepep import release_buffers
+
+            release_buffers()  # transport deepep's buffers, while their process group lives
             dist.destroy_process_group()
 
 

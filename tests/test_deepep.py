@@ -169,3 +169,23 @@ def test_reference_buffer_keeps_the_contract():
     for same_counts, nan_tail, err, same_w in run_ranks(_reference_contract, 4):
         assert same_counts and nan_tail and same_w
         assert err < 1e-5
+
+
+def test_release_buffers_destroys_each_deepep_buffer_once():
+    from topoep.runtime.deepep import DeepEPWorkspace, release_buffers
+
+    class Buffer:
+        destroyed = 0
+
+        def destroy(self):
+            Buffer.destroyed += 1
+
+    ws = object.__new__(DeepEPWorkspace)
+    ws.buffer = Buffer()
+    DeepEPWorkspace._shared[("test", 1)] = ws
+    try:
+        release_buffers()
+        release_buffers()  # nothing left: a second call destroys nothing
+        assert Buffer.destroyed == 1 and not DeepEPWorkspace._shared
+    finally:
+        DeepEPWorkspace._shared.pop(("test", 1), None)

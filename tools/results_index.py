@@ -150,6 +150,8 @@ GPU = [
     Entry(("gpu/hint_skip",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard"),
     Entry(("gpu/layer_limit",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup limit; "
           "bash tools/gpu_session.sh setup local (its README names each run's options)"),
+    Entry(("gpu/deepep",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh deepep, with .deepep/ carried (its "
+          "README names each run's options)"),
     Entry(("gpu/meta_graph",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup meta (its README names "
           "the other run's commands)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "

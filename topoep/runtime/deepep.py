@@ -21,6 +21,7 @@ Backward: DeepEP's cached dispatch brings every token's output gradient to its r
 dot products there, and travel back in the combine beside the input gradients (DeepEP carries one value per
 assignment through it); the replica weight gradients return home by TopoEP's transfers.
 
+Call `release_buffers()` before destroying the process group (the trainer and the benchmarks do).
 DeepEP is optional: `import_deep_ep` names how to install it (tools/build_deepep.sh) when it is missing. The CPU
 tests run this layer over `ReferenceElasticBuffer`, a torch stand-in over gloo that keeps the part of DeepEP's
 contract the layer relies on (module docstring of that class).
@@ -191,8 +192,12 @@ class DeepEPWorkspace:
             # deterministic (LayerConfig.deepep_deterministic): DeepEP sorts each expert's received rows into a fixed
             # order, so the weight gradients (sums over those rows) are the same bit for bit at every call; its sort
             # synchronises the host
+            # explicitly_destroy: DeepEP's destructor frees its NCCL window through the process group's communicator,
+            # which at interpreter exit is already destroyed (it aborted the process there); `release_buffers` frees
+            # it while the group lives
             self.buffer = deep_ep.ElasticBuffer(group or dist.group.WORLD, num_max_tokens_per_rank=max_tokens,
-                                                hidden=hidden, num_topk=top_k, deterministic=deterministic)
+                                                hidden=hidden, num_topk=top_k, deterministic=deterministic,
+                                                explicitly_destroy=True)
         # nothing overflows or spills: DeepEP's buffers hold the worst case (the other workspaces' counters, for the
         # logs and tests)
         dev = torch.device("cpu") if reference else torch.device("cuda", torch.cuda.current_device())
@@ -208,6 +213,15 @@ class DeepEPWorkspace:
         if ws is None:  # collective: every rank builds its layers' workspaces in the same order
             ws = cls._shared[key] = cls(group, max_tokens, hidden, top_k, reference, deterministic)
         return ws
+
+    @classmethod
+    def release_buffers(cls) -> None:
+        """Free every DeepEP buffer of the process (collective: every rank of their groups calls it), before
+        `torch.distributed.destroy_process_group`; later calls make new ones."""
+        for ws in cls._shared.values():
+            if hasattr(ws.buffer, "destroy"):
+                ws.buffer.destroy()
+        cls._shared.clear()
 
     def all_gather(self, t: torch.Tensor, channel: int = 0) -> torch.Tensor:
         """[R, *t.shape]: every rank's t (NCCL on a GPU: no host synchronisation)."""
@@ -337,3 +351,9 @@ def _publish(call, fetched, device) -> None:
     if fetched is not None:
         torch.cuda.current_stream(device).wait_event(fetched)
     call.pool.publish()
+
+
+def release_buffers() -> None:
+    """Free the process's DeepEP buffers before `torch.distributed.destroy_process_group` (collective; nothing
+    without transport deepep)."""
+    DeepEPWorkspace.release_buffers()
