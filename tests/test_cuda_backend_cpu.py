@@ -48,15 +48,21 @@ def _errors(got, ref, lo, hi):
     return [float((a.double() - (b if i < 2 else b[lo:hi])).abs().max()) for i, (a, b) in enumerate(zip(got, ref))]
 
 
-def _policies(rank, world, policies, chunks):
+def problem(rank, world):
+    """One rank's share of the layer problem the policy tests run: (E, lo, hi, fc1, fc2, this rank's fp64 reference
+    (y, grad x, grad w, grad fc1, grad fc2 of all experts), its (x, topk_idx, weights, grad_y))."""
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     g = torch.Generator().manual_seed(3)
     fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
     data = _routing(world, 11, 3.0, "cpu")
     refs = [_dense(*d[:3], fc1, fc2, d[3]) for d in data]
-    ref = [refs[rank][1], refs[rank][2], sum(r[3] for r in refs), sum(r[4] for r in refs)]
-    x, idx, w, gy = data[rank]
+    ref = [refs[rank][0], refs[rank][1], refs[rank][2], sum(r[3] for r in refs), sum(r[4] for r in refs)]
+    return E, lo, hi, fc1, fc2, ref, data[rank]
+
+
+def _policies(rank, world, policies, chunks):
+    E, lo, hi, fc1, fc2, (y_ref, *ref), (x, idx, w, gy) = problem(rank, world)
     out = {}
     for policy in policies:
         for backend in ("torch", "cuda"):
@@ -69,7 +75,7 @@ def _policies(rank, world, policies, chunks):
                 (y * gy.to(torch.bfloat16)).sum().backward()
                 ys.append(y.detach())
             errs = _errors([xr.grad, wr.grad, layer.fc1.grad, layer.fc2.grad], ref, lo, hi)
-            errs.append(float((ys[-1].double() - refs[rank][0]).abs().max()))
+            errs.append(float((ys[-1].double() - y_ref).abs().max()))
             out[(policy, backend)] = (errs, layer.stats_dict()["replica_fraction"], torch.equal(ys[0], ys[1]))
     return out
 

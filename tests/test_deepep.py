@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_cuda_backend_cpu import _errors, _topology
-from test_cuda_backend_gpu import E_LOC, FD, H, _dense, _routing
+from test_cuda_backend_cpu import _errors, _topology, problem
+from test_cuda_backend_gpu import E_LOC, FD, H, _routing
 
 
 def _instance_of(ids: torch.Tensor, R: int, E: int, N: int) -> torch.Tensor:
@@ -99,14 +99,7 @@ def _layer(E, policy, backend, fc1, fc2, lo, hi, world, transport):
 
 
 def _policies(rank, world, policies):
-    E = world * E_LOC
-    lo, hi = rank * E_LOC, (rank + 1) * E_LOC
-    g = torch.Generator().manual_seed(3)
-    fc1, fc2 = torch.randn(E, 2 * FD, H, generator=g) * 0.05, torch.randn(E, H, FD, generator=g) * 0.05
-    data = _routing(world, 11, 3.0, "cpu")
-    refs = [_dense(*d[:3], fc1, fc2, d[3]) for d in data]
-    ref = [refs[rank][1], refs[rank][2], sum(r[3] for r in refs), sum(r[4] for r in refs)]
-    x, idx, w, gy = data[rank]
+    E, lo, hi, fc1, fc2, (y_ref, *ref), (x, idx, w, gy) = problem(rank, world)
     out = {}
     for policy in policies:
         for backend, transport in (("torch", "peer"), ("cuda", "deepep"), ("cuda", "peer")):
@@ -119,7 +112,7 @@ def _policies(rank, world, policies):
                 ys.append(y.detach())
             got = [xr.grad, wr.grad, layer.fc1.grad / 2, layer.fc2.grad / 2]
             errs = _errors(got, ref, lo, hi)
-            errs.append(float((ys[-1].double() - refs[rank][0]).abs().max()))
+            errs.append(float((ys[-1].double() - y_ref).abs().max()))
             out[(policy, backend, transport)] = (errs, layer.stats_dict()["replica_fraction"],
                                                  torch.equal(ys[0], ys[1]))
     return out
