@@ -37,7 +37,10 @@ import torch
 import torch.distributed as dist
 
 from topoep.plan import Plan
+from topoep.runtime.cuda_function import (grouped_swiglu, grouped_swiglu_dgrad, grouped_swiglu_wgrad, keep_for_prefetch,
+                                          prefetch_after_backward, return_grads, stack_experts, start_fetch)
 from topoep.runtime.layout import assignment_instances, group_counts, local_group
+from topoep.runtime.timing import phase
 
 INSTALL_HINT = ("transport 'deepep' needs DeepEP (the `deep_ep` package, DeepEP's V2 API with ElasticBuffer) built "
                 "against this torch: run `bash tools/build_deepep.sh /path/to/DeepEP` on a machine with nvcc (README, "
@@ -254,9 +257,6 @@ class DeepEPExpertParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, topk_weights: torch.Tensor, call, *weights: torch.Tensor) -> torch.Tensor:
-        from topoep.runtime.cuda_function import grouped_swiglu, keep_for_prefetch, stack_experts, start_fetch
-        from topoep.runtime.timing import phase
-
         n = len(weights) // 2
         T, k = topk_weights.shape
         ws, pool, tm, E_loc = call.workspace, call.pool, call.timer, call.experts_per_rank
@@ -288,10 +288,6 @@ class DeepEPExpertParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from topoep.runtime.cuda_function import (grouped_swiglu_dgrad, grouped_swiglu_wgrad, prefetch_after_backward,
-                                                  return_grads, stack_experts, start_fetch)
-        from topoep.runtime.timing import phase
-
         call, handle, n = ctx.call, ctx.handle, ctx.num_weights
         recv, hm, recv_w, ym, xs, hs, *weights = ctx.saved_tensors
         ws, pool, tm, E_loc = call.workspace, call.pool, call.timer, call.experts_per_rank
