@@ -103,7 +103,7 @@ step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEE
   # put over the environment's nvidia-nccl, since DeepEP needs torch to load the NCCL it was built against) and DeepEP/
   # (optional: its source's tests). Then: torch and deep_ep import, DeepEP's own test at EP = all GPUs, backend cuda's
   # GPU tests with TOPOEP_GPU_TRANSPORT=deepep at EP = all GPUs, and with 2+ GPUs bench/moe_layer.py on deepep, a2a and
-  # peer (results/moe_layer_deepep.md)
+  # peer, side by side in moe_layer_deepep.md (bench/transports.py)
   local d=${DEEPEP_DIR:-.deepep} nccl
   nccl=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])')
   if [ -d "$d/nccl/lib" ]; then
@@ -139,6 +139,7 @@ step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEE
       --name moe_layer_deepep_$tr --out "$OUT" --transport $tr --backends cuda --no-megatron --tokens ${TOKENS:-4096} \
       --skews 0 -4 2>&1 | grep -v -i warn | grep -E "^  [0-9]|Error|error" | tail -12
   done
+  python3 bench/transports.py "$OUT" --results "$OUT" | tail -20  # the three side by side: moe_layer_deepep.md
 }
 
 step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py) against its reference and
