@@ -6,6 +6,7 @@ import datetime
 import io
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -63,9 +64,9 @@ def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            from topoep.runtime.deepep import release_buffers
-
-            release_buffers()  # transport deepep's buffers, while their process group lives
+            deepep = sys.modules.get("topoep.runtime.deepep")  # never imported: no DeepEP buffer to free
+            if deepep is not None:
+                deepep.release_buffers()  # transport deepep's buffers, while their process group lives
             dist.destroy_process_group()
 
 
