@@ -54,6 +54,9 @@ def parse_args(argv=None):
                     help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
     ap.add_argument("--relay-share", action="store_true",
                     help="the relay layers' relay_share: relay every fetch whose direct form exceeds a tree's share")
+    ap.add_argument("--fetch-overlap", action="store_true",
+                    help="every policy's forward replica fetch beside the dispatch and main GEMMs "
+                         "(sim.Execution.fetch_overlap)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -97,8 +100,10 @@ def run(args) -> list[dict]:
                "bound_ms": 1e3 * bounds[(preset, ep)]}
         for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
             fanout, cands = OURS.get(policy, (None, ()))
-            ex = (dataclasses.replace(sim.EXECUTIONS["topoep"], relay_fanout=fanout, relay_chunks=args.relay_chunks,
-                                      relay_share=args.relay_share) if fanout else None)
+            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap)
+            if fanout:
+                ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
+                                         relay_share=args.relay_share)
             r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in OURS else "topoep_plus",
                              num_slots=slots, guard=None if policy == "static" else guard, execution=ex,
                              **({"plus_candidates": cands} if policy in OURS else {}))

@@ -31,12 +31,13 @@ def harness(backend: str, chunks: int | None = None) -> dict:
     return dict(_cpu_harness=True, num_chunks=chunks) if backend == "cuda" else {}
 
 
-def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1, prefetch=False):
+def _layer(E, policy, backend, fc1, fc2, lo, hi, chunks=1, prefetch=False, fetch_overlap=False):
     from topoep import ExpertParallelMoE
 
     layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(E // E_LOC), num_slots=2,
                               policy=policy, backend=backend, dtype=torch.bfloat16, device="cpu", guard=False,
-                              prefetch=prefetch, **harness(backend, chunks))
+                              prefetch=prefetch, **harness(backend, chunks),
+                              **({"fetch_overlap": True} if fetch_overlap else {}))
     with torch.no_grad():
         layer.fc1.copy_(fc1[lo:hi])
         layer.fc2.copy_(fc2[lo:hi])
@@ -94,11 +95,12 @@ def test_every_policy_matches_backend_torch_within_bf16_error(world, chunks):
         assert out[("topoep", "cuda")][1] > 0 and out[("deepseek", "cuda")][1] > 0  # replicas served tokens
 
 
-def _layers(rank, world, chunks, n_layers, prefetch):
+def _layers(rank, world, chunks, n_layers, prefetch, fetch_overlap=False):
     """n_layers layers sharing the slots, each with its own weights and routing (so other replicas), forward in
     order, then backward in reverse (as autograd runs a model's layers); backend torch, then backend cuda
-    (with prefetch off and, when `prefetch`, on). Per run: the errors, the replica fractions, the pool's
-    (fills, reloads left out, prefetches) and the gradients themselves."""
+    (with prefetch off and, when `prefetch`, on; when `fetch_overlap`, also with LayerConfig.fetch_overlap, whose
+    fetch runs in place on the harness: its pool has no side stream). Per run: the errors, the replica fractions,
+    the pool's (fills, reloads left out, prefetches) and the gradients themselves."""
     E = world * E_LOC
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     weights, data, refs = [], [], []
@@ -111,10 +113,11 @@ def _layers(rank, world, chunks, n_layers, prefetch):
         data.append(d[rank])
         refs.append([r[rank][1], r[rank][2], sum(q[3] for q in r), sum(q[4] for q in r)])
     out = {}
-    for run in ("torch", "cuda") + (("cuda+prefetch",) if prefetch else ()):
+    for run in ("torch", "cuda") + (("cuda+prefetch",) if prefetch else ()) + (("cuda+overlap",) if fetch_overlap
+                                                                              else ()):
         backend = run.split("+")[0]
-        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks, prefetch=run == "cuda+prefetch")
-                  for fc1, fc2 in weights]
+        layers = [_layer(E, "topoep", backend, fc1, fc2, lo, hi, chunks, prefetch=run == "cuda+prefetch",
+                         fetch_overlap=run == "cuda+overlap") for fc1, fc2 in weights]
         losses, leaves = [], []
         for layer, (x, idx, w, gy) in zip(layers, data):
             xr, wr = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_()
@@ -142,11 +145,16 @@ def _check_errors(errs_c, errs_t, n_layers):
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_two_layers_share_the_slots_and_the_earlier_one_reloads(chunks):
-    for out in run_ranks(_layers, WORLD, chunks, 2, False):
-        (errs_t, reps_t, _, _), (errs_c, reps_c, counts, _) = out["torch"], out["cuda"]
+    for out in run_ranks(_layers, WORLD, chunks, 2, False, True):
+        (errs_t, reps_t, _, _), (errs_c, reps_c, counts, grads) = out["torch"], out["cuda"]
         assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)
         assert counts == (3, 1, 0, 1), counts  # fetches: A, B, A's reload; B's reload left out
         _check_errors(errs_c, errs_t, 2)
+        # fetch_overlap (on the same shared pool, whose counters go on): the same fetches, the same gradients bit
+        # for bit
+        _, reps_o, counts_o, grads_o = out["cuda+overlap"]
+        assert reps_o == reps_c and tuple(b - a for a, b in zip(counts[:3], counts_o[:3])) == counts[:3]
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_o))
 
 
 def test_prefetch_refills_a_released_bank_for_a_later_backward():

@@ -16,7 +16,7 @@ otherwise; run them on the GPU machine):
 TOPOEP_GPU_CHUNKS=2 runs backend cuda's layers with two token chunks, TOPOEP_GPU_PREFETCH=1 with a second bank of
 replica slots, TOPOEP_GPU_RELAY=f with replica fetches and gradient returns down / up relay trees of fanout f, and
 TOPOEP_GPU_RELAY_CHUNKS=c with each relayed copy in c chunks (LayerConfig.num_chunks, .prefetch, .relay_fanout,
-.relay_chunks). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
+.relay_chunks), and TOPOEP_GPU_FETCH_OVERLAP=1 with the forward fetch beside the dispatch (.fetch_overlap). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
@@ -48,6 +48,8 @@ RELAY = int(os.environ.get("TOPOEP_GPU_RELAY", "0")) or None  # replica fetches 
 # bitwise comparisons of weight gradients between layers do not hold
 DEEPEP_DETERMINISTIC = os.environ.get("TOPOEP_GPU_DEEPEP_DETERMINISTIC", "1") == "1"
 RELAY_CHUNKS = int(os.environ.get("TOPOEP_GPU_RELAY_CHUNKS", "1"))  # chunks per relayed copy (LayerConfig.relay_chunks)
+# the forward fetch beside the dispatch (LayerConfig.fetch_overlap; transport peer)
+FETCH_OVERLAP = os.environ.get("TOPOEP_GPU_FETCH_OVERLAP", "0") == "1"
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
     raise ValueError(f"TOPOEP_GPU_WORLD={WORLD} / TOPOEP_GPU_RPD={RPD}: need a world of at least 1 rank and a "
                      "domain size that divides it")
@@ -66,7 +68,8 @@ def cuda_options(**changes) -> dict:
     comparisons need it; the sync test always turns it off: DeepEP's sort synchronises the host)."""
     deepep = {"deepep_deterministic": DEEPEP_DETERMINISTIC} if TRANSPORT == "deepep" else {}
     return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH,
-            "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, **deepep, **changes}
+            "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, "fetch_overlap": FETCH_OVERLAP,
+            **deepep, **changes}
 
 
 def _topology():
@@ -270,8 +273,9 @@ def test_relayed_replicas_match_the_direct_path():
     check_relays(run_ranks(relay_cuda, WORLD, RPD, CHUNKS, PREFETCH, cuda_options(), backend="nccl"), PREFETCH)
 
 
-def _slow_prefetch(cuda_function):
-    """Every pool's fetch, when it runs on the prefetch stream, first spins the GPU for ~10 ms."""
+def _slow_side_fetches(cuda_function):
+    """Every pool's fetch, when it runs on the prefetch stream or the forward's "fetch" stream (fetch_overlap),
+    first spins the GPU for ~10 ms."""
     from topoep.runtime.a2a import A2AReplicaPool
     from topoep.runtime.symm import SymmReplicaPool
 
@@ -282,7 +286,8 @@ def _slow_prefetch(cuda_function):
 
         def fetch(self, *args, _orig=orig, **kw):
             dev = torch.cuda.current_device()
-            if torch.cuda.current_stream(dev) == cuda_function.side_stream(dev, "prefetch"):
+            if torch.cuda.current_stream(dev) in (cuda_function.side_stream(dev, "prefetch"),
+                                                  cuda_function.side_stream(dev, "fetch")):
                 torch.cuda._sleep(20_000_000)
             return _orig(self, *args, **kw)
 
@@ -294,8 +299,10 @@ def _two_layers(rank, world, n_layers=4):
     """Layers A-D share the replica slots: forward in order, then backward in reverse. With one bank, D's
     backward finds its replicas still in the slots and leaves the reload out; the others must reload. With
     prefetch=True (two banks, run "cuda-prefetch") D and C find theirs, and the ends of D's and C's backward
-    refill their banks, on the prefetch stream (made ~10 ms late on purpose), with B's and A's replicas: no reload. All against backend torch and the
-    fp64 reference, as in _layer_errors, and bit for bit against run "cuda"."""
+    refill their banks, on the prefetch stream (made ~10 ms late on purpose), with B's and A's replicas: no reload.
+    With fetch_overlap=True (run "cuda-fetch-overlap") every forward fetch runs on the fetch stream, also made ~10 ms
+    late: slot GEMMs that did not wait for it would read the previous layer's replicas. All against backend torch and
+    the fp64 reference, as in _layer_errors, and bit for bit against run "cuda"."""
     from topoep import ExpertParallelMoE
 
     dev = _setup(rank)
@@ -314,18 +321,21 @@ def _two_layers(rank, world, n_layers=4):
     out = {}
     from topoep.runtime import cuda_function
 
-    # the last two: combine_side_stream's path, prefetch's (the gradient return's on-stream path runs with transport
-    # a2a, whose pool has no push_grads, and on the CPU harness)
-    for name in ("torch", "cuda", "cuda-combine-side", "cuda-prefetch"):
+    # the last three: combine_side_stream's path, prefetch's, fetch_overlap's (the gradient return's on-stream path
+    # runs with transport a2a, whose pool has no push_grads, and on the CPU harness); fetch_overlap: peer only
+    names = ("torch", "cuda", "cuda-combine-side", "cuda-prefetch") + (("cuda-fetch-overlap",) if TRANSPORT == "peer"
+                                                                       else ())
+    for name in names:
         backend = name.split("-")[0]
-        if name == "cuda-prefetch":  # the prefetch stream starts late: a dispatch that did not wait would read old slots
-            _slow_prefetch(cuda_function)
+        if name == "cuda-prefetch":  # the side streams start late: a dispatch that did not wait would read old slots
+            _slow_side_fetches(cuda_function)
         layers = []
         for fc1, fc2 in weights:
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
                                       num_slots=2, policy=policy, backend=backend, dtype=torch.bfloat16, device=dev,
                                       guard=False, **(cuda_options(combine_side_stream=name == "cuda-combine-side",
-                                                                   prefetch=name == "cuda-prefetch")
+                                                                   prefetch=name == "cuda-prefetch",
+                                                                   fetch_overlap=name == "cuda-fetch-overlap")
                                                       if backend == "cuda" else dict(capacity_factor=CF)))
             with torch.no_grad():
                 layer.fc1.copy_(fc1[lo:hi])
@@ -363,7 +373,8 @@ def _two_layers(rank, world, n_layers=4):
 def test_layers_share_the_slots_and_reload_or_prefetch():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
         errs_t, reps_t, _, _ = out["torch"]
-        for name in ("cuda", "cuda-combine-side", "cuda-prefetch"):
+        assert ("cuda-fetch-overlap" in out) == (TRANSPORT == "peer")
+        for name in [n for n in out if n != "torch"]:
             errs_c, reps_c, counts, same_as_cuda = out[name]
             assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # every layer uses replicas
             # fetches: 4 forward fills, then one bank: 3 reloads (D's left out); two banks: 2 prefetches, no reload

@@ -37,6 +37,7 @@ BAD = [  # (field, bad value, what the error says)
     ("relay_chunks", 0, "LayerConfig.relay_chunks must be an integer >= 1, got 0"),
     ("relay_share", 1, "LayerConfig.relay_share must be true or false, got 1"),
     ("deepep_deterministic", "yes", "LayerConfig.deepep_deterministic must be true or false, got 'yes'"),
+    ("fetch_overlap", 1, "LayerConfig.fetch_overlap must be true or false, got 1"),
 ]
 
 
@@ -58,6 +59,11 @@ def test_combinations_are_checked():
     with pytest.raises(ValueError, match=r"backend cuda runs 1 or 2 token chunks"):
         LayerConfig(backend="cuda", num_chunks=3)
     LayerConfig(backend="cuda", transport="a2a", capacity_factor=None)
+    for bad in (dict(), dict(backend="cuda", transport="a2a", capacity_factor=None)):
+        with pytest.raises(ValueError, match=r"fetch_overlap=true runs backend cuda's peer-pointer fetch.*set "
+                                             r"LayerConfig.backend=cuda and LayerConfig.transport=peer"):
+            LayerConfig(fetch_overlap=True, **bad)
+    assert LayerConfig(backend="cuda", fetch_overlap=True).fetch_overlap
     assert LayerConfig(num_chunks=4).chunks == 4  # backend torch: any number
     assert (LayerConfig().chunks, LayerConfig(backend="cuda").chunks) == (2, 1)  # the backends' defaults
     assert LayerConfig(capacity_factor=2).capacity_factor == 2.0 and LayerConfig(t_ffn=1).t_ffn == 1.0

@@ -159,6 +159,45 @@ def test_simulate_pipelined_hides_what_the_paper_says():
     assert r2.exposed["replica"] > 15 and r2.layer_s > r.layer_s
 
 
+def test_fetch_overlap_hand_computed():
+    """Execution.fetch_overlap on the toy replica plan: the fetch (15 s over the NIC, 2 -> 1) runs beside the
+    dispatch (0.03 s per chunk over NVLink, 0 -> 1: no shared link, no stretch); every rank's slot rows wait for it.
+    Rank 0 computes its 2 main assignments (1/3 s per chunk) before the fetch ends; rank 1's slot rows (1 s per chunk)
+    start at 15 s: chunk ends 16 and 17 s, combines 16.03 and 17.03 s. Without it: 15 s, then the 2.06 s pipeline."""
+    static, rep = toy_plans()
+    pipe = replace(SERIAL, pipelined=True, num_chunks=2, reload_hidden=True, grad_return_hidden=True)
+    over = replace(pipe, fetch_overlap=True)
+    r0, r1 = (sim.simulate(rep, TOY, model=TOY_MODEL, execution=e) for e in (pipe, over))
+    assert r0.forward_s == pytest.approx(0.5 + 15 + 2.06)
+    assert r1.forward_s == pytest.approx(0.5 + 17.03)
+    assert r1.exposed["replica"] == pytest.approx(17.03 - 2.06) and r1.backward_s == pytest.approx(r0.backward_s)
+    assert sum(r1.exposed.values()) == pytest.approx(r1.layer_s)
+    # a fast NIC (fetch 0.15 s): rank 1's slot rows start at 0.15 s, chunk ends 1.15 and 2.15 s, combines end 2.18 s
+    fast = replace(TOY, rdma_bytes_per_s=1e4)
+    assert sim.simulate(rep, fast, model=TOY_MODEL, execution=over).forward_s == pytest.approx(0.5 + 2.18)
+    # nothing fetched: the same layer
+    assert sim.simulate(static, TOY, model=TOY_MODEL, execution=over).layer_s == pytest.approx(
+        sim.simulate(static, TOY, model=TOY_MODEL, execution=pipe).layer_s)
+    with pytest.raises(ValueError, match="Execution.fetch_overlap=True overlaps the fetch with the chunk pipeline"):
+        replace(SERIAL, fetch_overlap=True)
+
+
+@pytest.mark.parametrize("scenario", ["random_bias", "hot_domain", "warm_domain"])
+def test_fetch_overlap_lies_between_no_fetch_and_the_fetch_first(scenario):
+    """On plans with replicas whose fetch shares links with the dispatch (EP 16 as 2 domains): the overlapped
+    forward is no slower than the fetch before the pipeline and no faster than the pipeline without any fetch."""
+    cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(16 * 8)
+    om = workloads.scenario(scenario, 16, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    plan = solve(om, cl.topology(16), num_slots=2, policy="topoep_plus", expert_bytes=model.expert_bytes,
+                 token_bytes=model.token_bytes, t_ffn=cl.t_ffn(model))
+    assert plan.num_replicas > 0
+    ex = sim.EXECUTIONS["topoep"]
+    r0, r1 = (sim.simulate(plan, cl, model=model, execution=replace(ex, fetch_overlap=o)) for o in (False, True))
+    bare = r0.forward_s - r0.terms["fetch"]  # the same forward with the fetch taking no time
+    assert bare - 1e-12 <= r1.forward_s < r0.forward_s  # the main experts' GEMMs hide part of the fetch here
+    assert r1.backward_s == pytest.approx(r0.backward_s)
+
+
 def test_exposed_terms_add_up_for_every_policy_and_execution():
     cl = sim.CLUSTERS["paper_h800"]
     model = sim.MODELS["qwen3"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks guard tests cuda a2a deepep layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap guard tests cuda a2a deepep layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -350,6 +350,25 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
   _c audit_ep8_rpd4_relay2_c4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 150 python3 tools/sync_audit.py
+}
+
+step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fetch_overlap): backend cuda's GPU tests
+  # with it at EP 1, at EP 8 as 2 domains of 4 (ranks sharing the GPU) with direct fetches and with relay trees of 2,
+  # and the EP 8 sync audit. The two-layer test always adds a run with it whose fetch stream starts ~10 ms late.
+  # Correctness only. Short logs into $OUT/fetch_overlap/
+  mkdir -p "$OUT/fetch_overlap"
+  _o() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
+    echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
+      > "$OUT/fetch_overlap/$name.log"; return $rc; }
+  _o ep1 TOPOEP_GPU_FETCH_OVERLAP=1 TOPOEP_GPU_WORLD=1 timeout -k 10 240 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py
+  _o ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_FETCH_OVERLAP=1 \
+    timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+  _o ep8_rpd4_relay2 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_FETCH_OVERLAP=1 \
+    TOPOEP_GPU_RELAY=2 timeout -k 10 200 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k "relay or share"
+  _o audit_ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_FETCH_OVERLAP=1 \
+    timeout -k 10 150 python3 tools/sync_audit.py
 }
 
 step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (tests/test_guard_cuda.py), then its time

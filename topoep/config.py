@@ -76,6 +76,11 @@ class LayerConfig:
     combine_side_stream: bool = False
     """Backend cuda, transport peer: the backward combine (token gradients going home) on a side stream beside the
     weight-gradient GEMMs."""
+    fetch_overlap: bool = False
+    """Backend cuda, transport peer: the forward replica fetch runs on a high-priority side stream beside the
+    dispatch and the main experts' GEMMs and publishes the slots with its own barrier; only the slot GEMMs wait for
+    it. False: the fetch runs on the layer's stream before the dispatch, whose barriers publish it. The results are
+    the same bit for bit."""
     cuda_graphs: bool = True
     """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
     runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""
@@ -136,8 +141,8 @@ class LayerConfig:
         if self.capacity_factor is not None and self.transport == "a2a":
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
-        for name in ("guard", "prefetch", "combine_side_stream", "cuda_graphs", "layer_graphs", "relay_share",
-                     "deepep_deterministic"):
+        for name in ("guard", "prefetch", "combine_side_stream", "fetch_overlap", "cuda_graphs", "layer_graphs",
+                     "relay_share", "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -146,6 +151,11 @@ class LayerConfig:
         if self.layer_graphs and self.prefetch:
             raise ValueError(f"{p}.layer_graphs=true cannot capture a call while a prefetch is in flight: set "
                              f"{p}.prefetch=false or {p}.layer_graphs=false")
+        if self.fetch_overlap and (self.backend != "cuda" or self.transport != "peer"):
+            raise ValueError(f"{p}.fetch_overlap=true runs backend cuda's peer-pointer fetch on a side stream (got "
+                             f"backend {self.backend}, transport {self.transport}, whose fetch keeps its place in the "
+                             f"layer's stream): set {p}.backend=cuda and {p}.transport=peer, or "
+                             f"{p}.fetch_overlap=false")
         if self.deepep_deterministic and self.transport != "deepep":
             raise ValueError(f"{p}.deepep_deterministic=true orders DeepEP's received rows, but {p}.transport="
                              f"{self.transport}: set {p}.transport=deepep or {p}.deepep_deterministic=false")

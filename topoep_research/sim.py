@@ -263,6 +263,10 @@ class Execution:
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form exceeds a tree's share
     (`NetBenefitGuard.relay_share`)."""
+    fetch_overlap: bool = False
+    """Pipelined executions: the forward replica fetch runs beside the dispatch and the main experts' GEMMs, first on
+    the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs
+    wait for it. False: the fetch precedes the dispatch."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
@@ -279,6 +283,9 @@ class Execution:
             _check(self, name, "float", 0.0)
         if self.plan_s is not None:
             _check(self, "plan_s", "float", 0.0)
+        if self.fetch_overlap and not self.pipelined:
+            raise ValueError(f"Execution.fetch_overlap=True overlaps the fetch with the chunk pipeline, but execution "
+                             f"{self.name!r} is not pipelined: set pipelined=True or fetch_overlap=False")
 
     @property
     def exposed_replica_transfers(self) -> int:
@@ -485,6 +492,34 @@ def transfer_time(loads: dict[str, torch.Tensor], cluster: Cluster) -> tuple[flo
 
 
 # -- schedule ----------------------------------------------------------------------------------------
+def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: float, t_chunk: float,
+                       cluster: Cluster, n: int, t_ffn: float, expert_overhead_s: float) -> float:
+    """The forward pipeline (dispatch, compute, combine of n chunks; `pipeline`) with the replica fetch running
+    beside it (`Execution.fetch_overlap`), from the plan's start: seconds.
+
+    Links: the fetch (its own time t_rep; link loads rep_loads, a relayed fetch's steps summed) goes first on every
+    link it shares with the n dispatches (t_chunk each, loads tok_loads): the runtime issues it first, on a
+    high-priority stream. So the fetch ends at t_rep, and the dispatches end no earlier than the busiest of their own
+    links carrying both transfers' bytes (`transfer_time` of the summed loads on the links the dispatch uses); they
+    are stretched evenly to that end.
+    Compute, per rank: chunk i's main-expert rows (1/n of the rank's main load) start once dispatch i and the rank's
+    previous chunk are done; its slot rows then wait for the fetch, which ends with a barrier of the group (every
+    rank waits, slot rows or not: the host does not know). A combine waits for every rank's chunk (a collective)."""
+    R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
+    il = plan.instance_load.double()
+    main = torch.zeros(R, dtype=torch.float64).index_add_(0, plan.main_rank, il[:E])
+    slot = il[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.float64)
+    shared, _ = transfer_time({k: (tok_loads[k] + rep_loads[k]) * (tok_loads[k] > 0) for k in tok_loads}, cluster)
+    stretch = max(1.0, shared / (n * t_chunk)) if t_chunk > 0 else 1.0
+    comp = torch.zeros(R, dtype=torch.float64)
+    t = n * t_chunk * stretch
+    for i in range(n):
+        comp = comp.clamp(min=(i + 1) * t_chunk * stretch) + expert_overhead_s / 3 / n + t_ffn * main / 3 / n
+        comp = comp.clamp(min=t_rep) + t_ffn * slot / 3 / n
+        t = max(t, comp.max().item()) + t_chunk
+    return t
+
+
 def pipeline(dispatch: list[float], compute: list[float], combine: list[float], *, compute_ready: float = 0.0,
              tail_compute: float = 0.0) -> tuple[float, float]:
     """(comm stream end, compute stream end) of the two-stream chunk schedule of paper 3.3: the comm
@@ -861,11 +896,13 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     B = replica_matrix(plan)
     has_rep = bool(B.any())
     fetch = executed_sources(plan, execution.relay_fanout) if execution.relay_fanout is not None else None
-    t_rep, rep_busy = transfer_time(link_loads(B.double() * W, dom), cluster)
+    rep_loads = link_loads(B.double() * W, dom)
+    t_rep, rep_busy = transfer_time(rep_loads, cluster)
     if has_rep and fetch is not None:  # the relay trees' steps (levels overlapping in chunks), one after the other
         C = execution.relay_chunks
-        t_rep = sum(transfer_time(link_loads(step.double() * (W / C), dom), cluster)[0]
-                    for step in relay_steps(relay_levels(plan, *fetch), C))
+        step_loads = [link_loads(step.double() * (W / C), dom) for step in relay_steps(relay_levels(plan, *fetch), C)]
+        t_rep = sum(transfer_time(loads, cluster)[0] for loads in step_loads)
+        rep_loads = {k: sum(loads[k] for loads in step_loads) for k in rep_loads}
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)
@@ -879,6 +916,11 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
 
     if execution.pipelined:
         fwd_pipe = max(pipeline(d, xf, c))
+        # the forward's replica time: the fetch before the pipeline, or what the pipeline waits for it beside it
+        fwd_rep = t_rep
+        if execution.fetch_overlap and has_rep:
+            fwd_rep = overlapped_forward(plan, tok_loads, rep_loads, t_rep, t_chunk, cluster, n, t_ffn,
+                                         execution.expert_overhead_s) - fwd_pipe
 
         def bwd(reload: float, ret: float) -> float:
             comm, comp = pipeline(d, xf, c, compute_ready=reload, tail_compute=x_max / 3)
@@ -891,13 +933,14 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         rep_bwd_exposed = bwd_pipe - bwd_bare
     else:
         fwd_pipe = 2 * n * t_chunk + x_max / 3
+        fwd_rep = t_rep
         bwd_bare = 2 * n * t_chunk + 2 * x_max / 3
         rep_bwd_exposed = t_rep * ((not execution.reload_hidden) + (not execution.grad_return_hidden))
         bwd_pipe = bwd_bare + rep_bwd_exposed
-    forward = t_plan + t_rep + fwd_pipe
+    forward = t_plan + fwd_rep + fwd_pipe
     layer = forward + bwd_pipe + overhead
     token_exposed = fwd_pipe + bwd_bare - x_max
-    exposed = {"plan": t_plan, "replica": t_rep + rep_bwd_exposed, "compute": x_max, "token": token_exposed,
+    exposed = {"plan": t_plan, "replica": fwd_rep + rep_bwd_exposed, "compute": x_max, "token": token_exposed,
                "overhead": overhead}
     terms = {"plan": t_plan, "gather": t_gather, "guard": t_guard, "reference_solve_measured": measured, "fetch": t_rep,
              "reload": t_rep, "grad_return": t_rep,

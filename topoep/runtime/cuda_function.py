@@ -82,6 +82,7 @@ class CudaLayerCall:
     weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
     grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
     combine_side_stream: bool = False  # LayerConfig.combine_side_stream
+    fetch_overlap: bool = False  # LayerConfig.fetch_overlap: the forward fetch beside the dispatch and main GEMMs
     relay: object = None  # topoep.relay.RelayTrees: replica fetches and gradient returns down / up relay trees
     deepep_ids: torch.Tensor | None = None  # transport deepep: int64[T, k] DeepEP expert ids (deepep.deepep_expert_ids)
 
@@ -162,13 +163,18 @@ def grouped_swiglu_wgrad(x, act, gy, gh, offs):
 
 
 _SIDE_STREAMS: dict = {}
+# roles whose streams have CUDA's high priority: their kernels' blocks are scheduled before the other streams'
+HIGH_PRIORITY_ROLES = ("fetch",)
+
+
 def side_stream(device, role: str = "side") -> torch.cuda.Stream:
-    """A stream of the layer's on a device, created once per role: "side" (replica fetch and gradient push,
-    plan statistics), "comm" (dispatch and combine beside the GEMMs) or "prefetch" (the backward prefetch, which
-    nothing on the other streams waits for but the prefetched layer)."""
+    """A stream of the layer's on a device, created once per role: "side" (gradient push, plan statistics), "comm"
+    (dispatch and combine beside the GEMMs), "prefetch" (the backward prefetch, which nothing on the other streams
+    waits for but the prefetched layer) or "fetch" (the forward fetch of LayerConfig.fetch_overlap, at high
+    priority: its pushes go before the dispatch's rows where they share SMs and links)."""
     key = (torch.device(device), role)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(key[0])
+        _SIDE_STREAMS[key] = torch.cuda.Stream(key[0], priority=-1 if role in HIGH_PRIORITY_ROLES else 0)
     return _SIDE_STREAMS[key]
 
 
@@ -193,9 +199,12 @@ def _fill(call: "CudaLayerCall", bank: int) -> None:
 
 def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
     """Fill the replica slots for this call, here on the layer's stream (the a2a pool's all-to-alls must keep their
-    order with the dispatch's; a side-stream fetch beside the dispatch measured no faster). Returns None, or the
-    event of a prefetch of this call's replicas that the dispatch waits for before its publishing barrier; without
-    a pool (no slots, or policy static) there is nothing to fetch.
+    order with the dispatch's), except a forward fetch with `call.fetch_overlap` on the peer-pointer pool: that one
+    runs on the high-priority "fetch" stream beside the dispatch and the main experts' GEMMs and ends with its own
+    barrier of the group, which publishes the slots (`_fetch(publish=True)`). Returns None; or, in backward, the
+    event of a prefetch of this call's replicas that the dispatch waits for before its publishing barrier; or, with
+    fetch_overlap, the event of the published fetch, which the slot GEMMs wait for (`fetch_ready`). Without a pool
+    (no slots, or policy static) there is nothing to fetch.
 
     The pool remembers which fill each bank of slots holds (`pool.SlotBanks`: host counters; every rank issues
     the same calls in the same order, so every rank decides alike). A forward fills the bank it did not fill last
@@ -224,14 +233,18 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
         pool.last = (pool.last + 1) % pool.banks
         _fill(call, pool.last)
     call.prefetched = None
+    if call.fetch_overlap and not reload:
+        return _fetch(call, W1, W2, "fetch", tm, publish=True)
     return _fetch(call, W1, W2, None, tm)
 
 
-def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str | None, tm: PhaseTimer | None):
+def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str | None, tm: PhaseTimer | None,
+           publish: bool = False):
     """pool.fetch of call's replicas into call.bank: on the device's stream of `role` after the layer's stream,
     returning the event of its end, where a role is given and the pool allows it (`async_fetch`: the peer-pointer
     pool, whose pushes need no collective of their own) on a GPU without a timer `tm`; otherwise here, in phase
-    "fetch" of `tm` (None)."""
+    "fetch" of `tm` (None), for the dispatch's barriers to publish. `publish`: the side stream's fetch ends with the
+    pool's barrier of that bank (`publish_fetch`), so the event marks slots that every rank has filled."""
     pool, se = call.pool, call.plan.slot_expert
     if role is None or tm is not None or not getattr(pool, "async_fetch", False) or not se.is_cuda:
         with phase(tm, "fetch", collective=True):
@@ -243,6 +256,8 @@ def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str 
         t.record_stream(stream)
     with torch.cuda.stream(stream):
         pool.fetch(se, W1, W2, call.experts_per_rank, call.bank, relay=call.relay)
+        if publish:
+            pool.publish_fetch(call.bank)
         done = torch.cuda.Event()
         done.record(stream)
     return done
@@ -369,6 +384,8 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
+        # fetch_overlap: the fetch publishes itself; only the slot GEMMs (and the spill path's) wait for it
+        slot_ready, fetched = (fetched, None) if call.fetch_overlap else (None, fetched)
         keep_for_prefetch(call, W1, W2)
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
@@ -400,6 +417,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with phase(tm, "experts"):
                 ym, hm = grouped_swiglu(xm, W1, W2, ch.offs_main, ch.n_main)
                 ys = hs = None
+                _wait(slot_ready, x.device)
                 if pool is not None:
                     ys, hs = grouped_swiglu(xs, *slot_w, ch.offs_slot, ch.n_slot)
                 ws.spill(ch.spill, (W1, W2), slot_w)  # rows beyond the regions (none: a launch that finds none)

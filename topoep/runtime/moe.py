@@ -402,6 +402,7 @@ class ExpertParallelMoE(nn.Module):
         call = CudaLayerCall(plan=plan, workspace=ws, pool=pool, chunks=chunks, num_tokens=T, top_k=k,
                              experts_per_rank=E_loc, timer=tm, grad=torch.is_grad_enabled(),
                              combine_side_stream=self.config.combine_side_stream,
+                             fetch_overlap=self.config.fetch_overlap,
                              relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout),
                                               self.config.relay_chunks) if fanout else None)
         if deepep:  # transport deepep: DeepEP's dispatch and combine (deepep.py)

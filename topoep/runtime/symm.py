@@ -556,7 +556,8 @@ class SymmReplicaPool(SlotBanks):
         everywhere; channel 2 + bank of the fc2 slots, so that fetches into different banks on
         different streams never share one). No barrier at the start or the end: the layer calls it right before a
         dispatch, whose barriers publish the slots before anyone computes with them (the closing one, when the fetch
-        runs on a side stream: cuda_function.start_fetch); and before it, every rank passed a barrier after its last
+        runs on a side stream: cuda_function.start_fetch), or follows it with `publish_fetch` on its own stream
+        (LayerConfig.fetch_overlap); and before it, every rank passed a barrier after its last
         use of the bank (this call's count all-gathers in forward, the gradient return of the bank's last user in
         backward; `publish` where nothing else would)."""
         se = slot_expert.reshape(-1).contiguous()
@@ -579,6 +580,12 @@ class SymmReplicaPool(SlotBanks):
         """A barrier of the group on this stream: every rank's earlier work on its stream (a prefetch it
         waited for) is complete everywhere after it."""
         self._fc1.barrier(channel=0)
+
+    def publish_fetch(self, bank: int = 0) -> None:
+        """The end of a fetch into `bank` on a side stream of its own (LayerConfig.fetch_overlap): a barrier of the
+        group on that stream (channel 2 + bank of the fc1 slots, which nothing else uses), after which every rank's
+        pushes into the bank are complete everywhere."""
+        self._fc1.barrier(channel=2 + bank)
 
     def push_grads(self, slot_expert: torch.Tensor, src1: torch.Tensor, src2: torch.Tensor, e_loc: int,
                    relay=None) -> None:
