@@ -177,6 +177,11 @@ def report(args, rows: list[dict]) -> str:
         "them); `ran`: the plan the guard kept (plus, local, spread, tree, or static when the guard fired or nothing "
         "was planned); "
         "bound: the variant / the static layer on perfectly balanced routing",
+        "- forward replica fetch: " + (
+            "beside the dispatch and the main experts' GEMMs for every policy (`sim.Execution.fetch_overlap`, backend "
+            "cuda's `fetch_overlap`: first on the links it shares with the dispatch; every rank's slot GEMMs wait for "
+            "it); the guard still prices it as exposed" if args.fetch_overlap else
+            "before the dispatch, exposed (`--fetch-overlap`: beside it)"),
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]

@@ -273,9 +273,15 @@ def test_relayed_replicas_match_the_direct_path():
     check_relays(run_ranks(relay_cuda, WORLD, RPD, CHUNKS, PREFETCH, cuda_options(), backend="nccl"), PREFETCH)
 
 
+SIDE_FETCHES = {"prefetch": 0, "fetch": 0}  # fetches the slowed pools ran on each side stream (this process)
+# GPU cycles each slowed fetch spins first: ~10 ms on the prefetch stream; ~0.5 s on the forward's fetch stream, whose
+# slot GEMMs come after only the dispatch and the main GEMMs (with 8 ranks time-slicing one GPU, tens of ms)
+SIDE_SLEEP = {"prefetch": 20_000_000, "fetch": 1_000_000_000}
+
+
 def _slow_side_fetches(cuda_function):
     """Every pool's fetch, when it runs on the prefetch stream or the forward's "fetch" stream (fetch_overlap),
-    first spins the GPU for ~10 ms."""
+    first spins the GPU (SIDE_SLEEP) and is counted (SIDE_FETCHES)."""
     from topoep.runtime.a2a import A2AReplicaPool
     from topoep.runtime.symm import SymmReplicaPool
 
@@ -286,9 +292,10 @@ def _slow_side_fetches(cuda_function):
 
         def fetch(self, *args, _orig=orig, **kw):
             dev = torch.cuda.current_device()
-            if torch.cuda.current_stream(dev) in (cuda_function.side_stream(dev, "prefetch"),
-                                                  cuda_function.side_stream(dev, "fetch")):
-                torch.cuda._sleep(20_000_000)
+            for role in SIDE_FETCHES:
+                if torch.cuda.current_stream(dev) == cuda_function.side_stream(dev, role):
+                    SIDE_FETCHES[role] += 1
+                    torch.cuda._sleep(SIDE_SLEEP[role])
             return _orig(self, *args, **kw)
 
         fetch.slowed = True
@@ -364,18 +371,24 @@ def _two_layers(rank, world, n_layers=4):
         counts = tuple(a - b for a, b in zip(now, before)) if pool is not None else None
         if pool is not None:
             pool._counted = now
-        out[name] = (errs, reps, counts, grads)
-    return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),)
-            for k, v in out.items()}
+        side = dict(SIDE_FETCHES)
+        for role in SIDE_FETCHES:
+            SIDE_FETCHES[role] = 0
+        out[name] = (errs, reps, counts, grads, side)
+    return {k: v[:3] + ((v[3] is out["cuda"][3] or all(torch.equal(a, b) for a, b in zip(v[3], out["cuda"][3]))),
+                        v[4]) for k, v in out.items()}
 
 
 @pytest.mark.skipif(WORLD < 2, reason="a replica needs a second rank")
 def test_layers_share_the_slots_and_reload_or_prefetch():
     for out in run_ranks(_two_layers, WORLD, backend="nccl"):
-        errs_t, reps_t, _, _ = out["torch"]
+        errs_t, reps_t, _, _, _ = out["torch"]
         assert ("cuda-fetch-overlap" in out) == (TRANSPORT == "peer")
+        if TRANSPORT == "peer":  # the slowed side streams ran the fetches: the prefetches, every forward fill
+            assert out["cuda-prefetch"][4] == {"prefetch": 2, "fetch": 4 if FETCH_OVERLAP else 0}
+            assert out["cuda-fetch-overlap"][4] == {"prefetch": 0, "fetch": 4}
         for name in [n for n in out if n != "torch"]:
-            errs_c, reps_c, counts, same_as_cuda = out[name]
+            errs_c, reps_c, counts, same_as_cuda, _ = out[name]
             assert reps_c == reps_t and all(r > 0 for r in reps_c), (reps_c, reps_t)  # every layer uses replicas
             # fetches: 4 forward fills, then one bank: 3 reloads (D's left out); two banks: 2 prefetches, no reload
             assert counts == ((6, 4, 2) if name == "cuda-prefetch" else (7, 1, 0)), (name, counts)

@@ -71,6 +71,7 @@ REPORTS = [
     _sweep("link_sweep_relay_chunks2", "--relay-chunks 2"),
     _sweep("link_sweep_relay_chunks4", "--relay-chunks 4"),
     _sweep("link_sweep_relay_chunks4_share", "--relay-chunks 4 --relay-share"),
+    _sweep("link_sweep_overlap", "--fetch-overlap"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
