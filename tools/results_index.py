@@ -157,6 +157,7 @@ GPU = [
           "the other run's commands)"),
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
+    Entry(("gpu/fetch_overlap",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup fetch_overlap"),
     Entry(("gpu/relay_chunks",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup relay_chunks (its "
           "README names the second run's options)"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
