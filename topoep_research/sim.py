@@ -54,8 +54,10 @@ The model (all per layer call, forward + backward, one microbatch):
                Execution.measured_host_plan, the CPU reference's measured wall time: an upper bound). With
                the guard, a call whose routing no plan can pay for (`NetBenefitGuard.worth_planning`) runs
                the static plan and pays no planner.
-    schedule   paper 3.3: plan and fetch precede dispatch; tokens in `num_chunks` chunks on a comm
-               stream (all dispatches, then each combine after its chunk's compute) beside a compute
+    schedule   paper 3.3: plan and fetch precede dispatch (Execution.fetch_overlap: the fetch beside the
+               dispatch and the main experts' GEMMs, first on shared links, `overlapped_forward`); tokens
+               in `num_chunks` chunks on a comm stream (all dispatches, then each combine after its chunk's
+               compute) beside a compute
                stream; backward: data gradients per chunk, combines after them, weight gradients last;
                reload and gradient return hidden (overlap with other layers) or on the critical path.
                Communication ops are collective: they wait for the straggler. Serial executions add
@@ -63,8 +65,9 @@ The model (all per layer call, forward + backward, one microbatch):
 The exposed breakdown (`SimResult.exposed`) splits the layer time into plan + replica (exposed part) +
 compute (straggler) + token (what the pipeline does not hide) + overhead; `terms` holds the raw times.
 Not modelled: GEMM efficiency varying with rows per expert, link contention between concurrent token
-and replica transfers, the correlation of a token's k choices beyond "distinct experts" (dedup), NIC
-rail imbalance beyond the same-local-index rule, tree or multicast replica broadcast.
+and replica transfers other than the overlapped forward fetch's (strict priority), the correlation of a
+token's k choices beyond "distinct experts" (dedup), NIC rail imbalance beyond the same-local-index rule,
+tree or multicast replica broadcast.
 """
 
 from __future__ import annotations
