@@ -340,6 +340,9 @@ def parse_args(argv):
     ap.add_argument("--prefetch", action="store_true",
                     help="backend cuda: a second bank of replica slots, refilled at the end of each backward "
                          "(LayerConfig.prefetch)")
+    ap.add_argument("--fetch-overlap", action="store_true",
+                    help="backend cuda, transport peer: the forward replica fetch beside the dispatch and the main "
+                         "experts' GEMMs (LayerConfig.fetch_overlap)")
     ap.add_argument("--combine-side-stream", action="store_true",
                     help="backend cuda: the backward combine beside the weight-gradient GEMMs "
                          "(LayerConfig.combine_side_stream)")
@@ -429,7 +432,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
                                   t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,
                                   transport=args.transport if be == "cuda" else "peer", capacity_factor=factor,
                                   num_chunks=args.chunks, prefetch=args.prefetch and be == "cuda",
-                                  combine_side_stream=args.combine_side_stream and be == "cuda")
+                                  combine_side_stream=args.combine_side_stream and be == "cuda",
+                                  fetch_overlap=args.fetch_overlap and be == "cuda")
         with torch.no_grad():
             layer.fc1.copy_(fc1)
             layer.fc2.copy_(fc2)
@@ -587,7 +591,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
         f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; token chunks: "
         f"{args.chunks or 'the backend default (torch 2, cuda 1)'}; backward prefetch (backend cuda): "
-        f"{int(args.prefetch)}; backward combine on a side stream: {int(args.combine_side_stream)}; megatron experts: {experts_module or 'not run'}"
+        f"{int(args.prefetch)}; backward combine on a side stream: {int(args.combine_side_stream)}; "
+        f"forward fetch beside the dispatch: {int(args.fetch_overlap)}; megatron experts: {experts_module or 'not run'}"
         + (f"; each case is {args.depth} layers in a chain, every time per layer (the case's / {args.depth})"
            if args.depth > 1 else ""),
         f"- ms: median over {args.iters} iterations (after {args.warmup} warm-up; taken in {args.rounds} rounds over the "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap guard tests cuda a2a deepep layer_cuda local limit meta reload_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -258,6 +258,12 @@ step_prefetch_ab() {  # the backward prefetch: 4 chained layers (times per layer
   # last reloads in backward) or two (=1: the last two keep their replicas, the others are prefetched beside the
   # next layer's backward); 8 slots
   ab_layer moe_layer_prefetch 8 "--prefetch" --depth 4 --skews 0 -4 --layouts concentrated
+}
+
+step_fetch_overlap_ab() {  # the forward fetch before the dispatch (=0, the default) or beside it and the main
+  # experts' GEMMs (=1, LayerConfig.fetch_overlap); 8 slots; needs 2+ GPUs (ranks sharing one GPU time nothing)
+  [ "$NGPU" -ge 2 ] || { echo "fetch_overlap_ab: needs 2+ GPUs, found $NGPU"; return 1; }
+  ab_layer moe_layer_fetch_overlap 8 "--fetch-overlap" --skews 0 -4 --layouts concentrated
 }
 
 step_combine_ab() {  # the backward combine on the layer's stream (=0, the default) or beside the weight gradients (=1)

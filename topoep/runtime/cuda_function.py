@@ -203,7 +203,7 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     runs on the high-priority "fetch" stream beside the dispatch and the main experts' GEMMs and ends with its own
     barrier of the group, which publishes the slots (`_fetch(publish=True)`). Returns None; or, in backward, the
     event of a prefetch of this call's replicas that the dispatch waits for before its publishing barrier; or, with
-    fetch_overlap, the event of the published fetch, which the slot GEMMs wait for (`fetch_ready`). Without a pool
+    fetch_overlap, the event of the published fetch, which the slot GEMMs wait for. Without a pool
     (no slots, or policy static) there is nothing to fetch.
 
     The pool remembers which fill each bank of slots holds (`pool.SlotBanks`: host counters; every rank issues
