@@ -72,6 +72,8 @@ REPORTS = [
     _sweep("link_sweep_relay_chunks4", "--relay-chunks 4"),
     _sweep("link_sweep_relay_chunks4_share", "--relay-chunks 4 --relay-share"),
     _sweep("link_sweep_overlap", "--fetch-overlap"),
+    _sweep("link_sweep_overlap_nic0.5", "--presets paper_h800 --nic-scale 0.5 --fetch-overlap"),
+    _sweep("link_sweep_overlap_nic2", "--presets paper_h800 --nic-scale 2 --fetch-overlap"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
