@@ -16,6 +16,15 @@ cd "$TOPOEP_ROOT"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 RUNS=/tmp/gpu_runs
 
+short_log() {  # short_log DIR NAME [VAR=value ...] CMD...: runs CMD (through env), keeps its whole output in
+  # $RUNS-NAME.log, prints "NAME: rc=... <its last line>" and writes its test outcomes, failures and sync counts to
+  # $OUT/DIR/NAME.log; returns CMD's exit status
+  local dir=$1 name=$2; shift 2; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
+  echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
+    > "$OUT/$dir/$name.log"; return $rc
+}
+
 step_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -347,10 +356,7 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
   # (ranks sharing the GPU) with trees of 2 in 4 chunks (the relayed-vs-direct test runs 1, 3 and 4 chunks) and the
   # sync audit. Correctness only. Short logs into $OUT/relay_chunks/
   mkdir -p "$OUT/relay_chunks"
-  _c() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
-    echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
-    grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
-      > "$OUT/relay_chunks/$name.log"; return $rc; }
+  _c() { short_log relay_chunks "$@"; }
   [ "${CHUNKS_KERNEL:-1}" = 1 ] && _c guard_kernel timeout -k 10 240 python3 -m pytest -q -rA tests/test_guard_cuda.py
   _c ep8_rpd4_relay2_c4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
@@ -360,13 +366,10 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
 
 step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fetch_overlap): backend cuda's GPU tests
   # with it at EP 1, at EP 8 as 2 domains of 4 (ranks sharing the GPU) with direct fetches and with relay trees of 2,
-  # and the EP 8 sync audit. The two-layer test always adds a run with it whose fetch stream starts ~10 ms late.
+  # and the EP 8 sync audit. The two-layer test always adds a run with it whose fetch stream starts ~0.5 s late.
   # Correctness only. Short logs into $OUT/fetch_overlap/
   mkdir -p "$OUT/fetch_overlap"
-  _o() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
-    echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
-    grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
-      > "$OUT/fetch_overlap/$name.log"; return $rc; }
+  _o() { short_log fetch_overlap "$@"; }
   _o ep1 TOPOEP_GPU_FETCH_OVERLAP=1 TOPOEP_GPU_WORLD=1 timeout -k 10 240 python3 -m pytest -q -rA \
     tests/test_cuda_backend_gpu.py
   _o ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_FETCH_OVERLAP=1 \
@@ -383,10 +386,7 @@ step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (test
   # EP 8 relayed layer (2 domains of 4, ranks sharing the GPU) with its sync audit. Needs the extension (build/ext).
   # GUARD_LAYER=0 leaves the layer runs out, GUARD_KERNEL=0 the kernel's tests and bench. Short logs into $OUT/guard/
   mkdir -p "$OUT/guard"
-  _g() { local name=$1; shift; env "$@" > "$RUNS-$name.log" 2>&1; local rc=$?
-    echo "$name: rc=$rc $(tail -1 "$RUNS-$name.log")"
-    grep -E "^(PASSED|FAILED|SKIPPED|ERROR|E  )|passed|failed|synchronising|Error" "$RUNS-$name.log" | head -60 \
-      > "$OUT/guard/$name.log"; return $rc; }
+  _g() { short_log guard "$@"; }
   if [ "${GUARD_KERNEL:-1}" = 1 ]; then
     _g kernel_tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_guard_cuda.py tests/test_worth_triton.py \
       || { echo "guard kernel tests failed: no benchmark"; return; }
