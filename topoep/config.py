@@ -77,10 +77,10 @@ class LayerConfig:
     """Backend cuda, transport peer: the backward combine (token gradients going home) on a side stream beside the
     weight-gradient GEMMs."""
     fetch_overlap: bool = False
-    """Backend cuda, transport peer: the forward replica fetch runs on a high-priority side stream beside the
-    dispatch and the main experts' GEMMs and publishes the slots with its own barrier; only the slot GEMMs wait for
-    it. False: the fetch runs on the layer's stream before the dispatch, whose barriers publish it. The results are
-    the same bit for bit."""
+    """Backend cuda, transport peer: the forward replica fetch (and the backward reload) runs on a high-priority side
+    stream beside the dispatch and the main experts' GEMMs (data gradients in backward) and publishes the slots with
+    its own barrier; only the slot GEMMs wait for it. False: it runs on the layer's stream before the dispatch, whose
+    barriers publish it. The results are the same bit for bit."""
     cuda_graphs: bool = True
     """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
     runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""

@@ -269,7 +269,8 @@ class Execution:
     fetch_overlap: bool = False
     """Pipelined executions: the forward replica fetch runs beside the dispatch and the main experts' GEMMs, first on
     the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs
-    wait for it. False: the fetch precedes the dispatch."""
+    wait for it. False: the fetch precedes the dispatch. The backward reload follows `reload_hidden` either way (the
+    runtime's overlapped reload is not modelled: an upper bound where it is exposed)."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard

@@ -82,7 +82,8 @@ class CudaLayerCall:
     weights: tuple | None = None  # (W1, W2) stacked, kept for a prefetch (two banks only)
     grad: bool = True  # grad mode was on at the call, so its backward may come (the pool keeps it for a prefetch)
     combine_side_stream: bool = False  # LayerConfig.combine_side_stream
-    fetch_overlap: bool = False  # LayerConfig.fetch_overlap: the forward fetch beside the dispatch and main GEMMs
+    fetch_overlap: bool = False  # LayerConfig.fetch_overlap: fetch and reload beside the dispatch and main GEMMs
+    slot_ready: object = None  # fetch_overlap: event of the published fetch (or reload) that the slot GEMMs wait for
     relay: object = None  # topoep.relay.RelayTrees: replica fetches and gradient returns down / up relay trees
     deepep_ids: torch.Tensor | None = None  # transport deepep: int64[T, k] DeepEP expert ids (deepep.deepep_expert_ids)
 
@@ -199,11 +200,11 @@ def _fill(call: "CudaLayerCall", bank: int) -> None:
 
 def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reload: bool = False):
     """Fill the replica slots for this call, here on the layer's stream (the a2a pool's all-to-alls must keep their
-    order with the dispatch's), except a forward fetch with `call.fetch_overlap` on the peer-pointer pool: that one
-    runs on the high-priority "fetch" stream beside the dispatch and the main experts' GEMMs and ends with its own
-    barrier of the group, which publishes the slots (`_fetch(publish=True)`). Returns None; or, in backward, the
-    event of a prefetch of this call's replicas that the dispatch waits for before its publishing barrier; or, with
-    fetch_overlap, the event of the published fetch, which the slot GEMMs wait for. Without a pool
+    order with the dispatch's), except with `call.fetch_overlap` on the peer-pointer pool: then the fetch (or the
+    backward reload) runs on the high-priority "fetch" stream beside the dispatch and the main experts' GEMMs and
+    ends with its own barrier of the group, which publishes the slots (`_fetch(publish=True)`); its event goes to
+    `call.slot_ready`, which the slot GEMMs wait for (None otherwise). Returns None, or, in backward, the event of a
+    prefetch of this call's replicas that the dispatch waits for before its publishing barrier. Without a pool
     (no slots, or policy static) there is nothing to fetch.
 
     The pool remembers which fill each bank of slots holds (`pool.SlotBanks`: host counters; every rank issues
@@ -215,6 +216,7 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
     buffers). A pool whose fetch was ever captured in a CUDA graph always reloads (a replay refills the slots
     without the host knowing); a pool with `reload_always` (benchmarks of a single layer) always reloads."""
     pool, se, tm = call.pool, call.plan.slot_expert, call.timer
+    call.slot_ready = None
     if pool is None:
         return None
     # a fetch captured in a CUDA graph refills the slots at every replay, unseen by these counters: once the
@@ -233,8 +235,9 @@ def start_fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, reloa
         pool.last = (pool.last + 1) % pool.banks
         _fill(call, pool.last)
     call.prefetched = None
-    if call.fetch_overlap and not reload:
-        return _fetch(call, W1, W2, "fetch", tm, publish=True)
+    if call.fetch_overlap:
+        call.slot_ready = _fetch(call, W1, W2, "fetch", tm, publish=True)
+        return None
     return _fetch(call, W1, W2, None, tm)
 
 
@@ -384,8 +387,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         ws, pool, tm = call.workspace, call.pool, call.timer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
-        # fetch_overlap: the fetch publishes itself; only the slot GEMMs (and the spill path's) wait for it
-        slot_ready, fetched = (fetched, None) if call.fetch_overlap else (None, fetched)
+        slot_ready = call.slot_ready  # fetch_overlap: only the slot GEMMs (and the spill path's) wait for the fetch
         keep_for_prefetch(call, W1, W2)
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
@@ -474,6 +476,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         per = 4 if pool is not None else 2
         # reload this layer's replicas unless the slots still hold them (start_fetch)
         fetched = start_fetch(call, W1, W2, reload=True)
+        slot_ready = call.slot_ready  # fetch_overlap: only the slot data gradients (and the spill path's) wait for it
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         # dispatch and combine on the comm stream: with two chunks, or with combine_side_stream (the token
         # gradients go home beside the weight-gradient GEMMs)
@@ -497,6 +500,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
             with phase(tm, "experts"):  # data gradients first: token gradients leave early
                 gxm, ghm, am = grouped_swiglu_dgrad(gm, hm, W1, W2, ch.offs_main, ch.n_main)
                 gxs = ghs = as_ = None
+                _wait(slot_ready, grad_y.device)
                 if pool is not None:
                     xs, hs = rest
                     gxs, ghs, as_ = grouped_swiglu_dgrad(gs, hs, *slot_w, ch.offs_slot, ch.n_slot)
