@@ -65,6 +65,18 @@ def register_policy(name: str, fn: Callable[..., Plan], *, offline: bool, takes_
 BACKENDS = ("auto", "reference", "cuda")
 
 
+def _checked_t_ffn(t_ffn) -> float:
+    """t_ffn, or DEFAULT_T_FFN for None, as a float; ValueError unless it is a finite positive number."""
+    from topoep.metrics import DEFAULT_T_FFN
+
+    t = DEFAULT_T_FFN if t_ffn is None else t_ffn
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+        raise ValueError(f"t_ffn must be a finite positive number of seconds of expert time per assignment "
+                         f"(forward + backward), got {t!r}; omit it for DEFAULT_T_FFN ({DEFAULT_T_FFN:.3g} s) "
+                         "or calibrate it with topoep.metrics.fit_t_ffn")
+    return float(t)
+
+
 @functools.lru_cache(maxsize=64)
 def cached_two_level_costs(topology: Topology) -> tuple[int, int, bool]:
     """`common.two_level_costs(topology)`, computed once per topology: the per-call checks of backend "auto"
@@ -79,6 +91,10 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
     for CUDA omega, and what the runtime may capture in a CUDA graph (the reference synchronises the host)."""
     from topoep.planners.cuda import CUDA_POLICIES
 
+    from topoep.planners.cuda import SPREAD_POLICIES
+
+    if policy in SPREAD_POLICIES:  # its objective is a proxy of the two-level costs on any topology, as the reference's
+        return True
     return policy in CUDA_POLICIES and (not policy.startswith("topoep_plus") or cached_two_level_costs(topology)[2])
 
 
@@ -108,7 +124,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             rank against its assignments); for joint it sets the price of one assignment of L_max
             against the bytes moved, so a larger t_ffn buys balance with more traffic.
         backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
-            static, topoep and topoep_plus (the latter on exactly two-level costs), default placement, CUDA
+            static, topoep, topoep_plus (on exactly two-level costs), topoep_plus_spread and
+            topoep_plus_spread_tree, default placement, CUDA
             omega; no host synchronisation, so the values of omega are not checked), or "auto": cuda when
             omega is on a GPU and the policy has a kernel for this input.
         capacity: rows each receive region of a rank may take (`topoep.planners.capacity`: a rank's main experts
@@ -147,7 +164,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
 
         check_capacity(capacity)
     if use_cuda:
-        from topoep.planners.cuda import CUDA_POLICIES, fit_capacity_cuda, solve_cuda
+        from topoep.planners.cuda import CUDA_POLICIES, SPREAD_POLICIES, fit_capacity_cuda, solve_cuda, solve_spread_cuda
 
         if not omega.is_cuda:
             raise ValueError("backend='cuda' needs omega on a CUDA device (omega.cuda())")
@@ -156,20 +173,18 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
                              "use backend='reference'")
         if enable is not None and policy == "static":
             enable = None  # the static plan either way
+        if policy in SPREAD_POLICIES:
+            plan = solve_spread_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
+                                     expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
+                                     t_ffn=_checked_t_ffn(t_ffn), enable=enable)
+            return plan if capacity is None else fit_capacity_cuda(plan, capacity)
         plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                           expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,
                           enable=enable)
         return plan if capacity is None else fit_capacity_cuda(plan, capacity)
     kw = {}
     if policy in T_FFN_POLICIES:
-        from topoep.metrics import DEFAULT_T_FFN
-
-        t = DEFAULT_T_FFN if t_ffn is None else t_ffn
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
-            raise ValueError(f"t_ffn must be a finite positive number of seconds of expert time per assignment "
-                             f"(forward + backward), got {t!r}; omit it for DEFAULT_T_FFN ({DEFAULT_T_FFN:.3g} s) "
-                             "or calibrate it with topoep.metrics.fit_t_ffn")
-        kw["t_ffn"] = float(t)
+        kw["t_ffn"] = _checked_t_ffn(t_ffn)
     if enable is not None and not bool(enable):  # the static plan, under the policy's name (the guard's skip)
         plan = _policies()["static"](omega, topology, num_slots=num_slots, main_rank=main_rank,
                                      expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
@@ -185,20 +200,24 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
 
 
 def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[str, ...], kw: dict) -> list[Plan]:
-    """`solve(omega, topology, policy=p, **kw)` for each policy p, in order. On a GPU the CUDA planner's plans after
-    the first run on a side stream at the same time as the first (each has its own workspace; two default grids take
-    half the SMs each), and the current stream waits for them: no host synchronisation, capturable in a CUDA graph."""
+    """`solve(omega, topology, policy=p, **kw)` for each policy p, in order. On a GPU each plan after the first runs
+    on a side stream of its own at the same time as the first (each policy has its own workspace; two default grids
+    of the multi-block planner take half the SMs each, the spread planner one block), and the current stream waits
+    for them: no host synchronisation, capturable in a CUDA graph."""
     if not omega.is_cuda or len(policies) < 2:
         return [solve(omega, topology, policy=p, **kw) for p in policies]
     main = torch.cuda.current_stream(omega.device)
-    side = _plan_stream(omega.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        others = [solve(omega, topology, policy=p, **kw) for p in policies[1:]]
+    sides = [_plan_stream(omega.device, i) for i in range(len(policies) - 1)]
+    others = []
+    for side, policy in zip(sides, policies[1:]):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            others.append(solve(omega, topology, policy=policy, **kw))
     first = solve(omega, topology, policy=policies[0], **kw)
-    main.wait_stream(side)
+    for side in sides:
+        main.wait_stream(side)
     if not torch.cuda.is_current_stream_capturing():  # (a capture's pool keeps its memory until the graph goes)
-        for plan in others:  # made on the side stream, read on this one
+        for plan in others:  # made on a side stream, read on this one
             plan.slot_expert.record_stream(main)
             plan.route.record_stream(main)
     return [first, *others]
@@ -207,11 +226,11 @@ def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[s
 _PLAN_STREAMS: dict = {}
 
 
-def _plan_stream(device) -> torch.cuda.Stream:
-    device = torch.device(device)
-    if device not in _PLAN_STREAMS:
-        _PLAN_STREAMS[device] = torch.cuda.Stream(device)
-    return _PLAN_STREAMS[device]
+def _plan_stream(device, index: int) -> torch.cuda.Stream:
+    key = (torch.device(device), index)
+    if key not in _PLAN_STREAMS:
+        _PLAN_STREAMS[key] = torch.cuda.Stream(key[0])
+    return _PLAN_STREAMS[key]
 
 
 COST_POLICIES = ("topoep_plus", "topoep_plus_local", "joint", "fastermoe")  # compare modelled transfer costs in integers

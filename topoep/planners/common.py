@@ -169,13 +169,13 @@ def hierarchical_route(omega: torch.Tensor, topology: Topology, main_rank: torch
     e_p = ie.clamp(min=0)
     P = ie.numel()
     u = torch.where(valid, inst_load, 0)
-    dom = topology.domain_of.to(dev)
+    dom = topology.on(dev).domain_of  # (copied once per device: no copy in a CUDA graph's capture)
     # 1. own rank
     loc = torch.where(valid, torch.minimum(omega[ir, e_p], u), 0)
     route = torch.zeros(R, P, dtype=torch.int64, device=dev)
     route[ir, torch.arange(P, device=dev)] = loc
     w = omega.clone()
-    w.index_put_((ir[valid], e_p[valid]), -loc[valid], accumulate=True)
+    w.index_put_((ir, e_p), -loc, accumulate=True)  # (loc is 0 for empty slots: no mask, no host synchronisation)
     u = u - loc
     # 2. own domain: groups (e, d); sources and instances take the matched amount in index order
     g = torch.where(valid, e_p * M + dom[ir], -1)

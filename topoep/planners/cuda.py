@@ -1,9 +1,10 @@
-"""The GPU planner (csrc/planner_kernel.cu and the phases it includes): `static`, `topoep` and `topoep_plus`, and
-the capacity step (csrc/capacity.cu), bit-equal to the reference planners.
+"""The GPU planner (csrc/planner_kernel.cu and the phases it includes): `static`, `topoep` and `topoep_plus`; the
+spread planner (csrc/spread.cu): `topoep_plus_spread` and `topoep_plus_spread_tree`; and the capacity step
+(csrc/capacity.cu), bit-equal to the reference planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `fit_capacity` (and the guard's
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `plan_spread` / `fit_capacity` (and the guard's
 `guard_select` / `relay_trees`, topoep/runtime/guard_cuda.py) (mutating ops with fake
 implementations, so torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the
 workspace once per (device, R, E, domains, slots) and never synchronises the host.
@@ -22,9 +23,10 @@ from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 # the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
-SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu", "guard.cu")
+SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu", "guard.cu", "spread.cu")
 SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
-CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local")
+CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree")
+SPREAD_POLICIES = ("topoep_plus_spread", "topoep_plus_spread_tree")  # csrc/spread.cu (solve_spread_cuda)
 _loaded = False
 
 
@@ -105,6 +107,11 @@ def _register_fakes() -> None:
     def _(omega, main_rank, cost_fs, routes, slots, ranks_per_domain, token_bytes, expert_bytes, t_ffn, token_transfers,
           token_overlap, plan_s, latency, exposed, fanout, levels, chunks, share, allow, planned, route_out, slot_out, choice, use,
           fired, relay, saved, cost, workspace):
+        return None
+
+    @torch.library.register_fake("topoep::plan_spread")
+    def _(omega, num_domains, num_slots, expert_bytes, token_bytes, t_fs, a, b, max_moves, trees, enable, slot_expert,
+          load, info, workspace):
         return None
 
     @torch.library.register_fake("topoep::relay_trees")
@@ -251,6 +258,48 @@ def solve_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, ma
     return Plan(omega=omega, topology=topology, num_slots=num_slots, main_rank=main_rank, slot_expert=slot_expert,
                 route=route, policy=policy, expert_bytes=expert_bytes, token_bytes=token_bytes,
                 info={"backend": "cuda"})
+
+
+_spread_workspaces: dict = {}
+SPREAD_INFO = ("moves", "greedy_moves", "objective_fs", "static_objective_fs", "dropped")  # info["device"], in order
+
+
+def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
+                      expert_bytes: int, token_bytes: int, t_ffn: float | None = None,
+                      enable: torch.Tensor | None = None) -> Plan:
+    """`topoep_plus_spread` / `topoep_plus_spread_tree` on the GPU (csrc/spread.cu), the reference's plan bit for bit
+    (default placement). No host synchronisation: the kernel writes the slot table and the instance loads, the
+    route is `common.hierarchical_route`'s device ops, and info["device"] holds int64[5] in the order of
+    SPREAD_INFO (`spread_info` reads it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan)."""
+    from topoep.planners.spread import default_max_moves, routed_plan, spread_constants
+
+    if policy not in SPREAD_POLICIES:
+        raise ValueError(f"solve_spread_cuda plans {', '.join(SPREAD_POLICIES)}, not {policy!r}")
+    load_extension()
+    R, E = omega.shape
+    N, M, dev = num_slots, topology.num_domains, omega.device
+    key = (dev, R, E, M, N, policy)  # a workspace per policy: the two may plan at once
+    ws = _spread_workspaces.get(key)
+    if ws is None:
+        ws = _spread_workspaces[key] = torch.empty(torch.ops.topoep.spread_workspace_elems(R, E, M, N),
+                                                   dtype=torch.int64, device=dev)
+    t, a, b = spread_constants(topology, t_ffn)
+    slot_expert = torch.empty(R, N, dtype=torch.int64, device=dev)
+    load = torch.empty(E + R * N, dtype=torch.int64, device=dev)
+    info = torch.empty(len(SPREAD_INFO), dtype=torch.int64, device=dev)
+    trees = policy == "topoep_plus_spread_tree"
+    torch.ops.topoep.plan_spread(omega.contiguous(), M, N, int(expert_bytes), int(token_bytes), t, a, b,
+                                 default_max_moves(R, E, N), trees, enable, slot_expert, load, info, ws)
+    return routed_plan(omega, topology, main_rank, slot_expert, load, trees, int(expert_bytes), int(token_bytes),
+                       {"backend": "cuda", "device": info})
+
+
+def spread_info(plan: Plan) -> dict:
+    """info of a spread plan in the reference's form (moves, greedy_moves, objective_fs, static_objective_fs,
+    dropped); synchronises the host for a plan of the CUDA planner."""
+    if "device" not in plan.info:
+        return {k: plan.info[k] for k in SPREAD_INFO}
+    return dict(zip(SPREAD_INFO, plan.info["device"].tolist(), strict=True))
 
 
 _fit_workspaces: dict = {}

@@ -41,7 +41,8 @@ net-benefit guard compares this plan with the others by its full per-link predic
 keeps the fastest or static.
 
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES), no duplicate instance, integer decisions,
-lowest-index ties. There is no CUDA kernel yet: `topoep.solve` runs this reference on any device (the host reads
+lowest-index ties. `csrc/spread.cu` runs steps 1-3 on the GPU bit for bit (`topoep.planners.cuda.solve_spread_cuda`:
+no host synchronisation; the route is the same device ops); this reference runs on any device (the host reads
 omega).
 """
 
@@ -50,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from topoep.plan import Plan
-from topoep.planners.common import hierarchical_route, two_level_costs
+from topoep.planners.common import hierarchical_route
 from topoep.topology import FEMTO
 
 # Replica transfers per layer call the objective charges: the forward fetch, the backward reload and the gradient
@@ -165,16 +166,13 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     the NIC from the home, the others over NVLink from that first copy. info: "moves" (kept after the rollback),
     "greedy_moves" (made before it), "objective_fs" and "static_objective_fs" (the objective of the kept prefix and
     of static), "dropped" (replicas of the kept prefix left with no load, step 3)."""
-    from topoep.metrics import DEFAULT_T_FFN
-
     R, E = omega.shape
     N = num_slots
     rpd = topology.ranks_per_domain
     W, S = int(expert_bytes), int(token_bytes)
-    t = int(round((DEFAULT_T_FFN if t_ffn is None else t_ffn) * FEMTO))
-    a, b, _ = two_level_costs(topology)
+    t, a, b = spread_constants(topology, t_ffn)
     if max_moves is None:
-        max_moves = 4 * R * (E // R + N)
+        max_moves = default_max_moves(R, E, N)
     om = omega.tolist()
     mr = main_rank.tolist()
     st = _State(om, mr, N, rpd, trees)
@@ -239,9 +237,29 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     served = load[E:].view(R, N) > 0
     dropped = int(((slot_expert >= 0) & ~served).sum())
     slot_expert = torch.where(served, slot_expert, -1)
-    route = hierarchical_route(omega, topology, main_rank, slot_expert, load)
     info = {"moves": best_len, "greedy_moves": len(history), "objective_fs": best_obj,
             "static_objective_fs": static_obj, "dropped": dropped}
-    return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert,
-                route=route, policy="topoep_plus_spread_tree" if trees else "topoep_plus_spread", expert_bytes=W,
-                token_bytes=S, info=info, **kw)
+    return routed_plan(omega, topology, main_rank, slot_expert, load, trees, W, S, info, **kw)
+
+
+def routed_plan(omega, topology, main_rank, slot_expert, load, trees: bool, W: int, S: int, info: dict, **kw) -> Plan:
+    """The plan of the greedy's slot table and instance loads (replicas without load already dropped): its route is
+    `common.hierarchical_route` of those loads (device ops only: the CUDA planner's plans route here too)."""
+    route = hierarchical_route(omega, topology, main_rank, slot_expert, load)
+    return Plan(omega=omega, topology=topology, num_slots=slot_expert.shape[1], main_rank=main_rank,
+                slot_expert=slot_expert, route=route, policy="topoep_plus_spread_tree" if trees else "topoep_plus_spread",
+                expert_bytes=W, token_bytes=S, info=info, **kw)
+
+
+def spread_constants(topology, t_ffn: float | None) -> tuple[int, int, int]:
+    """(t, a, b) of the objective in fs: t_ffn per assignment and the two-level costs per byte."""
+    from topoep.metrics import DEFAULT_T_FFN
+    from topoep.planners import cached_two_level_costs
+
+    a, b, _ = cached_two_level_costs(topology)
+    return int(round((DEFAULT_T_FFN if t_ffn is None else t_ffn) * FEMTO)), a, b
+
+
+def default_max_moves(R: int, E: int, N: int) -> int:
+    """The greedy's bound on moves, 4 R (E / R + N)."""
+    return 4 * R * (E // R + N)

@@ -1,0 +1,417 @@
+// The `topoep_plus_spread` policy (and `topoep_plus_spread_tree`) of topoep/planners/spread.py on the GPU, bit for
+// bit: the greedy load moves priced on the straggler's compute and the busiest replica and token links, the
+// rollback to the best prefix, and the drop of replicas left without load. The reference's module docstring is
+// the spec; every choice below mirrors it. The route (`common.hierarchical_route`) runs after this kernel as
+// PyTorch ops on the device (topoep/planners/cuda.py solve_spread_cuda).
+//
+// One block: the greedy is a chain of dependent moves. A move is one scan of every (target rank, instance of the
+// busiest rank) pair with a block reduction of the best, the move itself (one thread), each instance's share of
+// its domain's inflow for the moved expert (a thread per rank of the one or two domains it touches), and one block
+// reduction of the loads for the objective and the next busiest rank. Instead of replaying the kept prefix, the
+// kernel copies the instance loads and the slot table whenever the objective reaches a new minimum.
+//
+// State in the workspace (spread_layout): per rank L (load), the replica copies it sends and receives over its NIC
+// and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
+// and part (its share); per (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the
+// rank of its first copy there; per domain out / inn (assignments its sources send to / its instances receive from
+// other domains); the slot table; the snapshot of U and the slot table at the best objective so far.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "planner.h"
+
+namespace topoep {
+
+namespace {
+
+using i64 = int64_t;
+constexpr int kSpreadThreads = 512;
+constexpr int kSpreadWarps = kSpreadThreads / 32;
+// the objective's transfer counts (spread.py REPLICA_TRANSFERS, TOKEN_TRANSFERS, INGRESS_TRANSFERS)
+constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
+
+struct SpreadDims {
+  int R, E, N, M, P, Eloc, rpd, max_moves, trees;
+  i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
+};
+
+struct SpreadLayout {
+  size_t L, nic_out, nic_in, nvl_out, nvl_in, used, xin, U, part, D, Ud, first, out, inn, slots, best_U, best_slots,
+      elems;
+};
+
+inline SpreadLayout spread_layout(int R, int E, int M, int N) {
+  const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E;
+  SpreadLayout f;
+  Bump b;
+  f.L = b.take(R);
+  f.nic_out = b.take(R);
+  f.nic_in = b.take(R);
+  f.nvl_out = b.take(R);
+  f.nvl_in = b.take(R);
+  f.used = b.take(R);
+  f.xin = b.take(R);
+  f.U = b.take(P);
+  f.part = b.take(P);
+  f.D = b.take(ME);
+  f.Ud = b.take(ME);
+  f.first = b.take(ME);
+  f.out = b.take(M);
+  f.inn = b.take(M);
+  f.slots = b.take((size_t)R * N);
+  f.best_U = b.take(P);
+  f.best_slots = b.take((size_t)R * N);
+  f.elems = b.end;
+  return f;
+}
+
+struct SpreadState {
+  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *part, *D, *Ud, *first, *out, *inn, *slots, *best_U,
+      *best_slots;
+};
+
+// A candidate move of load delta of expert e from the busiest rank to rank rt, compared lexicographically on
+// (score, cross, fresh, lrt, rt, e): the reference's key (extra - t delta, rt outside rb's domain, a new replica,
+// L[rt], rt, e). valid == 0 is worse than any candidate.
+struct Move {
+  i64 score, lrt, delta;
+  int cross, fresh, rt, e, valid;
+};
+
+__device__ __forceinline__ bool better(const Move& x, const Move& y) {
+  if (x.valid != y.valid) return x.valid > y.valid;
+  if (!x.valid) return false;
+  if (x.score != y.score) return x.score < y.score;
+  if (x.cross != y.cross) return x.cross < y.cross;
+  if (x.fresh != y.fresh) return x.fresh < y.fresh;
+  if (x.lrt != y.lrt) return x.lrt < y.lrt;
+  if (x.rt != y.rt) return x.rt < y.rt;
+  return x.e < y.e;
+}
+
+__device__ __forceinline__ Move shfl_down(const Move& m, int off) {
+  Move o;
+  o.score = __shfl_down_sync(0xffffffffu, m.score, off);
+  o.lrt = __shfl_down_sync(0xffffffffu, m.lrt, off);
+  o.delta = __shfl_down_sync(0xffffffffu, m.delta, off);
+  o.cross = __shfl_down_sync(0xffffffffu, m.cross, off);
+  o.fresh = __shfl_down_sync(0xffffffffu, m.fresh, off);
+  o.rt = __shfl_down_sync(0xffffffffu, m.rt, off);
+  o.e = __shfl_down_sync(0xffffffffu, m.e, off);
+  o.valid = __shfl_down_sync(0xffffffffu, m.valid, off);
+  return o;
+}
+
+// The block's best move; every thread gets it.
+__device__ Move block_best(Move m, Move* sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int off = 16; off > 0; off >>= 1) {
+    const Move o = shfl_down(m, off);
+    if (better(o, m)) m = o;
+  }
+  if (lane == 0) sm[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    if (lane < kSpreadWarps) m = sm[lane];
+    else m.valid = 0;
+    for (int off = 16; off > 0; off >>= 1) {
+      const Move o = shfl_down(m, off);
+      if (better(o, m)) m = o;
+    }
+    if (lane == 0) sm[kSpreadWarps] = m;
+  }
+  __syncthreads();
+  const Move best = sm[kSpreadWarps];
+  __syncthreads();
+  return best;
+}
+
+// The loads the objective reads: the busiest rank (largest L, ties: lowest rank), the largest xin, out and inn.
+struct Stat {
+  i64 L, xin, out, inn;
+  int r;
+};
+
+__device__ __forceinline__ void merge(Stat& s, const Stat& o) {
+  if (o.L > s.L || (o.L == s.L && o.r < s.r)) { s.L = o.L; s.r = o.r; }
+  s.xin = o.xin > s.xin ? o.xin : s.xin;
+  s.out = o.out > s.out ? o.out : s.out;
+  s.inn = o.inn > s.inn ? o.inn : s.inn;
+}
+
+__device__ __forceinline__ Stat shfl_down(const Stat& s, int off) {
+  Stat o;
+  o.L = __shfl_down_sync(0xffffffffu, s.L, off);
+  o.xin = __shfl_down_sync(0xffffffffu, s.xin, off);
+  o.out = __shfl_down_sync(0xffffffffu, s.out, off);
+  o.inn = __shfl_down_sync(0xffffffffu, s.inn, off);
+  o.r = __shfl_down_sync(0xffffffffu, s.r, off);
+  return o;
+}
+
+__device__ Stat block_stat(const SpreadDims& d, const SpreadState& s, Stat* sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  Stat m{-1, 0, 0, 0, 1 << 30};
+  for (int r = threadIdx.x; r < d.R; r += blockDim.x) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
+  for (int g = threadIdx.x; g < d.M; g += blockDim.x) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
+  for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
+  if (lane == 0) sm[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kSpreadWarps ? sm[lane] : Stat{-1, 0, 0, 0, 1 << 30};
+    for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
+    if (lane == 0) sm[kSpreadWarps] = m;
+  }
+  __syncthreads();
+  const Stat out = sm[kSpreadWarps];
+  __syncthreads();
+  return out;
+}
+
+__device__ __forceinline__ i64 imax(i64 x, i64 y) { return x > y ? x : y; }
+
+// R of the objective for the busiest NIC / NVLink copy counts (spread.py _replica_fs)
+__device__ __forceinline__ i64 replica_fs(const SpreadDims& d, i64 nic, i64 nvl) {
+  return kReplicaTransfers * d.W * imax(d.b * nic, d.a * nvl);
+}
+
+__device__ __forceinline__ i64 objective(const SpreadDims& d, const Stat& st, i64 nic, i64 nvl) {
+  const i64 tok = imax(kTokenTransfers * d.S * d.b * imax(st.out, st.inn) / d.rpd, kIngressTransfers * d.S * d.b * st.xin);
+  return d.t * st.L + replica_fs(d, nic, nvl) + tok;
+}
+
+// the instance of expert e on rank r (its main, or the slot holding it), or -1
+__device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadState& s, int r, int e) {
+  if (e / d.Eloc == r) return e;
+  for (int j = 0; j < d.N; ++j)
+    if (s.slots[(i64)r * d.N + j] == e) return d.E + r * d.N + j;
+  return -1;
+}
+
+// instance p (of expert e on rank r): its share of its domain's inflow for e, floor(U (Ud - D)^+ / Ud) (_share)
+__device__ __forceinline__ void share(const SpreadDims& d, const SpreadState& s, int r, int e, int p) {
+  const i64 g = (i64)(r / d.rpd) * d.E + e;
+  const i64 ud = s.Ud[g], x = ud - s.D[g];
+  const i64 nw = ud > 0 ? s.U[p] * (x > 0 ? x : 0) / ud : 0;
+  s.xin[r] += nw - s.part[p];
+  s.part[p] = nw;
+}
+
+// the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
+__device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
+  const int home = e / d.Eloc, m = rt / d.rpd;
+  if (home / d.rpd == m) { *nic = false; return home; }
+  const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
+  *nic = first < 0;
+  return first < 0 ? home : (int)first;
+}
+
+__global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __restrict__ omega,
+                                                                 const bool* __restrict__ enable, SpreadDims d,
+                                                                 SpreadLayout f, i64* ws, i64* slot_out,
+                                                                 i64* load_out, i64* info) {
+  __shared__ Move sm_move[kSpreadWarps + 1];
+  __shared__ Stat sm_stat[kSpreadWarps + 1];
+  __shared__ i64 sh_nic, sh_nvl;  // the busiest NIC / NVLink copy counts (they only grow)
+  __shared__ unsigned long long sh_dropped;
+  const int tid = threadIdx.x, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
+  SpreadState s{ws + f.L,    ws + f.nic_out, ws + f.nic_in, ws + f.nvl_out, ws + f.nvl_in, ws + f.used,
+                ws + f.xin,  ws + f.U,       ws + f.part,   ws + f.D,       ws + f.Ud,     ws + f.first,
+                ws + f.out,  ws + f.inn,     ws + f.slots,  ws + f.best_U,  ws + f.best_slots};
+  // the static plan: every expert's demand on its main
+  for (int r = tid; r < R; r += blockDim.x) {
+    s.L[r] = 0;
+    s.nic_out[r] = s.nic_in[r] = s.nvl_out[r] = s.nvl_in[r] = s.used[r] = s.xin[r] = 0;
+  }
+  for (int j = tid; j < R * N; j += blockDim.x) s.slots[j] = -1;
+  for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.part[p] = 0; }
+  for (int g = tid; g < M; g += blockDim.x) { s.out[g] = 0; s.inn[g] = 0; }
+  for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
+    const int m = (int)(g / E), e = (int)(g % E);
+    i64 dem = 0;
+    for (int r = m * d.rpd; r < (m + 1) * d.rpd; ++r) dem += omega[(i64)r * E + e];
+    s.D[g] = dem;
+    s.Ud[g] = 0;
+    s.first[g] = -1;
+  }
+  if (tid == 0) { sh_nic = 0; sh_nvl = 0; sh_dropped = 0; }
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {
+    i64 u = 0;
+    for (int r = 0; r < R; ++r) u += omega[(i64)r * E + e];
+    s.U[e] = u;
+    s.Ud[(i64)((e / d.Eloc) / d.rpd) * E + e] = u;
+  }
+  __syncthreads();
+  for (int r = tid; r < R; r += blockDim.x) {
+    i64 l = 0;
+    for (int k = 0; k < d.Eloc; ++k) l += s.U[r * d.Eloc + k];
+    s.L[r] = l;
+  }
+  for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
+    const i64 x = s.D[g] - s.Ud[g];
+    if (x > 0) atomicAdd((unsigned long long*)&s.out[g / E], (unsigned long long)x);  // integers: exact
+    if (x < 0) atomicAdd((unsigned long long*)&s.inn[g / E], (unsigned long long)(-x));
+  }
+  for (int e = tid; e < E; e += blockDim.x) {  // the mains' shares (one thread per instance; xin by atomics)
+    const int r = e / d.Eloc;
+    const i64 g = (i64)(r / d.rpd) * E + e;
+    const i64 ud = s.Ud[g], x = ud - s.D[g];
+    const i64 nw = ud > 0 ? s.U[e] * (x > 0 ? x : 0) / ud : 0;
+    s.part[e] = nw;
+    atomicAdd((unsigned long long*)&s.xin[r], (unsigned long long)nw);
+  }
+  __syncthreads();
+  Stat st = block_stat(d, s, sm_stat);
+  const i64 static_obj = objective(d, st, 0, 0);
+  i64 best_obj = static_obj;  // every thread keeps the same copy
+  int best_len = 0, moves = 0;
+  for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
+  for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = -1;
+  const bool on = N > 0 && (enable == nullptr || *enable);
+  const int K = d.Eloc + N;  // instances a rank may hold
+  while (on && moves < d.max_moves) {
+    const int rb = st.r, drb = rb / d.rpd;
+    const i64 Lrb = st.L, mx_nic = sh_nic, mx_nvl = sh_nvl;
+    const i64 cur = replica_fs(d, mx_nic, mx_nvl);
+    Move mine;
+    mine.valid = 0;
+    for (int i = tid; i < R * K; i += blockDim.x) {
+      const int rt = i / K, k = i % K;
+      const i64 Lrt = s.L[rt];
+      const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
+      if (half <= 0) continue;
+      int p, e;
+      if (k < d.Eloc) {
+        p = rb * d.Eloc + k;
+        e = p;
+      } else {
+        p = E + rb * N + (k - d.Eloc);
+        e = (int)s.slots[p - E];
+        if (e < 0) continue;
+      }
+      const i64 u = s.U[p];
+      if (u <= 0) continue;
+      const int home = e / d.Eloc, drt = rt / d.rpd;
+      const bool existing = instance_on(d, s, rt, e) >= 0;
+      i64 extra = 0;
+      if (!existing) {
+        if (s.used[rt] >= N) continue;
+        if (home / d.rpd != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
+        bool nic;
+        const int src = copy_source(d, s, e, rt, &nic);
+        if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
+        else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
+      }
+      Move x;
+      x.delta = u < half ? u : half;
+      x.score = extra - d.t * x.delta;
+      x.lrt = Lrt;
+      x.cross = drt != drb;
+      x.fresh = !existing;
+      x.rt = rt;
+      x.e = e;
+      x.valid = 1;
+      if (better(x, mine)) mine = x;
+    }
+    const Move b = block_best(mine, sm_move);
+    if (!b.valid || b.score >= 0) break;
+    const int rt = b.rt, e = b.e, drt = rt / d.rpd;
+    if (tid == 0) {  // the move (_State.apply)
+      int pt = instance_on(d, s, rt, e);
+      if (pt < 0) {
+        const int j = (int)s.used[rt]++;
+        s.slots[(i64)rt * N + j] = e;
+        pt = E + rt * N + j;
+        bool nic;
+        const int src = copy_source(d, s, e, rt, &nic);
+        i64& first = s.first[(i64)drt * E + e];
+        if (first < 0) first = rt;
+        if (nic) {
+          sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
+        } else {
+          sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+        }
+      }
+      const int pb = instance_on(d, s, rb, e);
+      s.U[pb] -= b.delta;
+      s.U[pt] += b.delta;
+      s.L[rb] -= b.delta;
+      s.L[rt] += b.delta;
+      const int doms[2] = {drb, drt};
+      const i64 xs[2] = {-b.delta, b.delta};
+      for (int h = 0; h < 2; ++h) {
+        const i64 g = (i64)doms[h] * E + e, dd = s.D[g], u = s.Ud[g], x = xs[h];
+        s.Ud[g] = u + x;
+        s.out[doms[h]] += imax(dd - u - x, 0) - imax(dd - u, 0);
+        s.inn[doms[h]] += imax(u + x - dd, 0) - imax(u - dd, 0);
+      }
+    }
+    __syncthreads();
+    // every instance of e in the two domains shares anew (a thread per rank)
+    const int span = drb == drt ? d.rpd : 2 * d.rpd;
+    for (int i = tid; i < span; i += blockDim.x) {
+      const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd);
+      const int p = instance_on(d, s, r, e);
+      if (p >= 0) share(d, s, r, e, p);
+    }
+    __syncthreads();
+    ++moves;
+    st = block_stat(d, s, sm_stat);
+    const i64 obj = objective(d, st, sh_nic, sh_nvl);
+    if (obj < best_obj) {  // the same decision in every thread
+      best_obj = obj;
+      best_len = moves;
+      for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
+      for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = s.slots[j];
+    }
+  }
+  __syncthreads();
+  // the kept prefix; replicas left with no load are dropped
+  unsigned long long dropped = 0;
+  for (int p = tid; p < P; p += blockDim.x) load_out[p] = s.best_U[p];
+  for (int j = tid; j < R * N; j += blockDim.x) {
+    const i64 x = s.best_slots[j];
+    const bool served = s.best_U[E + j] > 0;
+    dropped += x >= 0 && !served;
+    slot_out[j] = served ? x : -1;
+  }
+  atomicAdd(&sh_dropped, dropped);
+  __syncthreads();
+  if (tid == 0) {
+    info[0] = best_len;
+    info[1] = moves;
+    info[2] = best_obj;
+    info[3] = static_obj;
+    info[4] = (i64)sh_dropped;
+  }
+}
+
+}  // namespace
+
+size_t spread_workspace_elems(int R, int E, int M, int N) { return spread_layout(R, E, M, N).elems; }
+
+cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,
+                        int64_t* slot_expert, int64_t* load, int64_t* info, int64_t* ws, cudaStream_t stream) {
+  SpreadDims d;
+  d.R = R;
+  d.E = E;
+  d.N = N;
+  d.M = M;
+  d.P = E + R * N;
+  d.Eloc = E / R;
+  d.rpd = R / M;
+  d.max_moves = args.max_moves;
+  d.trees = args.trees;
+  d.W = args.expert_bytes;
+  d.S = args.token_bytes;
+  d.t = args.t_fs;
+  d.a = args.a;
+  d.b = args.b;
+  spread_kernel<<<1, kSpreadThreads, 0, stream>>>(omega, enable, d, spread_layout(R, E, M, N), ws, slot_expert, load,
+                                                  info);
+  return cudaGetLastError();
+}
+
+}  // namespace topoep
