@@ -1,6 +1,6 @@
 """Planner latency, paper Fig. 11, on one GPU: the whole `topoep.solve(..., backend="cuda")` call (eager)
-and the planner replayed from a CUDA graph, beside the CPU reference planner's time; `topoep` and
-`topoep_plus` (topoep.planners.plus).
+and the planner replayed from a CUDA graph, beside the CPU reference planner's time; `topoep`,
+`topoep_plus` (topoep.planners.plus) and the spread candidates (topoep.planners.spread, csrc/spread.cu).
 
     python bench/planner_latency.py            # (a) E=640, EP 8..128 (8 ranks per domain); (b) EP=32, E 40..640
 
@@ -125,20 +125,32 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     ref = solve(omega_cpu, topo, num_slots=slots, policy="topoep_plus", backend="reference")
     ref_ms = 1e3 * (time.perf_counter() - t0)
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
-    pair_busy = _pair_graph_busy(omega, topo, slots, runs, warmup)
+    pair_busy = _set_graph_busy(omega, topo, slots, PAIR, runs, warmup)
+    spread = {name: _set_graph_busy(omega, topo, slots, (name,), runs, warmup) for name in SPREAD}
     return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
-                pair_graph_busy_us=pair_busy,
+                pair_graph_busy_us=pair_busy, spread_graph_busy_us=spread,
+                spread_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + SPREAD, runs, warmup),
+                spread_moves={name: _spread_moves(omega_cpu, topo, slots, name) for name in SPREAD},
                 plus_moves=planner.moves(), plus_phases_us=phases,
                 grid_us=grid_sweeps(planner, omega, omega_cpu, topo, slots, runs, warmup, ref))
 
 
-def _pair_graph_busy(omega, topo, slots: int, runs: int, warmup: int) -> float:
-    """Graph replay on a busy stream (us) of what guarded topoep_plus plans in a layer: topoep_plus and its local
-    plan at the same time on two streams (`topoep.planners.plan_concurrently`)."""
+PAIR = ("topoep_plus", "topoep_plus_local")  # what a guarded topoep_plus layer plans
+SPREAD = ("topoep_plus_spread", "topoep_plus_spread_tree")  # and with LayerConfig.plus_spread (and relay trees)
+
+
+def _spread_moves(omega_cpu, topo, slots: int, policy: str) -> int:
+    """The moves the spread greedy makes on this workload (the reference's count; the GPU's is equal)."""
+    return solve(omega_cpu, topo, num_slots=slots, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
+                 backend="reference").info["greedy_moves"]
+
+
+def _set_graph_busy(omega, topo, slots: int, names: tuple[str, ...], runs: int, warmup: int) -> float:
+    """Graph replay on a busy stream (us) of the plans `names` at the same time, each on a stream of its own
+    (`topoep.planners.plan_concurrently`), every plan checked against the reference's."""
     from topoep.planners import plan_concurrently
 
     kw = dict(num_slots=slots, expert_bytes=9_437_184, token_bytes=4096)
-    names = ("topoep_plus", "topoep_plus_local")
     plan_concurrently(omega, topo, names, kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -215,7 +227,7 @@ def plus_table(rows: list[dict]) -> str:
                   f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
                   f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", f"{r['pair_graph_busy_us']:.1f}",
                   r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
-                 for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
+                 for r in rows]) + spread_table(rows) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
             "stamps of block 0; `CudaPlanner.plus_phase_ns`): the staging of the loads and the guard; the free moves "
             "(every block makes the same moves on its own copy of the loads): the first iteration's busiest rank, its "
             "best move (pair scan and block reduction), the iterations after it; the route's pass A (per (expert, "
@@ -224,6 +236,24 @@ def plus_table(rows: list[dict]) -> str:
                 ["sweep", "EP", "experts"] + list(rows[0]["plus_phases_us"]),
                 [[r["sweep"], r["ep"], r["experts"]] + [f"{v:.1f}" for v in r["plus_phases_us"].values()]
                  for r in rows]) + "\n")
+
+
+def spread_table(rows: list[dict]) -> str:
+    """The spread planner (csrc/spread.cu, one block) alone, and the four plans of a guarded topoep_plus layer with
+    plus_spread and relay trees at once; graph replay on a busy stream ("" for rows without them)."""
+    rows = [r for r in rows if "spread_graph_busy_us" in r]
+    if not rows:
+        return ""
+    return ("\n\nThe spread candidates (`topoep.planners.spread`, csrc/spread.cu: one block of 512 threads, a chain of "
+            "greedy moves; LayerConfig.plus_spread), alone and with the pair, four plans on four streams at once "
+            "(what a guarded topoep_plus layer with plus_spread and relay trees plans); graph replay on a busy "
+            "stream, every plan equal to the reference's:\n\n" + markdown_table(
+                ["sweep", "EP", "experts", "topoep_plus_spread us", "moves", "topoep_plus_spread_tree us", "moves",
+                 "with its local plan us", "all four at once us"],
+                [[r["sweep"], r["ep"], r["experts"]]
+                 + [x for n in SPREAD for x in (f"{r['spread_graph_busy_us'][n]:.1f}", r["spread_moves"][n])]
+                 + [f"{r['pair_graph_busy_us']:.1f}", f"{r['spread_set_graph_busy_us']:.1f}"]
+                 for r in rows]))
 
 
 # graph replay of the planner with stages left out (csrc/planner.h kSkip*)

@@ -56,6 +56,18 @@ def test_plus_table_states_the_extra_time_and_the_phases():
     assert "| moves | route A | route B |" in text and "| 8.8 | 8.4 | 5.9 |" in text
 
 
+def test_plus_table_lists_the_spread_candidates_where_measured():
+    row = _row(128, 48.0) | dict(plus_eager_us=84.0, plus_graph_us=68.0, plus_graph_busy_us=66.5, plus_moves=2,
+                                 plus_reference_ms=38.0, pair_graph_busy_us=71.2, plus_phases_us={"moves": 8.8},
+                                 spread_graph_busy_us={"topoep_plus_spread": 120.5, "topoep_plus_spread_tree": 131.0},
+                                 spread_moves={"topoep_plus_spread": 140, "topoep_plus_spread_tree": 150},
+                                 spread_set_graph_busy_us=140.2)
+    text = plus_table([row])
+    assert "| a | 128 | 640 | 120.5 | 140 | 131.0 | 150 | 71.2 | 140.2 |" in text
+    del row["spread_graph_busy_us"]
+    assert "all four at once" not in plus_table([row])
+
+
 def test_grid_table_has_a_row_per_policy_and_a_column_per_grid():
     grid = {"default": 48.1, "16": 50.2, "32": 47.0, "64": 45.5, "132": 44.9}
     row = _row(128, 48.1) | dict(grid_us={"topoep": grid, "topoep_plus": {k: v + 10 for k, v in grid.items()}})

@@ -456,10 +456,11 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world):
+def _guarded_plus(rank, world, spread=False):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
-    topoep_plus and its local candidate at the same time (topoep.planners.plan_concurrently, in the metadata graph)
-    and keeps the same candidate as backend torch's reference planners."""
+    topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
+    csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same
+    candidate as backend torch's reference planners."""
     from topoep import ExpertParallelMoE
     from topoep.runtime import NetBenefitGuard
 
@@ -470,9 +471,9 @@ def _guarded_plus(rank, world):
     for backend in ("torch", "cuda"):
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
-                                  guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0),
+                                  guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0), plus_spread=spread,
                                   **(cuda_options(capacity_factor=None) if backend == "cuda" else
-                                     dict(capacity_factor=None)))
+                                     dict(capacity_factor=None, relay_fanout=RELAY)))
         rows = []
         for call in range(3):
             x, idx, w, gy = (t.to(dev) for t in _routing(world, 30, 3.0, dev)[rank])
@@ -480,13 +481,14 @@ def _guarded_plus(rank, world):
             y = layer(xr, idx, w.to(torch.bfloat16))
             (y * gy.to(torch.bfloat16)).sum().backward()
             s = layer.stats_dict()
-            rows.append((s["guard_fired"], s["plan_local"], s["replica_fraction"], s["imbalance"]))
+            rows.append((s["guard_fired"], s["plan_local"], s["plan_spread"], s["replica_fraction"], s["imbalance"]))
         out[backend] = rows
     return out
 
 
-def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends():
-    for out in run_ranks(_guarded_plus, WORLD, backend="nccl"):
+@pytest.mark.parametrize("spread", [False, True], ids=["plus", "plus_spread"])
+def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends(spread):
+    for out in run_ranks(_guarded_plus, WORLD, spread, backend="nccl"):
         assert out["cuda"] == out["torch"], out
         assert len(set(out["cuda"])) == 1  # the same decision on every call (eager, captured, replayed)
 

@@ -38,6 +38,7 @@ BAD = [  # (field, bad value, what the error says)
     ("relay_share", 1, "LayerConfig.relay_share must be true or false, got 1"),
     ("deepep_deterministic", "yes", "LayerConfig.deepep_deterministic must be true or false, got 'yes'"),
     ("fetch_overlap", 1, "LayerConfig.fetch_overlap must be true or false, got 1"),
+    ("plus_spread", 1, "LayerConfig.plus_spread must be true or false, got 1"),
 ]
 
 

@@ -297,9 +297,9 @@ def _harness(rank, topo, Fd, seed):
     w = torch.softmax(torch.randn(T, k, generator=torch.Generator().manual_seed(10 * seed + 5 + rank)), -1)
     lo, hi = rank * 4, rank * 4 + 4
 
-    def layer(policy, guard, t_ffn):
+    def layer(policy, guard, t_ffn, **kw):
         m = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
-                              policy=policy, t_ffn=t_ffn, guard=guard)
+                              policy=policy, t_ffn=t_ffn, guard=guard, **kw)
         with torch.no_grad():
             m.fc1.copy_(fc1[lo:hi])
             m.fc2.copy_(fc2[lo:hi])
@@ -395,3 +395,44 @@ def test_guarded_topoep_plus_executes_the_kept_candidate():
         assert all(c["local"] == (c["chosen"] == 1 and not c["fired"]) for c in r), r
     assert len({tuple((c["fired"], c["local"]) for c in r) for r in results}) == 1  # every rank decided alike
     assert [(c["fired"], c["local"]) for c in results[0]] == [(0.0, True), (0.0, False), (1.0, False)]
+
+
+def _spread_candidate(rank, world):
+    """Guarded topoep_plus layers on 4 ranks (2 domains of 2, NICs at 100 MB/s) on megatron's random bias, where the
+    guard prefers the spread plan: with plus_spread it executes it, bit for bit as an unguarded topoep_plus_spread
+    layer; without, it keeps one of its two own plans."""
+    topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
+    layer, run = _harness(rank, topo, 64, 4)
+    idx = biased_topk(world, 16, 64, 2, -4.0, seed=0)[rank]
+    cheap = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0)
+    out = {}
+    for spread in (True, False):
+        guarded = layer("topoep_plus", cheap, 1e-5, plus_spread=spread)
+        res = run(guarded, idx)
+        s = guarded.stats_dict()
+        ref = run(layer("topoep_plus_spread" if spread else ("topoep_plus_local" if s["plan_local"] else "topoep_plus"),
+                        False, 1e-5), idx)
+        out[spread] = dict(fired=s["guard_fired"], spread=s["plan_spread"], local=s["plan_local"],
+                           choice=int(guarded.last_plan.info["guard_choice"]),
+                           bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
+    return out
+
+
+def test_guarded_topoep_plus_executes_its_spread_candidate():
+    results = run_ranks(_spread_candidate, 4)
+    for r in results:
+        assert r[True]["bit_equal"] and r[False]["bit_equal"], r
+        assert (r[True]["fired"], r[True]["spread"], r[True]["choice"]) == (0.0, 1.0, 2), r
+        assert r[False]["spread"] == 0.0 and r[False]["choice"] in (0, 1), r
+    assert len({repr(r) for r in results}) == 1  # every rank decided alike
+
+
+def test_plus_spread_needs_the_guarded_topoep_plus_layer():
+    from topoep import LayerConfig
+
+    assert LayerConfig(policy="topoep_plus", plus_spread=True).plus_spread
+    for bad in (dict(policy="topoep"), dict(policy="topoep_plus", guard=False), dict(policy="topoep_plus", num_slots=0)):
+        with pytest.raises(ValueError, match="plus_spread=true adds candidates"):
+            LayerConfig(plus_spread=True, **bad)
+    with pytest.raises(ValueError, match="plus_spread must be true or false"):
+        LayerConfig(policy="topoep_plus", plus_spread=1)

@@ -89,6 +89,11 @@ class LayerConfig:
     (`topoep.graph_layer`; its warm-up calls run first) and replay them in every later call: the host then issues a
     call in about a millisecond, however many kernels the layer launches. Every call must have the first call's
     shapes (a fixed micro-batch size and sequence length); not with prefetch."""
+    plus_spread: bool = False
+    """Policy topoep_plus with the guard: the layer also plans topoep_plus_spread (load moved across the whole EP
+    group, priced on the busiest link; with relay_fanout also topoep_plus_spread_tree) beside topoep_plus and
+    topoep_plus_local, each on its own stream (csrc/spread.cu on a GPU: no host synchronisation), and the guard keeps
+    the fastest plan by its per-link model (the share that ran a spread plan: the plan_spread statistic)."""
     relay_fanout: int | None = None
     """Fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing per expert and
     domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
@@ -142,7 +147,7 @@ class LayerConfig:
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
         for name in ("guard", "prefetch", "combine_side_stream", "fetch_overlap", "cuda_graphs", "layer_graphs",
-                     "relay_share", "deepep_deterministic"):
+                     "plus_spread", "relay_share", "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -156,6 +161,11 @@ class LayerConfig:
                              f"backend {self.backend}, transport {self.transport}, whose fetch keeps its place in the "
                              f"layer's stream): set {p}.backend=cuda and {p}.transport=peer, or "
                              f"{p}.fetch_overlap=false")
+        if self.plus_spread and (self.policy != "topoep_plus" or not self.guard or self.num_slots == 0):
+            raise ValueError(f"{p}.plus_spread=true adds candidates to the guarded topoep_plus layer (got policy "
+                             f"{self.policy}, guard {str(self.guard).lower()}, num_slots {self.num_slots}): set "
+                             f"{p}.policy=topoep_plus, {p}.guard=true and {p}.num_slots >= 1, or "
+                             f"{p}.plus_spread=false (policy topoep_plus_spread plans it alone)")
         if self.deepep_deterministic and self.transport != "deepep":
             raise ValueError(f"{p}.deepep_deterministic=true orders DeepEP's received rows, but {p}.transport="
                              f"{self.transport}: set {p}.transport=deepep or {p}.deepep_deterministic=false")

@@ -44,6 +44,7 @@ from topoep.runtime.timing import PhaseTimer, phase
 
 LAYOUT = 9 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
 
+GUARD_STATS = 7  # guard_fired .. plan_spread in LAYER_STAT_NAMES
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
     "guard_fired",  # 1 if the call executed the static plan instead of the balanced one: the guard decided so,
@@ -54,6 +55,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     # planned nothing (backend cuda's slot hint left the replica machinery out) the pre-plan bound's verdict
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
+    "plan_spread",  # 1 if it was a spread candidate (topoep_plus_spread or _tree: LayerConfig.plus_spread)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
@@ -245,22 +247,30 @@ class ExpertParallelMoE(nn.Module):
         if guarded and not planning:
             return self._unplanned(omega, worth, kw, allow, capacity)
         candidates = ()
-        if guarded and self.policy == "topoep_plus":  # and its local plan; the guard keeps the better (plus.py)
-            plan, local = plan_concurrently(omega, self.topology, ("topoep_plus", "topoep_plus_local"), kw)
-            candidates = (local,)
+        if guarded and self.policy == "topoep_plus":  # and its local (and spread) plans; the guard keeps the best
+            plan, *candidates = plan_concurrently(omega, self.topology, self._plus_policies(), kw)
         else:
             plan = solve(omega, self.topology, policy=self.policy, **kw)
-        guard_stats = torch.zeros(6, dtype=torch.float64, device=omega.device)
+        guard_stats = torch.zeros(GUARD_STATS, dtype=torch.float64, device=omega.device)
         wanted = None
         if guarded:
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow, candidates=candidates,
                                                          planned=worth)
             wanted = (saved > cost) & worth
-            local = (plan.info["guard_choice"] == 1) & ~fired
+            choice = plan.info["guard_choice"]
+            local, spread = (choice == 1) & ~fired, (choice >= 2) & ~fired
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
-                                       (~worth).to(torch.float64), local.to(torch.float64)])
+                                       (~worth).to(torch.float64), local.to(torch.float64), spread.to(torch.float64)])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, wanted, fit_stats
+
+    def _plus_policies(self) -> tuple[str, ...]:
+        """The plans of the guarded topoep_plus layer, the policy's own first (the guard's choice 0), then its local
+        candidate (1) and, with plus_spread, the spread candidates (2, and 3 with relay trees)."""
+        names = ("topoep_plus", "topoep_plus_local")
+        if self.config.plus_spread:
+            names += ("topoep_plus_spread",) + (("topoep_plus_spread_tree",) if self.config.relay_fanout else ())
+        return names
 
     def _unplanned(self, omega: torch.Tensor, worth: torch.Tensor, kw: dict, allow: torch.Tensor | None,
                    capacity: int | None) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,7 +282,8 @@ class ExpertParallelMoE(nn.Module):
         plan.info["guard_choice"] = torch.zeros((), dtype=torch.int64, device=omega.device)
         if self.guard.relay_fanout is not None:
             plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
-        guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero])
+        guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero,
+                                   zero])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, worth, fit_stats
 
