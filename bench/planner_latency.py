@@ -126,17 +126,26 @@ def measure_plus(omega, omega_cpu, topo, slots: int, planner: CudaPlanner, runs:
     ref_ms = 1e3 * (time.perf_counter() - t0)
     assert torch.equal(ref.slot_expert, se.cpu()) and torch.equal(ref.route, rt.cpu()), "topoep_plus CUDA plan != reference"
     pair_busy = _set_graph_busy(omega, topo, slots, PAIR, runs, warmup)
-    spread = {name: _set_graph_busy(omega, topo, slots, (name,), runs, warmup) for name in SPREAD}
     return dict(plus_eager_us=eager, plus_graph_us=graphed, plus_graph_busy_us=graphed_busy, plus_reference_ms=ref_ms,
-                pair_graph_busy_us=pair_busy, spread_graph_busy_us=spread,
-                spread_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + SPREAD, runs, warmup),
-                spread_moves={name: _spread_moves(omega_cpu, topo, slots, name) for name in SPREAD},
+                pair_graph_busy_us=pair_busy,
                 plus_moves=planner.moves(), plus_phases_us=phases,
                 grid_us=grid_sweeps(planner, omega, omega_cpu, topo, slots, runs, warmup, ref))
 
 
 PAIR = ("topoep_plus", "topoep_plus_local")  # what a guarded topoep_plus layer plans
 SPREAD = ("topoep_plus_spread", "topoep_plus_spread_tree")  # and with LayerConfig.plus_spread (and relay trees)
+
+
+def measure_spread(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
+    """The spread candidates alone, the pair, and the four plans at once (graph replay on a busy stream), every plan
+    checked against the reference's; and the moves the greedy made."""
+    topo, omega_cpu = workload(ep, experts, tokens, rpd)
+    omega = omega_cpu.cuda()
+    return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains,
+                spread_graph_busy_us={n: _set_graph_busy(omega, topo, slots, (n,), runs, warmup) for n in SPREAD},
+                spread_moves={n: _spread_moves(omega_cpu, topo, slots, n) for n in SPREAD},
+                pair_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR, runs, warmup),
+                spread_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + SPREAD, runs, warmup))
 
 
 def _spread_moves(omega_cpu, topo, slots: int, policy: str) -> int:
@@ -227,7 +236,7 @@ def plus_table(rows: list[dict]) -> str:
                   f"{r['plus_graph_us']:.1f}", f"{r['plus_graph_busy_us']:.1f}",
                   f"{r['plus_graph_busy_us'] - r['graph_busy_us']:+.1f}", f"{r['pair_graph_busy_us']:.1f}",
                   r["plus_moves"], f"{r['plus_reference_ms']:.1f}"]
-                 for r in rows]) + spread_table(rows) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
+                 for r in rows]) + "\n\nGPU time after the refinement (us, median of 50 graph replays, %globaltimer "
             "stamps of block 0; `CudaPlanner.plus_phase_ns`): the staging of the loads and the guard; the free moves "
             "(every block makes the same moves on its own copy of the loads): the first iteration's busiest rank, its "
             "best move (pair scan and block reduction), the iterations after it; the route's pass A (per (expert, "
@@ -360,10 +369,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank of the generated workload")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--profile", action="store_true", help="add a per-kernel time breakdown (torch.profiler)")
+    ap.add_argument("--spread", action="store_true", help="only the spread candidates (csrc/spread.cu), EP 8-128 at "
+                    "E 640: writes spread_latency.{md,json}")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("planner_latency needs a GPU")
     torch.set_num_threads(4)
+    if args.spread:
+        return spread_main(args)
     # (b): the paper uses E = 40 and 80 at EP 32; TopoEP (like megatron) needs E to be a multiple of EP, so
     # those two points become 64 and 96
     configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (64, 96, 160, 320, 640)]
@@ -397,6 +410,25 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner_latency.md").write_text(md)
     write_json(args.out / "planner_latency.json", info, rows)
+    print(md)
+    return 0
+
+
+def spread_main(args) -> int:
+    rows = []
+    for ep in (8, 16, 32, 64, 128):
+        r = measure_spread(ep, 640, args.slots, 8, args.runs, args.warmup, args.tokens) | {"sweep": "a"}
+        rows.append(r)
+        print(f"EP {ep:>3}: " + "  ".join(f"{n} {v:.1f} us" for n, v in r["spread_graph_busy_us"].items())
+              + f"  all four {r['spread_set_graph_busy_us']:.1f} us", flush=True)
+    info = run_info(vars(args) | {"out": str(args.out)})
+    md = (f"# Spread planner latency\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: "
+          f"{info['hardware']}\n- workload: Fig. 11's (biased router, router_skew -2.5, top-8, {args.tokens} tokens "
+          f"per rank, 8 ranks per domain, E 640), {args.slots} slots; median of {args.runs} runs after {args.warmup} "
+          "warm-ups (CUDA events)\n- reproduce: `python bench/planner_latency.py --spread`" + spread_table(rows) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "spread_latency.md").write_text(md)
+    write_json(args.out / "spread_latency.json", info, rows)
     print(md)
     return 0
 

@@ -10,7 +10,7 @@
 // reduction of the loads for the objective and the next busiest rank. Instead of replaying the kept prefix, the
 // kernel copies the instance loads and the slot table whenever the objective reaches a new minimum.
 //
-// State in the workspace (spread_layout): per rank L (load), the replica copies it sends and receives over its NIC
+// State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica copies it sends and receives over its NIC
 // and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
 // and part (its share); per (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the
 // rank of its first copy there; per domain out / inn (assignments its sources send to / its instances receive from
@@ -18,6 +18,8 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <initializer_list>
 
 #include "planner.h"
 
@@ -36,33 +38,52 @@ struct SpreadDims {
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
 };
 
-struct SpreadLayout {
-  size_t L, nic_out, nic_in, nvl_out, nvl_in, used, xin, U, part, D, Ud, first, out, inn, slots, best_U, best_slots,
-      elems;
+// Where each array lives: `off` int64 elements into the dynamic shared memory (in_smem) or into the workspace. The
+// workspace has room for every array (its size does not depend on the device); the launch moves the arrays into
+// shared memory in the order of their use per move while they fit: the per-rank and per-instance state, the slot
+// table and the per-domain sums first, then Ud, D and the first copies; the snapshot stays in the workspace.
+struct Place {
+  size_t off;
+  int in_smem;
 };
 
-inline SpreadLayout spread_layout(int R, int E, int M, int N) {
-  const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E;
+enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
+                   kBestU, kBestSlots, kSpreadArrays };
+constexpr int kHotArrays = kUd;  // kL .. kInn: all in shared memory, or none
+
+struct SpreadLayout {
+  Place at[kSpreadArrays];
+  size_t elems, smem_bytes;
+};
+
+inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
+  const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E, RN = (size_t)R * N;
+  switch (a) {
+    case kU: case kPart: case kBestU: return P;
+    case kSlots: case kBestSlots: return RN;
+    case kOut: case kInn: return M;
+    case kUd: case kD: case kFirst: return ME;
+    default: return R;
+  }
+}
+
+// smem_limit: bytes of dynamic shared memory the kernel may take (0: none)
+inline SpreadLayout spread_layout(int R, int E, int M, int N, size_t smem_limit) {
   SpreadLayout f;
-  Bump b;
-  f.L = b.take(R);
-  f.nic_out = b.take(R);
-  f.nic_in = b.take(R);
-  f.nvl_out = b.take(R);
-  f.nvl_in = b.take(R);
-  f.used = b.take(R);
-  f.xin = b.take(R);
-  f.U = b.take(P);
-  f.part = b.take(P);
-  f.D = b.take(ME);
-  f.Ud = b.take(ME);
-  f.first = b.take(ME);
-  f.out = b.take(M);
-  f.inn = b.take(M);
-  f.slots = b.take((size_t)R * N);
-  f.best_U = b.take(P);
-  f.best_slots = b.take((size_t)R * N);
-  f.elems = b.end;
+  Bump g, sm;
+  for (int a = 0; a < kSpreadArrays; ++a) f.at[a] = Place{g.take(spread_array_elems(a, R, E, M, N)), 0};
+  f.elems = g.end;
+  const size_t limit = smem_limit / sizeof(int64_t);
+  size_t hot = 0;
+  for (int a = 0; a < kHotArrays; ++a) hot += spread_array_elems(a, R, E, M, N);
+  if (hot <= limit) {
+    for (int a = 0; a < kHotArrays; ++a) f.at[a] = Place{sm.take(spread_array_elems(a, R, E, M, N)), 1};
+    for (int a : {kUd, kD, kFirst}) {
+      const size_t n = spread_array_elems(a, R, E, M, N);
+      if (sm.end + n <= limit) f.at[a] = Place{sm.take(n), 1};
+    }
+  }
+  f.smem_bytes = sm.end * sizeof(int64_t);
   return f;
 }
 
@@ -216,9 +237,12 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   __shared__ i64 sh_nic, sh_nvl;  // the busiest NIC / NVLink copy counts (they only grow)
   __shared__ unsigned long long sh_dropped;
   const int tid = threadIdx.x, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
-  SpreadState s{ws + f.L,    ws + f.nic_out, ws + f.nic_in, ws + f.nvl_out, ws + f.nvl_in, ws + f.used,
-                ws + f.xin,  ws + f.U,       ws + f.part,   ws + f.D,       ws + f.Ud,     ws + f.first,
-                ws + f.out,  ws + f.inn,     ws + f.slots,  ws + f.best_U,  ws + f.best_slots};
+  extern __shared__ i64 smem_state[];
+  i64* ptr[kSpreadArrays];
+  for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
+  const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
+                      ptr[kXin], ptr[kU],     ptr[kPart],  ptr[kD],      ptr[kUd],     ptr[kFirst],
+                      ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kBestU],  ptr[kBestSlots]};
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
     s.L[r] = 0;
@@ -237,9 +261,9 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
   if (tid == 0) { sh_nic = 0; sh_nvl = 0; sh_dropped = 0; }
   __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) {
+  for (int e = tid; e < E; e += blockDim.x) {  // an expert's load: its domains' demands
     i64 u = 0;
-    for (int r = 0; r < R; ++r) u += omega[(i64)r * E + e];
+    for (int m = 0; m < M; ++m) u += s.D[(i64)m * E + e];
     s.U[e] = u;
     s.Ud[(i64)((e / d.Eloc) / d.rpd) * E + e] = u;
   }
@@ -390,7 +414,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
 
 }  // namespace
 
-size_t spread_workspace_elems(int R, int E, int M, int N) { return spread_layout(R, E, M, N).elems; }
+size_t spread_workspace_elems(int R, int E, int M, int N) { return spread_layout(R, E, M, N, 0).elems; }
 
 cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,
                         int64_t* slot_expert, int64_t* load, int64_t* info, int64_t* ws, cudaStream_t stream) {
@@ -409,8 +433,21 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.t = args.t_fs;
   d.a = args.a;
   d.b = args.b;
-  spread_kernel<<<1, kSpreadThreads, 0, stream>>>(omega, enable, d, spread_layout(R, E, M, N), ws, slot_expert, load,
-                                                  info);
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static int optin_of[64] = {0};  // the opt-in dynamic shared memory per block, per device ordinal, queried once
+  static int smem_set[64] = {0};  // the kernel's shared memory limit set so far, per device ordinal
+  if (dev >= 64) return cudaErrorInvalidDevice;
+  if (optin_of[dev] == 0) cudaDeviceGetAttribute(&optin_of[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  const size_t static_smem = 8 * 1024;  // the block reductions' __shared__ arrays, with room to spare
+  const SpreadLayout f =
+      spread_layout(R, E, M, N, optin_of[dev] > (int)static_smem ? optin_of[dev] - static_smem : 0);
+  if ((int)f.smem_bytes > 48 * 1024 && (int)f.smem_bytes > smem_set[dev]) {
+    cudaError_t err = cudaFuncSetAttribute(spread_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)f.smem_bytes);
+    if (err != cudaSuccess) return err;
+    smem_set[dev] = (int)f.smem_bytes;
+  }
+  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, load, info);
   return cudaGetLastError();
 }
 

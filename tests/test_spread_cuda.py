@@ -72,7 +72,7 @@ def test_spread_plan_equals_reference_on_random_cases(seed):
 def test_spread_plans_without_host_synchronisation_and_replays_in_a_graph():
     R, E, N = 32, 640, 2
     topo = Topology(num_domains=4, ranks_per_domain=8)
-    omegas = [scenario(n, R, E, 512, 8, ranks_per_domain=8, seed=1).cuda() for n in ("random_bias", "warm_domain")]
+    omegas = [scenario(n, R, E, 512, 8, ranks_per_domain=8, seed=1).cuda() for n in ("hot_rank", "random_bias")]
     buf = omegas[0].clone()
     for policy in SPREAD_POLICIES:
         kw = dict(num_slots=N, policy=policy, expert_bytes=W, token_bytes=S, backend="cuda")
