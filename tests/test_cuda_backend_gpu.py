@@ -342,7 +342,8 @@ def _two_layers(rank, world, n_layers=4):
                                       num_slots=2, policy=policy, backend=backend, dtype=torch.bfloat16, device=dev,
                                       guard=False, **(cuda_options(combine_side_stream=name == "cuda-combine-side",
                                                                    prefetch=name == "cuda-prefetch",
-                                                                   fetch_overlap=name == "cuda-fetch-overlap")
+                                                                   fetch_overlap=FETCH_OVERLAP
+                                                                   or name == "cuda-fetch-overlap")
                                                       if backend == "cuda" else dict(capacity_factor=CF)))
             with torch.no_grad():
                 layer.fc1.copy_(fc1[lo:hi])

@@ -85,6 +85,8 @@ REPORTS = [
           "bash tools/gpu_session.sh setup local (or: torchrun --nproc_per_node=1 bench/layer_limit.py)"),
     Entry(("planner_latency.md", "planner_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
           "python bench/planner_latency.py --profile"),
+    Entry(("spread_latency.md", "spread_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
+          "python bench/planner_latency.py --spread"),
     Entry(("layer_memory.md", "layer_memory.json"), "bench/layer_memory.py", "gpu/layer_memory/layer_memory_ep*.json",
           "CPU, from the raw runs (they: 1 GPU, `bash tools/gpu_session.sh setup memory`)",
           "python bench/layer_memory.py --report results/gpu/layer_memory/layer_memory_ep*.json"),
