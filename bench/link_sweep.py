@@ -57,6 +57,11 @@ def parse_args(argv=None):
     ap.add_argument("--fetch-overlap", action="store_true",
                     help="every policy's forward replica fetch beside the dispatch and main GEMMs "
                          "(sim.Execution.fetch_overlap)")
+    ap.add_argument("--spread-planner", default="plus", choices=list(sim.SPREAD_PLANNERS),
+                    help="time the spread candidates as topoep_plus's CUDA planner (plus: the target) or as the CUDA "
+                         "spread planner measured on one H200 (measured; sim.Execution.spread_planner)")
+    ap.add_argument("--spread-speedup", type=float, default=1.0,
+                    help="with --spread-planner measured: the measured spread planner's time divided by this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -64,6 +69,10 @@ def parse_args(argv=None):
     for name in ("eps", "slots"):
         if any(v < (1 if name == "eps" else 0) for v in getattr(args, name)):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")
+    if args.spread_speedup != 1.0 and args.spread_planner != "measured":
+        raise SystemExit("--spread-speedup scales the measured spread planner: add --spread-planner measured")
+    if not args.spread_speedup > 0:
+        raise SystemExit("--spread-speedup must be > 0")
     if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0 or args.relay_chunks < 1:
         raise SystemExit("--experts-per-rank, --tokens and --relay-chunks must be >= 1 and --nic-scale > 0")
     return args
@@ -100,7 +109,8 @@ def run(args) -> list[dict]:
                "bound_ms": 1e3 * bounds[(preset, ep)]}
         for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
             fanout, cands = OURS.get(policy, (None, ()))
-            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap)
+            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap,
+                                     spread_planner=args.spread_planner, spread_speedup=args.spread_speedup)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share)
@@ -172,7 +182,12 @@ def report(args, rows: list[dict]) -> str:
            "share" if args.relay_share else "") + "; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
-        "planner is the host reference only, timed here as the CUDA planner's latency); with relays also a fourth, "
+        "planner: csrc/spread.cu, " + ("timed as measured on one H200 (`sim.gpu_spread_s`: 0.4-1.8 ms alone, "
+                                        "0.5-3.5 ms with the three other plans at EP 8-128)"
+                                        + (f" divided by {args.spread_speedup:g}" if args.spread_speedup != 1 else "")
+                                        if args.spread_planner == "measured" else "timed here as topoep_plus's CUDA planner (about 50 us; the "
+                                        "measured one is 10-60x slower: `--spread-planner measured`)")
+        + "); with relays also a fourth, "
         "`topoep_plus_spread_tree` (the same planner pricing a remote domain's copies as its relay tree fetches "
         "them); `ran`: the plan the guard kept (plus, local, spread, tree, or static when the guard fired or nothing "
         "was planned); "

@@ -542,3 +542,46 @@ def test_measured_cases_rebuild_the_executed_plans():
             assert bool(fired) == c.guard_fired
     with pytest.raises(ValueError, match="no 'absent/static'"):  # a backend the bench did not run
         sim.measured_cases(REPO / "results" / "moe_layer.json", backend="absent")
+
+
+def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned():
+    """spread_planner="measured": a guarded topoep_plus layer with the spread candidate pays the CUDA spread planner's
+    measured latency (gpu_spread_s; the four plans of a relayed layer at once) instead of topoep_plus's; a layer
+    without a spread candidate, and the plan it runs, are unchanged."""
+    cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
+    om = workloads.scenario("warm_domain", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    from topoep.runtime import NetBenefitGuard
+
+    guard = NetBenefitGuard()
+    ex = sim.EXECUTIONS["topoep"]
+    for fanout, cands in ((None, ("topoep_plus_local", "topoep_plus_spread")),
+                          (2, ("topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree"))):
+        runs = [sim.simulate(om, cl, model=model, policy="topoep_plus", guard=guard, plus_candidates=c,
+                             execution=replace(ex, relay_fanout=fanout, spread_planner=mode))
+                for mode in ("plus", "measured") for c in (cands, ("topoep_plus_local",))]
+        (plus, plus_local), (measured, measured_local) = runs[:2], runs[2:]
+        extra = sim.gpu_spread_s(32, tree=fanout is not None) - sim.gpu_planner_s(32, "topoep_plus")
+        assert extra > 0.5e-3
+        assert measured.terms["plan"] == pytest.approx(plus.terms["plan"] + extra)
+        assert measured.layer_s == pytest.approx(plus.layer_s + extra)
+        assert measured.stats["guard_choice"] == plus.stats["guard_choice"]  # the same plan runs
+        assert measured_local.layer_s == pytest.approx(plus_local.layer_s)
+    with pytest.raises(ValueError, match="spread_planner='fast' is unknown"):
+        replace(ex, spread_planner="fast")
+
+
+def test_spread_speedup_divides_the_measured_planner_time():
+    cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
+    om = workloads.scenario("warm_domain", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    from topoep.runtime import NetBenefitGuard
+
+    ex = replace(sim.EXECUTIONS["topoep"], spread_planner="measured")
+    r1, r10 = (sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(),
+                            plus_candidates=("topoep_plus_local", "topoep_plus_spread"),
+                            execution=replace(ex, spread_speedup=x)) for x in (1.0, 10.0))
+    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(0.9 * sim.gpu_spread_s(32))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="spread_speedup must be a finite number > 0"):
+            replace(ex, spread_speedup=bad)
+    with pytest.raises(ValueError, match="scales the measured spread planner"):
+        replace(sim.EXECUTIONS["topoep"], spread_speedup=2.0)

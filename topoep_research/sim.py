@@ -271,6 +271,15 @@ class Execution:
     the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs
     wait for it. False: the fetch precedes the dispatch. The backward reload follows `reload_hidden` either way (the
     runtime's overlapped reload is not modelled: an upper bound where it is exposed)."""
+    spread_planner: str = "plus"
+    """How the spread planner (`topoep.planners.spread`: standalone, or a guarded topoep_plus layer's candidate) is
+    timed: "plus", as fast as topoep_plus's CUDA planner (a layer's candidates run at once: one planner latency) and
+    standalone as a host planner, as the runtime would run it with a planner of that speed; "measured", the CUDA
+    spread planner (csrc/spread.cu) as measured on one H200 (gpu_spread_s: it, or the four plans of a relayed
+    layer, at once, set the layer's planning time)."""
+    spread_speedup: float = 1.0
+    """With spread_planner="measured": the measured spread planner's time divided by this (what a planner this many
+    times faster would give; 1: as measured)."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
@@ -287,6 +296,13 @@ class Execution:
             _check(self, name, "float", 0.0)
         if self.plan_s is not None:
             _check(self, "plan_s", "float", 0.0)
+        _check(self, "spread_speedup", "float", 0.0, lo_open=True)
+        if self.spread_speedup != 1.0 and self.spread_planner != "measured":
+            raise ValueError(f"Execution.spread_speedup={self.spread_speedup} scales the measured spread planner: set "
+                             f"spread_planner='measured' or spread_speedup=1.0")
+        if self.spread_planner not in SPREAD_PLANNERS:
+            raise ValueError(f"Execution.spread_planner={self.spread_planner!r} is unknown; choose one of "
+                             f"{', '.join(SPREAD_PLANNERS)}")
         if self.fetch_overlap and not self.pipelined:
             raise ValueError(f"Execution.fetch_overlap=True overlaps the fetch with the chunk pipeline, but execution "
                              f"{self.name!r} is not pipelined: set pipelined=True or fetch_overlap=False")
@@ -327,6 +343,13 @@ GPU_DECISION_PLUS_RELAY_US = ((8, 69.4), (32, 66.0), (128, 87.6))
 GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
 GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
 GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
+# The CUDA spread planner (csrc/spread.cu; us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
+# results/spread_latency.md (graph replay on a busy stream): topoep_plus_spread alone (the candidate of a layer
+# without relays: the pair beside it is faster), and the four plans of a relayed layer at once. Its time grows with
+# the greedy's moves (7-8 us each; 6-382 on that workload), so on other routings it is only an estimate.
+GPU_SPREAD_US = ((8, 434.9), (16, 613.7), (32, 1361.0), (64, 1383.8), (128, 1802.2))
+GPU_SPREAD_SET_US = ((8, 509.7), (16, 651.6), (32, 1386.9), (64, 3539.0), (128, 2810.8))
+SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
@@ -583,6 +606,12 @@ def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
     return _interpolated_s(GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US, num_ranks)
 
 
+def gpu_spread_s(num_ranks: int, tree: bool = False) -> float:
+    """The CUDA spread planner's latency (GPU_SPREAD_US), or with `tree` the four plans of a relayed topoep_plus layer
+    with plus_spread at once (GPU_SPREAD_SET_US)."""
+    return _interpolated_s(GPU_SPREAD_SET_US if tree else GPU_SPREAD_US, num_ranks)
+
+
 def gpu_guard_s(num_ranks: int, relay: bool = False) -> float:
     """The net-benefit guard's GPU time per layer call (GPU_GUARD_US; GPU_GUARD_RELAY_US with relay trees)."""
     return _interpolated_s(GPU_GUARD_RELAY_US if relay else GPU_GUARD_US, num_ranks)
@@ -799,8 +828,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         when the plan was made), or None: solve here.
     plus_candidates: the other policies a guarded topoep_plus layer plans at the same time, of which the guard keeps
         the fastest by its prediction (the runtime's: topoep_plus_local; add "topoep_plus_spread" for the layer
-        with the link-aware spread candidate, `topoep.planners.spread`). A candidate without a CUDA kernel is timed
-        as the GPU planner's latency too (the CUDA planner's time, not the reference's).
+        with the link-aware spread candidate, `topoep.planners.spread`). The candidates run at once on the GPU: one
+        planner latency, topoep_plus's, or with `execution.spread_planner="measured"` the measured CUDA spread
+        planner's where a spread plan is among them.
     """
     execution = execution or EXECUTIONS["topoep"]
     measured = None
@@ -878,10 +908,16 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     else:
         from topoep.planners.cuda import CUDA_POLICIES
 
+        from topoep.planners.cuda import SPREAD_POLICIES
+
         t_gather = gather_s(R, E, cluster)
+        spread = {p.policy for p in (plan, *candidates)} & set(SPREAD_POLICIES)
         if plan_s is not None:
             solve_s = plan_s
-        elif plan.policy in CUDA_POLICIES or candidates:  # candidates: planned beside topoep_plus on the GPU
+        elif spread and execution.spread_planner == "measured":  # csrc/spread.cu, beside the other plans
+            solve_s = gpu_spread_s(R, tree="topoep_plus_spread_tree" in spread) / execution.spread_speedup
+        elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES):
+            # candidates: planned beside topoep_plus on the GPU
             solve_s = gpu_planner_s(R, name if candidates else plan.policy)
         else:
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
