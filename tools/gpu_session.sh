@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -378,6 +378,17 @@ step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fet
     TOPOEP_GPU_RELAY=2 timeout -k 10 200 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k "relay or share"
   _o audit_ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_FETCH_OVERLAP=1 \
     timeout -k 10 150 python3 tools/sync_audit.py
+}
+
+step_spread() {  # the spread planner (csrc/spread.cu): its GPU tests (bit-equal to the reference, no host sync,
+  # graph replay, enable flag), guarded topoep_plus with plus_spread at EP 8 as 2 domains of 4 (ranks sharing the GPU),
+  # then its latency (bench/planner_latency.py --spread -> spread_latency.{md,json}). Short logs into $OUT/spread/
+  mkdir -p "$OUT/spread"
+  _s() { short_log spread "$@"; }
+  _s tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_spread_cuda.py
+  _s ep8_rpd4_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 200 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py -k guarded_topoep_plus
+  timeout 200 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
 }
 
 step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (tests/test_guard_cuda.py), then its time
