@@ -238,3 +238,15 @@ def test_the_relayed_layer_keeps_the_tree_candidate_where_it_is_faster():
     tree = sim.simulate(om, cl, plus_candidates=("topoep_plus_local", "topoep_plus_spread",
                                                  "topoep_plus_spread_tree"), **kw)
     assert tree.stats["guard_choice"] == 3 and tree.layer_s < direct.layer_s
+
+
+def test_the_multi_block_planner_refuses_the_spread_policies():
+    """CudaPlanner.plan plans static, topoep and topoep_plus(_local) only; the spread policies have their own kernel
+    (solve_spread_cuda), so it refuses them, and unknown names, before touching the device."""
+    from topoep.planners.cuda import CudaPlanner
+
+    planner = object.__new__(CudaPlanner)  # (no GPU here: the check comes before any device work)
+    for policy in ("topoep_plus_spread", "topoep_plus_spread_tree", "deepseek"):
+        with pytest.raises(ValueError, match=f"CudaPlanner plans static, topoep, topoep_plus, topoep_plus_local, not "
+                                             f"'{policy}'"):
+            planner.plan(None, None, policy, 1, 1, None, None)

@@ -177,10 +177,10 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             plan = solve_spread_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                                      expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
                                      t_ffn=_checked_t_ffn(t_ffn), enable=enable)
-            return plan if capacity is None else fit_capacity_cuda(plan, capacity)
-        plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
-                          expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,
-                          enable=enable)
+        else:
+            plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
+                              expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,
+                              enable=enable)
         return plan if capacity is None else fit_capacity_cuda(plan, capacity)
     kw = {}
     if policy in T_FFN_POLICIES:

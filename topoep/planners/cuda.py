@@ -177,6 +177,9 @@ class CudaPlanner:
         if isinstance(skip_stages, bool) or not isinstance(skip_stages, int) or not 0 <= skip_stages < SKIP_LIMIT:
             raise ValueError(f"skip_stages must be a combination of csrc/planner.h's kSkip* bits (an integer in "
                              f"[0, {SKIP_LIMIT})), got {skip_stages!r}")
+        if policy in SPREAD_POLICIES or policy not in CUDA_POLICIES:  # (the spread planner: solve_spread_cuda)
+            raise ValueError(f"CudaPlanner plans {', '.join(p for p in CUDA_POLICIES if p not in SPREAD_POLICIES)}, "
+                             f"not {policy!r}")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         elif policy in ("topoep_plus", "topoep_plus_local"):
