@@ -229,10 +229,10 @@ void relay_trees(const at::Tensor& slot_expert, const at::Tensor& main_rank, int
                                      level.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-// topoep_plus_spread / _tree on the GPU (csrc/spread.cu): slot_expert, load and info out; the route is the caller's
+// topoep_plus_spread / _tree on the GPU (csrc/spread.cu): slot_expert, route and info out
 void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots, int64_t expert_bytes,
                  int64_t token_bytes, int64_t t_fs, int64_t a, int64_t b, int64_t max_moves, bool trees,
-                 const c10::optional<at::Tensor>& enable, at::Tensor slot_expert, at::Tensor load, at::Tensor info,
+                 const c10::optional<at::Tensor>& enable, at::Tensor slot_expert, at::Tensor route, at::Tensor info,
                  at::Tensor workspace) {
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
@@ -246,22 +246,18 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
               "expert_bytes and token_bytes must be >= 1, t_fs, a and b >= 0");
   TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
   check_bool_scalar(enable, omega, "enable");
-  check_i64_cuda(slot_expert, "slot_expert");
-  check_i64_cuda(load, "load");
+  check_outputs(omega, N, slot_expert, route);
   check_i64_cuda(info, "info");
   check_i64_cuda(workspace, "workspace");
-  TORCH_CHECK(slot_expert.dim() == 2 && slot_expert.size(0) == R && slot_expert.size(1) == N,
-              "slot_expert must be int64[R, num_slots]");
-  TORCH_CHECK(load.numel() == E + R * N, "load must be int64[E + R * num_slots]");
   TORCH_CHECK(info.numel() >= 5, "info must hold 5 elements");
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::spread_workspace_elems((int)R, (int)E, (int)num_domains, (int)N),
               "workspace too small");
-  for (const at::Tensor* t : {&slot_expert, &load, &info, &workspace}) check_same_device(*t, omega, "every output");
+  for (const at::Tensor* t : {&slot_expert, &route, &info, &workspace}) check_same_device(*t, omega, "every output");
   const topoep::SpreadArgs args{(int)max_moves, trees ? 1 : 0, expert_bytes, token_bytes, t_fs, a, b};
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::plan_spread(omega.data_ptr<int64_t>(), (int)R, (int)E, (int)num_domains, (int)N, args,
                                      enable.has_value() ? enable->data_ptr<bool>() : nullptr,
-                                     slot_expert.data_ptr<int64_t>(), load.data_ptr<int64_t>(),
+                                     slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
                                      info.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
                                      c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -309,7 +305,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("relay_trees(Tensor slot_expert, Tensor main_rank, int ranks_per_domain, int fanout, Tensor? relay, "
         "Tensor(a!) source, Tensor(b!) level) -> ()");
   m.def("plan_spread(Tensor omega, int num_domains, int num_slots, int expert_bytes, int token_bytes, int t_fs, "
-        "int a, int b, int max_moves, bool trees, Tensor? enable, Tensor(a!) slot_expert, Tensor(b!) load, "
+        "int a, int b, int max_moves, bool trees, Tensor? enable, Tensor(a!) slot_expert, Tensor(b!) route, "
         "Tensor(c!) info, Tensor(d!) workspace) -> ()");
   m.def("spread_workspace_elems(int R, int E, int M, int N) -> int", &spread_workspace_elems);
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);

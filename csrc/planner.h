@@ -118,17 +118,17 @@ cudaError_t guard_select(const GuardArgs& args, int64_t* ws, cudaStream_t stream
 cudaError_t relay_trees(const int64_t* slot, const int64_t* main_rank, int R, int N, int rpd, int fanout,
                         const bool* relay, int64_t* source, int64_t* level, cudaStream_t stream);
 // The `topoep_plus_spread` policy (spread.cu; topoep/planners/spread.py), `topoep_plus_spread_tree` with trees: the
-// greedy's instance loads and slot table after the rollback and the drop. omega int64[R, E] (default placement: E
-// a multiple of R, domains of R / M contiguous ranks); outputs slot_expert int64[R, N], load int64[E + R*N] (the
-// route is computed from them), info int64[5]: moves kept, moves made, objective and static objective (fs),
-// replicas dropped. enable: one bool on the device or null (false: the static plan). One block, on `stream`.
+// greedy's slot table after the rollback and the drop, and the route of its loads. omega int64[R, E] (default
+// placement: E a multiple of R, domains of R / M contiguous ranks); outputs slot_expert int64[R, N], route int64[R,
+// E + R*N], info int64[5]: moves kept, moves made, objective and static objective (fs), replicas dropped. enable:
+// one bool on the device or null (false: the static plan). One block, on `stream`.
 struct SpreadArgs {
   int max_moves, trees;
   int64_t expert_bytes, token_bytes, t_fs, a, b;  // W, S_tok, t_ffn in fs, two-level costs in fs per byte
 };
 size_t spread_workspace_elems(int R, int E, int M, int N);
 cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,
-                        int64_t* slot_expert, int64_t* load, int64_t* info, int64_t* ws, cudaStream_t stream);
+                        int64_t* slot_expert, int64_t* route, int64_t* info, int64_t* ws, cudaStream_t stream);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
                         cudaStream_t stream);

@@ -1,8 +1,8 @@
 // The `topoep_plus_spread` policy (and `topoep_plus_spread_tree`) of topoep/planners/spread.py on the GPU, bit for
 // bit: the greedy load moves priced on the straggler's compute and the busiest replica and token links, the
-// rollback to the best prefix, and the drop of replicas left without load. The reference's module docstring is
-// the spec; every choice below mirrors it. The route (`common.hierarchical_route`) runs after this kernel as
-// PyTorch ops on the device (topoep/planners/cuda.py solve_spread_cuda).
+// rollback to the best prefix, the drop of replicas left without load, and the route of the kept loads
+// (`common.hierarchical_route`, a warp per expert: route_expert). The reference's module docstring is the spec;
+// every choice below mirrors it.
 //
 // One block: the greedy is a chain of dependent moves. A move is one scan of every (target rank, instance of the
 // busiest rank) pair with a block reduction of the best, the move itself (one thread), each instance's share of
@@ -10,8 +10,8 @@
 // reduction of the loads for the objective and the next busiest rank. Instead of replaying the kept prefix, the
 // kernel copies the instance loads and the slot table whenever the objective reaches a new minimum.
 //
-// State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica copies it sends and receives over its NIC
-// and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
+// State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica
+// copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
 // and part (its share); per (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the
 // rank of its first copy there; per domain out / inn (assignments its sources send to / its instances receive from
 // other domains); the slot table; the snapshot of U and the slot table at the best objective so far.
@@ -48,7 +48,12 @@ struct Place {
 };
 
 enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
-                   kBestU, kBestSlots, kSpreadArrays };
+                   kBestU, kBestSlots, kRoute, kSpreadArrays };
+// the route's scratch per warp (route_expert), each R + 1 elements: the expert's instances in index order, the
+// instance on each rank, each source's remaining demand w, its matched amount and interval start, each instance's
+// load after its own rank, after its domain, its matched amount and interval start, and the sources and instances
+// with something left for step 3
+enum RouteScratch { kInst, kInstOf, kW, kA, kAlo, kU1, kU2, kC, kClo, kSx, kKx, kRouteScratch };
 constexpr int kHotArrays = kUd;  // kL .. kInn: all in shared memory, or none
 
 struct SpreadLayout {
@@ -62,6 +67,7 @@ inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
     case kU: case kPart: case kBestU: return P;
     case kSlots: case kBestSlots: return RN;
     case kOut: case kInn: return M;
+    case kRoute: return (size_t)kSpreadWarps * kRouteScratch * ((size_t)R + 1);
     case kUd: case kD: case kFirst: return ME;
     default: return R;
   }
@@ -228,10 +234,144 @@ __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadStat
   return first < 0 ? home : (int)first;
 }
 
+__device__ __forceinline__ i64 warp_sum(i64 v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ i64 warp_excl_scan(i64 v, int lane) {
+  i64 x = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const i64 y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  return x - v;
+}
+
+__device__ __forceinline__ i64 imin(i64 x, i64 y) { return x < y ? x : y; }
+
+// The route of expert e's kept loads, common.hierarchical_route's three steps for one expert, by one warp (every lane
+// calls it; sc: the warp's scratch, RouteScratch arrays of R + 1, its instance-of-rank array all -1 on entry and on
+// exit). route[:, p] of e's instances must be 0 on entry. U: the instance loads, slot: the slot table after the drop.
+__device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega, const i64* U, const i64* slot,
+                             i64* route, int e, i64* sc, int lane) {
+  const int R = d.R, E = d.E, N = d.N, P = d.P, rpd = d.rpd, stride = R + 1;
+  const unsigned below = (1u << lane) - 1;
+  i64 *inst = sc + kInst * stride, *inst_of = sc + kInstOf * stride, *w = sc + kW * stride, *a = sc + kA * stride,
+      *alo = sc + kAlo * stride, *u1 = sc + kU1 * stride, *u2 = sc + kU2 * stride, *c = sc + kC * stride,
+      *clo = sc + kClo * stride, *sx = sc + kSx * stride, *kx = sc + kKx * stride;
+  auto rank_of = [&](i64 p) { return p < E ? (int)(p / d.Eloc) : (int)((p - E) / N); };
+  // e's instances in index order: its main, then the slots holding it (rank order)
+  int n = 1;
+  if (lane == 0) inst[0] = e;
+  for (int j0 = 0; j0 < R * N; j0 += 32) {
+    const int j = j0 + lane;
+    const bool hit = j < R * N && slot[j] == e;
+    const unsigned b = __ballot_sync(0xffffffffu, hit);
+    if (hit) inst[n + __popc(b & below)] = E + j;
+    n += __popc(b);
+  }
+  __syncwarp();
+  for (int k = lane; k < n; k += 32) inst_of[rank_of(inst[k])] = k;
+  __syncwarp();
+  // 1. each instance serves its own rank's demand
+  for (int s = lane; s < R; s += 32) {
+    const i64 x = omega[(i64)s * E + e], k = inst_of[s];
+    i64 loc = 0;
+    if (k >= 0) {
+      const i64 u = U[inst[k]];
+      loc = imin(x, u);
+      u1[k] = u2[k] = u - loc;
+      route[(i64)s * P + inst[k]] = loc;
+    }
+    w[s] = x - loc;
+  }
+  __syncwarp();
+  // 2. then its domain's: the domain's sources (index order) fill m = min(their demand, the instances' loads), the
+  // instances (index order) take m, and each pair gets the overlap of the two intervals
+  for (int dm = 0; dm < d.M; ++dm) {
+    const int s_lo = dm * rpd, s_hi = s_lo + rpd;
+    i64 cap = 0, dem = 0;
+    for (int k = lane; k < n; k += 32) cap += rank_of(inst[k]) / rpd == dm ? u1[k] : 0;
+    for (int s = s_lo + lane; s < s_hi; s += 32) dem += w[s];
+    const i64 m = imin(warp_sum(cap), warp_sum(dem));
+    if (m == 0) continue;  // (the same in every lane)
+    i64 carry = 0;
+    for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
+      const int s = s0 + lane;
+      const i64 v = s < s_hi ? w[s] : 0, before = carry + warp_excl_scan(v, lane);
+      if (s < s_hi) {
+        alo[s] = imin(before, m);
+        a[s] = imin(imax(m - before, 0), v);
+      }
+      carry += warp_sum(v);
+    }
+    carry = 0;
+    for (int k0 = 0; k0 < n; k0 += 32) {
+      const int k = k0 + lane;
+      const bool in = k < n && rank_of(inst[k]) / rpd == dm;
+      const i64 v = in ? u1[k] : 0, before = carry + warp_excl_scan(v, lane);
+      if (in) {
+        clo[k] = imin(before, m);
+        c[k] = imin(imax(m - before, 0), v);
+      }
+      carry += warp_sum(v);
+    }
+    __syncwarp();
+    for (int i = lane; i < rpd * n; i += 32) {
+      const int s = s_lo + i / n, k = i % n;
+      if (rank_of(inst[k]) / rpd != dm || a[s] == 0 || c[k] == 0) continue;
+      const i64 lo = imax(alo[s], clo[k]), hi = imin(alo[s] + a[s], clo[k] + c[k]);
+      if (hi > lo) route[(i64)s * P + inst[k]] += hi - lo;
+    }
+    __syncwarp();
+    for (int s = s_lo + lane; s < s_hi; s += 32) w[s] -= a[s];
+    for (int k = lane; k < n; k += 32)
+      if (rank_of(inst[k]) / rpd == dm) u2[k] = u1[k] - c[k];
+    __syncwarp();
+  }
+  // 3. then any source: what is left of every source's demand (index order) over what is left of every instance's
+  // load (index order); only the sources and instances with something left pair up
+  int ns = 0, nk = 0;
+  i64 carry = 0;
+  for (int s0 = 0; s0 < R; s0 += 32) {
+    const int s = s0 + lane;
+    const i64 v = s < R ? w[s] : 0, before = carry + warp_excl_scan(v, lane);
+    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
+    if (v > 0) {
+      sx[ns + __popc(b & below)] = s;
+      alo[s] = before;
+    }
+    ns += __popc(b);
+    carry += warp_sum(v);
+  }
+  carry = 0;
+  for (int k0 = 0; k0 < n; k0 += 32) {
+    const int k = k0 + lane;
+    const i64 v = k < n ? u2[k] : 0, before = carry + warp_excl_scan(v, lane);
+    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
+    if (v > 0) {
+      kx[nk + __popc(b & below)] = k;
+      clo[k] = before;
+    }
+    nk += __popc(b);
+    carry += warp_sum(v);
+  }
+  __syncwarp();
+  for (int i = lane; i < ns * nk; i += 32) {
+    const int s = (int)sx[i / nk], k = (int)kx[i % nk];
+    const i64 lo = imax(alo[s], clo[k]), hi = imin(alo[s] + w[s], clo[k] + u2[k]);
+    if (hi > lo) route[(i64)s * P + inst[k]] += hi - lo;
+  }
+  __syncwarp();
+  for (int k = lane; k < n; k += 32) inst_of[rank_of(inst[k])] = -1;
+  __syncwarp();
+}
+
 __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __restrict__ omega,
                                                                  const bool* __restrict__ enable, SpreadDims d,
                                                                  SpreadLayout f, i64* ws, i64* slot_out,
-                                                                 i64* load_out, i64* info) {
+                                                                 i64* route_out, i64* info) {
   __shared__ Move sm_move[kSpreadWarps + 1];
   __shared__ Stat sm_stat[kSpreadWarps + 1];
   __shared__ i64 sh_nic, sh_nvl;  // the busiest NIC / NVLink copy counts (they only grow)
@@ -394,7 +534,6 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   __syncthreads();
   // the kept prefix; replicas left with no load are dropped
   unsigned long long dropped = 0;
-  for (int p = tid; p < P; p += blockDim.x) load_out[p] = s.best_U[p];
   for (int j = tid; j < R * N; j += blockDim.x) {
     const i64 x = s.best_slots[j];
     const bool served = s.best_U[E + j] > 0;
@@ -410,6 +549,13 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     info[3] = static_obj;
     info[4] = (i64)sh_dropped;
   }
+  // the route of the kept loads (common.hierarchical_route), a warp per expert
+  for (i64 i = tid; i < (i64)R * P; i += blockDim.x) route_out[i] = 0;
+  const int lane = tid & 31;
+  i64* sc = ptr[kRoute] + (size_t)(tid >> 5) * kRouteScratch * ((size_t)R + 1);
+  for (int r = lane; r < R; r += 32) sc[kInstOf * (R + 1) + r] = -1;
+  __syncthreads();
+  for (int e = tid >> 5; e < E; e += kSpreadWarps) route_expert(d, omega, s.best_U, slot_out, route_out, e, sc, lane);
 }
 
 }  // namespace
@@ -417,7 +563,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
 size_t spread_workspace_elems(int R, int E, int M, int N) { return spread_layout(R, E, M, N, 0).elems; }
 
 cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,
-                        int64_t* slot_expert, int64_t* load, int64_t* info, int64_t* ws, cudaStream_t stream) {
+                        int64_t* slot_expert, int64_t* route, int64_t* info, int64_t* ws, cudaStream_t stream) {
   SpreadDims d;
   d.R = R;
   d.E = E;
@@ -447,7 +593,7 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
     if (err != cudaSuccess) return err;
     smem_set[dev] = (int)f.smem_bytes;
   }
-  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, load, info);
+  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, route, info);
   return cudaGetLastError();
 }
 

@@ -111,7 +111,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("topoep::plan_spread")
     def _(omega, num_domains, num_slots, expert_bytes, token_bytes, t_fs, a, b, max_moves, trees, enable, slot_expert,
-          load, info, workspace):
+          route, info, workspace):
         return None
 
     @torch.library.register_fake("topoep::relay_trees")
@@ -271,10 +271,10 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
                       expert_bytes: int, token_bytes: int, t_ffn: float | None = None,
                       enable: torch.Tensor | None = None) -> Plan:
     """`topoep_plus_spread` / `topoep_plus_spread_tree` on the GPU (csrc/spread.cu), the reference's plan bit for bit
-    (default placement). No host synchronisation: the kernel writes the slot table and the instance loads, the
-    route is `common.hierarchical_route`'s device ops, and info["device"] holds int64[5] in the order of
-    SPREAD_INFO (`spread_info` reads it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan)."""
-    from topoep.planners.spread import default_max_moves, routed_plan, spread_constants
+    (default placement). No host synchronisation: one kernel writes the slot table and the route (that of
+    `common.hierarchical_route`), and info["device"] holds int64[5] in the order of SPREAD_INFO (`spread_info` reads
+    it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan)."""
+    from topoep.planners.spread import default_max_moves, spread_constants
 
     if policy not in SPREAD_POLICIES:
         raise ValueError(f"solve_spread_cuda plans {', '.join(SPREAD_POLICIES)}, not {policy!r}")
@@ -288,13 +288,14 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
                                                    dtype=torch.int64, device=dev)
     t, a, b = spread_constants(topology, t_ffn)
     slot_expert = torch.empty(R, N, dtype=torch.int64, device=dev)
-    load = torch.empty(E + R * N, dtype=torch.int64, device=dev)
+    route = torch.empty(R, E + R * N, dtype=torch.int64, device=dev)
     info = torch.empty(len(SPREAD_INFO), dtype=torch.int64, device=dev)
-    trees = policy == "topoep_plus_spread_tree"
     torch.ops.topoep.plan_spread(omega.contiguous(), M, N, int(expert_bytes), int(token_bytes), t, a, b,
-                                 default_max_moves(R, E, N), trees, enable, slot_expert, load, info, ws)
-    return routed_plan(omega, topology, main_rank, slot_expert, load, trees, int(expert_bytes), int(token_bytes),
-                       {"backend": "cuda", "device": info})
+                                 default_max_moves(R, E, N), policy == "topoep_plus_spread_tree", enable, slot_expert,
+                                 route, info, ws)
+    return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert, route=route,
+                policy=policy, expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
+                info={"backend": "cuda", "device": info})
 
 
 def spread_info(plan: Plan) -> dict:

@@ -41,9 +41,9 @@ net-benefit guard compares this plan with the others by its full per-link predic
 keeps the fastest or static.
 
 The contract is every policy's: C1-C3, C5 and C4 (plan.C4_POLICIES), no duplicate instance, integer decisions,
-lowest-index ties. `csrc/spread.cu` runs steps 1-3 on the GPU bit for bit (`topoep.planners.cuda.solve_spread_cuda`:
-no host synchronisation; the route is the same device ops); this reference runs on any device (the host reads
-omega).
+lowest-index ties. `csrc/spread.cu` runs steps 1-3 on the GPU bit for bit, the route included
+(`topoep.planners.cuda.solve_spread_cuda`: no host synchronisation); this reference runs on any device (the host
+reads omega).
 """
 
 from __future__ import annotations
