@@ -4,17 +4,25 @@
 // (`common.hierarchical_route`, a warp per expert: route_expert). The reference's module docstring is the spec;
 // every choice below mirrors it.
 //
-// One block: the greedy is a chain of dependent moves. A move is one scan of every (target rank, instance of the
-// busiest rank) pair with a block reduction of the best, the move itself (one thread), each instance's share of
-// its domain's inflow for the moved expert (a thread per rank of the one or two domains it touches), and one block
-// reduction of the loads for the objective and the next busiest rank. Instead of replaying the kept prefix, the
-// kernel copies the instance loads and the slot table whenever the objective reaches a new minimum.
+// Two kernels. spread_kernel, one block: the greedy is a chain of dependent moves, each of two block barriers.
+//   1. Every thread scores its (target rank, instance of the busiest rank) pairs; a warp reduction of their keys
+//      (three words, compared as the reference's tuple) leaves each warp's best in shared memory. Barrier.
+//   2. Warp 0 alone finishes the reduction and makes the move: lane 0 finds the instance on the busiest rank and
+//      the load to move, lane 1 the target instance (a new slot) and its copy source; the lanes re-share the moved
+//      expert's instances in the one or two domains it touches (their new loads computed from the old ones, read
+//      before any write), then lanes 0-2 write the loads, the slot, the copy counters and the two domains' sums;
+//      the warp recomputes the busiest rank and the objective. Barrier.
+//   The kernel logs each move (its two instances, the load, the new slot) instead of copying the state at every new
+//   best objective; at the end the whole block undoes the moves after the kept prefix at once (the load changes add
+//   up, so integer atomics undo them in any order).
+// spread_route_kernel, a grid of warps: the route of the kept loads, one expert per warp at a time.
 //
 // State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica
-// copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
-// and part (its share); per (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the
-// rank of its first copy there; per domain out / inn (assignments its sources send to / its instances receive from
-// other domains); the slot table; the snapshot of U and the slot table at the best objective so far.
+// copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their
+// domains' inflow); per instance U (load) and part (its share); per (domain, expert) D (demand), Ud (load of the
+// expert's instances in the domain) and the rank of its first copy there; per domain out / inn (assignments its
+// sources send to / its instances receive from other domains); the slot table. In the workspace only: the move log,
+// the kept loads (the route kernel's input) and the route kernel's scratch.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -28,8 +36,12 @@ namespace topoep {
 namespace {
 
 using i64 = int64_t;
+using u64 = unsigned long long;
 constexpr int kSpreadThreads = 512;
 constexpr int kSpreadWarps = kSpreadThreads / 32;
+constexpr int kRouteBlockWarps = 8;   // spread_route_kernel: warps per block
+constexpr int kRouteMaxWarps = 512;   // and in all (each with its scratch in the workspace)
+constexpr int kLogWords = 4;          // a logged move: its source instance, target instance, load, new slot (or -1)
 // the objective's transfer counts (spread.py REPLICA_TRANSFERS, TOKEN_TRANSFERS, INGRESS_TRANSFERS)
 constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 
@@ -38,17 +50,22 @@ struct SpreadDims {
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
 };
 
+inline int route_warps(int E) { return E < kRouteMaxWarps ? E : kRouteMaxWarps; }
+// the move log's length: default_max_moves(R, E, N) = 4 R (E / R + N) moves (plan_spread refuses more)
+inline size_t log_moves(int R, int E, int N) { return 4 * ((size_t)E + (size_t)R * N); }
+
 // Where each array lives: `off` int64 elements into the dynamic shared memory (in_smem) or into the workspace. The
 // workspace has room for every array (its size does not depend on the device); the launch moves the arrays into
 // shared memory in the order of their use per move while they fit: the per-rank and per-instance state, the slot
-// table and the per-domain sums first, then Ud, D and the first copies; the snapshot stays in the workspace.
+// table and the per-domain sums first, then Ud, D and the first copies; the log, the kept loads and the route's
+// scratch stay in the workspace.
 struct Place {
   size_t off;
   int in_smem;
 };
 
 enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
-                   kBestU, kBestSlots, kRoute, kSpreadArrays };
+                   kLog, kLoad, kRoute, kSpreadArrays };
 // the route's scratch per warp (route_expert), each R + 1 elements: the expert's instances in index order, the
 // instance on each rank, each source's remaining demand w, its matched amount and interval start, each instance's
 // load after its own rank, after its domain, its matched amount and interval start, and the sources and instances
@@ -64,10 +81,11 @@ struct SpreadLayout {
 inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
   const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E, RN = (size_t)R * N;
   switch (a) {
-    case kU: case kPart: case kBestU: return P;
-    case kSlots: case kBestSlots: return RN;
+    case kU: case kPart: case kLoad: return P;
+    case kSlots: return RN;
     case kOut: case kInn: return M;
-    case kRoute: return (size_t)kSpreadWarps * kRouteScratch * ((size_t)R + 1);
+    case kLog: return kLogWords * log_moves(R, E, N);
+    case kRoute: return (size_t)route_warps(E) * kRouteScratch * ((size_t)R + 1);
     case kUd: case kD: case kFirst: return ME;
     default: return R;
   }
@@ -94,64 +112,32 @@ inline SpreadLayout spread_layout(int R, int E, int M, int N, size_t smem_limit)
 }
 
 struct SpreadState {
-  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *part, *D, *Ud, *first, *out, *inn, *slots, *best_U,
-      *best_slots;
+  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *part, *D, *Ud, *first, *out, *inn, *slots;
 };
 
-// A candidate move of load delta of expert e from the busiest rank to rank rt, compared lexicographically on
-// (score, cross, fresh, lrt, rt, e): the reference's key (extra - t delta, rt outside rb's domain, a new replica,
-// L[rt], rt, e). valid == 0 is worse than any candidate.
-struct Move {
-  i64 score, lrt, delta;
-  int cross, fresh, rt, e, valid;
+// A candidate move's key, compared as the reference's tuple (extra - t delta, rt outside rb's domain, a new
+// replica, L[rt], rt, e): hi the score with its sign bit flipped (signed order as unsigned), mid cross << 63 | fresh
+// << 62 | L[rt], lo rt << 32 | e. (rt, e) is unique, so no two candidates tie. kNoMove is worse than any candidate
+// and, like every score >= 0, stops the greedy.
+struct Key {
+  u64 hi, mid, lo;
 };
+constexpr u64 kSignBit = 1ull << 63;
+__device__ __forceinline__ Key no_move() { return Key{~0ull, ~0ull, ~0ull}; }
 
-__device__ __forceinline__ bool better(const Move& x, const Move& y) {
-  if (x.valid != y.valid) return x.valid > y.valid;
-  if (!x.valid) return false;
-  if (x.score != y.score) return x.score < y.score;
-  if (x.cross != y.cross) return x.cross < y.cross;
-  if (x.fresh != y.fresh) return x.fresh < y.fresh;
-  if (x.lrt != y.lrt) return x.lrt < y.lrt;
-  if (x.rt != y.rt) return x.rt < y.rt;
-  return x.e < y.e;
+__device__ __forceinline__ bool less(const Key& x, const Key& y) {
+  if (x.hi != y.hi) return x.hi < y.hi;
+  if (x.mid != y.mid) return x.mid < y.mid;
+  return x.lo < y.lo;
 }
 
-__device__ __forceinline__ Move shfl_down(const Move& m, int off) {
-  Move o;
-  o.score = __shfl_down_sync(0xffffffffu, m.score, off);
-  o.lrt = __shfl_down_sync(0xffffffffu, m.lrt, off);
-  o.delta = __shfl_down_sync(0xffffffffu, m.delta, off);
-  o.cross = __shfl_down_sync(0xffffffffu, m.cross, off);
-  o.fresh = __shfl_down_sync(0xffffffffu, m.fresh, off);
-  o.rt = __shfl_down_sync(0xffffffffu, m.rt, off);
-  o.e = __shfl_down_sync(0xffffffffu, m.e, off);
-  o.valid = __shfl_down_sync(0xffffffffu, m.valid, off);
-  return o;
-}
-
-// The block's best move; every thread gets it.
-__device__ Move block_best(Move m, Move* sm) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ Key warp_min(Key k) {
   for (int off = 16; off > 0; off >>= 1) {
-    const Move o = shfl_down(m, off);
-    if (better(o, m)) m = o;
+    const Key o{__shfl_xor_sync(0xffffffffu, k.hi, off), __shfl_xor_sync(0xffffffffu, k.mid, off),
+                __shfl_xor_sync(0xffffffffu, k.lo, off)};
+    if (less(o, k)) k = o;
   }
-  if (lane == 0) sm[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    if (lane < kSpreadWarps) m = sm[lane];
-    else m.valid = 0;
-    for (int off = 16; off > 0; off >>= 1) {
-      const Move o = shfl_down(m, off);
-      if (better(o, m)) m = o;
-    }
-    if (lane == 0) sm[kSpreadWarps] = m;
-  }
-  __syncthreads();
-  const Move best = sm[kSpreadWarps];
-  __syncthreads();
-  return best;
+  return k;
 }
 
 // The loads the objective reads: the busiest rank (largest L, ties: lowest rank), the largest xin, out and inn.
@@ -167,33 +153,18 @@ __device__ __forceinline__ void merge(Stat& s, const Stat& o) {
   s.inn = o.inn > s.inn ? o.inn : s.inn;
 }
 
-__device__ __forceinline__ Stat shfl_down(const Stat& s, int off) {
-  Stat o;
-  o.L = __shfl_down_sync(0xffffffffu, s.L, off);
-  o.xin = __shfl_down_sync(0xffffffffu, s.xin, off);
-  o.out = __shfl_down_sync(0xffffffffu, s.out, off);
-  o.inn = __shfl_down_sync(0xffffffffu, s.inn, off);
-  o.r = __shfl_down_sync(0xffffffffu, s.r, off);
-  return o;
-}
-
-__device__ Stat block_stat(const SpreadDims& d, const SpreadState& s, Stat* sm) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// The Stat of the whole state, by one warp (every lane gets it).
+__device__ Stat warp_stat(const SpreadDims& d, const SpreadState& s, int lane) {
   Stat m{-1, 0, 0, 0, 1 << 30};
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
-  for (int g = threadIdx.x; g < d.M; g += blockDim.x) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
-  for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
-  if (lane == 0) sm[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kSpreadWarps ? sm[lane] : Stat{-1, 0, 0, 0, 1 << 30};
-    for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
-    if (lane == 0) sm[kSpreadWarps] = m;
+  for (int r = lane; r < d.R; r += 32) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
+  for (int g = lane; g < d.M; g += 32) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
+  for (int off = 16; off > 0; off >>= 1) {
+    const Stat o{__shfl_xor_sync(0xffffffffu, m.L, off), __shfl_xor_sync(0xffffffffu, m.xin, off),
+                 __shfl_xor_sync(0xffffffffu, m.out, off), __shfl_xor_sync(0xffffffffu, m.inn, off),
+                 __shfl_xor_sync(0xffffffffu, m.r, off)};
+    merge(m, o);
   }
-  __syncthreads();
-  const Stat out = sm[kSpreadWarps];
-  __syncthreads();
-  return out;
+  return m;
 }
 
 __device__ __forceinline__ i64 imax(i64 x, i64 y) { return x > y ? x : y; }
@@ -216,15 +187,6 @@ __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadStat
   return -1;
 }
 
-// instance p (of expert e on rank r): its share of its domain's inflow for e, floor(U (Ud - D)^+ / Ud) (_share)
-__device__ __forceinline__ void share(const SpreadDims& d, const SpreadState& s, int r, int e, int p) {
-  const i64 g = (i64)(r / d.rpd) * d.E + e;
-  const i64 ud = s.Ud[g], x = ud - s.D[g];
-  const i64 nw = ud > 0 ? s.U[p] * (x > 0 ? x : 0) / ud : 0;
-  s.xin[r] += nw - s.part[p];
-  s.part[p] = nw;
-}
-
 // the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
 __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
   const int home = e / d.Eloc, m = rt / d.rpd;
@@ -232,6 +194,14 @@ __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadStat
   const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
   *nic = first < 0;
   return first < 0 ? home : (int)first;
+}
+
+// domain g's sums after its load of expert e changes by x (the first half of _State.apply's domain loop)
+__device__ __forceinline__ void domain_add(const SpreadDims& d, const SpreadState& s, int g, int e, i64 x) {
+  const i64 at = (i64)g * d.E + e, dd = s.D[at], u = s.Ud[at];
+  s.Ud[at] = u + x;
+  s.out[g] += imax(dd - u - x, 0) - imax(dd - u, 0);
+  s.inn[g] += imax(u + x - dd, 0) - imax(u - dd, 0);
 }
 
 __device__ __forceinline__ i64 warp_sum(i64 v) {
@@ -370,19 +340,18 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
 
 __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __restrict__ omega,
                                                                  const bool* __restrict__ enable, SpreadDims d,
-                                                                 SpreadLayout f, i64* ws, i64* slot_out,
-                                                                 i64* route_out, i64* info) {
-  __shared__ Move sm_move[kSpreadWarps + 1];
-  __shared__ Stat sm_stat[kSpreadWarps + 1];
-  __shared__ i64 sh_nic, sh_nvl;  // the busiest NIC / NVLink copy counts (they only grow)
+                                                                 SpreadLayout f, i64* ws, i64* slot_out, i64* info) {
+  __shared__ Key sh_key[kSpreadWarps];     // each warp's best candidate
+  __shared__ i64 sh_nic, sh_nvl, sh_Lrb;   // the busiest NIC / NVLink copy counts (they only grow); L of rb
+  __shared__ int sh_rb, sh_stop, sh_moves, sh_kept;
   __shared__ unsigned long long sh_dropped;
-  const int tid = threadIdx.x, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
   extern __shared__ i64 smem_state[];
   i64* ptr[kSpreadArrays];
   for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
-  const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
-                      ptr[kXin], ptr[kU],     ptr[kPart],  ptr[kD],      ptr[kUd],     ptr[kFirst],
-                      ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kBestU],  ptr[kBestSlots]};
+  const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed], ptr[kXin], ptr[kU],
+                      ptr[kPart], ptr[kD],    ptr[kUd],    ptr[kFirst],  ptr[kOut],   ptr[kInn],  ptr[kSlots]};
+  i64* const log = ptr[kLog];
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
     s.L[r] = 0;
@@ -415,8 +384,8 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
   for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
     const i64 x = s.D[g] - s.Ud[g];
-    if (x > 0) atomicAdd((unsigned long long*)&s.out[g / E], (unsigned long long)x);  // integers: exact
-    if (x < 0) atomicAdd((unsigned long long*)&s.inn[g / E], (unsigned long long)(-x));
+    if (x > 0) atomicAdd((u64*)&s.out[g / E], (u64)x);  // integers: exact
+    if (x < 0) atomicAdd((u64*)&s.inn[g / E], (u64)(-x));
   }
   for (int e = tid; e < E; e += blockDim.x) {  // the mains' shares (one thread per instance; xin by atomics)
     const int r = e / d.Eloc;
@@ -424,25 +393,31 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     const i64 ud = s.Ud[g], x = ud - s.D[g];
     const i64 nw = ud > 0 ? s.U[e] * (x > 0 ? x : 0) / ud : 0;
     s.part[e] = nw;
-    atomicAdd((unsigned long long*)&s.xin[r], (unsigned long long)nw);
+    atomicAdd((u64*)&s.xin[r], (u64)nw);
   }
   __syncthreads();
-  Stat st = block_stat(d, s, sm_stat);
-  const i64 static_obj = objective(d, st, 0, 0);
-  i64 best_obj = static_obj;  // every thread keeps the same copy
-  int best_len = 0, moves = 0;
-  for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
-  for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = -1;
-  const bool on = N > 0 && (enable == nullptr || *enable);
+  // warp 0 keeps the objectives, the move count and the kept prefix's length (the same in every lane)
+  i64 static_obj = 0, best_obj = 0;
+  int moves = 0, kept = 0;
+  if (warp == 0) {
+    const Stat st = warp_stat(d, s, lane);
+    static_obj = best_obj = objective(d, st, 0, 0);
+    if (lane == 0) {
+      sh_rb = st.r;
+      sh_Lrb = st.L;
+      sh_stop = !(N > 0 && d.max_moves > 0 && (enable == nullptr || *enable));
+    }
+  }
+  __syncthreads();
   const int K = d.Eloc + N;  // instances a rank may hold
-  while (on && moves < d.max_moves) {
-    const int rb = st.r, drb = rb / d.rpd;
-    const i64 Lrb = st.L, mx_nic = sh_nic, mx_nvl = sh_nvl;
+  while (!sh_stop) {
+    // 1. every thread's candidates (the reference's scan), then each warp's best
+    const int rb = sh_rb, drb = rb / d.rpd;
+    const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
     const i64 cur = replica_fs(d, mx_nic, mx_nvl);
-    Move mine;
-    mine.valid = 0;
+    Key mine = no_move();
     for (int i = tid; i < R * K; i += blockDim.x) {
-      const int rt = i / K, k = i % K;
+      const int rt = i / K, k = i - rt * K;
       const i64 Lrt = s.L[rt];
       const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
       if (half <= 0) continue;
@@ -468,94 +443,142 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
         if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
         else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
       }
-      Move x;
-      x.delta = u < half ? u : half;
-      x.score = extra - d.t * x.delta;
-      x.lrt = Lrt;
-      x.cross = drt != drb;
-      x.fresh = !existing;
-      x.rt = rt;
-      x.e = e;
-      x.valid = 1;
-      if (better(x, mine)) mine = x;
+      const i64 delta = u < half ? u : half;
+      const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
+                  (u64)rt << 32 | (u64)e};
+      if (less(x, mine)) mine = x;
     }
-    const Move b = block_best(mine, sm_move);
-    if (!b.valid || b.score >= 0) break;
-    const int rt = b.rt, e = b.e, drt = rt / d.rpd;
-    if (tid == 0) {  // the move (_State.apply)
-      int pt = instance_on(d, s, rt, e);
-      if (pt < 0) {
-        const int j = (int)s.used[rt]++;
-        s.slots[(i64)rt * N + j] = e;
-        pt = E + rt * N + j;
-        bool nic;
-        const int src = copy_source(d, s, e, rt, &nic);
-        i64& first = s.first[(i64)drt * E + e];
-        if (first < 0) first = rt;
-        if (nic) {
-          sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
-        } else {
-          sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+    mine = warp_min(mine);
+    if (lane == 0) sh_key[warp] = mine;
+    __syncthreads();
+    // 2. warp 0: the best candidate, the move (_State.apply), the busiest rank and the objective
+    if (warp == 0) {
+      const Key b = warp_min(lane < kSpreadWarps ? sh_key[lane] : no_move());
+      if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
+        if (lane == 0) sh_stop = 1;
+      } else {
+        const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = rt / d.rpd;
+        const bool fresh = (b.mid >> 62) & 1;
+        // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free slot)
+        // and the rank it fetches from
+        int pb = 0, pt = 0, slot = -1, src = 0, nic = 0;
+        i64 delta = 0;
+        if (lane == 0) {
+          pb = instance_on(d, s, rb, e);
+          const i64 half = (Lrb - s.L[rt]) / 2, u = s.U[pb];
+          delta = u < half ? u : half;
+        } else if (lane == 1) {
+          if (fresh) {
+            slot = rt * N + (int)s.used[rt];
+            pt = E + slot;
+            bool over_nic;
+            src = copy_source(d, s, e, rt, &over_nic);
+            nic = over_nic;
+          } else {
+            pt = instance_on(d, s, rt, e);
+          }
+        }
+        pb = __shfl_sync(0xffffffffu, pb, 0);
+        delta = __shfl_sync(0xffffffffu, delta, 0);
+        pt = __shfl_sync(0xffffffffu, pt, 1);
+        slot = __shfl_sync(0xffffffffu, slot, 1);
+        // every instance of e in the two domains shares anew (_share), from its new load and its domain's
+        const int span = drb == drt ? d.rpd : 2 * d.rpd;
+        for (int i = lane; i < span; i += 32) {
+          const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = r / d.rpd;
+          const int p = r == rt ? pt : r == rb ? pb : instance_on(d, s, r, e);
+          if (p < 0) continue;
+          const i64 at = (i64)g * E + e;
+          const i64 u = s.U[p] + (r == rt ? delta : 0) - (r == rb ? delta : 0);
+          const i64 ud = s.Ud[at] + (g == drt ? delta : 0) - (g == drb ? delta : 0), x = ud - s.D[at];
+          const i64 nw = ud > 0 ? u * (x > 0 ? x : 0) / ud : 0;
+          s.xin[r] += nw - s.part[p];
+          s.part[p] = nw;
+        }
+        __syncwarp();
+        if (lane == 0) {
+          s.U[pb] -= delta;
+          s.U[pt] += delta;
+          s.L[rb] -= delta;
+          s.L[rt] += delta;
+          i64* entry = log + (i64)kLogWords * moves;
+          entry[0] = pb;
+          entry[1] = pt;
+          entry[2] = delta;
+          entry[3] = slot;
+        } else if (lane == 1 && slot >= 0) {  // the new replica
+          s.slots[slot] = e;
+          s.used[rt] += 1;
+          i64& first = s.first[(i64)drt * E + e];
+          if (first < 0) first = rt;
+          if (nic) sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
+          else sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+        } else if (lane == 2 && drb != drt) {  // (in one domain the two changes cancel)
+          domain_add(d, s, drb, e, -delta);
+          domain_add(d, s, drt, e, delta);
+        }
+        __syncwarp();
+        ++moves;
+        const Stat st = warp_stat(d, s, lane);
+        const i64 obj = objective(d, st, sh_nic, sh_nvl);
+        if (obj < best_obj) {
+          best_obj = obj;
+          kept = moves;
+        }
+        if (lane == 0) {
+          sh_rb = st.r;
+          sh_Lrb = st.L;
+          if (moves >= d.max_moves) sh_stop = 1;
         }
       }
-      const int pb = instance_on(d, s, rb, e);
-      s.U[pb] -= b.delta;
-      s.U[pt] += b.delta;
-      s.L[rb] -= b.delta;
-      s.L[rt] += b.delta;
-      const int doms[2] = {drb, drt};
-      const i64 xs[2] = {-b.delta, b.delta};
-      for (int h = 0; h < 2; ++h) {
-        const i64 g = (i64)doms[h] * E + e, dd = s.D[g], u = s.Ud[g], x = xs[h];
-        s.Ud[g] = u + x;
-        s.out[doms[h]] += imax(dd - u - x, 0) - imax(dd - u, 0);
-        s.inn[doms[h]] += imax(u + x - dd, 0) - imax(u - dd, 0);
-      }
     }
     __syncthreads();
-    // every instance of e in the two domains shares anew (a thread per rank)
-    const int span = drb == drt ? d.rpd : 2 * d.rpd;
-    for (int i = tid; i < span; i += blockDim.x) {
-      const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd);
-      const int p = instance_on(d, s, r, e);
-      if (p >= 0) share(d, s, r, e, p);
-    }
-    __syncthreads();
-    ++moves;
-    st = block_stat(d, s, sm_stat);
-    const i64 obj = objective(d, st, sh_nic, sh_nvl);
-    if (obj < best_obj) {  // the same decision in every thread
-      best_obj = obj;
-      best_len = moves;
-      for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
-      for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = s.slots[j];
-    }
+  }
+  if (tid == 0) {
+    sh_moves = moves;
+    sh_kept = kept;
   }
   __syncthreads();
-  // the kept prefix; replicas left with no load are dropped
+  // the kept prefix: the block undoes the later moves (their load changes add up; integer atomics, any order)
+  for (int m = sh_kept + tid; m < sh_moves; m += blockDim.x) {
+    const i64* entry = log + (i64)kLogWords * m;
+    atomicAdd((u64*)&s.U[entry[0]], (u64)entry[2]);
+    atomicAdd((u64*)&s.U[entry[1]], (u64)(-entry[2]));
+    if (entry[3] >= 0) s.slots[entry[3]] = -1;
+  }
+  __syncthreads();
+  // replicas left with no load are dropped; the kept loads go to the route kernel
+  i64* load = ptr[kLoad];
+  for (int p = tid; p < P; p += blockDim.x) load[p] = s.U[p];
   unsigned long long dropped = 0;
   for (int j = tid; j < R * N; j += blockDim.x) {
-    const i64 x = s.best_slots[j];
-    const bool served = s.best_U[E + j] > 0;
+    const i64 x = s.slots[j];
+    const bool served = s.U[E + j] > 0;
     dropped += x >= 0 && !served;
     slot_out[j] = served ? x : -1;
   }
   atomicAdd(&sh_dropped, dropped);
   __syncthreads();
   if (tid == 0) {
-    info[0] = best_len;
+    info[0] = kept;
     info[1] = moves;
     info[2] = best_obj;
     info[3] = static_obj;
     info[4] = (i64)sh_dropped;
   }
-  // the route of the kept loads (common.hierarchical_route), a warp per expert
-  for (i64 i = tid; i < (i64)R * P; i += blockDim.x) route_out[i] = 0;
-  const int lane = tid & 31;
-  i64* sc = ptr[kRoute] + (size_t)(tid >> 5) * kRouteScratch * ((size_t)R + 1);
-  for (int r = lane; r < R; r += 32) sc[kInstOf * (R + 1) + r] = -1;
-  __syncthreads();
-  for (int e = tid >> 5; e < E; e += kSpreadWarps) route_expert(d, omega, s.best_U, slot_out, route_out, e, sc, lane);
+}
+
+// The route of the kept loads: warp w routes experts w, w + warps, ... (route_expert; route zeroed before).
+__global__ void __launch_bounds__(kRouteBlockWarps * 32) spread_route_kernel(const i64* __restrict__ omega,
+                                                                             SpreadDims d, const i64* load,
+                                                                             const i64* slot, i64* route, i64* scratch,
+                                                                             int warps) {
+  const int lane = threadIdx.x & 31, w = blockIdx.x * kRouteBlockWarps + (threadIdx.x >> 5);
+  if (w >= warps) return;
+  i64* sc = scratch + (size_t)w * kRouteScratch * ((size_t)d.R + 1);
+  for (int r = lane; r < d.R; r += 32) sc[kInstOf * (d.R + 1) + r] = -1;
+  __syncwarp();
+  for (int e = w; e < d.E; e += warps) route_expert(d, omega, load, slot, route, e, sc, lane);
 }
 
 }  // namespace
@@ -579,13 +602,14 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.t = args.t_fs;
   d.a = args.a;
   d.b = args.b;
+  if ((size_t)args.max_moves > log_moves(R, E, N)) return cudaErrorInvalidValue;  // (plan_spread's check names it)
   int dev = 0;
   cudaGetDevice(&dev);
   static int optin_of[64] = {0};  // the opt-in dynamic shared memory per block, per device ordinal, queried once
   static int smem_set[64] = {0};  // the kernel's shared memory limit set so far, per device ordinal
   if (dev >= 64) return cudaErrorInvalidDevice;
   if (optin_of[dev] == 0) cudaDeviceGetAttribute(&optin_of[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  const size_t static_smem = 8 * 1024;  // the block reductions' __shared__ arrays, with room to spare
+  const size_t static_smem = 8 * 1024;  // the kernel's __shared__ variables, with room to spare
   const SpreadLayout f =
       spread_layout(R, E, M, N, optin_of[dev] > (int)static_smem ? optin_of[dev] - static_smem : 0);
   if ((int)f.smem_bytes > 48 * 1024 && (int)f.smem_bytes > smem_set[dev]) {
@@ -593,7 +617,14 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
     if (err != cudaSuccess) return err;
     smem_set[dev] = (int)f.smem_bytes;
   }
-  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, route, info);
+  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, info);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(route, 0, sizeof(int64_t) * (size_t)R * d.P, stream);
+  if (err != cudaSuccess) return err;
+  const int warps = route_warps(E);
+  spread_route_kernel<<<(warps + kRouteBlockWarps - 1) / kRouteBlockWarps, kRouteBlockWarps * 32, 0, stream>>>(
+      omega, d, ws + f.at[kLoad].off, slot_expert, route, ws + f.at[kRoute].off, warps);
   return cudaGetLastError();
 }
 
