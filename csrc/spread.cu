@@ -48,7 +48,17 @@ constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 struct SpreadDims {
   int R, E, N, M, P, Eloc, rpd, max_moves, trees;
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
+  double inv_rpd, inv_Eloc, inv_N;  // 1 / rpd, 1 / Eloc, 1 / N (0 without slots): fast_div
 };
+
+// x / y for 0 <= x < 2^31 and y >= 1, from inv = 1.0 / y (a few instructions instead of an integer division's
+// dozens): the product is within 2^-20 / y of x / y, so its truncation is x / y or one below it (exact multiples)
+__device__ __forceinline__ int fast_div(int x, int y, double inv) {
+  const int q = (int)((double)x * inv);
+  return x - q * y >= y ? q + 1 : q;
+}
+__device__ __forceinline__ int dom_of(const SpreadDims& d, int r) { return fast_div(r, d.rpd, d.inv_rpd); }
+__device__ __forceinline__ int home_of(const SpreadDims& d, int e) { return fast_div(e, d.Eloc, d.inv_Eloc); }
 
 inline int route_warps(int E) { return E < kRouteMaxWarps ? E : kRouteMaxWarps; }
 // the move log's length: default_max_moves(R, E, N) = 4 R (E / R + N) moves (plan_spread refuses more)
@@ -181,7 +191,7 @@ __device__ __forceinline__ i64 objective(const SpreadDims& d, const Stat& st, i6
 
 // the instance of expert e on rank r (its main, or the slot holding it), or -1
 __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadState& s, int r, int e) {
-  if (e / d.Eloc == r) return e;
+  if (home_of(d, e) == r) return e;
   for (int j = 0; j < d.N; ++j)
     if (s.slots[(i64)r * d.N + j] == e) return d.E + r * d.N + j;
   return -1;
@@ -189,8 +199,8 @@ __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadStat
 
 // the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
 __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
-  const int home = e / d.Eloc, m = rt / d.rpd;
-  if (home / d.rpd == m) { *nic = false; return home; }
+  const int home = home_of(d, e), m = dom_of(d, rt);
+  if (dom_of(d, home) == m) { *nic = false; return home; }
   const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
   *nic = first < 0;
   return first < 0 ? home : (int)first;
@@ -230,7 +240,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   i64 *inst = sc + kInst * stride, *inst_of = sc + kInstOf * stride, *w = sc + kW * stride, *a = sc + kA * stride,
       *alo = sc + kAlo * stride, *u1 = sc + kU1 * stride, *u2 = sc + kU2 * stride, *c = sc + kC * stride,
       *clo = sc + kClo * stride, *sx = sc + kSx * stride, *kx = sc + kKx * stride;
-  auto rank_of = [&](i64 p) { return p < E ? (int)(p / d.Eloc) : (int)((p - E) / N); };
+  auto rank_of = [&](i64 p) { return p < E ? home_of(d, (int)p) : fast_div((int)(p - E), N, d.inv_N); };
   // e's instances in index order: its main, then the slots holding it (rank order)
   int n = 1;
   if (lane == 0) inst[0] = e;
@@ -262,7 +272,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   for (int dm = 0; dm < d.M; ++dm) {
     const int s_lo = dm * rpd, s_hi = s_lo + rpd;
     i64 cap = 0, dem = 0;
-    for (int k = lane; k < n; k += 32) cap += rank_of(inst[k]) / rpd == dm ? u1[k] : 0;
+    for (int k = lane; k < n; k += 32) cap += dom_of(d, rank_of(inst[k])) == dm ? u1[k] : 0;
     for (int s = s_lo + lane; s < s_hi; s += 32) dem += w[s];
     const i64 m = imin(warp_sum(cap), warp_sum(dem));
     if (m == 0) continue;  // (the same in every lane)
@@ -279,7 +289,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
     carry = 0;
     for (int k0 = 0; k0 < n; k0 += 32) {
       const int k = k0 + lane;
-      const bool in = k < n && rank_of(inst[k]) / rpd == dm;
+      const bool in = k < n && dom_of(d, rank_of(inst[k])) == dm;
       const i64 v = in ? u1[k] : 0, before = carry + warp_excl_scan(v, lane);
       if (in) {
         clo[k] = imin(before, m);
@@ -290,14 +300,14 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
     __syncwarp();
     for (int i = lane; i < rpd * n; i += 32) {
       const int s = s_lo + i / n, k = i % n;
-      if (rank_of(inst[k]) / rpd != dm || a[s] == 0 || c[k] == 0) continue;
+      if (dom_of(d, rank_of(inst[k])) != dm || a[s] == 0 || c[k] == 0) continue;
       const i64 lo = imax(alo[s], clo[k]), hi = imin(alo[s] + a[s], clo[k] + c[k]);
       if (hi > lo) route[(i64)s * P + inst[k]] += hi - lo;
     }
     __syncwarp();
     for (int s = s_lo + lane; s < s_hi; s += 32) w[s] -= a[s];
     for (int k = lane; k < n; k += 32)
-      if (rank_of(inst[k]) / rpd == dm) u2[k] = u1[k] - c[k];
+      if (dom_of(d, rank_of(inst[k])) == dm) u2[k] = u1[k] - c[k];
     __syncwarp();
   }
   // 3. then any source: what is left of every source's demand (index order) over what is left of every instance's
@@ -410,14 +420,15 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
   __syncthreads();
   const int K = d.Eloc + N;  // instances a rank may hold
+  const double inv_K = 1.0 / K;
   while (!sh_stop) {
     // 1. every thread's candidates (the reference's scan), then each warp's best
-    const int rb = sh_rb, drb = rb / d.rpd;
+    const int rb = sh_rb, drb = dom_of(d, rb);
     const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
     const i64 cur = replica_fs(d, mx_nic, mx_nvl);
     Key mine = no_move();
     for (int i = tid; i < R * K; i += blockDim.x) {
-      const int rt = i / K, k = i - rt * K;
+      const int rt = fast_div(i, K, inv_K), k = i - rt * K;
       const i64 Lrt = s.L[rt];
       const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
       if (half <= 0) continue;
@@ -432,12 +443,12 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       }
       const i64 u = s.U[p];
       if (u <= 0) continue;
-      const int home = e / d.Eloc, drt = rt / d.rpd;
+      const int home = home_of(d, e), drt = dom_of(d, rt);
       const bool existing = instance_on(d, s, rt, e) >= 0;
       i64 extra = 0;
       if (!existing) {
         if (s.used[rt] >= N) continue;
-        if (home / d.rpd != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
+        if (dom_of(d, home) != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
         bool nic;
         const int src = copy_source(d, s, e, rt, &nic);
         if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
@@ -457,7 +468,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
         if (lane == 0) sh_stop = 1;
       } else {
-        const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = rt / d.rpd;
+        const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = dom_of(d, rt);
         const bool fresh = (b.mid >> 62) & 1;
         // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free slot)
         // and the rank it fetches from
@@ -485,7 +496,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
         // every instance of e in the two domains shares anew (_share), from its new load and its domain's
         const int span = drb == drt ? d.rpd : 2 * d.rpd;
         for (int i = lane; i < span; i += 32) {
-          const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = r / d.rpd;
+          const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = dom_of(d, r);
           const int p = r == rt ? pt : r == rb ? pb : instance_on(d, s, r, e);
           if (p < 0) continue;
           const i64 at = (i64)g * E + e;
@@ -602,6 +613,9 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.t = args.t_fs;
   d.a = args.a;
   d.b = args.b;
+  d.inv_rpd = 1.0 / d.rpd;
+  d.inv_Eloc = 1.0 / d.Eloc;
+  d.inv_N = N > 0 ? 1.0 / N : 0.0;
   if ((size_t)args.max_moves > log_moves(R, E, N)) return cudaErrorInvalidValue;  // (plan_spread's check names it)
   int dev = 0;
   cudaGetDevice(&dev);
