@@ -21,7 +21,8 @@
 // copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their
 // domains' inflow); per instance U (load) and part (its share); per (domain, expert) D (demand), Ud (load of the
 // expert's instances in the domain) and the rank of its first copy there; per domain out / inn (assignments its
-// sources send to / its instances receive from other domains); the slot table. In the workspace only: the move log,
+// sources send to / its instances receive from other domains); the slot table; U2, the instance loads as far as the
+// accountant has applied the moves. In the workspace only: the move log,
 // the kept loads (the route kernel's input) and the route kernel's scratch.
 
 #include <cuda_runtime.h>
@@ -41,7 +42,10 @@ constexpr int kSpreadThreads = 512;
 constexpr int kSpreadWarps = kSpreadThreads / 32;
 constexpr int kRouteBlockWarps = 8;   // spread_route_kernel: warps per block
 constexpr int kRouteMaxWarps = 512;   // and in all (each with its scratch in the workspace)
-constexpr int kLogWords = 4;          // a logged move: its source instance, target instance, load, new slot (or -1)
+constexpr int kScanThreads = kSpreadThreads - 32;  // every warp but the accountant (warp 1) scans
+// a logged move: its source and target instances, the load moved, its new slot (or -1), the expert, the source and
+// target ranks, and after it the busiest rank's load and the busiest NIC and NVLink copy counts
+enum LogWord { kLogPb, kLogPt, kLogDelta, kLogSlot, kLogE, kLogRb, kLogRt, kLogLmax, kLogNic, kLogNvl, kLogWords };
 // the objective's transfer counts (spread.py REPLICA_TRANSFERS, TOKEN_TRANSFERS, INGRESS_TRANSFERS)
 constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 
@@ -74,7 +78,7 @@ struct Place {
   int in_smem;
 };
 
-enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
+enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kUAcc, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
                    kLog, kLoad, kRoute, kSpreadArrays };
 // the route's scratch per warp (route_expert), each R + 1 elements: the expert's instances in index order, the
 // instance on each rank, each source's remaining demand w, its matched amount and interval start, each instance's
@@ -91,7 +95,7 @@ struct SpreadLayout {
 inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
   const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E, RN = (size_t)R * N;
   switch (a) {
-    case kU: case kPart: case kLoad: return P;
+    case kU: case kUAcc: case kPart: case kLoad: return P;
     case kSlots: return RN;
     case kOut: case kInn: return M;
     case kLog: return kLogWords * log_moves(R, E, N);
@@ -122,8 +126,11 @@ inline SpreadLayout spread_layout(int R, int E, int M, int N, size_t smem_limit)
 }
 
 struct SpreadState {
-  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *part, *D, *Ud, *first, *out, *inn, *slots;
+  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *U2, *part, *D, *Ud, *first, *out, *inn, *slots;
 };
+
+// the scanners' barrier (every warp but the accountant)
+__device__ __forceinline__ void scan_barrier() { asm volatile("bar.sync 1, %0;" ::"n"(kScanThreads) : "memory"); }
 
 // A candidate move's key, compared as the reference's tuple (extra - t delta, rt outside rb's domain, a new
 // replica, L[rt], rt, e): hi the score with its sign bit flipped (signed order as unsigned), mid cross << 63 | fresh
@@ -353,14 +360,17 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
                                                                  SpreadLayout f, i64* ws, i64* slot_out, i64* info) {
   __shared__ Key sh_key[kSpreadWarps];     // each warp's best candidate
   __shared__ i64 sh_nic, sh_nvl, sh_Lrb;   // the busiest NIC / NVLink copy counts (they only grow); L of rb
+  __shared__ i64 sh_obj, sh_static_obj;  // the kept prefix's objective, static's
   __shared__ int sh_rb, sh_stop, sh_moves, sh_kept;
+  __shared__ int sh_made, sh_finished;  // moves published to the accountant; the scan is over
   __shared__ unsigned long long sh_dropped;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
   extern __shared__ i64 smem_state[];
   i64* ptr[kSpreadArrays];
   for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
-  const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed], ptr[kXin], ptr[kU],
-                      ptr[kPart], ptr[kD],    ptr[kUd],    ptr[kFirst],  ptr[kOut],   ptr[kInn],  ptr[kSlots]};
+  const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
+                      ptr[kXin], ptr[kU],     ptr[kUAcc],    ptr[kPart],   ptr[kD],     ptr[kUd],
+                      ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots]};
   i64* const log = ptr[kLog];
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
@@ -368,7 +378,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     s.nic_out[r] = s.nic_in[r] = s.nvl_out[r] = s.nvl_in[r] = s.used[r] = s.xin[r] = 0;
   }
   for (int j = tid; j < R * N; j += blockDim.x) s.slots[j] = -1;
-  for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.part[p] = 0; }
+  for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.U2[p] = 0; s.part[p] = 0; }
   for (int g = tid; g < M; g += blockDim.x) { s.out[g] = 0; s.inn[g] = 0; }
   for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
     const int m = (int)(g / E), e = (int)(g % E);
@@ -383,7 +393,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   for (int e = tid; e < E; e += blockDim.x) {  // an expert's load: its domains' demands
     i64 u = 0;
     for (int m = 0; m < M; ++m) u += s.D[(i64)m * E + e];
-    s.U[e] = u;
+    s.U[e] = s.U2[e] = u;
     s.Ud[(i64)((e / d.Eloc) / d.rpd) * E + e] = u;
   }
   __syncthreads();
@@ -406,156 +416,217 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     atomicAdd((u64*)&s.xin[r], (u64)nw);
   }
   __syncthreads();
-  // warp 0 keeps the objectives, the move count and the kept prefix's length (the same in every lane)
-  i64 static_obj = 0, best_obj = 0;
-  int moves = 0, kept = 0;
+  // Roles: warp 1 keeps the objective (the accountant: the shares, the domains' sums, the objective after every
+  // move and the kept prefix, a move behind); the other warps scan, and warp 0 also makes each move.
+  Stat st{};  // (warps 0 and 1: the static plan's, before any move)
+  if (warp <= 1) st = warp_stat(d, s, lane);
   if (warp == 0) {
-    const Stat st = warp_stat(d, s, lane);
-    static_obj = best_obj = objective(d, st, 0, 0);
     if (lane == 0) {
       sh_rb = st.r;
       sh_Lrb = st.L;
       sh_stop = !(N > 0 && d.max_moves > 0 && (enable == nullptr || *enable));
+      sh_made = 0;
+      sh_finished = 0;
     }
   }
   __syncthreads();
-  const int K = d.Eloc + N;  // instances a rank may hold
-  const double inv_K = 1.0 / K;
-  while (!sh_stop) {
-    // 1. every thread's candidates (the reference's scan), then each warp's best
-    const int rb = sh_rb, drb = dom_of(d, rb);
-    const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
-    const i64 cur = replica_fs(d, mx_nic, mx_nvl);
-    Key mine = no_move();
-    for (int i = tid; i < R * K; i += blockDim.x) {
-      const int rt = fast_div(i, K, inv_K), k = i - rt * K;
-      const i64 Lrt = s.L[rt];
-      const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
-      if (half <= 0) continue;
-      int p, e;
-      if (k < d.Eloc) {
-        p = rb * d.Eloc + k;
-        e = p;
-      } else {
-        p = E + rb * N + (k - d.Eloc);
-        e = (int)s.slots[p - E];
-        if (e < 0) continue;
+  if (warp != 1) {
+    const int K = d.Eloc + N;  // instances a rank may hold
+    const double inv_K = 1.0 / K;
+    const int si = warp == 0 ? tid : tid - 32;  // the scanner's index
+    int moves = 0;                              // (warp 0's)
+    while (!sh_stop) {
+      // 1. every scanner's candidates (the reference's scan), then each warp's best
+      const int rb = sh_rb, drb = dom_of(d, rb);
+      const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
+      const i64 cur = replica_fs(d, mx_nic, mx_nvl);
+      Key mine = no_move();
+      for (int i = si; i < R * K; i += kScanThreads) {
+        const int rt = fast_div(i, K, inv_K), k = i - rt * K;
+        const i64 Lrt = s.L[rt];
+        const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
+        if (half <= 0) continue;
+        int p, e;
+        if (k < d.Eloc) {
+          p = rb * d.Eloc + k;
+          e = p;
+        } else {
+          p = E + rb * N + (k - d.Eloc);
+          e = (int)s.slots[p - E];
+          if (e < 0) continue;
+        }
+        const i64 u = s.U[p];
+        if (u <= 0) continue;
+        const int home = home_of(d, e), drt = dom_of(d, rt);
+        const bool existing = instance_on(d, s, rt, e) >= 0;
+        i64 extra = 0;
+        if (!existing) {
+          if (s.used[rt] >= N) continue;
+          if (dom_of(d, home) != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
+          bool nic;
+          const int src = copy_source(d, s, e, rt, &nic);
+          if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
+          else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
+        }
+        const i64 delta = u < half ? u : half;
+        const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
+                    (u64)rt << 32 | (u64)e};
+        if (less(x, mine)) mine = x;
       }
-      const i64 u = s.U[p];
-      if (u <= 0) continue;
-      const int home = home_of(d, e), drt = dom_of(d, rt);
-      const bool existing = instance_on(d, s, rt, e) >= 0;
-      i64 extra = 0;
-      if (!existing) {
-        if (s.used[rt] >= N) continue;
-        if (dom_of(d, home) != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
-        bool nic;
-        const int src = copy_source(d, s, e, rt, &nic);
-        if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
-        else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
-      }
-      const i64 delta = u < half ? u : half;
-      const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
-                  (u64)rt << 32 | (u64)e};
-      if (less(x, mine)) mine = x;
-    }
-    mine = warp_min(mine);
-    if (lane == 0) sh_key[warp] = mine;
-    __syncthreads();
-    // 2. warp 0: the best candidate, the move (_State.apply), the busiest rank and the objective
-    if (warp == 0) {
-      const Key b = warp_min(lane < kSpreadWarps ? sh_key[lane] : no_move());
-      if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
-        if (lane == 0) sh_stop = 1;
-      } else {
-        const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = dom_of(d, rt);
-        const bool fresh = (b.mid >> 62) & 1;
-        // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free slot)
-        // and the rank it fetches from
-        int pb = 0, pt = 0, slot = -1, src = 0, nic = 0;
-        i64 delta = 0;
-        if (lane == 0) {
-          pb = instance_on(d, s, rb, e);
-          const i64 half = (Lrb - s.L[rt]) / 2, u = s.U[pb];
-          delta = u < half ? u : half;
-        } else if (lane == 1) {
-          if (fresh) {
-            slot = rt * N + (int)s.used[rt];
-            pt = E + slot;
-            bool over_nic;
-            src = copy_source(d, s, e, rt, &over_nic);
-            nic = over_nic;
-          } else {
-            pt = instance_on(d, s, rt, e);
+      mine = warp_min(mine);
+      if (lane == 0) sh_key[warp] = mine;
+      scan_barrier();
+      // 2. warp 0: the best candidate, the move (_State.apply's loads, slot and copy counters), the busiest rank
+      if (warp == 0) {
+        const Key b = warp_min(lane < kSpreadWarps && lane != 1 ? sh_key[lane] : no_move());
+        if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
+          if (lane == 0) sh_stop = 1;
+        } else {
+          const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = dom_of(d, rt);
+          const bool fresh = (b.mid >> 62) & 1;
+          // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free
+          // slot) and the rank it fetches from
+          int pb = 0, pt = 0, slot = -1, src = 0;
+          bool nic = false;
+          i64 delta = 0;
+          if (lane == 0) {
+            pb = instance_on(d, s, rb, e);
+            const i64 half = (Lrb - s.L[rt]) / 2, u = s.U[pb];
+            delta = u < half ? u : half;
+          } else if (lane == 1) {
+            if (fresh) {
+              slot = rt * N + (int)s.used[rt];
+              pt = E + slot;
+              src = copy_source(d, s, e, rt, &nic);
+            } else {
+              pt = instance_on(d, s, rt, e);
+            }
           }
-        }
-        pb = __shfl_sync(0xffffffffu, pb, 0);
-        delta = __shfl_sync(0xffffffffu, delta, 0);
-        pt = __shfl_sync(0xffffffffu, pt, 1);
-        slot = __shfl_sync(0xffffffffu, slot, 1);
-        // every instance of e in the two domains shares anew (_share), from its new load and its domain's
-        const int span = drb == drt ? d.rpd : 2 * d.rpd;
-        for (int i = lane; i < span; i += 32) {
-          const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = dom_of(d, r);
-          const int p = r == rt ? pt : r == rb ? pb : instance_on(d, s, r, e);
-          if (p < 0) continue;
-          const i64 at = (i64)g * E + e;
-          const i64 u = s.U[p] + (r == rt ? delta : 0) - (r == rb ? delta : 0);
-          const i64 ud = s.Ud[at] + (g == drt ? delta : 0) - (g == drb ? delta : 0), x = ud - s.D[at];
-          const i64 nw = ud > 0 ? u * (x > 0 ? x : 0) / ud : 0;
-          s.xin[r] += nw - s.part[p];
-          s.part[p] = nw;
-        }
-        __syncwarp();
-        if (lane == 0) {
-          s.U[pb] -= delta;
-          s.U[pt] += delta;
-          s.L[rb] -= delta;
-          s.L[rt] += delta;
-          i64* entry = log + (i64)kLogWords * moves;
-          entry[0] = pb;
-          entry[1] = pt;
-          entry[2] = delta;
-          entry[3] = slot;
-        } else if (lane == 1 && slot >= 0) {  // the new replica
-          s.slots[slot] = e;
-          s.used[rt] += 1;
-          i64& first = s.first[(i64)drt * E + e];
-          if (first < 0) first = rt;
-          if (nic) sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
-          else sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
-        } else if (lane == 2 && drb != drt) {  // (in one domain the two changes cancel)
-          domain_add(d, s, drb, e, -delta);
-          domain_add(d, s, drt, e, delta);
-        }
-        __syncwarp();
-        ++moves;
-        const Stat st = warp_stat(d, s, lane);
-        const i64 obj = objective(d, st, sh_nic, sh_nvl);
-        if (obj < best_obj) {
-          best_obj = obj;
-          kept = moves;
-        }
-        if (lane == 0) {
-          sh_rb = st.r;
-          sh_Lrb = st.L;
-          if (moves >= d.max_moves) sh_stop = 1;
+          pb = __shfl_sync(0xffffffffu, pb, 0);
+          delta = __shfl_sync(0xffffffffu, delta, 0);
+          pt = __shfl_sync(0xffffffffu, pt, 1);
+          slot = __shfl_sync(0xffffffffu, slot, 1);
+          __syncwarp();
+          if (lane == 0) {
+            s.U[pb] -= delta;
+            s.U[pt] += delta;
+            s.L[rb] -= delta;
+            s.L[rt] += delta;
+          } else if (lane == 1 && slot >= 0) {  // the new replica
+            s.slots[slot] = e;
+            s.used[rt] += 1;
+            i64& first = s.first[(i64)drt * E + e];
+            if (first < 0) first = rt;
+            if (nic) sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
+            else sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+          }
+          __threadfence_block();  // (the slot table before the move's publication to the accountant)
+          __syncwarp();
+          // the busiest rank (largest L, ties: lowest rank)
+          i64 Lm = -1;
+          int rm = 1 << 30;
+          for (int r = lane; r < R; r += 32) {
+            const i64 l = s.L[r];
+            if (l > Lm) { Lm = l; rm = r; }  // (ascending r: the first of equal loads stays)
+          }
+          for (int off = 16; off > 0; off >>= 1) {
+            const i64 ol = __shfl_xor_sync(0xffffffffu, Lm, off);
+            const int orr = __shfl_xor_sync(0xffffffffu, rm, off);
+            if (ol > Lm || (ol == Lm && orr < rm)) { Lm = ol; rm = orr; }
+          }
+          if (lane == 0) {  // the move for the accountant, then its publication
+            volatile i64* entry = log + (i64)kLogWords * moves;
+            entry[kLogPb] = pb;
+            entry[kLogPt] = pt;
+            entry[kLogDelta] = delta;
+            entry[kLogSlot] = slot;
+            entry[kLogE] = e;
+            entry[kLogRb] = rb;
+            entry[kLogRt] = rt;
+            entry[kLogLmax] = Lm;
+            entry[kLogNic] = sh_nic;
+            entry[kLogNvl] = sh_nvl;
+            __threadfence_block();
+            *(volatile int*)&sh_made = moves + 1;
+            sh_rb = rm;
+            sh_Lrb = Lm;
+            if (moves + 1 >= d.max_moves) sh_stop = 1;
+          }
+          ++moves;
         }
       }
+      scan_barrier();
     }
-    __syncthreads();
-  }
-  if (tid == 0) {
-    sh_moves = moves;
-    sh_kept = kept;
+    if (tid == 0) {
+      sh_moves = moves;
+      __threadfence_block();
+      *(volatile int*)&sh_finished = 1;
+    }
+  } else {
+    // the accountant: the objective of the static plan, then of each published move in order
+    const i64 static_obj = objective(d, st, 0, 0);
+    i64 best_obj = static_obj;
+    int kept = 0;
+    for (int done = 0;; ++done) {
+      int made = 0, finished = 0;
+      do {
+        if (lane == 0) {
+          finished = *(volatile int*)&sh_finished;
+          made = *(volatile int*)&sh_made;  // (read after finished: a final move is published before it)
+        }
+        made = __shfl_sync(0xffffffffu, made, 0);
+        finished = __shfl_sync(0xffffffffu, finished, 0);
+        if (made == done && !finished) __nanosleep(32);
+      } while (made == done && !finished);
+      if (made == done) break;
+      __threadfence_block();
+      const volatile i64* entry = log + (i64)kLogWords * done;
+      const int pb = (int)entry[kLogPb], pt = (int)entry[kLogPt], e = (int)entry[kLogE], rb = (int)entry[kLogRb],
+                rt = (int)entry[kLogRt];
+      const i64 delta = entry[kLogDelta];
+      const int drb = dom_of(d, rb), drt = dom_of(d, rt);
+      if (lane == 0) {
+        s.U2[pb] -= delta;
+        s.U2[pt] += delta;
+      } else if (lane == 2 && drb != drt) {  // (in one domain the two changes cancel)
+        domain_add(d, s, drb, e, -delta);
+        domain_add(d, s, drt, e, delta);
+      }
+      __syncwarp();
+      // every instance of e in the two domains shares anew (_share). A later move's new copy of e may already be
+      // in the slot table: its load here is still 0, so its share stays 0, as without it.
+      const int span = drb == drt ? d.rpd : 2 * d.rpd;
+      for (int i = lane; i < span; i += 32) {
+        const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = dom_of(d, r);
+        const int p = r == rt ? pt : r == rb ? pb : instance_on(d, s, r, e);
+        if (p < 0) continue;
+        const i64 at = (i64)g * E + e, ud = s.Ud[at], x = ud - s.D[at];
+        const i64 nw = ud > 0 ? s.U2[p] * (x > 0 ? x : 0) / ud : 0;
+        s.xin[r] += nw - s.part[p];
+        s.part[p] = nw;
+      }
+      __syncwarp();
+      st = warp_stat(d, s, lane);  // (its busiest rank races with warp 0's later moves: the move's own replaces it)
+      st.L = entry[kLogLmax];
+      const i64 obj = objective(d, st, entry[kLogNic], entry[kLogNvl]);
+      if (obj < best_obj) {
+        best_obj = obj;
+        kept = done + 1;
+      }
+    }
+    if (lane == 0) {
+      sh_kept = kept;
+      sh_obj = best_obj;
+      sh_static_obj = static_obj;
+    }
   }
   __syncthreads();
   // the kept prefix: the block undoes the later moves (their load changes add up; integer atomics, any order)
   for (int m = sh_kept + tid; m < sh_moves; m += blockDim.x) {
     const i64* entry = log + (i64)kLogWords * m;
-    atomicAdd((u64*)&s.U[entry[0]], (u64)entry[2]);
-    atomicAdd((u64*)&s.U[entry[1]], (u64)(-entry[2]));
-    if (entry[3] >= 0) s.slots[entry[3]] = -1;
+    atomicAdd((u64*)&s.U[entry[kLogPb]], (u64)entry[kLogDelta]);
+    atomicAdd((u64*)&s.U[entry[kLogPt]], (u64)(-entry[kLogDelta]));
+    if (entry[kLogSlot] >= 0) s.slots[entry[kLogSlot]] = -1;
   }
   __syncthreads();
   // replicas left with no load are dropped; the kept loads go to the route kernel
@@ -571,10 +642,10 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   atomicAdd(&sh_dropped, dropped);
   __syncthreads();
   if (tid == 0) {
-    info[0] = kept;
-    info[1] = moves;
-    info[2] = best_obj;
-    info[3] = static_obj;
+    info[0] = sh_kept;
+    info[1] = sh_moves;
+    info[2] = sh_obj;
+    info[3] = sh_static_obj;
     info[4] = (i64)sh_dropped;
   }
 }
