@@ -52,6 +52,7 @@ constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 struct SpreadDims {
   int R, E, N, M, P, Eloc, rpd, max_moves, trees;
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
+  i64 c4;                           // C4 holds for a new copy in domain m where D[m, e] > c4 = W / (2 S)
   double inv_rpd, inv_Eloc, inv_N;  // 1 / rpd, 1 / Eloc, 1 / N (0 without slots): fast_div
 };
 
@@ -78,14 +79,15 @@ struct Place {
   int in_smem;
 };
 
-enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kUAcc, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
+enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kDom, kU, kUAcc, kPart, kSlots, kOut, kInn, kHome, kUd, kD,
+                   kFirst,
                    kLog, kLoad, kRoute, kSpreadArrays };
 // the route's scratch per warp (route_expert), each R + 1 elements: the expert's instances in index order, the
 // instance on each rank, each source's remaining demand w, its matched amount and interval start, each instance's
 // load after its own rank, after its domain, its matched amount and interval start, and the sources and instances
 // with something left for step 3
 enum RouteScratch { kInst, kInstOf, kW, kA, kAlo, kU1, kU2, kC, kClo, kSx, kKx, kRouteScratch };
-constexpr int kHotArrays = kUd;  // kL .. kInn: all in shared memory, or none
+constexpr int kHotArrays = kUd;  // kL .. kHome: all in shared memory, or none
 
 struct SpreadLayout {
   Place at[kSpreadArrays];
@@ -101,6 +103,7 @@ inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
     case kLog: return kLogWords * log_moves(R, E, N);
     case kRoute: return (size_t)route_warps(E) * kRouteScratch * ((size_t)R + 1);
     case kUd: case kD: case kFirst: return ME;
+    case kHome: return E;
     default: return R;
   }
 }
@@ -127,6 +130,7 @@ inline SpreadLayout spread_layout(int R, int E, int M, int N, size_t smem_limit)
 
 struct SpreadState {
   i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *U2, *part, *D, *Ud, *first, *out, *inn, *slots;
+  i64 *dom, *home;  // each rank's domain, each expert's main rank
 };
 
 // the scanners' barrier (every warp but the accountant)
@@ -198,7 +202,7 @@ __device__ __forceinline__ i64 objective(const SpreadDims& d, const Stat& st, i6
 
 // the instance of expert e on rank r (its main, or the slot holding it), or -1
 __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadState& s, int r, int e) {
-  if (home_of(d, e) == r) return e;
+  if (s.home[e] == r) return e;
   for (int j = 0; j < d.N; ++j)
     if (s.slots[(i64)r * d.N + j] == e) return d.E + r * d.N + j;
   return -1;
@@ -206,8 +210,8 @@ __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadStat
 
 // the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
 __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
-  const int home = home_of(d, e), m = dom_of(d, rt);
-  if (dom_of(d, home) == m) { *nic = false; return home; }
+  const int home = (int)s.home[e], m = (int)s.dom[rt];
+  if (s.dom[home] == m) { *nic = false; return home; }
   const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
   *nic = first < 0;
   return first < 0 ? home : (int)first;
@@ -370,7 +374,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
   const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
                       ptr[kXin], ptr[kU],     ptr[kUAcc],    ptr[kPart],   ptr[kD],     ptr[kUd],
-                      ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots]};
+                      ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kDom],  ptr[kHome]};
   i64* const log = ptr[kLog];
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
@@ -378,6 +382,8 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     s.nic_out[r] = s.nic_in[r] = s.nvl_out[r] = s.nvl_in[r] = s.used[r] = s.xin[r] = 0;
   }
   for (int j = tid; j < R * N; j += blockDim.x) s.slots[j] = -1;
+  for (int r = tid; r < R; r += blockDim.x) s.dom[r] = r / d.rpd;
+  for (int e = tid; e < E; e += blockDim.x) s.home[e] = e / d.Eloc;
   for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.U2[p] = 0; s.part[p] = 0; }
   for (int g = tid; g < M; g += blockDim.x) { s.out[g] = 0; s.inn[g] = 0; }
   for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
@@ -431,18 +437,20 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
   __syncthreads();
   if (warp != 1) {
-    const int K = d.Eloc + N;  // instances a rank may hold
-    const double inv_K = 1.0 / K;
     const int si = warp == 0 ? tid : tid - 32;  // the scanner's index
-    int moves = 0;                              // (warp 0's)
+    // its pairs: i = si, si + kScanThreads, ... of the R x K (target rank, instance of rb) pairs
+    const int K = d.Eloc + N;  // instances a rank may hold
+    const int rt0 = si / K, k0 = si - rt0 * K, step_rt = kScanThreads / K, step_k = kScanThreads - step_rt * K;
+    int moves = 0;  // (warp 0's)
     while (!sh_stop) {
-      // 1. every scanner's candidates (the reference's scan), then each warp's best
-      const int rb = sh_rb, drb = dom_of(d, rb);
+      // 1. every scanner's candidates (the reference's scan), then each warp's best. A new copy raises the busiest
+      // NIC (NVLink) count by one where its source or target is a busiest one, else leaves it: extra is 0 or up_*.
+      const int rb = sh_rb, drb = (int)s.dom[rb];
       const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
       const i64 cur = replica_fs(d, mx_nic, mx_nvl);
+      const i64 up_nic = replica_fs(d, mx_nic + 1, mx_nvl) - cur, up_nvl = replica_fs(d, mx_nic, mx_nvl + 1) - cur;
       Key mine = no_move();
-      for (int i = si; i < R * K; i += kScanThreads) {
-        const int rt = fast_div(i, K, inv_K), k = i - rt * K;
+      for (int rt = rt0, k = k0; rt < R; k += step_k, rt += step_rt + (k >= K), k -= k >= K ? K : 0) {
         const i64 Lrt = s.L[rt];
         const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
         if (half <= 0) continue;
@@ -457,16 +465,16 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
         }
         const i64 u = s.U[p];
         if (u <= 0) continue;
-        const int home = home_of(d, e), drt = dom_of(d, rt);
+        const int drt = (int)s.dom[rt];
         const bool existing = instance_on(d, s, rt, e) >= 0;
         i64 extra = 0;
         if (!existing) {
           if (s.used[rt] >= N) continue;
-          if (dom_of(d, home) != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
+          if (s.dom[s.home[e]] != drt && !(s.D[(i64)drt * E + e] > d.c4)) continue;  // C4
           bool nic;
           const int src = copy_source(d, s, e, rt, &nic);
-          if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
-          else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
+          if (nic) extra = s.nic_out[src] == mx_nic || s.nic_in[rt] == mx_nic ? up_nic : 0;
+          else extra = s.nvl_out[src] == mx_nvl || s.nvl_in[rt] == mx_nvl ? up_nvl : 0;
         }
         const i64 delta = u < half ? u : half;
         const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
@@ -482,7 +490,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
         if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
           if (lane == 0) sh_stop = 1;
         } else {
-          const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = dom_of(d, rt);
+          const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = (int)s.dom[rt];
           const bool fresh = (b.mid >> 62) & 1;
           // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free
           // slot) and the rank it fetches from
@@ -684,6 +692,7 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.t = args.t_fs;
   d.a = args.a;
   d.b = args.b;
+  d.c4 = d.W / (2 * d.S);  // (2 D S > W for integers D >= 0: D > floor(W / (2 S)))
   d.inv_rpd = 1.0 / d.rpd;
   d.inv_Eloc = 1.0 / d.Eloc;
   d.inv_N = N > 0 ? 1.0 / N : 0.0;
