@@ -4,26 +4,30 @@
 // (`common.hierarchical_route`, a warp per expert: route_expert). The reference's module docstring is the spec;
 // every choice below mirrors it.
 //
-// Two kernels. spread_kernel, one block: the greedy is a chain of dependent moves, each of two block barriers.
-//   1. Every thread scores its (target rank, instance of the busiest rank) pairs; a warp reduction of their keys
+// Two kernels. spread_kernel, one block of 512 threads: the greedy is a chain of dependent moves. Warp 1 is the
+// accountant, the other 15 warps scan, and warp 0 also makes each move; per move the scanners pass two barriers of
+// their own (a named barrier without the accountant):
+//   1. Every scanner scores its (target rank, instance of the busiest rank) pairs; a warp reduction of their keys
 //      (three words, compared as the reference's tuple) leaves each warp's best in shared memory. Barrier.
-//   2. Warp 0 alone finishes the reduction and makes the move: lane 0 finds the instance on the busiest rank and
-//      the load to move, lane 1 the target instance (a new slot) and its copy source; the lanes re-share the moved
-//      expert's instances in the one or two domains it touches (their new loads computed from the old ones, read
-//      before any write), then lanes 0-2 write the loads, the slot, the copy counters and the two domains' sums;
-//      the warp recomputes the busiest rank and the objective. Barrier.
-//   The kernel logs each move (its two instances, the load, the new slot) instead of copying the state at every new
-//   best objective; at the end the whole block undoes the moves after the kept prefix at once (the load changes add
-//   up, so integer atomics undo them in any order).
+//   2. Warp 0 finishes the reduction and makes the move: lane 0 finds the instance on the busiest rank and the load
+//      to move, lane 1 the target instance (a new slot) and its copy source; they write the loads, the slot and the
+//      copy counters, the warp finds the next busiest rank and publishes the move to the accountant. Barrier.
+//   The accountant follows the published moves, a move behind or more: it re-shares the moved expert's instances in
+//   the one or two domains it touches, updates the domains' sums and computes the objective after the move, on its
+//   own copy of the instance loads (U2), so the scanners never wait for it. Nothing the scan reads depends on these
+//   sums: they only decide the kept prefix.
+//   Each move is logged (its two instances, the load, the new slot); instead of copying the state at every new best
+//   objective, the whole block undoes the moves after the kept prefix at the end (the load changes add up, so
+//   integer atomics undo them in any order).
 // spread_route_kernel, a grid of warps: the route of the kept loads, one expert per warp at a time.
 //
 // State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica
-// copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their
-// domains' inflow); per instance U (load) and part (its share); per (domain, expert) D (demand), Ud (load of the
-// expert's instances in the domain) and the rank of its first copy there; per domain out / inn (assignments its
-// sources send to / its instances receive from other domains); the slot table; U2, the instance loads as far as the
-// accountant has applied the moves. In the workspace only: the move log,
-// the kept loads (the route kernel's input) and the route kernel's scratch.
+// copies it sends and receives over its NIC and over NVLink, its used slots, xin (its instances' share of their
+// domains' inflow) and its domain; per instance U (load), U2 and part (its share); per expert its main rank; per
+// (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the rank of its first copy
+// there; per domain out / inn (assignments its sources send to / its instances receive from other domains); the
+// slot table. In the workspace only: the move log, the kept loads (the route kernel's input) and the route kernel's
+// scratch.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
