@@ -245,6 +245,26 @@ __device__ __forceinline__ i64 warp_excl_scan(i64 v, int lane) {
 
 __device__ __forceinline__ i64 imin(i64 x, i64 y) { return x < y ? x : y; }
 
+// The entries of v[0, n) above 0, by one warp (every lane calls it): their indices in order into idx, and each
+// one's start, the sum of v before it, into start[its index]; returns their number (in every lane)
+__device__ __forceinline__ int compact_positive(const i64* v, int n, i64* idx, i64* start, int lane) {
+  const unsigned below = (1u << lane) - 1;
+  int count = 0;
+  i64 carry = 0;
+  for (int j0 = 0; j0 < n; j0 += 32) {
+    const int j = j0 + lane;
+    const i64 x = j < n ? v[j] : 0, before = carry + warp_excl_scan(x, lane);
+    const unsigned b = __ballot_sync(0xffffffffu, x > 0);
+    if (x > 0) {
+      idx[count + __popc(b & below)] = j;
+      start[j] = before;
+    }
+    count += __popc(b);
+    carry += warp_sum(x);
+  }
+  return count;
+}
+
 // The route of expert e's kept loads, common.hierarchical_route's three steps for one expert, by one warp (every lane
 // calls it; sc: the warp's scratch, RouteScratch arrays of R + 1, its instance-of-rank array all -1 on entry and on
 // exit). route[:, p] of e's instances must be 0 on entry. U: the instance loads, slot: the slot table after the drop.
@@ -327,31 +347,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   }
   // 3. then any source: what is left of every source's demand (index order) over what is left of every instance's
   // load (index order); only the sources and instances with something left pair up
-  int ns = 0, nk = 0;
-  i64 carry = 0;
-  for (int s0 = 0; s0 < R; s0 += 32) {
-    const int s = s0 + lane;
-    const i64 v = s < R ? w[s] : 0, before = carry + warp_excl_scan(v, lane);
-    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
-    if (v > 0) {
-      sx[ns + __popc(b & below)] = s;
-      alo[s] = before;
-    }
-    ns += __popc(b);
-    carry += warp_sum(v);
-  }
-  carry = 0;
-  for (int k0 = 0; k0 < n; k0 += 32) {
-    const int k = k0 + lane;
-    const i64 v = k < n ? u2[k] : 0, before = carry + warp_excl_scan(v, lane);
-    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
-    if (v > 0) {
-      kx[nk + __popc(b & below)] = k;
-      clo[k] = before;
-    }
-    nk += __popc(b);
-    carry += warp_sum(v);
-  }
+  const int ns = compact_positive(w, R, sx, alo, lane), nk = compact_positive(u2, n, kx, clo, lane);
   __syncwarp();
   for (int i = lane; i < ns * nk; i += 32) {
     const int s = (int)sx[i / nk], k = (int)kx[i % nk];
