@@ -182,11 +182,12 @@ def report(args, rows: list[dict]) -> str:
            "share" if args.relay_share else "") + "; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
-        "planner: csrc/spread.cu, " + ("timed as measured on one H200 (`sim.gpu_spread_s`: 0.4-1.8 ms alone, "
-                                        "0.5-3.5 ms with the three other plans at EP 8-128)"
+        "planner: csrc/spread.cu, " + ("timed as measured on one H200 (`sim.gpu_spread_s`: "
+                                        f"{_us_range(sim.GPU_SPREAD_US)} alone, {_us_range(sim.GPU_SPREAD_SET_US)} "
+                                        "with the three other plans at EP 8-128)"
                                         + (f" divided by {args.spread_speedup:g}" if args.spread_speedup != 1 else "")
                                         if args.spread_planner == "measured" else "timed here as topoep_plus's CUDA planner (about 50 us; the "
-                                        "measured one is 10-60x slower: `--spread-planner measured`)")
+                                        f"measured one: {_us_range(sim.GPU_SPREAD_US)}, `--spread-planner measured`)")
         + "); with relays also a fourth, "
         "`topoep_plus_spread_tree` (the same planner pricing a remote domain's copies as its relay tree fetches "
         "them); `ran`: the plan the guard kept (plus, local, spread, tree, or static when the guard fired or nothing "
@@ -238,6 +239,11 @@ def report(args, rows: list[dict]) -> str:
     lines += ["## All cells (layer time / static)", "", markdown_table(header, body), ""]
     return "\n".join(lines)
 
+
+def _us_range(points) -> str:
+    """"a-b us" of measured (ranks, us) points (sim.GPU_SPREAD_US)."""
+    us = [u for _, u in points]
+    return f"{min(us):.0f}-{max(us):.0f} us"
 
 def main(argv=None) -> None:
     args = parse_args(argv)

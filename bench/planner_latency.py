@@ -248,13 +248,13 @@ def plus_table(rows: list[dict]) -> str:
 
 
 def spread_table(rows: list[dict]) -> str:
-    """The spread planner (csrc/spread.cu, one block) alone, and the four plans of a guarded topoep_plus layer with
+    """The spread planner (csrc/spread.cu) alone, and the four plans of a guarded topoep_plus layer with
     plus_spread and relay trees at once; graph replay on a busy stream ("" for rows without them)."""
     rows = [r for r in rows if "spread_graph_busy_us" in r]
     if not rows:
         return ""
-    return ("\n\nThe spread candidates (`topoep.planners.spread`, csrc/spread.cu: one block of 512 threads, a chain of "
-            "greedy moves; LayerConfig.plus_spread), alone and with the pair, four plans on four streams at once "
+    return ("\n\nThe spread candidates (`topoep.planners.spread`, csrc/spread.cu: the greedy's chain of moves in one "
+            "block of 512 threads, then the route in a grid of warps; LayerConfig.plus_spread), alone and with the pair, four plans on four streams at once "
             "(what a guarded topoep_plus layer with plus_spread and relay trees plans); graph replay on a busy "
             "stream, every plan equal to the reference's:\n\n" + markdown_table(
                 ["sweep", "EP", "experts", "topoep_plus_spread us", "moves", "topoep_plus_spread_tree us", "moves",

@@ -244,7 +244,9 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
   TORCH_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got ", N);
   TORCH_CHECK(expert_bytes >= 1 && token_bytes >= 1 && t_fs >= 0 && a >= 0 && b >= 0,
               "expert_bytes and token_bytes must be >= 1, t_fs, a and b >= 0");
-  TORCH_CHECK(max_moves >= 0 && max_moves < (1ll << 31), "max_moves must be in [0, 2^31)");
+  TORCH_CHECK(max_moves >= 0 && max_moves <= 4 * (E + R * N),
+              "max_moves must be in [0, 4 (E + R num_slots)] (the move log's length; the default, "
+              "spread.default_max_moves, is the bound), got ", max_moves);
   check_bool_scalar(enable, omega, "enable");
   check_outputs(omega, N, slot_expert, route);
   check_i64_cuda(info, "info");

@@ -4,17 +4,30 @@
 // (`common.hierarchical_route`, a warp per expert: route_expert). The reference's module docstring is the spec;
 // every choice below mirrors it.
 //
-// One block: the greedy is a chain of dependent moves. A move is one scan of every (target rank, instance of the
-// busiest rank) pair with a block reduction of the best, the move itself (one thread), each instance's share of
-// its domain's inflow for the moved expert (a thread per rank of the one or two domains it touches), and one block
-// reduction of the loads for the objective and the next busiest rank. Instead of replaying the kept prefix, the
-// kernel copies the instance loads and the slot table whenever the objective reaches a new minimum.
+// Two kernels. spread_kernel, one block of 512 threads: the greedy is a chain of dependent moves. Warp 1 is the
+// accountant, the other 15 warps scan, and warp 0 also makes each move; per move the scanners pass two barriers of
+// their own (a named barrier without the accountant):
+//   1. Every scanner scores its (target rank, instance of the busiest rank) pairs; a warp reduction of their keys
+//      (three words, compared as the reference's tuple) leaves each warp's best in shared memory. Barrier.
+//   2. Warp 0 finishes the reduction and makes the move: lane 0 finds the instance on the busiest rank and the load
+//      to move, lane 1 the target instance (a new slot) and its copy source; they write the loads, the slot and the
+//      copy counters, the warp finds the next busiest rank and publishes the move to the accountant. Barrier.
+//   The accountant follows the published moves, a move behind or more: it re-shares the moved expert's instances in
+//   the one or two domains it touches, updates the domains' sums and computes the objective after the move, on its
+//   own copy of the instance loads (U2), so the scanners never wait for it. Nothing the scan reads depends on these
+//   sums: they only decide the kept prefix.
+//   Each move is logged (its two instances, the load, the new slot); instead of copying the state at every new best
+//   objective, the whole block undoes the moves after the kept prefix at the end (the load changes add up, so
+//   integer atomics undo them in any order).
+// spread_route_kernel, a grid of warps: the route of the kept loads, one expert per warp at a time.
 //
 // State (spread_layout: in shared memory where it fits, else in the workspace): per rank L (load), the replica
-// copies it sends and receives over its NIC and over NVLink, its used slots and xin (its instances' share of their domains' inflow); per instance U (load)
-// and part (its share); per (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the
-// rank of its first copy there; per domain out / inn (assignments its sources send to / its instances receive from
-// other domains); the slot table; the snapshot of U and the slot table at the best objective so far.
+// copies it sends and receives over its NIC and over NVLink, its used slots, xin (its instances' share of their
+// domains' inflow) and its domain; per instance U (load), U2 and part (its share); per expert its main rank; per
+// (domain, expert) D (demand), Ud (load of the expert's instances in the domain) and the rank of its first copy
+// there; per domain out / inn (assignments its sources send to / its instances receive from other domains); the
+// slot table. In the workspace only: the move log, the kept loads (the route kernel's input) and the route kernel's
+// scratch.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -28,33 +41,57 @@ namespace topoep {
 namespace {
 
 using i64 = int64_t;
+using u64 = unsigned long long;
 constexpr int kSpreadThreads = 512;
 constexpr int kSpreadWarps = kSpreadThreads / 32;
+constexpr int kRouteBlockWarps = 8;   // spread_route_kernel: warps per block
+constexpr int kRouteMaxWarps = 512;   // and in all (each with its scratch in the workspace)
+constexpr int kScanThreads = kSpreadThreads - 32;  // every warp but the accountant (warp 1) scans
+// a logged move: its source and target instances, the load moved, its new slot (or -1), the expert, the source and
+// target ranks, and after it the busiest rank's load and the busiest NIC and NVLink copy counts
+enum LogWord { kLogPb, kLogPt, kLogDelta, kLogSlot, kLogE, kLogRb, kLogRt, kLogLmax, kLogNic, kLogNvl, kLogWords };
 // the objective's transfer counts (spread.py REPLICA_TRANSFERS, TOKEN_TRANSFERS, INGRESS_TRANSFERS)
 constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 
 struct SpreadDims {
   int R, E, N, M, P, Eloc, rpd, max_moves, trees;
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
+  i64 c4;                           // C4 holds for a new copy in domain m where D[m, e] > c4 = W / (2 S)
+  double inv_rpd, inv_Eloc, inv_N;  // 1 / rpd, 1 / Eloc, 1 / N (0 without slots): fast_div
 };
+
+// x / y for 0 <= x < 2^31 and y >= 1, from inv = 1.0 / y (a few instructions instead of an integer division's
+// dozens): the product is within 2^-20 / y of x / y, so its truncation is x / y or one below it (exact multiples)
+__device__ __forceinline__ int fast_div(int x, int y, double inv) {
+  const int q = (int)((double)x * inv);
+  return x - q * y >= y ? q + 1 : q;
+}
+__device__ __forceinline__ int dom_of(const SpreadDims& d, int r) { return fast_div(r, d.rpd, d.inv_rpd); }
+__device__ __forceinline__ int home_of(const SpreadDims& d, int e) { return fast_div(e, d.Eloc, d.inv_Eloc); }
+
+inline int route_warps(int E) { return E < kRouteMaxWarps ? E : kRouteMaxWarps; }
+// the move log's length: default_max_moves(R, E, N) = 4 R (E / R + N) moves (plan_spread refuses more)
+inline size_t log_moves(int R, int E, int N) { return 4 * ((size_t)E + (size_t)R * N); }
 
 // Where each array lives: `off` int64 elements into the dynamic shared memory (in_smem) or into the workspace. The
 // workspace has room for every array (its size does not depend on the device); the launch moves the arrays into
 // shared memory in the order of their use per move while they fit: the per-rank and per-instance state, the slot
-// table and the per-domain sums first, then Ud, D and the first copies; the snapshot stays in the workspace.
+// table and the per-domain sums first, then Ud, D and the first copies; the log, the kept loads and the route's
+// scratch stay in the workspace.
 struct Place {
   size_t off;
   int in_smem;
 };
 
-enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kU, kPart, kSlots, kOut, kInn, kUd, kD, kFirst,
-                   kBestU, kBestSlots, kRoute, kSpreadArrays };
+enum SpreadArray { kL, kNicOut, kNicIn, kNvlOut, kNvlIn, kUsed, kXin, kDom, kU, kUAcc, kPart, kSlots, kOut, kInn, kHome, kUd, kD,
+                   kFirst,
+                   kLog, kLoad, kRoute, kSpreadArrays };
 // the route's scratch per warp (route_expert), each R + 1 elements: the expert's instances in index order, the
 // instance on each rank, each source's remaining demand w, its matched amount and interval start, each instance's
 // load after its own rank, after its domain, its matched amount and interval start, and the sources and instances
 // with something left for step 3
 enum RouteScratch { kInst, kInstOf, kW, kA, kAlo, kU1, kU2, kC, kClo, kSx, kKx, kRouteScratch };
-constexpr int kHotArrays = kUd;  // kL .. kInn: all in shared memory, or none
+constexpr int kHotArrays = kUd;  // kL .. kHome: all in shared memory, or none
 
 struct SpreadLayout {
   Place at[kSpreadArrays];
@@ -64,11 +101,13 @@ struct SpreadLayout {
 inline size_t spread_array_elems(int a, int R, int E, int M, int N) {
   const size_t P = (size_t)E + (size_t)R * N, ME = (size_t)M * E, RN = (size_t)R * N;
   switch (a) {
-    case kU: case kPart: case kBestU: return P;
-    case kSlots: case kBestSlots: return RN;
+    case kU: case kUAcc: case kPart: case kLoad: return P;
+    case kSlots: return RN;
     case kOut: case kInn: return M;
-    case kRoute: return (size_t)kSpreadWarps * kRouteScratch * ((size_t)R + 1);
+    case kLog: return kLogWords * log_moves(R, E, N);
+    case kRoute: return (size_t)route_warps(E) * kRouteScratch * ((size_t)R + 1);
     case kUd: case kD: case kFirst: return ME;
+    case kHome: return E;
     default: return R;
   }
 }
@@ -94,64 +133,36 @@ inline SpreadLayout spread_layout(int R, int E, int M, int N, size_t smem_limit)
 }
 
 struct SpreadState {
-  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *part, *D, *Ud, *first, *out, *inn, *slots, *best_U,
-      *best_slots;
+  i64 *L, *nic_out, *nic_in, *nvl_out, *nvl_in, *used, *xin, *U, *U2, *part, *D, *Ud, *first, *out, *inn, *slots;
+  i64 *dom, *home;  // each rank's domain, each expert's main rank
 };
 
-// A candidate move of load delta of expert e from the busiest rank to rank rt, compared lexicographically on
-// (score, cross, fresh, lrt, rt, e): the reference's key (extra - t delta, rt outside rb's domain, a new replica,
-// L[rt], rt, e). valid == 0 is worse than any candidate.
-struct Move {
-  i64 score, lrt, delta;
-  int cross, fresh, rt, e, valid;
+// the scanners' barrier (every warp but the accountant)
+__device__ __forceinline__ void scan_barrier() { asm volatile("bar.sync 1, %0;" ::"n"(kScanThreads) : "memory"); }
+
+// A candidate move's key, compared as the reference's tuple (extra - t delta, rt outside rb's domain, a new
+// replica, L[rt], rt, e): hi the score with its sign bit flipped (signed order as unsigned), mid cross << 63 | fresh
+// << 62 | L[rt], lo rt << 32 | e. (rt, e) is unique, so no two candidates tie. kNoMove is worse than any candidate
+// and, like every score >= 0, stops the greedy.
+struct Key {
+  u64 hi, mid, lo;
 };
+constexpr u64 kSignBit = 1ull << 63;
+__device__ __forceinline__ Key no_move() { return Key{~0ull, ~0ull, ~0ull}; }
 
-__device__ __forceinline__ bool better(const Move& x, const Move& y) {
-  if (x.valid != y.valid) return x.valid > y.valid;
-  if (!x.valid) return false;
-  if (x.score != y.score) return x.score < y.score;
-  if (x.cross != y.cross) return x.cross < y.cross;
-  if (x.fresh != y.fresh) return x.fresh < y.fresh;
-  if (x.lrt != y.lrt) return x.lrt < y.lrt;
-  if (x.rt != y.rt) return x.rt < y.rt;
-  return x.e < y.e;
+__device__ __forceinline__ bool less(const Key& x, const Key& y) {
+  if (x.hi != y.hi) return x.hi < y.hi;
+  if (x.mid != y.mid) return x.mid < y.mid;
+  return x.lo < y.lo;
 }
 
-__device__ __forceinline__ Move shfl_down(const Move& m, int off) {
-  Move o;
-  o.score = __shfl_down_sync(0xffffffffu, m.score, off);
-  o.lrt = __shfl_down_sync(0xffffffffu, m.lrt, off);
-  o.delta = __shfl_down_sync(0xffffffffu, m.delta, off);
-  o.cross = __shfl_down_sync(0xffffffffu, m.cross, off);
-  o.fresh = __shfl_down_sync(0xffffffffu, m.fresh, off);
-  o.rt = __shfl_down_sync(0xffffffffu, m.rt, off);
-  o.e = __shfl_down_sync(0xffffffffu, m.e, off);
-  o.valid = __shfl_down_sync(0xffffffffu, m.valid, off);
-  return o;
-}
-
-// The block's best move; every thread gets it.
-__device__ Move block_best(Move m, Move* sm) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ Key warp_min(Key k) {
   for (int off = 16; off > 0; off >>= 1) {
-    const Move o = shfl_down(m, off);
-    if (better(o, m)) m = o;
+    const Key o{__shfl_xor_sync(0xffffffffu, k.hi, off), __shfl_xor_sync(0xffffffffu, k.mid, off),
+                __shfl_xor_sync(0xffffffffu, k.lo, off)};
+    if (less(o, k)) k = o;
   }
-  if (lane == 0) sm[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    if (lane < kSpreadWarps) m = sm[lane];
-    else m.valid = 0;
-    for (int off = 16; off > 0; off >>= 1) {
-      const Move o = shfl_down(m, off);
-      if (better(o, m)) m = o;
-    }
-    if (lane == 0) sm[kSpreadWarps] = m;
-  }
-  __syncthreads();
-  const Move best = sm[kSpreadWarps];
-  __syncthreads();
-  return best;
+  return k;
 }
 
 // The loads the objective reads: the busiest rank (largest L, ties: lowest rank), the largest xin, out and inn.
@@ -167,33 +178,18 @@ __device__ __forceinline__ void merge(Stat& s, const Stat& o) {
   s.inn = o.inn > s.inn ? o.inn : s.inn;
 }
 
-__device__ __forceinline__ Stat shfl_down(const Stat& s, int off) {
-  Stat o;
-  o.L = __shfl_down_sync(0xffffffffu, s.L, off);
-  o.xin = __shfl_down_sync(0xffffffffu, s.xin, off);
-  o.out = __shfl_down_sync(0xffffffffu, s.out, off);
-  o.inn = __shfl_down_sync(0xffffffffu, s.inn, off);
-  o.r = __shfl_down_sync(0xffffffffu, s.r, off);
-  return o;
-}
-
-__device__ Stat block_stat(const SpreadDims& d, const SpreadState& s, Stat* sm) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// The Stat of the whole state, by one warp (every lane gets it).
+__device__ Stat warp_stat(const SpreadDims& d, const SpreadState& s, int lane) {
   Stat m{-1, 0, 0, 0, 1 << 30};
-  for (int r = threadIdx.x; r < d.R; r += blockDim.x) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
-  for (int g = threadIdx.x; g < d.M; g += blockDim.x) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
-  for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
-  if (lane == 0) sm[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kSpreadWarps ? sm[lane] : Stat{-1, 0, 0, 0, 1 << 30};
-    for (int off = 16; off > 0; off >>= 1) merge(m, shfl_down(m, off));
-    if (lane == 0) sm[kSpreadWarps] = m;
+  for (int r = lane; r < d.R; r += 32) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
+  for (int g = lane; g < d.M; g += 32) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
+  for (int off = 16; off > 0; off >>= 1) {
+    const Stat o{__shfl_xor_sync(0xffffffffu, m.L, off), __shfl_xor_sync(0xffffffffu, m.xin, off),
+                 __shfl_xor_sync(0xffffffffu, m.out, off), __shfl_xor_sync(0xffffffffu, m.inn, off),
+                 __shfl_xor_sync(0xffffffffu, m.r, off)};
+    merge(m, o);
   }
-  __syncthreads();
-  const Stat out = sm[kSpreadWarps];
-  __syncthreads();
-  return out;
+  return m;
 }
 
 __device__ __forceinline__ i64 imax(i64 x, i64 y) { return x > y ? x : y; }
@@ -210,28 +206,27 @@ __device__ __forceinline__ i64 objective(const SpreadDims& d, const Stat& st, i6
 
 // the instance of expert e on rank r (its main, or the slot holding it), or -1
 __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadState& s, int r, int e) {
-  if (e / d.Eloc == r) return e;
+  if (s.home[e] == r) return e;
   for (int j = 0; j < d.N; ++j)
     if (s.slots[(i64)r * d.N + j] == e) return d.E + r * d.N + j;
   return -1;
 }
 
-// instance p (of expert e on rank r): its share of its domain's inflow for e, floor(U (Ud - D)^+ / Ud) (_share)
-__device__ __forceinline__ void share(const SpreadDims& d, const SpreadState& s, int r, int e, int p) {
-  const i64 g = (i64)(r / d.rpd) * d.E + e;
-  const i64 ud = s.Ud[g], x = ud - s.D[g];
-  const i64 nw = ud > 0 ? s.U[p] * (x > 0 ? x : 0) / ud : 0;
-  s.xin[r] += nw - s.part[p];
-  s.part[p] = nw;
-}
-
 // the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
 __device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
-  const int home = e / d.Eloc, m = rt / d.rpd;
-  if (home / d.rpd == m) { *nic = false; return home; }
+  const int home = (int)s.home[e], m = (int)s.dom[rt];
+  if (s.dom[home] == m) { *nic = false; return home; }
   const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
   *nic = first < 0;
   return first < 0 ? home : (int)first;
+}
+
+// domain g's sums after its load of expert e changes by x (the first half of _State.apply's domain loop)
+__device__ __forceinline__ void domain_add(const SpreadDims& d, const SpreadState& s, int g, int e, i64 x) {
+  const i64 at = (i64)g * d.E + e, dd = s.D[at], u = s.Ud[at];
+  s.Ud[at] = u + x;
+  s.out[g] += imax(dd - u - x, 0) - imax(dd - u, 0);
+  s.inn[g] += imax(u + x - dd, 0) - imax(u - dd, 0);
 }
 
 __device__ __forceinline__ i64 warp_sum(i64 v) {
@@ -250,6 +245,26 @@ __device__ __forceinline__ i64 warp_excl_scan(i64 v, int lane) {
 
 __device__ __forceinline__ i64 imin(i64 x, i64 y) { return x < y ? x : y; }
 
+// The entries of v[0, n) above 0, by one warp (every lane calls it): their indices in order into idx, and each
+// one's start, the sum of v before it, into start[its index]; returns their number (in every lane)
+__device__ __forceinline__ int compact_positive(const i64* v, int n, i64* idx, i64* start, int lane) {
+  const unsigned below = (1u << lane) - 1;
+  int count = 0;
+  i64 carry = 0;
+  for (int j0 = 0; j0 < n; j0 += 32) {
+    const int j = j0 + lane;
+    const i64 x = j < n ? v[j] : 0, before = carry + warp_excl_scan(x, lane);
+    const unsigned b = __ballot_sync(0xffffffffu, x > 0);
+    if (x > 0) {
+      idx[count + __popc(b & below)] = j;
+      start[j] = before;
+    }
+    count += __popc(b);
+    carry += warp_sum(x);
+  }
+  return count;
+}
+
 // The route of expert e's kept loads, common.hierarchical_route's three steps for one expert, by one warp (every lane
 // calls it; sc: the warp's scratch, RouteScratch arrays of R + 1, its instance-of-rank array all -1 on entry and on
 // exit). route[:, p] of e's instances must be 0 on entry. U: the instance loads, slot: the slot table after the drop.
@@ -260,7 +275,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   i64 *inst = sc + kInst * stride, *inst_of = sc + kInstOf * stride, *w = sc + kW * stride, *a = sc + kA * stride,
       *alo = sc + kAlo * stride, *u1 = sc + kU1 * stride, *u2 = sc + kU2 * stride, *c = sc + kC * stride,
       *clo = sc + kClo * stride, *sx = sc + kSx * stride, *kx = sc + kKx * stride;
-  auto rank_of = [&](i64 p) { return p < E ? (int)(p / d.Eloc) : (int)((p - E) / N); };
+  auto rank_of = [&](i64 p) { return p < E ? home_of(d, (int)p) : fast_div((int)(p - E), N, d.inv_N); };
   // e's instances in index order: its main, then the slots holding it (rank order)
   int n = 1;
   if (lane == 0) inst[0] = e;
@@ -292,7 +307,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   for (int dm = 0; dm < d.M; ++dm) {
     const int s_lo = dm * rpd, s_hi = s_lo + rpd;
     i64 cap = 0, dem = 0;
-    for (int k = lane; k < n; k += 32) cap += rank_of(inst[k]) / rpd == dm ? u1[k] : 0;
+    for (int k = lane; k < n; k += 32) cap += dom_of(d, rank_of(inst[k])) == dm ? u1[k] : 0;
     for (int s = s_lo + lane; s < s_hi; s += 32) dem += w[s];
     const i64 m = imin(warp_sum(cap), warp_sum(dem));
     if (m == 0) continue;  // (the same in every lane)
@@ -309,7 +324,7 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
     carry = 0;
     for (int k0 = 0; k0 < n; k0 += 32) {
       const int k = k0 + lane;
-      const bool in = k < n && rank_of(inst[k]) / rpd == dm;
+      const bool in = k < n && dom_of(d, rank_of(inst[k])) == dm;
       const i64 v = in ? u1[k] : 0, before = carry + warp_excl_scan(v, lane);
       if (in) {
         clo[k] = imin(before, m);
@@ -320,43 +335,19 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
     __syncwarp();
     for (int i = lane; i < rpd * n; i += 32) {
       const int s = s_lo + i / n, k = i % n;
-      if (rank_of(inst[k]) / rpd != dm || a[s] == 0 || c[k] == 0) continue;
+      if (dom_of(d, rank_of(inst[k])) != dm || a[s] == 0 || c[k] == 0) continue;
       const i64 lo = imax(alo[s], clo[k]), hi = imin(alo[s] + a[s], clo[k] + c[k]);
       if (hi > lo) route[(i64)s * P + inst[k]] += hi - lo;
     }
     __syncwarp();
     for (int s = s_lo + lane; s < s_hi; s += 32) w[s] -= a[s];
     for (int k = lane; k < n; k += 32)
-      if (rank_of(inst[k]) / rpd == dm) u2[k] = u1[k] - c[k];
+      if (dom_of(d, rank_of(inst[k])) == dm) u2[k] = u1[k] - c[k];
     __syncwarp();
   }
   // 3. then any source: what is left of every source's demand (index order) over what is left of every instance's
   // load (index order); only the sources and instances with something left pair up
-  int ns = 0, nk = 0;
-  i64 carry = 0;
-  for (int s0 = 0; s0 < R; s0 += 32) {
-    const int s = s0 + lane;
-    const i64 v = s < R ? w[s] : 0, before = carry + warp_excl_scan(v, lane);
-    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
-    if (v > 0) {
-      sx[ns + __popc(b & below)] = s;
-      alo[s] = before;
-    }
-    ns += __popc(b);
-    carry += warp_sum(v);
-  }
-  carry = 0;
-  for (int k0 = 0; k0 < n; k0 += 32) {
-    const int k = k0 + lane;
-    const i64 v = k < n ? u2[k] : 0, before = carry + warp_excl_scan(v, lane);
-    const unsigned b = __ballot_sync(0xffffffffu, v > 0);
-    if (v > 0) {
-      kx[nk + __popc(b & below)] = k;
-      clo[k] = before;
-    }
-    nk += __popc(b);
-    carry += warp_sum(v);
-  }
+  const int ns = compact_positive(w, R, sx, alo, lane), nk = compact_positive(u2, n, kx, clo, lane);
   __syncwarp();
   for (int i = lane; i < ns * nk; i += 32) {
     const int s = (int)sx[i / nk], k = (int)kx[i % nk];
@@ -370,26 +361,30 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
 
 __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __restrict__ omega,
                                                                  const bool* __restrict__ enable, SpreadDims d,
-                                                                 SpreadLayout f, i64* ws, i64* slot_out,
-                                                                 i64* route_out, i64* info) {
-  __shared__ Move sm_move[kSpreadWarps + 1];
-  __shared__ Stat sm_stat[kSpreadWarps + 1];
-  __shared__ i64 sh_nic, sh_nvl;  // the busiest NIC / NVLink copy counts (they only grow)
+                                                                 SpreadLayout f, i64* ws, i64* slot_out, i64* info) {
+  __shared__ Key sh_key[kSpreadWarps];     // each warp's best candidate
+  __shared__ i64 sh_nic, sh_nvl, sh_Lrb;   // the busiest NIC / NVLink copy counts (they only grow); L of rb
+  __shared__ i64 sh_obj, sh_static_obj;  // the kept prefix's objective, static's
+  __shared__ int sh_rb, sh_stop, sh_moves, sh_kept;
+  __shared__ int sh_made, sh_finished;  // moves published to the accountant; the scan is over
   __shared__ unsigned long long sh_dropped;
-  const int tid = threadIdx.x, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
   extern __shared__ i64 smem_state[];
   i64* ptr[kSpreadArrays];
   for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
   const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
-                      ptr[kXin], ptr[kU],     ptr[kPart],  ptr[kD],      ptr[kUd],     ptr[kFirst],
-                      ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kBestU],  ptr[kBestSlots]};
+                      ptr[kXin], ptr[kU],     ptr[kUAcc],    ptr[kPart],   ptr[kD],     ptr[kUd],
+                      ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kDom],  ptr[kHome]};
+  i64* const log = ptr[kLog];
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
     s.L[r] = 0;
     s.nic_out[r] = s.nic_in[r] = s.nvl_out[r] = s.nvl_in[r] = s.used[r] = s.xin[r] = 0;
   }
   for (int j = tid; j < R * N; j += blockDim.x) s.slots[j] = -1;
-  for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.part[p] = 0; }
+  for (int r = tid; r < R; r += blockDim.x) s.dom[r] = r / d.rpd;
+  for (int e = tid; e < E; e += blockDim.x) s.home[e] = e / d.Eloc;
+  for (int p = tid; p < P; p += blockDim.x) { s.U[p] = 0; s.U2[p] = 0; s.part[p] = 0; }
   for (int g = tid; g < M; g += blockDim.x) { s.out[g] = 0; s.inn[g] = 0; }
   for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
     const int m = (int)(g / E), e = (int)(g % E);
@@ -404,7 +399,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   for (int e = tid; e < E; e += blockDim.x) {  // an expert's load: its domains' demands
     i64 u = 0;
     for (int m = 0; m < M; ++m) u += s.D[(i64)m * E + e];
-    s.U[e] = u;
+    s.U[e] = s.U2[e] = u;
     s.Ud[(i64)((e / d.Eloc) / d.rpd) * E + e] = u;
   }
   __syncthreads();
@@ -415,8 +410,8 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
   for (i64 g = tid; g < (i64)M * E; g += blockDim.x) {
     const i64 x = s.D[g] - s.Ud[g];
-    if (x > 0) atomicAdd((unsigned long long*)&s.out[g / E], (unsigned long long)x);  // integers: exact
-    if (x < 0) atomicAdd((unsigned long long*)&s.inn[g / E], (unsigned long long)(-x));
+    if (x > 0) atomicAdd((u64*)&s.out[g / E], (u64)x);  // integers: exact
+    if (x < 0) atomicAdd((u64*)&s.inn[g / E], (u64)(-x));
   }
   for (int e = tid; e < E; e += blockDim.x) {  // the mains' shares (one thread per instance; xin by atomics)
     const int r = e / d.Eloc;
@@ -424,138 +419,256 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
     const i64 ud = s.Ud[g], x = ud - s.D[g];
     const i64 nw = ud > 0 ? s.U[e] * (x > 0 ? x : 0) / ud : 0;
     s.part[e] = nw;
-    atomicAdd((unsigned long long*)&s.xin[r], (unsigned long long)nw);
+    atomicAdd((u64*)&s.xin[r], (u64)nw);
   }
   __syncthreads();
-  Stat st = block_stat(d, s, sm_stat);
-  const i64 static_obj = objective(d, st, 0, 0);
-  i64 best_obj = static_obj;  // every thread keeps the same copy
-  int best_len = 0, moves = 0;
-  for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
-  for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = -1;
-  const bool on = N > 0 && (enable == nullptr || *enable);
-  const int K = d.Eloc + N;  // instances a rank may hold
-  while (on && moves < d.max_moves) {
-    const int rb = st.r, drb = rb / d.rpd;
-    const i64 Lrb = st.L, mx_nic = sh_nic, mx_nvl = sh_nvl;
-    const i64 cur = replica_fs(d, mx_nic, mx_nvl);
-    Move mine;
-    mine.valid = 0;
-    for (int i = tid; i < R * K; i += blockDim.x) {
-      const int rt = i / K, k = i % K;
-      const i64 Lrt = s.L[rt];
-      const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
-      if (half <= 0) continue;
-      int p, e;
-      if (k < d.Eloc) {
-        p = rb * d.Eloc + k;
-        e = p;
-      } else {
-        p = E + rb * N + (k - d.Eloc);
-        e = (int)s.slots[p - E];
-        if (e < 0) continue;
-      }
-      const i64 u = s.U[p];
-      if (u <= 0) continue;
-      const int home = e / d.Eloc, drt = rt / d.rpd;
-      const bool existing = instance_on(d, s, rt, e) >= 0;
-      i64 extra = 0;
-      if (!existing) {
-        if (s.used[rt] >= N) continue;
-        if (home / d.rpd != drt && !(2 * s.D[(i64)drt * E + e] * d.S > d.W)) continue;  // C4
-        bool nic;
-        const int src = copy_source(d, s, e, rt, &nic);
-        if (nic) extra = replica_fs(d, imax(mx_nic, imax(s.nic_out[src] + 1, s.nic_in[rt] + 1)), mx_nvl) - cur;
-        else extra = replica_fs(d, mx_nic, imax(mx_nvl, imax(s.nvl_out[src] + 1, s.nvl_in[rt] + 1))) - cur;
-      }
-      Move x;
-      x.delta = u < half ? u : half;
-      x.score = extra - d.t * x.delta;
-      x.lrt = Lrt;
-      x.cross = drt != drb;
-      x.fresh = !existing;
-      x.rt = rt;
-      x.e = e;
-      x.valid = 1;
-      if (better(x, mine)) mine = x;
+  // Roles: warp 1 keeps the objective (the accountant: the shares, the domains' sums, the objective after every
+  // move and the kept prefix, a move behind); the other warps scan, and warp 0 also makes each move.
+  Stat st{};  // (warps 0 and 1: the static plan's, before any move)
+  if (warp <= 1) st = warp_stat(d, s, lane);
+  if (warp == 0) {
+    if (lane == 0) {
+      sh_rb = st.r;
+      sh_Lrb = st.L;
+      sh_stop = !(N > 0 && d.max_moves > 0 && (enable == nullptr || *enable));
+      sh_made = 0;
+      sh_finished = 0;
     }
-    const Move b = block_best(mine, sm_move);
-    if (!b.valid || b.score >= 0) break;
-    const int rt = b.rt, e = b.e, drt = rt / d.rpd;
-    if (tid == 0) {  // the move (_State.apply)
-      int pt = instance_on(d, s, rt, e);
-      if (pt < 0) {
-        const int j = (int)s.used[rt]++;
-        s.slots[(i64)rt * N + j] = e;
-        pt = E + rt * N + j;
-        bool nic;
-        const int src = copy_source(d, s, e, rt, &nic);
-        i64& first = s.first[(i64)drt * E + e];
-        if (first < 0) first = rt;
-        if (nic) {
-          sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
+  }
+  __syncthreads();
+  if (warp != 1) {
+    const int si = warp == 0 ? tid : tid - 32;  // the scanner's index
+    // its pairs: i = si, si + kScanThreads, ... of the R x K (target rank, instance of rb) pairs
+    const int K = d.Eloc + N;  // instances a rank may hold
+    const int rt0 = si / K, k0 = si - rt0 * K, step_rt = kScanThreads / K, step_k = kScanThreads - step_rt * K;
+    int moves = 0;  // (warp 0's)
+    while (!sh_stop) {
+      // 1. every scanner's candidates (the reference's scan), then each warp's best. A new copy raises the busiest
+      // NIC (NVLink) count by one where its source or target is a busiest one, else leaves it: extra is 0 or up_*.
+      const int rb = sh_rb, drb = (int)s.dom[rb];
+      const i64 Lrb = sh_Lrb, mx_nic = sh_nic, mx_nvl = sh_nvl;
+      const i64 cur = replica_fs(d, mx_nic, mx_nvl);
+      const i64 up_nic = replica_fs(d, mx_nic + 1, mx_nvl) - cur, up_nvl = replica_fs(d, mx_nic, mx_nvl + 1) - cur;
+      Key mine = no_move();
+      for (int rt = rt0, k = k0; rt < R; k += step_k, rt += step_rt + (k >= K), k -= k >= K ? K : 0) {
+        const i64 Lrt = s.L[rt];
+        const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
+        if (half <= 0) continue;
+        int p, e;
+        if (k < d.Eloc) {
+          p = rb * d.Eloc + k;
+          e = p;
         } else {
-          sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+          p = E + rb * N + (k - d.Eloc);
+          e = (int)s.slots[p - E];
+          if (e < 0) continue;
+        }
+        const i64 u = s.U[p];
+        if (u <= 0) continue;
+        const int drt = (int)s.dom[rt];
+        const bool existing = instance_on(d, s, rt, e) >= 0;
+        i64 extra = 0;
+        if (!existing) {
+          if (s.used[rt] >= N) continue;
+          if (s.dom[s.home[e]] != drt && !(s.D[(i64)drt * E + e] > d.c4)) continue;  // C4
+          bool nic;
+          const int src = copy_source(d, s, e, rt, &nic);
+          if (nic) extra = s.nic_out[src] == mx_nic || s.nic_in[rt] == mx_nic ? up_nic : 0;
+          else extra = s.nvl_out[src] == mx_nvl || s.nvl_in[rt] == mx_nvl ? up_nvl : 0;
+        }
+        const i64 delta = u < half ? u : half;
+        const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
+                    (u64)rt << 32 | (u64)e};
+        if (less(x, mine)) mine = x;
+      }
+      mine = warp_min(mine);
+      if (lane == 0) sh_key[warp] = mine;
+      scan_barrier();
+      // 2. warp 0: the best candidate, the move (_State.apply's loads, slot and copy counters), the busiest rank
+      if (warp == 0) {
+        const Key b = warp_min(lane < kSpreadWarps && lane != 1 ? sh_key[lane] : no_move());
+        if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
+          if (lane == 0) sh_stop = 1;
+        } else {
+          const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = (int)s.dom[rt];
+          const bool fresh = (b.mid >> 62) & 1;
+          // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free
+          // slot) and the rank it fetches from
+          int pb = 0, pt = 0, slot = -1, src = 0;
+          bool nic = false;
+          i64 delta = 0;
+          if (lane == 0) {
+            pb = instance_on(d, s, rb, e);
+            const i64 half = (Lrb - s.L[rt]) / 2, u = s.U[pb];
+            delta = u < half ? u : half;
+          } else if (lane == 1) {
+            if (fresh) {
+              slot = rt * N + (int)s.used[rt];
+              pt = E + slot;
+              src = copy_source(d, s, e, rt, &nic);
+            } else {
+              pt = instance_on(d, s, rt, e);
+            }
+          }
+          pb = __shfl_sync(0xffffffffu, pb, 0);
+          delta = __shfl_sync(0xffffffffu, delta, 0);
+          pt = __shfl_sync(0xffffffffu, pt, 1);
+          slot = __shfl_sync(0xffffffffu, slot, 1);
+          __syncwarp();
+          if (lane == 0) {
+            s.U[pb] -= delta;
+            s.U[pt] += delta;
+            s.L[rb] -= delta;
+            s.L[rt] += delta;
+          } else if (lane == 1 && slot >= 0) {  // the new replica
+            s.slots[slot] = e;
+            s.used[rt] += 1;
+            i64& first = s.first[(i64)drt * E + e];
+            if (first < 0) first = rt;
+            if (nic) sh_nic = imax(sh_nic, imax(++s.nic_out[src], ++s.nic_in[rt]));
+            else sh_nvl = imax(sh_nvl, imax(++s.nvl_out[src], ++s.nvl_in[rt]));
+          }
+          __threadfence_block();  // (the slot table before the move's publication to the accountant)
+          __syncwarp();
+          // the busiest rank (largest L, ties: lowest rank)
+          i64 Lm = -1;
+          int rm = 1 << 30;
+          for (int r = lane; r < R; r += 32) {
+            const i64 l = s.L[r];
+            if (l > Lm) { Lm = l; rm = r; }  // (ascending r: the first of equal loads stays)
+          }
+          for (int off = 16; off > 0; off >>= 1) {
+            const i64 ol = __shfl_xor_sync(0xffffffffu, Lm, off);
+            const int orr = __shfl_xor_sync(0xffffffffu, rm, off);
+            if (ol > Lm || (ol == Lm && orr < rm)) { Lm = ol; rm = orr; }
+          }
+          if (lane == 0) {  // the move for the accountant, then its publication
+            volatile i64* entry = log + (i64)kLogWords * moves;
+            entry[kLogPb] = pb;
+            entry[kLogPt] = pt;
+            entry[kLogDelta] = delta;
+            entry[kLogSlot] = slot;
+            entry[kLogE] = e;
+            entry[kLogRb] = rb;
+            entry[kLogRt] = rt;
+            entry[kLogLmax] = Lm;
+            entry[kLogNic] = sh_nic;
+            entry[kLogNvl] = sh_nvl;
+            __threadfence_block();
+            *(volatile int*)&sh_made = moves + 1;
+            sh_rb = rm;
+            sh_Lrb = Lm;
+            if (moves + 1 >= d.max_moves) sh_stop = 1;
+          }
+          ++moves;
         }
       }
-      const int pb = instance_on(d, s, rb, e);
-      s.U[pb] -= b.delta;
-      s.U[pt] += b.delta;
-      s.L[rb] -= b.delta;
-      s.L[rt] += b.delta;
-      const int doms[2] = {drb, drt};
-      const i64 xs[2] = {-b.delta, b.delta};
-      for (int h = 0; h < 2; ++h) {
-        const i64 g = (i64)doms[h] * E + e, dd = s.D[g], u = s.Ud[g], x = xs[h];
-        s.Ud[g] = u + x;
-        s.out[doms[h]] += imax(dd - u - x, 0) - imax(dd - u, 0);
-        s.inn[doms[h]] += imax(u + x - dd, 0) - imax(u - dd, 0);
+      scan_barrier();
+    }
+    if (tid == 0) {
+      sh_moves = moves;
+      __threadfence_block();
+      *(volatile int*)&sh_finished = 1;
+    }
+  } else {
+    // the accountant: the objective of the static plan, then of each published move in order
+    const i64 static_obj = objective(d, st, 0, 0);
+    i64 best_obj = static_obj;
+    int kept = 0;
+    for (int done = 0;; ++done) {
+      int made = 0, finished = 0;
+      do {
+        if (lane == 0) {
+          finished = *(volatile int*)&sh_finished;
+          made = *(volatile int*)&sh_made;  // (read after finished: a final move is published before it)
+        }
+        made = __shfl_sync(0xffffffffu, made, 0);
+        finished = __shfl_sync(0xffffffffu, finished, 0);
+        if (made == done && !finished) __nanosleep(32);
+      } while (made == done && !finished);
+      if (made == done) break;
+      __threadfence_block();
+      const volatile i64* entry = log + (i64)kLogWords * done;
+      const int pb = (int)entry[kLogPb], pt = (int)entry[kLogPt], e = (int)entry[kLogE], rb = (int)entry[kLogRb],
+                rt = (int)entry[kLogRt];
+      const i64 delta = entry[kLogDelta];
+      const int drb = dom_of(d, rb), drt = dom_of(d, rt);
+      if (lane == 0) {
+        s.U2[pb] -= delta;
+        s.U2[pt] += delta;
+      } else if (lane == 2 && drb != drt) {  // (in one domain the two changes cancel)
+        domain_add(d, s, drb, e, -delta);
+        domain_add(d, s, drt, e, delta);
+      }
+      __syncwarp();
+      // every instance of e in the two domains shares anew (_share). A later move's new copy of e may already be
+      // in the slot table: its load here is still 0, so its share stays 0, as without it.
+      const int span = drb == drt ? d.rpd : 2 * d.rpd;
+      for (int i = lane; i < span; i += 32) {
+        const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd), g = dom_of(d, r);
+        const int p = r == rt ? pt : r == rb ? pb : instance_on(d, s, r, e);
+        if (p < 0) continue;
+        const i64 at = (i64)g * E + e, ud = s.Ud[at], x = ud - s.D[at];
+        const i64 nw = ud > 0 ? s.U2[p] * (x > 0 ? x : 0) / ud : 0;
+        s.xin[r] += nw - s.part[p];
+        s.part[p] = nw;
+      }
+      __syncwarp();
+      st = warp_stat(d, s, lane);  // (its busiest rank races with warp 0's later moves: the move's own replaces it)
+      st.L = entry[kLogLmax];
+      const i64 obj = objective(d, st, entry[kLogNic], entry[kLogNvl]);
+      if (obj < best_obj) {
+        best_obj = obj;
+        kept = done + 1;
       }
     }
-    __syncthreads();
-    // every instance of e in the two domains shares anew (a thread per rank)
-    const int span = drb == drt ? d.rpd : 2 * d.rpd;
-    for (int i = tid; i < span; i += blockDim.x) {
-      const int r = i < d.rpd ? drb * d.rpd + i : drt * d.rpd + (i - d.rpd);
-      const int p = instance_on(d, s, r, e);
-      if (p >= 0) share(d, s, r, e, p);
-    }
-    __syncthreads();
-    ++moves;
-    st = block_stat(d, s, sm_stat);
-    const i64 obj = objective(d, st, sh_nic, sh_nvl);
-    if (obj < best_obj) {  // the same decision in every thread
-      best_obj = obj;
-      best_len = moves;
-      for (int p = tid; p < P; p += blockDim.x) s.best_U[p] = s.U[p];
-      for (int j = tid; j < R * N; j += blockDim.x) s.best_slots[j] = s.slots[j];
+    if (lane == 0) {
+      sh_kept = kept;
+      sh_obj = best_obj;
+      sh_static_obj = static_obj;
     }
   }
   __syncthreads();
-  // the kept prefix; replicas left with no load are dropped
+  // the kept prefix: the block undoes the later moves (their load changes add up; integer atomics, any order)
+  for (int m = sh_kept + tid; m < sh_moves; m += blockDim.x) {
+    const i64* entry = log + (i64)kLogWords * m;
+    atomicAdd((u64*)&s.U[entry[kLogPb]], (u64)entry[kLogDelta]);
+    atomicAdd((u64*)&s.U[entry[kLogPt]], (u64)(-entry[kLogDelta]));
+    if (entry[kLogSlot] >= 0) s.slots[entry[kLogSlot]] = -1;
+  }
+  __syncthreads();
+  // replicas left with no load are dropped; the kept loads go to the route kernel
+  i64* load = ptr[kLoad];
+  for (int p = tid; p < P; p += blockDim.x) load[p] = s.U[p];
   unsigned long long dropped = 0;
   for (int j = tid; j < R * N; j += blockDim.x) {
-    const i64 x = s.best_slots[j];
-    const bool served = s.best_U[E + j] > 0;
+    const i64 x = s.slots[j];
+    const bool served = s.U[E + j] > 0;
     dropped += x >= 0 && !served;
     slot_out[j] = served ? x : -1;
   }
   atomicAdd(&sh_dropped, dropped);
   __syncthreads();
   if (tid == 0) {
-    info[0] = best_len;
-    info[1] = moves;
-    info[2] = best_obj;
-    info[3] = static_obj;
+    info[0] = sh_kept;
+    info[1] = sh_moves;
+    info[2] = sh_obj;
+    info[3] = sh_static_obj;
     info[4] = (i64)sh_dropped;
   }
-  // the route of the kept loads (common.hierarchical_route), a warp per expert
-  for (i64 i = tid; i < (i64)R * P; i += blockDim.x) route_out[i] = 0;
-  const int lane = tid & 31;
-  i64* sc = ptr[kRoute] + (size_t)(tid >> 5) * kRouteScratch * ((size_t)R + 1);
-  for (int r = lane; r < R; r += 32) sc[kInstOf * (R + 1) + r] = -1;
-  __syncthreads();
-  for (int e = tid >> 5; e < E; e += kSpreadWarps) route_expert(d, omega, s.best_U, slot_out, route_out, e, sc, lane);
+}
+
+// The route of the kept loads: warp w routes experts w, w + warps, ... (route_expert; route zeroed before).
+__global__ void __launch_bounds__(kRouteBlockWarps * 32) spread_route_kernel(const i64* __restrict__ omega,
+                                                                             SpreadDims d, const i64* load,
+                                                                             const i64* slot, i64* route, i64* scratch,
+                                                                             int warps) {
+  const int lane = threadIdx.x & 31, w = blockIdx.x * kRouteBlockWarps + (threadIdx.x >> 5);
+  if (w >= warps) return;
+  i64* sc = scratch + (size_t)w * kRouteScratch * ((size_t)d.R + 1);
+  for (int r = lane; r < d.R; r += 32) sc[kInstOf * (d.R + 1) + r] = -1;
+  __syncwarp();
+  for (int e = w; e < d.E; e += warps) route_expert(d, omega, load, slot, route, e, sc, lane);
 }
 
 }  // namespace
@@ -579,13 +692,18 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.t = args.t_fs;
   d.a = args.a;
   d.b = args.b;
+  d.c4 = d.W / (2 * d.S);  // (2 D S > W for integers D >= 0: D > floor(W / (2 S)))
+  d.inv_rpd = 1.0 / d.rpd;
+  d.inv_Eloc = 1.0 / d.Eloc;
+  d.inv_N = N > 0 ? 1.0 / N : 0.0;
+  if ((size_t)args.max_moves > log_moves(R, E, N)) return cudaErrorInvalidValue;  // (plan_spread's check names it)
   int dev = 0;
   cudaGetDevice(&dev);
   static int optin_of[64] = {0};  // the opt-in dynamic shared memory per block, per device ordinal, queried once
   static int smem_set[64] = {0};  // the kernel's shared memory limit set so far, per device ordinal
   if (dev >= 64) return cudaErrorInvalidDevice;
   if (optin_of[dev] == 0) cudaDeviceGetAttribute(&optin_of[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  const size_t static_smem = 8 * 1024;  // the block reductions' __shared__ arrays, with room to spare
+  const size_t static_smem = 8 * 1024;  // the kernel's __shared__ variables, with room to spare
   const SpreadLayout f =
       spread_layout(R, E, M, N, optin_of[dev] > (int)static_smem ? optin_of[dev] - static_smem : 0);
   if ((int)f.smem_bytes > 48 * 1024 && (int)f.smem_bytes > smem_set[dev]) {
@@ -593,7 +711,14 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
     if (err != cudaSuccess) return err;
     smem_set[dev] = (int)f.smem_bytes;
   }
-  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, route, info);
+  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, info);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(route, 0, sizeof(int64_t) * (size_t)R * d.P, stream);
+  if (err != cudaSuccess) return err;
+  const int warps = route_warps(E);
+  spread_route_kernel<<<(warps + kRouteBlockWarps - 1) / kRouteBlockWarps, kRouteBlockWarps * 32, 0, stream>>>(
+      omega, d, ws + f.at[kLoad].off, slot_expert, route, ws + f.at[kRoute].off, warps);
   return cudaGetLastError();
 }
 

@@ -346,9 +346,9 @@ GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
 # The CUDA spread planner (csrc/spread.cu; us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
 # results/spread_latency.md (graph replay on a busy stream): topoep_plus_spread alone (the candidate of a layer
 # without relays: the pair beside it is faster), and the four plans of a relayed layer at once. Its time grows with
-# the greedy's moves (7-8 us each; 6-382 on that workload), so on other routings it is only an estimate.
-GPU_SPREAD_US = ((8, 434.9), (16, 613.7), (32, 1361.0), (64, 1383.8), (128, 1802.2))
-GPU_SPREAD_SET_US = ((8, 509.7), (16, 651.6), (32, 1386.9), (64, 3539.0), (128, 2810.8))
+# the greedy's moves (3.7-4.0 us each; 6-382 on that workload), so on other routings it is only an estimate.
+GPU_SPREAD_US = ((8, 44.6), (16, 113.7), (32, 471.5), (64, 486.5), (128, 656.9))
+GPU_SPREAD_SET_US = ((8, 93.9), (16, 151.8), (32, 511.8), (64, 1598.2), (128, 1156.4))
 SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
