@@ -561,7 +561,7 @@ def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned
                 for mode in ("plus", "measured") for c in (cands, ("topoep_plus_local",))]
         (plus, plus_local), (measured, measured_local) = runs[:2], runs[2:]
         extra = sim.gpu_spread_s(32, tree=fanout is not None) - sim.gpu_planner_s(32, "topoep_plus")
-        assert extra > 0.5e-3
+        assert extra > 0.2e-3  # (a difference the checks below can see)
         assert measured.terms["plan"] == pytest.approx(plus.terms["plan"] + extra)
         assert measured.layer_s == pytest.approx(plus.layer_s + extra)
         assert measured.stats["guard_choice"] == plus.stats["guard_choice"]  # the same plan runs
