@@ -36,12 +36,13 @@ from topoep.plan import default_main_rank  # noqa: E402
 from topoep.planners import plan_concurrently, solve  # noqa: E402
 from topoep.relay import executed_sources  # noqa: E402
 from topoep.runtime import guard_cuda  # noqa: E402
-from topoep.runtime.guard import NetBenefitGuard  # noqa: E402
+from topoep.runtime.guard import NetBenefitGuard, SpreadGate  # noqa: E402
 
 # select with the local candidate; the same with relay_fanout=2 and the trees; each on the reference and the kernel
 VARIANTS = ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
 # the whole decision of a guarded topoep_plus layer (kernels), on uniform routing (skipped) and on the workload
 CHAINS = ("chain_skip", "chain_skip_relay", "chain_plan", "chain_plan_relay", "chain_hint", "chain_hint_relay")
+# and chain_gate_off: a plus_spread layer's decision where its spread gate leaves the spread planner out
 W_BYTES, S_BYTES = 3 * 2048 * 768 * 2, 2048 * 2
 
 
@@ -66,6 +67,23 @@ def _chain(relay: bool, omega: torch.Tensor, topo, slots: int):
     executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), planned=worth)[0]  # kernel on a GPU
     if relay:
         return executed.route, *(guard_cuda.executed_sources if omega.is_cuda else executed_sources)(executed, 2)
+    return executed.route,
+
+
+def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
+    """A guarded topoep_plus layer with plus_spread and its spread gate (moe.py `_guarded_plan`, guard.SpreadGate), on
+    a call the gate leaves the spread planner out of: the bound, the gate's flag, topoep_plus, topoep_plus_local and
+    the spread planner (which writes the static plan at once) at once, the guard's selection over the three, the
+    gate's update."""
+    guard = NetBenefitGuard()
+    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
+    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    run = gate.enable(worth)
+    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
+    plan, local, spread = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local", "topoep_plus_spread"),
+                                            [kw, kw, {**kw, "enable": run}])
+    executed, fired, saved, cost = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local, spread), planned=worth)
+    gate.record(worth, run, fired, saved, cost, executed.info["guard_choice"], 2)
     return executed.route,
 
 
@@ -110,6 +128,10 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     works.update({c: (lambda c=c: (_hint_chain if "hint" in c else _chain)(
         c.endswith("relay"), omega if "plan" in c else uniform, topo, slots)) for c in CHAINS})
     works["static_plan"] = lambda: (solve(uniform, topo, policy="static", **kw).route,)  # what the static layer runs
+    gate = SpreadGate(probe=1 << 40, spread_s=1.0)  # off, and no probe in reach: the spread planner left out
+    gate.enable(torch.ones((), dtype=torch.bool, device="cuda"))
+    gate.state.copy_(torch.tensor([0.0, 0.0, float("nan"), float("nan")]))  # no probe since: never due in this run
+    works["chain_gate_off"] = lambda: _gate_chain(gate, omega, topo, slots)
     for variant, work in works.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -137,10 +159,12 @@ def table(rows: list[dict]) -> str:
 
 def chain_table(rows: list[dict]) -> str:
     return markdown_table(["EP", "uniform routing: bound + planners + guard us", "+ relays us",
-                           "workload: bound + planners + guard us", "+ relays us", "workload planned",
+                           "workload: bound + planners + guard us", "+ relays us",
+                           "workload, plus_spread, spread gate off us", "workload planned",
                            "slot hint left out: bound + static plan us", "+ relays us", "static plan alone us"],
                           [[r["ep"], f"{r['chain_skip_us']:.1f}", f"{r['chain_skip_relay_us']:.1f}",
                             f"{r['chain_plan_us']:.1f}", f"{r['chain_plan_relay_us']:.1f}",
+                            f"{r['chain_gate_off_us']:.1f}",
                             "yes" if r["workload_planned"] else "no", f"{r['chain_hint_us']:.1f}",
                             f"{r['chain_hint_relay_us']:.1f}", f"{r['static_plan_us']:.1f}"] for r in rows])
 
@@ -186,7 +210,11 @@ def main(argv=None) -> int:
         "(`topoep_research.sim.GPU_DECISION_SKIP_US`). Slot hint left out: a call of backend cuda whose replica "
         "machinery the slot hint left out (on uniform routing every call after the first `skip_lag`) runs the bound "
         "and the static plan only; the static layer runs the static plan too (static plan alone), so the hint's call "
-        "adds the difference to the static layer's metadata (`topoep_research.sim.GPU_DECISION_HINT_US`).",
+        "adds the difference to the static layer's metadata (`topoep_research.sim.GPU_DECISION_HINT_US`). "
+        "plus_spread, spread gate off: the same decision of a layer with `plus_spread` on a call its spread gate "
+        "leaves the spread planner out of (`topoep.runtime.guard.SpreadGate`: the gate's flag, the spread planner "
+        "writing the static plan beside the other two, the guard over three plans, the gate's update): what the gate "
+        "costs where the spread plans do not pay (`topoep_research.sim.GPU_SPREAD_GATE_OFF_US`).",
         "",
         chain_table(rows),
         "",

@@ -62,6 +62,10 @@ def parse_args(argv=None):
                          "spread planner measured on one H200 (measured; sim.Execution.spread_planner)")
     ap.add_argument("--spread-speedup", type=float, default=1.0,
                     help="with --spread-planner measured: the measured spread planner's time divided by this")
+    ap.add_argument("--spread-gate", default="on", choices=["on", "off"],
+                    help="the spread layers' spread gate (sim.Execution.spread_gate, LayerConfig.spread_gate)")
+    ap.add_argument("--spread-probe", type=int, default=sim.Execution.spread_probe,
+                    help="the spread gate's probe period in calls (LayerConfig.spread_probe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -71,6 +75,8 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")
     if args.spread_speedup != 1.0 and args.spread_planner != "measured":
         raise SystemExit("--spread-speedup scales the measured spread planner: add --spread-planner measured")
+    if args.spread_probe < 2:
+        raise SystemExit("--spread-probe must be >= 2")
     if not args.spread_speedup > 0:
         raise SystemExit("--spread-speedup must be > 0")
     if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0 or args.relay_chunks < 1:
@@ -110,7 +116,8 @@ def run(args) -> list[dict]:
         for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
             fanout, cands = OURS.get(policy, (None, ()))
             ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap,
-                                     spread_planner=args.spread_planner, spread_speedup=args.spread_speedup)
+                                     spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
+                                     spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share)
@@ -122,6 +129,7 @@ def run(args) -> list[dict]:
             if policy in OURS:  # which plan the guard kept: topoep_plus's, a candidate, or static
                 row[f"{policy}_ran"] = ("static" if r.stats["num_replicas"] == 0 else
                                         CHOICES[int(r.stats["guard_choice"])])
+                row[f"{policy}_gate"] = {1.0: "on", 0.0: "off"}.get(r.stats["spread_gate"], "-")
             row[f"{policy}_fetch_nic_bytes"] = r.traffic.get("replica_nic_bytes", 0.0)
             for k in SENDS:  # the busiest senders of the fetch as it ran (relayed or direct)
                 row[f"{policy}_sends_{k}"] = r.stats[f"sends_{k}"]
@@ -192,7 +200,13 @@ def report(args, rows: list[dict]) -> str:
         "`topoep_plus_spread_tree` (the same planner pricing a remote domain's copies as its relay tree fetches "
         "them); `ran`: the plan the guard kept (plus, local, spread, tree, or static when the guard fired or nothing "
         "was planned); "
-        "bound: the variant / the static layer on perfectly balanced routing",
+        + ("the spread layers gate the spread planner (`sim.Execution.spread_gate`, the runtime's "
+           "`LayerConfig.spread_gate`) with a probe every " + str(args.spread_probe) + " calls: where the guard keeps a "
+           "spread plan that beats the other two by more than the spread planner's time it runs on every call but the "
+           "probes (which run the other two plans: averaged in), elsewhere only on the probes (its time beyond theirs "
+           "amortised) and the other two plans run; `gate`: on or off per cell; " if args.spread_gate == "on" else
+           "the spread planner runs on every planned call (`--spread-gate off`); ")
+        + "bound: the variant / the static layer on perfectly balanced routing",
         "- forward replica fetch: " + (
             "beside the dispatch and the main experts' GEMMs for every policy (`sim.Execution.fetch_overlap`, backend "
             "cuda's `fetch_overlap`: first on the links it shares with the dispatch; every rank's slot GEMMs wait for "
@@ -231,10 +245,11 @@ def report(args, rows: list[dict]) -> str:
                                        v["best_peer"], f"{v['vs_best']:.2f}"] for r, v in misses[o]]), ""]
     shown = [p for p in POLICIES if p != "static"] + [o for o in OURS if o not in POLICIES]
     header = (["preset", "EP", "slots", "scenario", "static ms"] + shown
-              + ["plus ran", "spread ran", "plus / bound", "spread relay / bound"])
+              + ["plus ran", "spread ran", "spread gate", "plus / bound", "spread relay / bound"])
     body = [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{r['static_ms']:.2f}"]
             + [f"{r[f'{p}_ms'] / r['static_ms']:.2f}" for p in shown]
-            + [r["topoep_plus_ran"], r[f"{SPREAD_RELAY}_ran"], f"{vp['vs_bound']:.2f}", f"{vs['vs_bound']:.2f}"]
+            + [r["topoep_plus_ran"], r[f"{SPREAD_RELAY}_ran"], f"{r[f'{SPREAD}_gate']} / {r[f'{SPREAD_RELAY}_gate']}",
+               f"{vp['vs_bound']:.2f}", f"{vs['vs_bound']:.2f}"]
             for r, vp, vs in zip(rows, verdicts["topoep_plus"], verdicts[SPREAD_RELAY])]
     lines += ["## All cells (layer time / static)", "", markdown_table(header, body), ""]
     return "\n".join(lines)

@@ -376,6 +376,11 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
                       ptr[kXin], ptr[kU],     ptr[kUAcc],    ptr[kPart],   ptr[kD],     ptr[kUd],
                       ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kDom],  ptr[kHome]};
   i64* const log = ptr[kLog];
+  if (enable != nullptr && !*enable) {  // left out (the pre-plan bound, the spread gate): the static plan, no state
+    for (int j = tid; j < R * N; j += blockDim.x) slot_out[j] = -1;
+    if (tid < 5) info[tid] = 0;
+    return;
+  }
   // the static plan: every expert's demand on its main
   for (int r = tid; r < R; r += blockDim.x) {
     s.L[r] = 0;
@@ -658,13 +663,20 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   }
 }
 
-// The route of the kept loads: warp w routes experts w, w + warps, ... (route_expert; route zeroed before).
+// The route of the kept loads: warp w routes experts w, w + warps, ... (route_expert; route zeroed before). Left out
+// (enable false): the static route, every expert's column of omega on its main instance.
 __global__ void __launch_bounds__(kRouteBlockWarps * 32) spread_route_kernel(const i64* __restrict__ omega,
+                                                                             const bool* __restrict__ enable,
                                                                              SpreadDims d, const i64* load,
                                                                              const i64* slot, i64* route, i64* scratch,
                                                                              int warps) {
   const int lane = threadIdx.x & 31, w = blockIdx.x * kRouteBlockWarps + (threadIdx.x >> 5);
   if (w >= warps) return;
+  if (enable != nullptr && !*enable) {
+    for (int e = w; e < d.E; e += warps)
+      for (int r = lane; r < d.R; r += 32) route[(i64)r * d.P + e] = omega[(i64)r * d.E + e];
+    return;
+  }
   i64* sc = scratch + (size_t)w * kRouteScratch * ((size_t)d.R + 1);
   for (int r = lane; r < d.R; r += 32) sc[kInstOf * (d.R + 1) + r] = -1;
   __syncwarp();
@@ -718,7 +730,7 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   if (err != cudaSuccess) return err;
   const int warps = route_warps(E);
   spread_route_kernel<<<(warps + kRouteBlockWarps - 1) / kRouteBlockWarps, kRouteBlockWarps * 32, 0, stream>>>(
-      omega, d, ws + f.at[kLoad].off, slot_expert, route, ws + f.at[kRoute].off, warps);
+      omega, enable, d, ws + f.at[kLoad].off, slot_expert, route, ws + f.at[kRoute].off, warps);
   return cudaGetLastError();
 }
 

@@ -5,9 +5,10 @@ CUDA it says where to run it."""
 import pytest
 import torch
 
-from bench.guard_latency import VARIANTS, _chain, _decide, _hint_chain, chain_table, main, table
+from bench.guard_latency import VARIANTS, _chain, _decide, _gate_chain, _hint_chain, chain_table, main, table
 from bench.planner_latency import workload
 from topoep import solve
+from topoep.runtime.guard import SpreadGate
 
 
 def test_table_shows_the_four_timings_and_the_kernels_share():
@@ -29,11 +30,11 @@ def test_the_variants_return_the_executed_plan_and_its_trees():
 
 def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
     text = chain_table([dict(ep=32, chain_skip_us=4.0, chain_skip_relay_us=5.5, chain_plan_us=60.0,
-                             chain_plan_relay_us=70.25, workload_planned=True, chain_hint_us=3.0,
-                             chain_hint_relay_us=3.5, static_plan_us=2.25)])
+                             chain_plan_relay_us=70.25, chain_gate_off_us=66.0, workload_planned=True,
+                             chain_hint_us=3.0, chain_hint_relay_us=3.5, static_plan_us=2.25)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 32 "))
-    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "yes", "3.0", "3.5",
-                                                          "2.2"]
+    assert [c.strip() for c in row.split("|")[1:-1]] == ["32", "4.0", "5.5", "60.0", "70.2", "66.0", "yes", "3.0",
+                                                          "3.5", "2.2"]
     topo, omega = workload(16, 64)
     uniform = torch.full_like(omega, int(omega.sum()) // omega.numel())
     static = solve(uniform, topo, num_slots=2, policy="static").route
@@ -50,6 +51,12 @@ def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
     assert bool(_hint_chain(False, omega, topo, 2)[0])  # the workload: a plan may pay
     skewed = _chain(False, omega, topo, 2)[0]  # the workload is planned
     assert not torch.equal(skewed, solve(omega, topo, num_slots=2, policy="static").route)
+    # a plus_spread layer's call whose spread gate is off: the same plan as the layer without the spread candidate
+    gate = SpreadGate(probe=1 << 40, spread_s=1.0)
+    gate.enable(torch.ones((), dtype=torch.bool))
+    gate.state.copy_(torch.tensor([0.0, 0.0, float("nan"), float("nan")]))
+    assert torch.equal(_gate_chain(gate, omega, topo, 2)[0], skewed)
+    assert gate.state[0] == 0 and gate.state[1] == 1 and not bool(gate.flag)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

@@ -457,11 +457,14 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world, spread=False):
+def _guarded_plus(rank, world, spread=False, probe=False):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
     topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
     csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same
-    candidate as backend torch's reference planners."""
+    candidate as backend torch's reference planners. The spread gate (guard.SpreadGate) asks nothing of a spread plan
+    beyond beating the others (spread_plan_s 0), probing it on call 2 (spread_probe 2); with `probe`, 5 calls of a
+    spread planner that never pays (spread_plan_s 1 s): it runs on the probes, calls 2 and 4, only, the gate's state
+    carried through the graph's replays."""
     from topoep import ExpertParallelMoE
     from topoep.runtime import NetBenefitGuard
 
@@ -470,19 +473,21 @@ def _guarded_plus(rank, world, spread=False):
     topo = _topology()
     out = {}
     for backend in ("torch", "cuda"):
+        guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=1.0 if probe else 0.0)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
-                                  guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0), plus_spread=spread,
+                                  guard=guard, plus_spread=spread, spread_probe=2,
                                   **(cuda_options(capacity_factor=None) if backend == "cuda" else
                                      dict(capacity_factor=None, relay_fanout=RELAY)))
         rows = []
-        for call in range(3):
+        for call in range(5 if probe else 3):
             x, idx, w, gy = (t.to(dev) for t in _routing(world, 30, 3.0, dev)[rank])
             xr = x.to(torch.bfloat16).requires_grad_()
             y = layer(xr, idx, w.to(torch.bfloat16))
             (y * gy.to(torch.bfloat16)).sum().backward()
             s = layer.stats_dict()
-            rows.append((s["guard_fired"], s["plan_local"], s["plan_spread"], s["replica_fraction"], s["imbalance"]))
+            rows.append((s["guard_fired"], s["plan_local"], s["plan_spread"], s["spread_planned"],
+                         s["replica_fraction"], s["imbalance"]))
         out[backend] = rows
     return out
 
@@ -491,7 +496,18 @@ def _guarded_plus(rank, world, spread=False):
 def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends(spread):
     for out in run_ranks(_guarded_plus, WORLD, spread, backend="nccl"):
         assert out["cuda"] == out["torch"], out
-        assert len(set(out["cuda"])) == 1  # the same decision on every call (eager, captured, replayed)
+        if spread:  # the spread gate probes on call 2 and keeps the spread planner on where its plan is kept
+            kept = out["cuda"][1][2]
+            assert [r[3] for r in out["cuda"]] == [0.0, 1.0, kept], out
+            assert out["cuda"][2] == out["cuda"][1] or not kept, out
+        else:
+            assert len(set(out["cuda"])) == 1  # the same decision on every call (eager, captured, replayed)
+
+
+def test_guarded_topoep_plus_spread_gate_probes():
+    for out in run_ranks(_guarded_plus, WORLD, True, True, backend="nccl"):
+        assert out["cuda"] == out["torch"], out
+        assert [r[3] for r in out["cuda"]] == [0.0, 1.0, 0.0, 1.0, 0.0], out
 
 
 def _sync_free_and_graph(rank, world):

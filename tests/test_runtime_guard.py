@@ -399,20 +399,21 @@ def test_guarded_topoep_plus_executes_the_kept_candidate():
 
 def _spread_candidate(rank, world):
     """Guarded topoep_plus layers on 4 ranks (2 domains of 2, NICs at 100 MB/s) on megatron's random bias, where the
-    guard prefers the spread plan: with plus_spread it executes it, bit for bit as an unguarded topoep_plus_spread
-    layer; without, it keeps one of its two own plans."""
+    guard prefers the spread plan: with plus_spread (and no spread gate: the planner on every call) it executes it, bit
+    for bit as an unguarded topoep_plus_spread layer; without, it keeps one of its two own plans."""
     topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
     layer, run = _harness(rank, topo, 64, 4)
     idx = biased_topk(world, 16, 64, 2, -4.0, seed=0)[rank]
     cheap = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0)
     out = {}
     for spread in (True, False):
-        guarded = layer("topoep_plus", cheap, 1e-5, plus_spread=spread)
+        guarded = layer("topoep_plus", cheap, 1e-5, plus_spread=spread, spread_gate=False)
         res = run(guarded, idx)
         s = guarded.stats_dict()
         ref = run(layer("topoep_plus_spread" if spread else ("topoep_plus_local" if s["plan_local"] else "topoep_plus"),
                         False, 1e-5), idx)
         out[spread] = dict(fired=s["guard_fired"], spread=s["plan_spread"], local=s["plan_local"],
+                           planned=s["spread_planned"],
                            choice=int(guarded.last_plan.info["guard_choice"]),
                            bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
     return out
@@ -423,8 +424,91 @@ def test_guarded_topoep_plus_executes_its_spread_candidate():
     for r in results:
         assert r[True]["bit_equal"] and r[False]["bit_equal"], r
         assert (r[True]["fired"], r[True]["spread"], r[True]["choice"]) == (0.0, 1.0, 2), r
+        assert r[True]["planned"] == 1.0 and r[False]["planned"] == 0.0, r
         assert r[False]["spread"] == 0.0 and r[False]["choice"] in (0, 1), r
     assert len({repr(r) for r in results}) == 1  # every rank decided alike
+
+
+def _spread_gate(rank, world):
+    """The spread candidate's layer of _spread_candidate over 7 calls on the same routing, with the spread gate
+    (LayerConfig.spread_gate, probe period 3). The first call runs without the spread planner, the second probes it.
+    A spread planner that costs more than any plan saves (spread_plan_s 1 s) then runs on the probes only (calls 2
+    and 5), and the calls between execute what the layer without plus_spread executes, bit for bit; a free one (0 s),
+    whose plan the guard keeps, runs on every call from the second but the probe that measures the other plans again
+    (call 5); with the gate off it runs on every call."""
+    topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
+    layer, run = _harness(rank, topo, 64, 4)
+    idx = biased_topk(world, 16, 64, 2, -4.0, seed=0)[rank]
+    out = {}
+    for name, spread_s, kw in (("slow", 1.0, {}), ("free", 0.0, {}), ("off", 1.0, dict(spread_gate=False)),
+                               ("without", None, dict(plus_spread=False))):
+        guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=spread_s)
+        m = layer("topoep_plus", guard, 1e-5, **{"plus_spread": True, "spread_probe": 3, **kw})
+        calls = []
+        for _ in range(7):
+            m.zero_grad(set_to_none=True)
+            res = run(m, idx)
+            s = m.stats_dict()
+            calls.append(dict(res=res, planned=s["spread_planned"], spread=s["plan_spread"],
+                              choice=int(m.last_plan.info["guard_choice"])))
+        out[name] = calls
+    same = [all(torch.equal(a, b) for a, b in zip(c["res"], w["res"])) for c, w in zip(out["slow"], out["without"])]
+    return {k: [(c["planned"], c["spread"], c["choice"]) for c in v] for k, v in out.items()} | {"slow_as_without": same}
+
+
+def test_spread_gate_runs_the_spread_planner_where_it_pays():
+    results = run_ranks(_spread_gate, 4)
+    for r in results:
+        for name, runs in (("slow", (1, 4)), ("free", (1, 2, 3, 5, 6)), ("off", range(7))):
+            assert [c[0] for c in r[name]] == [float(i in runs) for i in range(7)], (name, r)
+            assert all(c[1:] == (1.0, 2) for i, c in enumerate(r[name]) if i in runs), (name, r)  # the guard keeps it
+            assert all(c[1] == 0.0 and c[2] in (0, 1) for i, c in enumerate(r[name]) if i not in runs), (name, r)
+        assert all(same for i, same in enumerate(r["slow_as_without"]) if i not in (1, 4)), r
+        assert all(c[0] == 0.0 for c in r["without"]), r
+    decisions = [{k: v for k, v in r.items() if k != "slow_as_without"} for r in results]
+    assert len({repr(d) for d in decisions}) == 1  # every rank decided alike
+
+
+def test_spread_gate_state():
+    """SpreadGate by hand (probe period 2): the first call runs without the spread planner and the second probes it;
+    a probe whose kept spread plan beats the other plans' net saving by more than spread_s turns it on; a call without
+    it while on (the next probe) keeps it on only while the spread plan still beats that call's by as much; calls the
+    pre-plan bound leaves out change nothing."""
+    from topoep.runtime.guard import SpreadGate
+
+    yes, no = torch.tensor(True), torch.tensor(False)
+
+    def f(v):
+        return torch.tensor(v, dtype=torch.float64)
+
+    def call(gate, worth, fired, saved, cost, choice):
+        ran = gate.enable(worth)
+        gate.record(worth, ran, fired, f(saved), f(cost), torch.tensor(choice), 2)
+        return bool(ran)
+
+    gate = SpreadGate(probe=2, spread_s=1.0)
+    assert not call(gate, no, yes, 0.0, 0.0, 0)  # left out: nothing changes
+    assert not call(gate, yes, no, 5.0, 1.0, 0)  # the first call: the other plans' net 4
+    assert call(gate, yes, no, 9.0, 1.0, 2)  # the probe: spread kept, net 8 beats 4 by more than 1: on
+    assert gate.state[0] == 1 and gate.state[3] == 8.0
+    assert call(gate, yes, no, 9.0, 1.0, 2)  # on: it runs (net 8 again)
+    assert not call(gate, yes, no, 6.0, 1.0, 0)  # the probe, without it: 8 still beats this call's 5 by more than 1
+    assert gate.state[0] == 1 and gate.state[2] == 5.0
+    assert call(gate, yes, no, 6.5, 1.0, 3)  # on: it runs; kept (the tree candidate), net 5.5 beats 5 by only 0.5
+    assert gate.state[0] == 0
+    assert call(gate, yes, yes, 9.0, 1.0, 2)  # the probe: the guard fired (static runs): it stays off
+    assert gate.state[0] == 0 and gate.state[3] == -float("inf")
+    assert not call(gate, yes, no, 6.0, 1.0, 0)  # off: no run until the next probe
+    with pytest.raises(ValueError, match="probe period must be an integer >= 2"):
+        SpreadGate(probe=1, spread_s=1.0)
+
+
+def test_spread_plan_s():
+    with pytest.raises(ValueError, match="spread_plan_s must be None"):
+        NetBenefitGuard(spread_plan_s=-1.0)
+    assert NetBenefitGuard(spread_plan_s=2e-4).spread_s(32, False) == 2e-4
+    assert NetBenefitGuard().spread_s(32, False) == pytest.approx(471.5e-6)
+    assert NetBenefitGuard().spread_s(32, True) == pytest.approx(511.8e-6)
 
 
 def test_plus_spread_needs_the_guarded_topoep_plus_layer():
@@ -436,3 +520,13 @@ def test_plus_spread_needs_the_guarded_topoep_plus_layer():
             LayerConfig(plus_spread=True, **bad)
     with pytest.raises(ValueError, match="plus_spread must be true or false"):
         LayerConfig(policy="topoep_plus", plus_spread=1)
+
+
+def test_spread_gate_kernel_equals_its_reference_in_the_interpreter():
+    """topoep.runtime.gate_triton's kernel under Triton's interpreter against SpreadGate.record_reference
+    (tests/gate_check.py: 4 cases x 60 random calls, state and flag equal after each)."""
+    from interpreter import interpreted_cases
+
+    cases = interpreted_cases("gate_check.py")
+    assert len(cases) == 4 and all("60 calls equal" in c for c in cases), cases
+    assert all(" on after 0," not in c and " runs 0" not in c for c in cases), cases  # both states exercised

@@ -545,8 +545,8 @@ def test_measured_cases_rebuild_the_executed_plans():
 
 
 def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned():
-    """spread_planner="measured": a guarded topoep_plus layer with the spread candidate pays the CUDA spread planner's
-    measured latency (gpu_spread_s; the four plans of a relayed layer at once) instead of topoep_plus's; a layer
+    """spread_planner="measured", no spread gate: a guarded topoep_plus layer with the spread candidate pays the CUDA
+    spread planner's measured latency (gpu_spread_s; the four plans of a relayed layer at once) instead of topoep_plus's; a layer
     without a spread candidate, and the plan it runs, are unchanged."""
     cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
     om = workloads.scenario("warm_domain", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
@@ -557,7 +557,7 @@ def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned
     for fanout, cands in ((None, ("topoep_plus_local", "topoep_plus_spread")),
                           (2, ("topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree"))):
         runs = [sim.simulate(om, cl, model=model, policy="topoep_plus", guard=guard, plus_candidates=c,
-                             execution=replace(ex, relay_fanout=fanout, spread_planner=mode))
+                             execution=replace(ex, relay_fanout=fanout, spread_planner=mode, spread_gate=False))
                 for mode in ("plus", "measured") for c in (cands, ("topoep_plus_local",))]
         (plus, plus_local), (measured, measured_local) = runs[:2], runs[2:]
         extra = sim.gpu_spread_s(32, tree=fanout is not None) - sim.gpu_planner_s(32, "topoep_plus")
@@ -570,12 +570,45 @@ def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned
         replace(ex, spread_planner="fast")
 
 
+@pytest.mark.parametrize("scen, slots, on", [("warm_domain", 2, True), ("hot_domain", 1, False)])
+def test_spread_gate_in_steady_state(scen, slots, on):
+    """Execution.spread_gate (the runtime's SpreadGate in steady state), measured spread planner, EP 32: where the
+    guard keeps a spread plan that beats the other two by more than the spread planner's time (warm domain) the gated
+    layer is the ungated one plus the gate's time on all but one call in spread_probe, and the layer without the spread
+    candidate on that one; elsewhere (hot domain, 1 slot) it runs the other two's plan with the gate's time and the
+    spread planner's time beyond topoep_plus's on one call in spread_probe."""
+    from topoep.runtime import NetBenefitGuard
+
+    cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
+    om = workloads.scenario(scen, 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    ex = replace(sim.EXECUTIONS["topoep"], spread_planner="measured", spread_probe=16)
+    cands = ("topoep_plus_local", "topoep_plus_spread")
+
+    def run(candidates, gate):
+        return sim.simulate(om, cl, model=model, policy="topoep_plus", num_slots=slots, guard=NetBenefitGuard(),
+                            plus_candidates=candidates, execution=replace(ex, spread_gate=gate))
+
+    gated, ungated, plain = run(cands, True), run(cands, False), run(("topoep_plus_local",), False)
+    gate_s = sim._interpolated_s(sim.GPU_SPREAD_GATE_US, 32)
+    assert gated.stats["spread_gate"] == float(on) and ungated.stats["spread_gate"] == -1.0
+    if on:
+        assert ungated.stats["guard_choice"] == 2.0 and gated.stats["guard_choice"] == 2.0
+        assert gated.layer_s == pytest.approx((15 * (ungated.layer_s + gate_s) + plain.layer_s) / 16)
+    else:
+        extra = (sim.gpu_spread_s(32) - sim.gpu_planner_s(32, "topoep_plus")) / 16
+        assert gated.stats["guard_choice"] == plain.stats["guard_choice"]
+        assert gated.layer_s == pytest.approx(plain.layer_s + gate_s + extra)
+        assert gated.layer_s < ungated.layer_s
+    with pytest.raises(ValueError, match="spread_probe"):
+        replace(ex, spread_probe=1)
+
+
 def test_spread_speedup_divides_the_measured_planner_time():
     cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
     om = workloads.scenario("warm_domain", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
     from topoep.runtime import NetBenefitGuard
 
-    ex = replace(sim.EXECUTIONS["topoep"], spread_planner="measured")
+    ex = replace(sim.EXECUTIONS["topoep"], spread_planner="measured", spread_gate=False)
     r1, r10 = (sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(),
                             plus_candidates=("topoep_plus_local", "topoep_plus_spread"),
                             execution=replace(ex, spread_speedup=x)) for x in (1.0, 10.0))

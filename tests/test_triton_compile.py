@@ -1,5 +1,5 @@
 """CPU test: every Triton kernel of backend `cuda` (topoep/runtime/symm.py, layout_triton.py, weighting.py, spill.py,
-stats_triton.py, worth_triton.py) compiles for sm_90 (H100/H200)
+stats_triton.py, worth_triton.py, gate_triton.py) compiles for sm_90 (H100/H200)
 without a GPU, with the argument types the backend passes. Catches type and syntax errors before any GPU
 time; that the kernels compute the right thing is checked on the GPU (tests/test_cuda_backend_gpu.py)."""
 
@@ -12,6 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
+import topoep.runtime.gate_triton as GT  # noqa: E402
 import topoep.runtime.layout_triton as LT  # noqa: E402
 import topoep.runtime.spill as SP  # noqa: E402
 import topoep.runtime.stats_triton as ST  # noqa: E402
@@ -77,13 +78,16 @@ KERNELS = {
     # worth_triton.py, 32 ranks, 640 experts
     "_worth_kernel": (dict(omega=I64, consts="*fp64", partial=I64, counter="*i32", out="*i1", R=I32, E=I32,
                            E_loc=I32, NPROG=I32), dict(BLOCK_S=32, BLOCK_RB=2, BLOCK_L=32, BLOCK_P=16)),
+    # gate_triton.py: the spread gate's update
+    "_gate_kernel": (dict(state="*fp64", flag="*i1", worth="*i1", ran="*i1", fired="*i1", saved="*fp64", cost="*fp64",
+                          choice=I64, spread_s="*fp64", first_spread=I32, probe=I32), {}),
     # weighting.py, Qwen3's hidden size and top-8
     "_weighted_sum_kernel": (dict(rows="*bf16", w="*bf16", y="*bf16", save="*bf16", inv=I64, lmain="*bf16",
                                   lslot="*bf16", lcap=I32, T=I32),
                              dict(K=8, H=2048, BLOCK=1024, SAVE=True, WEIGHTED=True, LOCAL=True)),
     "_row_dots_kernel": (dict(g="*bf16", rows="*bf16", out="*fp32", T=I32), dict(K=8, H=2048, BLOCK=1024)),
 }
-MODULES = (S, LT, W, SP, ST, WT)
+MODULES = (S, LT, W, SP, ST, WT, GT)
 
 
 def _kernel(name):

@@ -391,6 +391,22 @@ step_spread() {  # the spread planner (csrc/spread.cu): its GPU tests (bit-equal
   timeout 200 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
 }
 
+step_gate() {  # the spread gate (guard.SpreadGate, LayerConfig.spread_gate): its update kernel against its reference
+  # (tests/gate_check.py on the GPU), guarded topoep_plus with plus_spread at
+  # EP 8 as 2 domains of 4 (ranks sharing the GPU; the gate's probes carried through the metadata graph's replays),
+  # direct and with relay trees of 2, then the decision's time in the metadata (bench/guard_latency.py ->
+  # guard_latency.{md,json}, with the chain of a call the gate leaves the spread planner out of). Short logs into
+  # $OUT/gate/
+  mkdir -p "$OUT/gate"
+  _q() { short_log gate "$@"; }
+  _q kernel timeout -k 10 120 python3 tests/gate_check.py cuda
+  _q ep8_rpd4_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 250 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py -k guarded_topoep_plus
+  _q ep8_rpd4_relay2_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 timeout -k 10 250 \
+    python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py -k guarded_topoep_plus
+  timeout 200 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -E "^\||Error" | tail -12
+}
+
 step_guard() {  # the guard's kernel (csrc/guard.cu) against its reference (tests/test_guard_cuda.py), then its time
   # in a layer call's metadata beside the reference's (bench/guard_latency.py: without relays and with the
   # relayed-or-direct choice and the relay trees), then the layer on it: backend cuda's GPU tests at EP 1 and their sync audit, and the

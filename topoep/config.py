@@ -94,6 +94,16 @@ class LayerConfig:
     group, priced on the busiest link; with relay_fanout also topoep_plus_spread_tree) beside topoep_plus and
     topoep_plus_local, each on its own stream (csrc/spread.cu on a GPU: no host synchronisation), and the guard keeps
     the fastest plan by its per-link model (the share that ran a spread plan: the plan_spread statistic)."""
+    spread_gate: bool = True
+    """With plus_spread: run the spread planner only where it pays for itself (`topoep.runtime.guard.SpreadGate`, on
+    the device): while the guard keeps spread plans that it predicts beat topoep_plus's and the local plan by more
+    than the spread planner's own time (`NetBenefitGuard.spread_plan_s`), on every call but one in spread_probe (which
+    measures the other two plans again); otherwise on one call in spread_probe only, and the other calls' spread
+    planner writes the static plan at once (the share of calls that ran it: the spread_planned statistic). false:
+    the spread planner on every planned call."""
+    spread_probe: int = 256
+    """With spread_gate: every this many planned calls the gate tries the other state (the spread planner on while it
+    is off, off while it is on), so a routing that turns warm or cools is found within them (>= 2)."""
     relay_fanout: int | None = None
     """Fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing per expert and
     domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
@@ -147,7 +157,7 @@ class LayerConfig:
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
         for name in ("guard", "prefetch", "combine_side_stream", "fetch_overlap", "cuda_graphs", "layer_graphs",
-                     "plus_spread", "relay_share", "deepep_deterministic"):
+                     "plus_spread", "spread_gate", "relay_share", "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -161,6 +171,9 @@ class LayerConfig:
                              f"backend {self.backend}, transport {self.transport}, whose fetch keeps its place in the "
                              f"layer's stream): set {p}.backend=cuda and {p}.transport=peer, or "
                              f"{p}.fetch_overlap=false")
+        if not isinstance(self.spread_probe, int) or isinstance(self.spread_probe, bool) or self.spread_probe < 2:
+            raise ValueError(f"{p}.spread_probe must be an integer >= 2 (calls between the spread gate's probes), got "
+                             f"{self.spread_probe!r}")
         if self.plus_spread and (self.policy != "topoep_plus" or not self.guard or self.num_slots == 0):
             raise ValueError(f"{p}.plus_spread=true adds candidates to the guarded topoep_plus layer (got policy "
                              f"{self.policy}, guard {str(self.guard).lower()}, num_slots {self.num_slots}): set "

@@ -93,7 +93,9 @@ from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
+from topoep.runtime.guard import SpreadGate
 from topoep.planners import POLICIES, solve, validate
+from topoep.planners import spread as spread_planner
 from topoep.topology import Topology
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -280,6 +282,15 @@ class Execution:
     spread_speedup: float = 1.0
     """With spread_planner="measured": the measured spread planner's time divided by this (what a planner this many
     times faster would give; 1: as measured)."""
+    spread_gate: bool = True
+    """A guarded topoep_plus layer with spread candidates gates the spread planner as the runtime does
+    (`topoep.runtime.guard.SpreadGate`, LayerConfig.spread_gate), in steady state (one routing stands for every call):
+    on where the guard keeps a spread plan that it predicts beats the other candidates' by more than the spread
+    planner's time (the spread planner beside the others on every call, but one in spread_probe, which runs the other
+    candidates' layer: averaged in), off elsewhere (the other candidates' plan; the spread planner's time beyond
+    theirs on one call in spread_probe, amortised). False: every candidate on every planned call."""
+    spread_probe: int = 256
+    """With spread_gate: the spread gate's probe period (LayerConfig.spread_probe; >= 2)."""
     slot_hint: bool = True
     """A guarded call whose pre-plan bound leaves planning out runs as backend cuda's slot hint runs it once the
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
@@ -291,6 +302,7 @@ class Execution:
         if self.relay_fanout is not None:
             _check(self, "relay_fanout", "int", 1)
         _check(self, "relay_chunks", "int", 1)
+        _check(self, "spread_probe", "int", 2)
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
                      "replica_latency_s", "static_plan_s", "host_round_trip_s"):
             _check(self, name, "float", 0.0)
@@ -343,12 +355,17 @@ GPU_DECISION_PLUS_RELAY_US = ((8, 69.4), (32, 66.0), (128, 87.6))
 GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
 GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
 GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
-# The CUDA spread planner (csrc/spread.cu; us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
-# results/spread_latency.md (graph replay on a busy stream): topoep_plus_spread alone (the candidate of a layer
-# without relays: the pair beside it is faster), and the four plans of a relayed layer at once. Its time grows with
-# the greedy's moves (3.7-4.0 us each; 6-382 on that workload), so on other routings it is only an estimate.
-GPU_SPREAD_US = ((8, 44.6), (16, 113.7), (32, 471.5), (64, 486.5), (128, 656.9))
-GPU_SPREAD_SET_US = ((8, 93.9), (16, 151.8), (32, 511.8), (64, 1598.2), (128, 1156.4))
+# What a layer with plus_spread and its spread gate adds to that decision (GPU_DECISION_PLUS_US) on a call the gate
+# leaves the spread planner out of (results/guard_latency.md, same run conditions: its chain less the plain one): the
+# gate's flag and update kernel, the spread planner writing the static plan beside the other two, the guard over
+# three plans. Charged to every call of a gated layer (where the spread planner runs, its time instead of
+# topoep_plus's as well).
+GPU_SPREAD_GATE_US = ((8, 6.2), (32, 5.6), (128, 6.0))
+# The CUDA spread planner (csrc/spread.cu) on one H200: topoep_plus_spread alone (the candidate of a layer without
+# relays: the pair beside it is faster), and the four plans of a relayed layer at once (topoep.planners.spread, from
+# results/spread_latency.md).
+GPU_SPREAD_US = spread_planner.LATENCY_US
+GPU_SPREAD_SET_US = spread_planner.LATENCY_SET_US
 SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
@@ -612,6 +629,14 @@ def gpu_spread_s(num_ranks: int, tree: bool = False) -> float:
     return _interpolated_s(GPU_SPREAD_SET_US if tree else GPU_SPREAD_US, num_ranks)
 
 
+def spread_planner_s(execution: Execution, num_ranks: int, policies) -> float:
+    """The spread candidates' planning time as `execution` times them (Execution.spread_planner): the measured CUDA
+    spread planner (with a tree candidate among `policies`, the relayed layer's set), or topoep_plus's planner."""
+    if execution.spread_planner == "measured":
+        return gpu_spread_s(num_ranks, tree="topoep_plus_spread_tree" in policies) / execution.spread_speedup
+    return gpu_planner_s(num_ranks, "topoep_plus")
+
+
 def gpu_guard_s(num_ranks: int, relay: bool = False) -> float:
     """The net-benefit guard's GPU time per layer call (GPU_GUARD_US; GPU_GUARD_RELAY_US with relay trees)."""
     return _interpolated_s(GPU_GUARD_RELAY_US if relay else GPU_GUARD_US, num_ranks)
@@ -642,17 +667,7 @@ def gpu_bound_s(num_ranks: int, relay: bool = False) -> float:
                - gpu_planner_s(num_ranks, "topoep_plus"))
 
 
-def _interpolated_s(pts, num_ranks: int) -> float:
-    """Seconds at num_ranks from measured (ranks, us) points: the first point's below them, linear in log2(ranks)
-    between them, linear in ranks beyond the last (the last segment's slope)."""
-    if num_ranks <= pts[0][0]:
-        return pts[0][1] * 1e-6
-    for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
-        if num_ranks <= r1:
-            w = (math.log2(num_ranks) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
-            return (u0 + w * (u1 - u0)) * 1e-6
-    (r0, u0), (r1, u1) = pts[-2], pts[-1]
-    return (u1 + (num_ranks - r1) * (u1 - u0) / (r1 - r0)) * 1e-6
+_interpolated_s = spread_planner.interpolated_s
 
 
 def gather_s(num_ranks: int, num_experts: int, cluster: Cluster) -> float:
@@ -813,7 +828,7 @@ class PlanCache:
 def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: Execution | None = None,
              policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None,
              plan_cache: PlanCache | None = None,
-             plus_candidates: tuple[str, ...] = ("topoep_plus_local",)) -> SimResult:
+             plus_candidates: tuple[str, ...] = ("topoep_plus_local",), _solved: dict | None = None) -> SimResult:
     """Predicted time of one MoE layer call (forward + backward) on `cluster`.
 
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
@@ -833,6 +848,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         planner's where a spread plan is among them.
     """
     execution = execution or EXECUTIONS["topoep"]
+    guard_in, solved = guard, {}  # (the spread gate's second call: the arguments as given, the plans made)
+    _solved = _solved or {}
     measured = None
     if isinstance(plan_or_omega, Plan):
         plan = plan_or_omega
@@ -864,6 +881,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     # the guard's pre-plan bound: where no plan can pay, the static plan runs and no planner does
     skipped = guarded and not bool(guard.worth_planning(omega, topo, main_rank, t_ffn, model.expert_bytes, n_rep))
     candidates, local_plan, choice = (), 0.0, 0.0
+    gate, R_omega = None, omega.shape[0]  # the spread gate's verdict (None: no gate ran)
     if skipped:
         plan = solve(omega, topo, num_slots=N, policy="static", expert_bytes=model.expert_bytes,
                      token_bytes=model.token_bytes)
@@ -875,15 +893,38 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         for each in (name, *plus_candidates) if guarded and name == "topoep_plus" else (name,):
             kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
                       t_ffn=t_ffn)
-            if plan_cache is not None:
+            if each in _solved:  # the spread gate's call for the other candidates' layer: the plans made already
+                p, m = _solved[each]
+            elif plan_cache is not None:
                 p, m = plan_cache.solve(omega, topo, **kw)
             else:
                 t0 = time.perf_counter()
                 p = solve(omega, topo, backend="reference", **kw)
                 m = time.perf_counter() - t0
             plans.append(p)
+            solved[each] = (p, m)
             measured = m if measured is None else max(measured, m)
         plan, candidates = plans[0], tuple(plans[1:])
+    gate_cheap = None  # the spread gate on: the other candidates' layer, which its probes run
+    if guarded and not skipped and execution.spread_gate and name == "topoep_plus":
+        from topoep.planners.cuda import SPREAD_POLICIES
+
+        cheap = tuple(p for p in candidates if p.policy not in SPREAD_POLICIES)
+        if len(cheap) < len(candidates):  # the spread gate in steady state (one routing stands for every call)
+            net = []
+            for cands in (cheap, candidates):
+                executed, fired, saved, cost = guard.select(plan, t_ffn, n_rep, candidates=cands)
+                net.append(0.0 if bool(fired) else float(saved - cost))
+            choice_all = int(executed.info["guard_choice"])
+            gate = (choice_all > len(cheap) and not bool(fired)
+                    and net[1] - net[0] > spread_planner_s(execution, R_omega, plus_candidates))
+            if gate:
+                gate_cheap = simulate(omega, cluster, model=model, policy=name, num_slots=N,
+                                      execution=replace(execution, spread_gate=False), guard=guard_in,
+                                      plus_candidates=tuple(p.policy for p in cheap), plan_cache=plan_cache,
+                                      _solved=solved)
+            else:  # the spread planner runs on probe calls only: the other candidates' plan on every call
+                candidates = cheap
     if guarded and not skipped:
         plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
         choice = float(int(plan.info["guard_choice"])) if candidates and not bool(fired) else 0.0
@@ -914,6 +955,11 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         spread = {p.policy for p in (plan, *candidates)} & set(SPREAD_POLICIES)
         if plan_s is not None:
             solve_s = plan_s
+        elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
+            spread_s = spread_planner_s(execution, R, plus_candidates)
+            plus_s = gpu_planner_s(R, "topoep_plus")
+            solve_s = _interpolated_s(GPU_SPREAD_GATE_US, R) + (
+                max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif spread and execution.spread_planner == "measured":  # csrc/spread.cu, beside the other plans
             solve_s = gpu_spread_s(R, tree="topoep_plus_spread_tree" in spread) / execution.spread_speedup
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES):
@@ -1000,6 +1046,12 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     stats.update({f"sends_{k}": float(v) for k, v in sends.items()})
     dense = rows_max / model.top_k * model.dense_flops_per_token / cluster.gemm_flops_per_s
     mem = model_memory(model, R, plan.num_slots, execution.capacity_factor, slots_used=has_rep)
+    if gate_cheap is not None:  # one planned call in spread_probe (the gate's probe) runs the other candidates' plan
+        p = execution.spread_probe
+        layer = ((p - 1) * layer + gate_cheap.layer_s) / p
+        forward = ((p - 1) * forward + gate_cheap.forward_s) / p
+        bwd_pipe = ((p - 1) * bwd_pipe + gate_cheap.backward_s) / p
+    stats["spread_gate"] = float(gate) if gate is not None else -1.0  # 1 on, 0 off, -1 no gate
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
                      layer_s=layer, forward_s=forward, backward_s=bwd_pipe,
                      exposed=exposed, terms=terms, traffic=traffic, stats=stats,

@@ -199,21 +199,25 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     return fit_capacity(plan, capacity)
 
 
-def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[str, ...], kw: dict) -> list[Plan]:
-    """`solve(omega, topology, policy=p, **kw)` for each policy p, in order. On a GPU each plan after the first runs
-    on a side stream of its own at the same time as the first (each policy has its own workspace; two default grids
-    of the multi-block planner take half the SMs each, the spread planner one block), and the current stream waits
-    for them: no host synchronisation, capturable in a CUDA graph."""
+def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[str, ...],
+                      kw: dict | list[dict]) -> list[Plan]:
+    """`solve(omega, topology, policy=p, **kw)` for each policy p, in order (kw: one dict for all, or one per policy).
+    On a GPU each plan after the first runs on a side stream of its own at the same time as the first (each policy
+    has its own workspace; two default grids of the multi-block planner take half the SMs each, the spread planner
+    one block), and the current stream waits for them: no host synchronisation, capturable in a CUDA graph."""
+    kws = [kw] * len(policies) if isinstance(kw, dict) else list(kw)
+    if len(kws) != len(policies):
+        raise ValueError(f"plan_concurrently: {len(kws)} keyword dicts for {len(policies)} policies")
     if not omega.is_cuda or len(policies) < 2:
-        return [solve(omega, topology, policy=p, **kw) for p in policies]
+        return [solve(omega, topology, policy=p, **k) for p, k in zip(policies, kws)]
     main = torch.cuda.current_stream(omega.device)
     sides = [_plan_stream(omega.device, i) for i in range(len(policies) - 1)]
     others = []
-    for side, policy in zip(sides, policies[1:]):
+    for side, policy, k in zip(sides, policies[1:], kws[1:]):
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            others.append(solve(omega, topology, policy=policy, **kw))
-    first = solve(omega, topology, policy=policies[0], **kw)
+            others.append(solve(omega, topology, policy=policy, **k))
+    first = solve(omega, topology, policy=policies[0], **kws[0])
     for side in sides:
         main.wait_stream(side)
     if not torch.cuda.is_current_stream_capturing():  # (a capture's pool keeps its memory until the graph goes)

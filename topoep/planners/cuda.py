@@ -273,7 +273,8 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
     """`topoep_plus_spread` / `topoep_plus_spread_tree` on the GPU (csrc/spread.cu), the reference's plan bit for bit
     (default placement). No host synchronisation: one kernel writes the slot table and the route (that of
     `common.hierarchical_route`), and info["device"] holds int64[5] in the order of SPREAD_INFO (`spread_info` reads
-    it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan)."""
+    it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan at once, no greedy state built, and
+    info["device"] all zeros)."""
     from topoep.planners.spread import default_max_moves, spread_constants
 
     if policy not in SPREAD_POLICIES:

@@ -48,6 +48,8 @@ reads omega).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from topoep.plan import Plan
@@ -65,6 +67,33 @@ TOKEN_TRANSFERS = 2
 # dispatch and combine: the guard's token_transfers). Where one rank's instances draw most of their domain's inflow,
 # its own NIC, not the domain's average, is the busiest link.
 INGRESS_TRANSFERS = 4
+
+# The CUDA spread planner's latency (us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
+# results/spread_latency.md (CUDA-graph replay on a busy stream): this planner alone, and the four plans of a relayed
+# topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once. Its time grows with
+# the greedy's moves (about 4 us each), so on other routings it is an estimate. The spread gate
+# (NetBenefitGuard.worth_spreading) and the simulator read it through `measured_latency_s`.
+LATENCY_US = ((8, 44.6), (16, 113.7), (32, 471.5), (64, 486.5), (128, 656.9))
+LATENCY_SET_US = ((8, 93.9), (16, 151.8), (32, 511.8), (64, 1598.2), (128, 1156.4))
+
+
+def interpolated_s(pts, num_ranks: int) -> float:
+    """Seconds at num_ranks from measured (ranks, us) points: the first point's below them, linear in log2(ranks)
+    between them, linear in ranks beyond the last (the last segment's slope)."""
+    if num_ranks <= pts[0][0]:
+        return pts[0][1] * 1e-6
+    for (r0, u0), (r1, u1) in zip(pts, pts[1:]):
+        if num_ranks <= r1:
+            w = (math.log2(num_ranks) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
+            return (u0 + w * (u1 - u0)) * 1e-6
+    (r0, u0), (r1, u1) = pts[-2], pts[-1]
+    return (u1 + (num_ranks - r1) * (u1 - u0) / (r1 - r0)) * 1e-6
+
+
+def measured_latency_s(num_ranks: int, trees: bool = False) -> float:
+    """The CUDA spread planner's measured latency at num_ranks (LATENCY_US), or with `trees` the relayed layer's four
+    plans at once (LATENCY_SET_US)."""
+    return interpolated_s(LATENCY_SET_US if trees else LATENCY_US, num_ranks)
 
 
 class _State:

@@ -44,6 +44,13 @@ rank). The host cannot know this call's decision without a sync, so it uses the 
 branch. When it skips, this call's plan is forced static on the device (the model's math is unchanged), and
 the guard's own decision on the balanced plan is recorded for the calls after.
 
+A guarded topoep_plus layer with spread candidates (LayerConfig.plus_spread) gates the spread planner, which takes
+far longer than the others (`SpreadGate`, LayerConfig.spread_gate): it runs on every call while the guard keeps a
+spread plan that it predicts beats the other candidates' by more than the spread planner's own time (spread_plan_s),
+else once every spread_probe calls; on the other calls it writes the static plan at once and the guard chooses among
+the other candidates. The gate's state lives on the device and follows the all-gathered counts: every rank decides
+alike.
+
 No host synchronisation: the decisions are 0-d bool device tensors and the executed plan's tensors are
 `torch.where(use_balanced, balanced, static)` (both plans have the same shapes), so the guard stays
 CUDA-graph friendly (the GPU planner reads `worth_planning`'s flag on the device and writes the static plan
@@ -54,6 +61,7 @@ constants, never of measured times: every rank must execute the same plan.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -126,6 +134,12 @@ class NetBenefitGuard:
     another: `topoep.relay.direct_beyond_tree`), even where the model predicts the direct one faster; so no sender
     carries more than a tree's share (`LayerConfig.relay_share`). False: the faster by the model."""
 
+    spread_plan_s: float | None = None
+    """The spread planner's time (seconds) that the spread gate (`SpreadGate`, LayerConfig.spread_gate) asks a
+    spread plan to save beyond the plan kept without it. None: the CUDA spread planner's latency measured on one H200
+    at the layer's EP size (`topoep.planners.spread.measured_latency_s`; with relay trees the relayed layer's four
+    plans)."""
+
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
     call of the same layer `skip_lag` calls earlier (module docstring; `SlotSkipHint`). None: never."""
@@ -135,6 +149,10 @@ class NetBenefitGuard:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")):
                 raise ValueError(f"NetBenefitGuard.{name} must be a finite number of seconds >= 0, got {v!r}")
+        v = self.spread_plan_s
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")):
+            raise ValueError(f"NetBenefitGuard.spread_plan_s must be None (the measured spread planner) or a finite "
+                             f"number of seconds >= 0, got {v!r}")
         b = self.bytes_per_s
         if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")):
             raise ValueError(f"NetBenefitGuard.bytes_per_s must be a positive number of bytes/s or None (the "
@@ -294,6 +312,15 @@ class NetBenefitGuard:
         bound = t_ffn * (load.max() - mean_ceil).to(torch.float64)
         return bound > threshold
 
+    def spread_s(self, num_ranks: int, trees: bool) -> float:
+        """The spread planner's time that the spread gate (`SpreadGate`) asks a spread plan to save: spread_plan_s, or
+        the measured one at num_ranks (with `trees`: a relayed layer's four plans)."""
+        if self.spread_plan_s is not None:
+            return float(self.spread_plan_s)
+        from topoep.planners.spread import measured_latency_s
+
+        return measured_latency_s(num_ranks, trees)
+
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
                candidates: tuple[Plan, ...] = (), backend: str = "auto", planned: torch.Tensor | None = None):
         """(executed plan, fired bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d).
@@ -365,6 +392,69 @@ class NetBenefitGuard:
                     token_bytes=plan.token_bytes,
                     info={**plan.info, "guard_choice": choice,
                           **({"relay": relay} if self.relay_fanout is not None else {})})
+
+
+class SpreadGate:
+    """One layer's spread gate (LayerConfig.spread_gate): run the spread planner where it pays for itself.
+
+    The spread planner (`topoep.planners.spread`, csrc/spread.cu) takes far longer than topoep_plus's, and on many
+    routings the guard keeps topoep_plus's or its local plan anyway. The gate keeps, on the device, whether the spread
+    planner is `on`, the net saving (T_saved - T_plan - T_transfer; 0 where the guard fired) of the plan the guard
+    kept in the last call with the spread planner (`net_spread`) and in the last call without it (`net_other`), and
+    the calls since the last probe. A call runs the spread planner (`enable`, the planner's enable flag) while it is
+    on, except on a probe; while it is off, only on a probe; a probe is every `probe`-th planned call. So each state
+    measures the other every `probe` calls. After a call (`record`, from the call's own guard pricing): a call with
+    the spread planner turns it on iff the guard kept a spread plan whose net saving beats net_other by more than
+    the spread planner's time (`spread_s`: NetBenefitGuard.spread_s); a call without it, while on, keeps it on iff
+    net_spread still beats this call's net saving by that much. A routing that turns warm is thus found within `probe`
+    calls, and one that cools within `probe` calls too. Calls the pre-plan bound leaves out change nothing. Every
+    number follows the all-gathered counts, so every rank decides alike; no host synchronisation, and the state is
+    updated in place, so a CUDA graph of the call carries it from replay to replay. The first call runs without the
+    spread planner, the second probes it."""
+
+    def __init__(self, probe: int, spread_s: float):
+        if not isinstance(probe, int) or isinstance(probe, bool) or probe < 2:
+            raise ValueError(f"the spread gate's probe period must be an integer >= 2 (calls), got {probe!r}")
+        self.probe, self.spread_s = probe, float(spread_s)
+        self.state = None  # float64[4] on the device: on, calls since the last probe, net_other, net_spread
+        self.flag = None  # bool[1]: whether the next call runs the spread planner where the pre-plan bound lets it
+        self._spread_s = None  # float64[1]: spread_s on the device (the kernel's)
+
+    def enable(self, worth: torch.Tensor) -> torch.Tensor:
+        """bool 0-d: whether this call runs the spread planner (worth: the guard's pre-plan bound)."""
+        if self.state is None or self.state.device != worth.device:
+            nan = float("nan")  # nothing measured yet: no comparison holds
+            self.state = torch.tensor([0.0, self.probe - 2, nan, nan], dtype=torch.float64, device=worth.device)
+            self.flag = torch.zeros(1, dtype=torch.bool, device=worth.device)  # the first call: without it
+            self._spread_s = torch.tensor([self.spread_s], dtype=torch.float64, device=worth.device)
+        return worth & self.flag[0]
+
+    def record(self, worth: torch.Tensor, ran: torch.Tensor, fired: torch.Tensor, saved: torch.Tensor,
+               cost: torch.Tensor, choice: torch.Tensor, first_spread: int) -> None:
+        """After a call's guard (`NetBenefitGuard.select` on all candidates: fired, T_saved, T_plan + T_transfer and
+        the index of the kept plan; spread candidates from first_spread on): the state as the class says, and the
+        next call's flag. On a GPU one Triton kernel (`topoep.runtime.gate_triton`), else this reference."""
+        from topoep.runtime import gate_triton
+
+        if gate_triton.usable(self.state):
+            gate_triton.record_triton(self.state, self.flag, worth, ran, fired, saved, cost, choice, self._spread_s,
+                                      first_spread, self.probe)
+            return
+        self.record_reference(worth, ran, fired, saved, cost, choice, first_spread)
+
+    def record_reference(self, worth, ran, fired, saved, cost, choice, first_spread: int) -> None:
+        """`record` in torch operations (any device)."""
+        on, since, net_other, net_spread = self.state.unbind()
+        net = torch.where(fired, torch.zeros_like(saved), saved - cost).to(torch.float64)
+        kept_spread = (choice >= first_spread) & ~fired
+        new_spread = torch.where(ran, torch.where(kept_spread, net, torch.full_like(net, -math.inf)), net_spread)
+        new_other = torch.where(ran, net_other, net)
+        new_on = torch.where(ran, kept_spread & (net - net_other > self.spread_s),
+                             (on > 0) & (net_spread - net > self.spread_s))
+        new_since = torch.where(since + 1 >= self.probe, torch.zeros_like(since), since + 1)
+        new = torch.stack([new_on.to(torch.float64), new_since, new_other, new_spread])
+        self.state.copy_(torch.where(worth, new, self.state))
+        self.flag.copy_(((self.state[0] > 0) != (self.state[1] + 1 >= self.probe)).view(1))
 
 
 class SlotSkipHint:

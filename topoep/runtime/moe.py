@@ -28,7 +28,7 @@ from topoep.topology import Topology
 from topoep.runtime.backend import GLOO_HARNESS, capacity_rows, harness_transport, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.graphs import graph_layer
-from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
+from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint, SpreadGate
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import RelayTrees, executed_sources, max_level
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
@@ -44,7 +44,7 @@ from topoep.runtime.timing import PhaseTimer, phase
 
 LAYOUT = 9 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
 
-GUARD_STATS = 7  # guard_fired .. plan_spread in LAYER_STAT_NAMES
+GUARD_STATS = 8  # guard_fired .. spread_planned in LAYER_STAT_NAMES
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
     "guard_fired",  # 1 if the call executed the static plan instead of the balanced one: the guard decided so,
@@ -56,6 +56,7 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
     "plan_spread",  # 1 if it was a spread candidate (topoep_plus_spread or _tree: LayerConfig.plus_spread)
+    "spread_planned",  # 1 if the spread planner ran (plus_spread: the pre-plan bound and the spread gate let it)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
@@ -149,6 +150,9 @@ class ExpertParallelMoE(nn.Module):
             lag = NetBenefitGuard.skip_lag
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
                           and self._uses_slots else None)
+        # plus_spread: the spread planner runs where it pays for itself (guard.SpreadGate)
+        self._spread_gate = (SpreadGate(config.spread_probe, self.guard.spread_s(R, config.relay_fanout is not None))
+                             if config.plus_spread and config.spread_gate else None)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -246,21 +250,31 @@ class ExpertParallelMoE(nn.Module):
                   grid_blocks=self.config.planner_blocks, enable=worth)
         if guarded and not planning:
             return self._unplanned(omega, worth, kw, allow, capacity)
-        candidates = ()
-        if guarded and self.policy == "topoep_plus":  # and its local (and spread) plans; the guard keeps the best
-            plan, *candidates = plan_concurrently(omega, self.topology, self._plus_policies(), kw)
+        candidates, spread_run = (), None
+        names = self._plus_policies() if guarded and self.policy == "topoep_plus" else (self.policy,)
+        gate = self._spread_gate if len(names) > 2 else None
+        if len(names) > 2:  # topoep_plus, its local plan and the spread plans at once, the spread planner gated
+            spread_run = worth if gate is None else gate.enable(worth)
+            kws = [kw, kw] + [{**kw, "enable": spread_run}] * (len(names) - 2)
+            plan, *candidates = plan_concurrently(omega, self.topology, names, kws)
+        elif len(names) > 1:  # topoep_plus and its local plan at once; the guard keeps the best
+            plan, *candidates = plan_concurrently(omega, self.topology, names, kw)
         else:
             plan = solve(omega, self.topology, policy=self.policy, **kw)
         guard_stats = torch.zeros(GUARD_STATS, dtype=torch.float64, device=omega.device)
         wanted = None
         if guarded:
-            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow, candidates=candidates,
+            plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow, candidates=tuple(candidates),
                                                          planned=worth)
             wanted = (saved > cost) & worth
             choice = plan.info["guard_choice"]
             local, spread = (choice == 1) & ~fired, (choice >= 2) & ~fired
+            ran = torch.zeros_like(worth) if spread_run is None else spread_run
+            if gate is not None:
+                gate.record(worth, spread_run, fired, saved, cost, choice, 2)
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
-                                       (~worth).to(torch.float64), local.to(torch.float64), spread.to(torch.float64)])
+                                       (~worth).to(torch.float64), local.to(torch.float64), spread.to(torch.float64),
+                                       ran.to(torch.float64)])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, wanted, fit_stats
 
@@ -283,7 +297,7 @@ class ExpertParallelMoE(nn.Module):
         if self.guard.relay_fanout is not None:
             plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
         guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero,
-                                   zero])
+                                   zero, zero])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, worth, fit_stats
 
