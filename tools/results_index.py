@@ -77,6 +77,7 @@ REPORTS = [
     _sweep("link_sweep_spread_measured", "--spread-planner measured"),
     _sweep("link_sweep_spread_measured_x10", "--spread-planner measured --spread-speedup 10"),
     _sweep("link_sweep_spread_measured_x30", "--spread-planner measured --spread-speedup 30"),
+    _sweep("link_sweep_spread_measured_nogate", "--spread-planner measured --spread-gate off"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
@@ -150,6 +151,8 @@ GPU = [
     Entry(("gpu/link_guard",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup planner shape"),
     Entry(("gpu/guard_batch",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup guard (and the commands "
           "in its README)"),
+    Entry(("gpu/gate",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gate (its README names each log's "
+          "command)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
     Entry(("gpu/grouped_gemm",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gemm (its README names "
