@@ -356,7 +356,7 @@ GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
 GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
 GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
 # What a layer with plus_spread and its spread gate adds to that decision (GPU_DECISION_PLUS_US) on a call the gate
-# leaves the spread planner out of (results/gpu/gate/guard_latency_pre97be941.md, the run conditions of
+# leaves the spread planner out of (results/gpu/gate/guard_latency_sim.md, the run conditions of
 # results/guard_latency.md: its chain less the plain one; the run at the commit is within 0.3 us of it): the
 # gate's flag and update kernel, the spread planner writing the static plan beside the other two, the guard over
 # three plans. Charged to every call of a gated layer (where the spread planner runs, its time instead of
