@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         "plus_spread, spread gate off: the same decision of a layer with `plus_spread` on a call its spread gate "
         "leaves the spread planner out of (`topoep.runtime.guard.SpreadGate`: the gate's flag, the spread planner "
         "writing the static plan beside the other two, the guard over three plans, the gate's update): what the gate "
-        "costs where the spread plans do not pay (`topoep_research.sim.GPU_SPREAD_GATE_OFF_US`).",
+        "costs where the spread plans do not pay (`topoep_research.sim.GPU_SPREAD_GATE_US`).",
         "",
         chain_table(rows),
         "",

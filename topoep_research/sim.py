@@ -93,7 +93,6 @@ from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
-from topoep.runtime.guard import SpreadGate
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
 from topoep.topology import Topology
@@ -962,7 +961,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
             solve_s = _interpolated_s(GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif spread and execution.spread_planner == "measured":  # csrc/spread.cu, beside the other plans
-            solve_s = gpu_spread_s(R, tree="topoep_plus_spread_tree" in spread) / execution.spread_speedup
+            solve_s = spread_planner_s(execution, R, spread)
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
             solve_s = gpu_planner_s(R, name if candidates else plan.policy)
