@@ -156,13 +156,39 @@ __device__ __forceinline__ bool less(const Key& x, const Key& y) {
   return x.lo < y.lo;
 }
 
+// The warp's least key (every lane gets it): word by word from the most significant, the lanes still tied keep the
+// 32-bit minimum (redux.sync) of their next word, until one lane is left; then its key is broadcast.
 __device__ __forceinline__ Key warp_min(Key k) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const Key o{__shfl_xor_sync(0xffffffffu, k.hi, off), __shfl_xor_sync(0xffffffffu, k.mid, off),
-                __shfl_xor_sync(0xffffffffu, k.lo, off)};
-    if (less(o, k)) k = o;
+  const unsigned words[6] = {(unsigned)(k.hi >> 32), (unsigned)k.hi, (unsigned)(k.mid >> 32), (unsigned)k.mid,
+                             (unsigned)(k.lo >> 32), (unsigned)k.lo};
+  const unsigned me = 1u << (threadIdx.x & 31);
+  unsigned live = 0xffffffffu;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) {
+    const bool in = live & me;
+    const unsigned m = __reduce_min_sync(0xffffffffu, in ? words[i] : 0xffffffffu);
+    live = __ballot_sync(0xffffffffu, in && words[i] == m);
+    if ((live & (live - 1)) == 0) break;  // (uniform: one lane left)
   }
-  return k;
+  const int src = __ffs(live) - 1;
+  return Key{__shfl_sync(0xffffffffu, k.hi, src), __shfl_sync(0xffffffffu, k.mid, src),
+             __shfl_sync(0xffffffffu, k.lo, src)};
+}
+
+// The warp's largest of a value >= 0 (every lane gets it), by two 32-bit reductions
+__device__ __forceinline__ i64 warp_max_nonneg(i64 v) {
+  const unsigned hi = __reduce_max_sync(0xffffffffu, (unsigned)((u64)v >> 32));
+  const unsigned lo = __reduce_max_sync(0xffffffffu, (unsigned)((u64)v >> 32) == hi ? (unsigned)v : 0u);
+  return (i64)((u64)hi << 32 | lo);
+}
+
+// The warp's busiest rank of each lane's (load >= 0, rank; or -1, 1 << 30 for a lane without a rank, and some lane
+// has one): the largest load, ties the lowest rank (every lane gets it)
+__device__ __forceinline__ void warp_busiest(i64& L, int& r) {
+  const i64 m = warp_max_nonneg(L < 0 ? 0 : L);
+  const bool at = L == m;
+  r = (int)__reduce_min_sync(0xffffffffu, at ? (unsigned)r : 0xffffffffu);  // (a lane with a rank is at m)
+  L = m;
 }
 
 // The loads the objective reads: the busiest rank (largest L, ties: lowest rank), the largest xin, out and inn.
@@ -183,12 +209,10 @@ __device__ Stat warp_stat(const SpreadDims& d, const SpreadState& s, int lane) {
   Stat m{-1, 0, 0, 0, 1 << 30};
   for (int r = lane; r < d.R; r += 32) merge(m, Stat{s.L[r], s.xin[r], 0, 0, r});
   for (int g = lane; g < d.M; g += 32) merge(m, Stat{-1, 0, s.out[g], s.inn[g], 1 << 30});
-  for (int off = 16; off > 0; off >>= 1) {
-    const Stat o{__shfl_xor_sync(0xffffffffu, m.L, off), __shfl_xor_sync(0xffffffffu, m.xin, off),
-                 __shfl_xor_sync(0xffffffffu, m.out, off), __shfl_xor_sync(0xffffffffu, m.inn, off),
-                 __shfl_xor_sync(0xffffffffu, m.r, off)};
-    merge(m, o);
-  }
+  warp_busiest(m.L, m.r);
+  m.xin = warp_max_nonneg(m.xin);
+  m.out = warp_max_nonneg(m.out);
+  m.inn = warp_max_nonneg(m.inn);
   return m;
 }
 
@@ -359,6 +383,9 @@ __device__ void route_expert(const SpreadDims& d, const i64* __restrict__ omega,
   __syncwarp();
 }
 
+// kHot: the arrays kL .. kHome are in shared memory; kCold: kUd, kD and kFirst too (the launch picks the instance of
+// the layout, so that the compiler addresses what is in shared memory as shared memory)
+template <bool kHot, bool kCold>
 __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __restrict__ omega,
                                                                  const bool* __restrict__ enable, SpreadDims d,
                                                                  SpreadLayout f, i64* ws, i64* slot_out, i64* info) {
@@ -371,7 +398,11 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = d.R, E = d.E, N = d.N, M = d.M, P = d.P;
   extern __shared__ i64 smem_state[];
   i64* ptr[kSpreadArrays];
-  for (int a = 0; a < kSpreadArrays; ++a) ptr[a] = (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
+#pragma unroll
+  for (int a = 0; a < kSpreadArrays; ++a) {
+    const bool smem = a < kHotArrays ? kHot : a == kUd || a == kD || a == kFirst ? kCold : false;
+    ptr[a] = smem ? smem_state + f.at[a].off : (f.at[a].in_smem ? smem_state : ws) + f.at[a].off;
+  }
   const SpreadState s{ptr[kL],  ptr[kNicOut], ptr[kNicIn], ptr[kNvlOut], ptr[kNvlIn], ptr[kUsed],
                       ptr[kXin], ptr[kU],     ptr[kUAcc],    ptr[kPart],   ptr[kD],     ptr[kUd],
                       ptr[kFirst], ptr[kOut], ptr[kInn],   ptr[kSlots], ptr[kDom],  ptr[kHome]};
@@ -542,11 +573,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
             const i64 l = s.L[r];
             if (l > Lm) { Lm = l; rm = r; }  // (ascending r: the first of equal loads stays)
           }
-          for (int off = 16; off > 0; off >>= 1) {
-            const i64 ol = __shfl_xor_sync(0xffffffffu, Lm, off);
-            const int orr = __shfl_xor_sync(0xffffffffu, rm, off);
-            if (ol > Lm || (ol == Lm && orr < rm)) { Lm = ol; rm = orr; }
-          }
+          warp_busiest(Lm, rm);
           if (lane == 0) {  // the move for the accountant, then its publication
             volatile i64* entry = log + (i64)kLogWords * moves;
             entry[kLogPb] = pb;
@@ -596,7 +623,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       const volatile i64* entry = log + (i64)kLogWords * done;
       const int pb = (int)entry[kLogPb], pt = (int)entry[kLogPt], e = (int)entry[kLogE], rb = (int)entry[kLogRb],
                 rt = (int)entry[kLogRt];
-      const i64 delta = entry[kLogDelta];
+      const i64 delta = entry[kLogDelta], Lmax = entry[kLogLmax], nic = entry[kLogNic], nvl = entry[kLogNvl];
       const int drb = dom_of(d, rb), drt = dom_of(d, rt);
       if (lane == 0) {
         s.U2[pb] -= delta;
@@ -620,8 +647,8 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       }
       __syncwarp();
       st = warp_stat(d, s, lane);  // (its busiest rank races with warp 0's later moves: the move's own replaces it)
-      st.L = entry[kLogLmax];
-      const i64 obj = objective(d, st, entry[kLogNic], entry[kLogNvl]);
+      st.L = Lmax;
+      const i64 obj = objective(d, st, nic, nvl);
       if (obj < best_obj) {
         best_obj = obj;
         kept = done + 1;
@@ -718,12 +745,16 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   const size_t static_smem = 8 * 1024;  // the kernel's __shared__ variables, with room to spare
   const SpreadLayout f =
       spread_layout(R, E, M, N, optin_of[dev] > (int)static_smem ? optin_of[dev] - static_smem : 0);
+  const bool hot = f.at[kL].in_smem, cold = f.at[kFirst].in_smem;  // (kFirst goes to shared memory last)
+  auto kernel = cold ? spread_kernel<true, true> : hot ? spread_kernel<true, false> : spread_kernel<false, false>;
   if ((int)f.smem_bytes > 48 * 1024 && (int)f.smem_bytes > smem_set[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(spread_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)f.smem_bytes);
-    if (err != cudaSuccess) return err;
+    for (auto k : {spread_kernel<true, true>, spread_kernel<true, false>}) {
+      cudaError_t err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)f.smem_bytes);
+      if (err != cudaSuccess) return err;
+    }
     smem_set[dev] = (int)f.smem_bytes;
   }
-  spread_kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, info);
+  kernel<<<1, kSpreadThreads, f.smem_bytes, stream>>>(omega, enable, d, f, ws, slot_expert, info);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   err = cudaMemsetAsync(route, 0, sizeof(int64_t) * (size_t)R * d.P, stream);

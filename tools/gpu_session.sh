@@ -381,13 +381,18 @@ step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fet
 }
 
 step_spread() {  # the spread planner (csrc/spread.cu): its GPU tests (bit-equal to the reference, no host sync,
-  # graph replay, enable flag), guarded topoep_plus with plus_spread at EP 8 as 2 domains of 4 (ranks sharing the GPU),
-  # then its latency (bench/planner_latency.py --spread -> spread_latency.{md,json}). Short logs into $OUT/spread/
+  # graph replay, enable flag), at EP 8 as 2 domains of 4 (ranks sharing the GPU) guarded topoep_plus with plus_spread
+  # and every policy's layer against backend torch (topoep_plus_spread and _tree alone among them), the sync audit
+  # (its third layer has plus_spread) there and at EP 1, then its latency (bench/planner_latency.py --spread ->
+  # spread_latency.{md,json}). Short logs into $OUT/spread/
   mkdir -p "$OUT/spread"
   _s() { short_log spread "$@"; }
   _s tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_spread_cuda.py
-  _s ep8_rpd4_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 200 python3 -m pytest -q -rA \
-    tests/test_cuda_backend_gpu.py -k guarded_topoep_plus
+  _s ep8_rpd4_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 300 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py -k "guarded_topoep_plus or layer_matches_torch_backend"
+  _s sync_audit_ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 200 \
+    python3 tools/sync_audit.py
+  _s sync_audit_ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py
   timeout 200 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
 }
 
