@@ -71,10 +71,10 @@ INGRESS_TRANSFERS = 4
 # The CUDA spread planner's latency (us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
 # results/spread_latency.md (CUDA-graph replay on a busy stream): this planner alone, and the four plans of a relayed
 # topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once. Its time grows with
-# the greedy's moves (about 4 us each), so on other routings it is an estimate. The spread gate
+# the greedy's moves (about 3 us each), so on other routings it is an estimate. The spread gate
 # (NetBenefitGuard.worth_spreading) and the simulator read it through `measured_latency_s`.
-LATENCY_US = ((8, 44.6), (16, 113.7), (32, 471.5), (64, 486.5), (128, 656.9))
-LATENCY_SET_US = ((8, 93.9), (16, 151.8), (32, 511.8), (64, 1598.2), (128, 1156.4))
+LATENCY_US = ((8, 41.6), (16, 101.1), (32, 390.2), (64, 404.6), (128, 586.3))
+LATENCY_SET_US = ((8, 79.7), (16, 103.9), (32, 393.9), (64, 1248.2), (128, 1013.1))
 
 
 def interpolated_s(pts, num_ranks: int) -> float:
