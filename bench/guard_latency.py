@@ -56,18 +56,26 @@ def _decide(variant: str, plan, local):
     return executed.route,
 
 
+def _bound(omega: torch.Tensor, topo, relay: bool = False):
+    """A layer's guard (relay trees of 2 with `relay`) and its pre-plan bound's verdict on omega."""
+    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
+    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
+    return guard, guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+
+
+def _trees(plan):
+    """The executed plan's relay trees of 2 (the kernel on a GPU)."""
+    return (guard_cuda.executed_sources if plan.route.is_cuda else executed_sources)(plan, 2)
+
+
 def _chain(relay: bool, omega: torch.Tensor, topo, slots: int):
     """A guarded topoep_plus layer's decision (moe.py `_guarded_plan`, capacity step left out): the pre-plan bound,
     topoep_plus and topoep_plus_local at once (static where the bound says no), the guard's selection, the trees."""
-    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
-    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
-    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    guard, worth = _bound(omega, topo, relay)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
     plan, local = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local"), kw)
     executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), planned=worth)[0]  # kernel on a GPU
-    if relay:
-        return executed.route, *(guard_cuda.executed_sources if omega.is_cuda else executed_sources)(executed, 2)
-    return executed.route,
+    return (executed.route, *_trees(executed)) if relay else (executed.route,)
 
 
 def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
@@ -75,9 +83,7 @@ def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
     a call the gate leaves the spread planner out of: the bound, the gate's flag, topoep_plus, topoep_plus_local and
     the spread planner (which writes the static plan at once) at once, the guard's selection over the three, the
     gate's update."""
-    guard = NetBenefitGuard()
-    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
-    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    guard, worth = _bound(omega, topo)
     run = gate.enable(worth)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
     plan, local, spread = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local", "topoep_plus_spread"),
@@ -90,13 +96,11 @@ def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
 def _hint_chain(relay: bool, omega: torch.Tensor, topo, slots: int):
     """A call the slot hint left out (moe.py `_unplanned`): the pre-plan bound and the static plan (and with relays
     the static plan's trees: none)."""
-    guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
-    main_rank = default_main_rank(omega.shape[1], omega.shape[0], omega.device)
-    worth = guard.worth_planning(omega, topo, main_rank, DEFAULT_T_FFN, W_BYTES, 1)
+    _, worth = _bound(omega, topo, relay)
     plan = solve(omega, topo, policy="static", num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES)
     if relay:
         plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
-        return worth, plan.route, *(guard_cuda.executed_sources if omega.is_cuda else executed_sources)(plan, 2)
+        return worth, plan.route, *_trees(plan)
     return worth, plan.route
 
 
