@@ -34,7 +34,9 @@ SPREAD_RELAY = "topoep_plus_spread_relay"  # the same with relay trees of 2
 OURS = {"topoep_plus": (None, ("topoep_plus_local",)), RELAY: (2, ("topoep_plus_local",)),
         SPREAD: (None, ("topoep_plus_local", "topoep_plus_spread")),
         SPREAD_RELAY: (2, ("topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree"))}
-CHOICES = ("plus", "local", "spread", "tree")  # `ran`: topoep_plus's plan, or candidate 1, 2 or 3
+# `--peer-candidates` (a what-if): guarded topoep_plus with the peers' plans as further candidates
+PEER_LAYER, PEER_CANDIDATES = "topoep_plus_peers", ("topoep_plus_local", "flexmoe", "deepseek")
+SHORT = {"topoep_plus_local": "local", "topoep_plus_spread": "spread", "topoep_plus_spread_tree": "tree"}
 SENDS = ("nvlink", "nic", "nvlink_expert", "nic_expert")  # topoep.relay.sender_copies
 PEERS = ("topoep", "deepseek", "fastermoe", "flexmoe")  # what topoep_plus must match (issue: within 1.01x the best)
 
@@ -66,6 +68,9 @@ def parse_args(argv=None):
                     help="the spread layers' spread gate (sim.Execution.spread_gate, LayerConfig.spread_gate)")
     ap.add_argument("--spread-probe", type=int, default=sim.Execution.spread_probe,
                     help="the spread gate's probe period in calls (LayerConfig.spread_probe)")
+    ap.add_argument("--peer-candidates", action="store_true",
+                    help="a what-if layer, topoep_plus_peers: guarded topoep_plus with FlexMoE's and DeepSeek EPLB's "
+                         "plans as further candidates, planned at topoep_plus's measured time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -84,6 +89,16 @@ def parse_args(argv=None):
     return args
 
 
+def layers(args) -> dict:
+    """The topoep_plus layers of this sweep: OURS, and with --peer-candidates PEER_LAYER."""
+    return {**OURS, PEER_LAYER: (None, PEER_CANDIDATES)} if args.peer_candidates else dict(OURS)
+
+
+def ran_name(candidates: tuple[str, ...], choice: int) -> str:
+    """`ran`: the plan the guard kept, plus (topoep_plus's own) or its candidate `choice` (1-based) by short name."""
+    return (("plus",) + tuple(SHORT.get(c, c) for c in candidates))[choice]
+
+
 def cells(args):
     for preset in args.presets:
         for ep in args.eps:
@@ -98,6 +113,7 @@ def run(args) -> list[dict]:
     model0 = sim.MODELS[args.model]
     guard = NetBenefitGuard()
     omegas, bounds, rows = {}, {}, []
+    ours = layers(args)
     todo = list(cells(args))
     for preset, ep, slots, scen in tqdm(todo, desc="cells", unit="cell"):
         base = sim.CLUSTERS[preset]
@@ -113,22 +129,22 @@ def run(args) -> list[dict]:
             bounds[(preset, ep)] = sim.simulate(bal, cl, model=model, policy="static", num_slots=0).layer_s
         row = {"preset": preset, "ep": ep, "domains": ep // d, "slots": slots, "scenario": scen,
                "bound_ms": 1e3 * bounds[(preset, ep)]}
-        for policy in POLICIES + tuple(o for o in OURS if o not in POLICIES):
-            fanout, cands = OURS.get(policy, (None, ()))
+        for policy in POLICIES + tuple(o for o in ours if o not in POLICIES):
+            fanout, cands = ours.get(policy, (None, ()))
             ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap,
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
                                      spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share)
-            r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in OURS else "topoep_plus",
+            r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in ours else "topoep_plus",
                              num_slots=slots, guard=None if policy == "static" else guard, execution=ex,
-                             **({"plus_candidates": cands} if policy in OURS else {}))
+                             **({"plus_candidates": cands} if policy in ours else {}))
             row[f"{policy}_ms"] = 1e3 * r.layer_s
             row[f"{policy}_imbalance"] = r.stats["imbalance"]
-            if policy in OURS:  # which plan the guard kept: topoep_plus's, a candidate, or static
+            if policy in ours:  # which plan the guard kept: topoep_plus's, a candidate, or static
                 row[f"{policy}_ran"] = ("static" if r.stats["num_replicas"] == 0 else
-                                        CHOICES[int(r.stats["guard_choice"])])
+                                        ran_name(cands, int(r.stats["guard_choice"])))
                 row[f"{policy}_gate"] = {1.0: "on", 0.0: "off"}.get(r.stats["spread_gate"], "-")
             row[f"{policy}_fetch_nic_bytes"] = r.traffic.get("replica_nic_bytes", 0.0)
             for k in SENDS:  # the busiest senders of the fetch as it ran (relayed or direct)
@@ -206,6 +222,10 @@ def report(args, rows: list[dict]) -> str:
            "probes (which run the other two plans: averaged in), elsewhere only on the probes (its time beyond theirs "
            "amortised) and the other two plans run; `gate`: on or off per cell; " if args.spread_gate == "on" else
            "the spread planner runs on every planned call (`--spread-gate off`); ")
+        + ("topoep_plus_peers (`--peer-candidates`, a what-if): guarded topoep_plus with FlexMoE's and DeepSeek EPLB's "
+           "plans as further candidates (`ran`: plus, local, flexmoe, deepseek), planned beside topoep_plus's at its "
+           "CUDA planner's measured time: no GPU planner for them exists, so this bounds what such candidates could "
+           "give; " if args.peer_candidates else "")
         + "bound: the variant / the static layer on perfectly balanced routing",
         "- forward replica fetch: " + (
             "beside the dispatch and the main experts' GEMMs for every policy (`sim.Execution.fetch_overlap`, backend "
@@ -215,7 +235,8 @@ def report(args, rows: list[dict]) -> str:
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]
-    verdicts = {o: [verdict(r, o) for r in rows] for o in OURS}
+    ours = layers(args)
+    verdicts = {o: [verdict(r, o) for r in rows] for o in ours}
     misses = {o: [(r, v) for r, v in zip(rows, vs) if not v["ok"]] for o, vs in verdicts.items()}
     lines += ["## Cells where a topoep_plus layer misses a target", "",
               "Targets: ours / static <= 1.00 (1.01 on uniform) and <= 1.01 x the best of topoep, deepseek, "
@@ -223,12 +244,12 @@ def report(args, rows: list[dict]) -> str:
               markdown_table(["layer", "relay fanout", "guard candidates", "cells missed", "worst / best peer",
                               "median / bound", "busiest sender's copies: NVLink / NIC (of one expert)",
                               "cells beyond a tree's share (NVLink / NIC)"],
-                             [[o, OURS[o][0] or "-", ", ".join(("topoep_plus",) + OURS[o][1]),
+                             [[o, ours[o][0] or "-", ", ".join(("topoep_plus",) + ours[o][1]),
                                f"{len(misses[o])} of {len(rows)}",
                                f"{max(v['vs_best'] for v in verdicts[o]):.2f}",
                                f"{sorted(v['vs_bound'] for v in verdicts[o])[len(rows) // 2]:.2f}", _sends(rows, o),
                                _beyond(rows, o)]
-                              for o in OURS]),
+                              for o in ours]),
               "",
               "Busiest sender: the most replica copies one rank sends in a fetch as it ran (relayed or direct, the "
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
@@ -237,13 +258,13 @@ def report(args, rows: list[dict]) -> str:
               "layers without relays fetch every copy from its home; " + ("the relay layers' guard relays every such "
               "fetch)." if args.relay_share else "the relay layers' guard runs the direct fetch where its model finds "
               "it faster: `--relay-share` relays every such fetch).") + "", ""]
-    for o in OURS:
+    for o in ours:
         if misses[o]:
             lines += [f"{o}:", "",
                       markdown_table(["preset", "EP", "slots", "scenario", "ours / static", "best peer", "ours / best"],
                                      [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{v['vs_static']:.2f}",
                                        v["best_peer"], f"{v['vs_best']:.2f}"] for r, v in misses[o]]), ""]
-    shown = [p for p in POLICIES if p != "static"] + [o for o in OURS if o not in POLICIES]
+    shown = [p for p in POLICIES if p != "static"] + [o for o in ours if o not in POLICIES]
     header = (["preset", "EP", "slots", "scenario", "static ms"] + shown
               + ["plus ran", "spread ran", "spread gate", "plus / bound", "spread relay / bound"])
     body = [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{r['static_ms']:.2f}"]
@@ -265,7 +286,7 @@ def main(argv=None) -> None:
     rows = run(args)
     text = report(args, rows)
     write_report(args, text, rows)
-    missed = ", ".join(f"{o} {sum(not verdict(r, o)['ok'] for r in rows)}" for o in OURS)
+    missed = ", ".join(f"{o} {sum(not verdict(r, o)['ok'] for r in rows)}" for o in layers(args))
     print(f"{len(rows)} cells; cells missing a target: {missed}; wrote {args.out / args.name}.md")
 
 

@@ -51,3 +51,23 @@ def test_link_sweep_small(tmp_path):
     row = {"domains": 4, "x_sends_nvlink_expert": 3.0, "x_sends_nic_expert": 3.0}
     assert link_sweep.beyond_tree(row, "x") == (True, False)  # 3 > 2 over NVLink; 3 NIC copies for 3 other domains
     assert link_sweep.beyond_tree(row | {"x_sends_nic_expert": 4.0}, "x", fanout=3) == (False, True)
+
+
+def test_link_sweep_peer_candidates(tmp_path):
+    """--peer-candidates adds the what-if layer topoep_plus_peers (FlexMoE's and DeepSeek EPLB's plans as further
+    guard candidates): listed with its misses, its `ran` names the candidate kept, and on a hot domain (paper_h800,
+    EP 16, 2 slots), where FlexMoE beats topoep_plus, the guard keeps FlexMoE's plan and the layer is faster."""
+    args = ["--presets", "paper_h800", "--eps", "16", "--slots", "2", "--scenarios", "hot_domain", "uniform",
+            "--peer-candidates", "--out", str(tmp_path), "--name", "lp"]
+    link_sweep.main(args)
+    rows = json.loads((tmp_path / "lp.json").read_text())["rows"]
+    layer = link_sweep.PEER_LAYER
+    hot, uniform = rows
+    assert hot[f"{layer}_ran"] == "flexmoe" and uniform[f"{layer}_ran"] == "static"
+    assert hot[f"{layer}_ms"] < 0.95 * hot["topoep_plus_ms"] and hot["flexmoe_ms"] < hot["topoep_plus_ms"]
+    text = (tmp_path / "lp.md").read_text()
+    assert "a what-if" in text
+    misses = sum(not link_sweep.verdict(r, layer)["ok"] for r in rows)
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {layer} | ")]
+    assert "topoep_plus, topoep_plus_local, flexmoe, deepseek" in line and f"| {misses} of 2 |" in line
+    assert link_sweep.ran_name(link_sweep.OURS[link_sweep.SPREAD_RELAY][1], 3) == "tree"
