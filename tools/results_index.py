@@ -78,6 +78,7 @@ REPORTS = [
     _sweep("link_sweep_spread_measured_x10", "--spread-planner measured --spread-speedup 10"),
     _sweep("link_sweep_spread_measured_x30", "--spread-planner measured --spread-speedup 30"),
     _sweep("link_sweep_spread_measured_nogate", "--spread-planner measured --spread-gate off"),
+    _sweep("link_sweep_peers", "--peer-candidates"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
