@@ -264,6 +264,50 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
                                      c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+// deepseek / flexmoe on the GPU (csrc/peers.cu): slot_expert, route and info (flexmoe's steps) out
+void plan_peer(const at::Tensor& omega, int64_t policy, int64_t num_domains, int64_t num_slots,
+               const c10::optional<at::Tensor>& enable, at::Tensor slot_expert, at::Tensor route, at::Tensor info,
+               at::Tensor workspace, int64_t smem_limit) {
+  check_i64_cuda(omega, "omega");
+  TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
+  const int64_t R = omega.size(0), E = omega.size(1), N = num_slots;
+  TORCH_CHECK(policy == topoep::kPeerDeepseek || policy == topoep::kPeerFlexmoe,
+              "policy must be 0 (deepseek) or 1 (flexmoe), got ", policy);
+  TORCH_CHECK(R >= 1 && E % R == 0 && E < (1 << 24), "the peers' planners need E a multiple of R (default placement) ",
+              "and fewer than 2^24 experts; got R=", R, ", E=", E);
+  TORCH_CHECK(num_domains >= 1 && R % num_domains == 0, "num_domains must divide R");
+  TORCH_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got ", N);
+  TORCH_CHECK(policy != topoep::kPeerFlexmoe || (R <= 256 && E / R + N <= 1024),
+              "the CUDA flexmoe planner takes at most 256 ranks and 1024 experts per rank plus slots; got R=", R,
+              ", E=", E, ", num_slots=", N, "; use backend='reference'");
+  const int64_t smem = (int64_t)topoep::peer_smem_bytes((int)policy, (int)R, (int)E, (int)num_domains, (int)N);
+  TORCH_CHECK(smem <= smem_limit, "the CUDA ", policy == topoep::kPeerDeepseek ? "deepseek" : "flexmoe",
+              " planner needs ", smem, " bytes of shared memory for R=", R, ", E=", E, ", num_slots=", N,
+              "; the device has ", smem_limit, "; use backend='reference'");
+  check_bool_scalar(enable, omega, "enable");
+  check_outputs(omega, N, slot_expert, route);
+  check_i64_cuda(info, "info");
+  check_i64_cuda(workspace, "workspace");
+  TORCH_CHECK(info.numel() >= 1, "info must hold 1 element");
+  TORCH_CHECK(workspace.numel() >= (int64_t)topoep::peer_workspace_elems((int)R, (int)E, (int)N), "workspace too small");
+  for (const at::Tensor* t : {&slot_expert, &route, &info, &workspace}) check_same_device(*t, omega, "every output");
+  const c10::cuda::CUDAGuard guard(omega.device());
+  C10_CUDA_CHECK(topoep::plan_peer((int)policy, omega.data_ptr<int64_t>(), (int)R, (int)E, (int)num_domains, (int)N,
+                                   enable.has_value() ? enable->data_ptr<bool>() : nullptr,
+                                   slot_expert.data_ptr<int64_t>(), route.data_ptr<int64_t>(),
+                                   info.data_ptr<int64_t>(), workspace.data_ptr<int64_t>(),
+                                   c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+int64_t peer_workspace_elems(int64_t R, int64_t E, int64_t N) {
+  return (int64_t)topoep::peer_workspace_elems((int)R, (int)E, (int)N);
+}
+
+int64_t peer_smem_bytes(int64_t policy, int64_t R, int64_t E, int64_t M, int64_t N) {
+  TORCH_CHECK(R >= 1 && M >= 1 && R % M == 0 && E % R == 0, "peer_smem_bytes: E a multiple of R, M dividing R");
+  return (int64_t)topoep::peer_smem_bytes((int)policy, (int)R, (int)E, (int)M, (int)N);
+}
+
 int64_t spread_workspace_elems(int64_t R, int64_t E, int64_t M, int64_t N) {
   return (int64_t)topoep::spread_workspace_elems((int)R, (int)E, (int)M, (int)N);
 }
@@ -310,6 +354,10 @@ TORCH_LIBRARY(topoep, m) {
         "int a, int b, int max_moves, bool trees, Tensor? enable, Tensor(a!) slot_expert, Tensor(b!) route, "
         "Tensor(c!) info, Tensor(d!) workspace) -> ()");
   m.def("spread_workspace_elems(int R, int E, int M, int N) -> int", &spread_workspace_elems);
+  m.def("plan_peer(Tensor omega, int policy, int num_domains, int num_slots, Tensor? enable, Tensor(a!) slot_expert, "
+        "Tensor(b!) route, Tensor(c!) info, Tensor(d!) workspace, int smem_limit) -> ()");
+  m.def("peer_workspace_elems(int R, int E, int N) -> int", &peer_workspace_elems);
+  m.def("peer_smem_bytes(int policy, int R, int E, int M, int N) -> int", &peer_smem_bytes);
   m.def("workspace_layout(int R, int E, int num_domains, int num_slots) -> int[]", &workspace_layout);
 }
 
@@ -321,4 +369,5 @@ TORCH_LIBRARY_IMPL(topoep, CUDA, m) {
   m.impl("guard_select", &guard_select);
   m.impl("relay_trees", &relay_trees);
   m.impl("plan_spread", &plan_spread);
+  m.impl("plan_peer", &plan_peer);
 }

@@ -91,7 +91,7 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
 // are contiguous blocks of rpd ranks. fanout 0: no relays (levels 0, chunks 1), else relay trees of that fanout over
 // `levels` levels (topoep.relay.max_level, at most kMaxRelayLevels), each copy in `chunks` chunks (at most
 // kMaxRelayChunks; the fetch runs levels + chunks - 1 steps, topoep.relay.relay_steps).
-constexpr int kMaxGuardPlans = 4, kMaxRelayLevels = 128, kMaxRelayChunks = 64;
+constexpr int kMaxGuardPlans = 6, kMaxRelayLevels = 128, kMaxRelayChunks = 64;
 constexpr int kMaxRelaySteps = kMaxRelayLevels + kMaxRelayChunks - 1;
 struct GuardArgs {
   const int64_t* omega;
@@ -130,6 +130,16 @@ struct SpreadArgs {
 size_t spread_workspace_elems(int R, int E, int M, int N);
 cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,
                         int64_t* slot_expert, int64_t* route, int64_t* info, int64_t* ws, cudaStream_t stream);
+// The peers' placements (peers.cu; topoep/planners/baselines.py): policy kPeerDeepseek (solve_deepseek) or
+// kPeerFlexmoe (solve_flexmoe, R <= 256), each with the even split over all instances (common.even_split, locality
+// "none"). omega int64[R, E] (default placement); outputs slot_expert int64[R, N], route int64[R, E + R*N], info
+// int64[1] (flexmoe's steps; 0 for deepseek) or null. enable: one bool on the device or null (false: the static
+// plan). The placement in one block per domain (deepseek) or one block (flexmoe), then the route in a grid.
+constexpr int kPeerDeepseek = 0, kPeerFlexmoe = 1;
+size_t peer_workspace_elems(int R, int E, int N);
+size_t peer_smem_bytes(int policy, int R, int E, int M, int N);  // the placement kernel's dynamic shared memory
+cudaError_t plan_peer(int policy, const int64_t* omega, int R, int E, int M, int N, const bool* enable,
+                      int64_t* slot_expert, int64_t* route, int64_t* info, int64_t* ws, cudaStream_t stream);
 // The `static` policy (main instances only).
 cudaError_t plan_static(const int64_t* omega, int R, int E, int N, int64_t* slot_expert, int64_t* route,
                         cudaStream_t stream);

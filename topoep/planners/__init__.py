@@ -91,10 +91,12 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
     for CUDA omega, and what the runtime may capture in a CUDA graph (the reference synchronises the host)."""
     from topoep.planners.cuda import CUDA_POLICIES
 
-    from topoep.planners.cuda import SPREAD_POLICIES
+    from topoep.planners.cuda import FLEXMOE_MAX_RANKS, PEER_POLICIES, SPREAD_POLICIES
 
     if policy in SPREAD_POLICIES:  # its objective is a proxy of the two-level costs on any topology, as the reference's
         return True
+    if policy in PEER_POLICIES:  # topology-unaware but for deepseek's domains
+        return policy == "deepseek" or topology.num_ranks <= FLEXMOE_MAX_RANKS
     return policy in CUDA_POLICIES and (not policy.startswith("topoep_plus") or cached_two_level_costs(topology)[2])
 
 
@@ -124,8 +126,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             rank against its assignments); for joint it sets the price of one assignment of L_max
             against the bytes moved, so a larger t_ffn buys balance with more traffic.
         backend: "reference" (pure PyTorch, any device), "cuda" (the GPU planner of csrc/: policies
-            static, topoep, topoep_plus (on exactly two-level costs), topoep_plus_spread and
-            topoep_plus_spread_tree, default placement, CUDA
+            static, topoep, topoep_plus (on exactly two-level costs), topoep_plus_spread,
+            topoep_plus_spread_tree, deepseek and flexmoe (at most 256 ranks), default placement, CUDA
             omega; no host synchronisation, so the values of omega are not checked), or "auto": cuda when
             omega is on a GPU and the policy has a kernel for this input.
         capacity: rows each receive region of a rank may take (`topoep.planners.capacity`: a rank's main experts
@@ -164,7 +166,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
 
         check_capacity(capacity)
     if use_cuda:
-        from topoep.planners.cuda import CUDA_POLICIES, SPREAD_POLICIES, fit_capacity_cuda, solve_cuda, solve_spread_cuda
+        from topoep.planners.cuda import (CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES, fit_capacity_cuda, solve_cuda,
+                                          solve_peer_cuda, solve_spread_cuda)
 
         if not omega.is_cuda:
             raise ValueError("backend='cuda' needs omega on a CUDA device (omega.cuda())")
@@ -177,6 +180,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             plan = solve_spread_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                                      expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
                                      t_ffn=_checked_t_ffn(t_ffn), enable=enable)
+        elif policy in PEER_POLICIES:
+            plan = solve_peer_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
+                                   expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), enable=enable)
         else:
             plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                               expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,

@@ -19,6 +19,22 @@ from topoep.planners.common import even_split, instance_tables
 from topoep.topology import FEMTO
 
 
+# The peers' CUDA planners (csrc/peers.cu) on one H200, results/peer_latency.md (`bench/planner_latency.py --peers`):
+# topoep_plus, topoep_plus_local, flexmoe and deepseek planned at once on four streams (what a guarded topoep_plus
+# layer with LayerConfig.plus_peers plans), graph replay on a busy stream, hot_domain routing (flexmoe's most steps),
+# 8 experts per rank; (EP, us) with 2 and with 4 slots. FlexMoE's greedy is a chain of dependent steps (about one per
+# replica slot in all), so it sets the time.
+PEER_SET_LATENCY_US = {2: ((16, 161.2), (32, 197.2), (64, 311.1), (128, 737.8), (256, 1645.7)),
+                       4: ((16, 177.9), (32, 259.6), (64, 321.4), (128, 769.5), (256, 1782.0))}
+
+
+def peer_set_s(num_ranks: int, num_slots: int) -> float:
+    """PEER_SET_LATENCY_US at num_ranks (seconds): the 2-slot points for up to 2 slots, else the 4-slot points."""
+    from topoep.planners.spread import interpolated_s
+
+    return interpolated_s(PEER_SET_LATENCY_US[2 if num_slots <= 2 else 4], num_ranks)
+
+
 def _finish(omega, topology, num_slots, main_rank, slot_expert, locality, policy, info=None, **kw) -> Plan:
     slot_expert = torch.tensor(slot_expert, dtype=torch.int64, device=omega.device).view(omega.shape[0], num_slots)
     inst_expert, inst_rank = instance_tables(main_rank, slot_expert)

@@ -1,10 +1,11 @@
 """The GPU planner (csrc/planner_kernel.cu and the phases it includes): `static`, `topoep` and `topoep_plus`; the
-spread planner (csrc/spread.cu): `topoep_plus_spread` and `topoep_plus_spread_tree`; and the capacity step
-(csrc/capacity.cu), bit-equal to the reference planners.
+spread planner (csrc/spread.cu): `topoep_plus_spread` and `topoep_plus_spread_tree`; the peers' planners
+(csrc/peers.cu): `deepseek` and `flexmoe`; and the capacity step (csrc/capacity.cu), bit-equal to the reference
+planners.
 
 The extension is built automatically on first use and cached (torch.utils.cpp_extension, nvcc); a
 build made on one machine runs on another with the same torch (the cache folder can be carried). It
-registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `plan_spread` / `fit_capacity` (and the guard's
+registers `torch.ops.topoep.plan_topoep` / `plan_topoep_plus` / `plan_static` / `plan_spread` / `plan_peer` / `fit_capacity` (and the guard's
 `guard_select` / `relay_trees`, topoep/runtime/guard_cuda.py) (mutating ops with fake
 implementations, so torch.compile and CUDA-graph capture can trace them). `CudaPlanner` allocates the
 workspace once per (device, R, E, domains, slots) and never synchronises the host.
@@ -23,10 +24,13 @@ from topoep.plan import Plan
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 # the translation units; planner_kernel.cu includes the planner's phases (csrc/planner_*.cuh)
-SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu", "guard.cu", "spread.cu")
+SOURCES = ("bindings.cpp", "planner_kernel.cu", "capacity.cu", "guard.cu", "spread.cu", "peers.cu")
 SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h")  # every file of csrc/ with one of these keys the build folder
-CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree")
+CUDA_POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree",
+                 "deepseek", "flexmoe")
 SPREAD_POLICIES = ("topoep_plus_spread", "topoep_plus_spread_tree")  # csrc/spread.cu (solve_spread_cuda)
+PEER_POLICIES = ("deepseek", "flexmoe")  # csrc/peers.cu (solve_peer_cuda); flexmoe on at most FLEXMOE_MAX_RANKS ranks
+FLEXMOE_MAX_RANKS = 256
 _loaded = False
 
 
@@ -114,6 +118,10 @@ def _register_fakes() -> None:
           route, info, workspace):
         return None
 
+    @torch.library.register_fake("topoep::plan_peer")
+    def _(omega, policy, num_domains, num_slots, enable, slot_expert, route, info, workspace, smem_limit):
+        return None
+
     @torch.library.register_fake("topoep::relay_trees")
     def _(slot_expert, main_rank, ranks_per_domain, fanout, relay, source, level):
         return None
@@ -177,9 +185,9 @@ class CudaPlanner:
         if isinstance(skip_stages, bool) or not isinstance(skip_stages, int) or not 0 <= skip_stages < SKIP_LIMIT:
             raise ValueError(f"skip_stages must be a combination of csrc/planner.h's kSkip* bits (an integer in "
                              f"[0, {SKIP_LIMIT})), got {skip_stages!r}")
-        if policy in SPREAD_POLICIES or policy not in CUDA_POLICIES:  # (the spread planner: solve_spread_cuda)
-            raise ValueError(f"CudaPlanner plans {', '.join(p for p in CUDA_POLICIES if p not in SPREAD_POLICIES)}, "
-                             f"not {policy!r}")
+        own = tuple(p for p in CUDA_POLICIES if p not in SPREAD_POLICIES + PEER_POLICIES)
+        if policy not in own:  # (the spread planner: solve_spread_cuda; the peers': solve_peer_cuda)
+            raise ValueError(f"CudaPlanner plans {', '.join(own)}, not {policy!r}")
         if policy == "static":
             torch.ops.topoep.plan_static(omega, self.N, slot_expert, route)
         elif policy in ("topoep_plus", "topoep_plus_local"):
@@ -297,6 +305,54 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
     return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert, route=route,
                 policy=policy, expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
                 info={"backend": "cuda", "device": info})
+
+
+_peer_workspaces: dict = {}
+
+
+def solve_peer_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
+                    expert_bytes: int, token_bytes: int, enable: torch.Tensor | None = None) -> Plan:
+    """`deepseek` / `flexmoe` (topoep.planners.baselines) on the GPU (csrc/peers.cu), the reference's plan bit for
+    bit (default placement; flexmoe on at most FLEXMOE_MAX_RANKS ranks). No host synchronisation: the placement
+    kernel writes the slot table, the route kernel the even split over every instance; info["device"] holds int64[1],
+    flexmoe's steps (0 for deepseek). enable: None, or a 0-d bool tensor on the GPU (False: the static plan)."""
+    if policy not in PEER_POLICIES:
+        raise ValueError(f"solve_peer_cuda plans {', '.join(PEER_POLICIES)}, not {policy!r}")
+    load_extension()
+    R, E = omega.shape
+    N, M, dev = num_slots, topology.num_domains, omega.device
+    # (checked here, not only by the op: the op's own checks name the same limits)
+    if policy == "flexmoe" and (R > FLEXMOE_MAX_RANKS or E // R + N > 1024):
+        raise ValueError(f"the CUDA flexmoe planner takes at most {FLEXMOE_MAX_RANKS} ranks and 1024 experts per rank "
+                         f"plus slots; got R={R}, E={E}, num_slots={N}: use backend='reference'")
+    smem = torch.ops.topoep.peer_smem_bytes(PEER_POLICIES.index(policy), R, E, M, N)
+    if smem > _smem_optin(dev):
+        raise ValueError(f"the CUDA {policy} planner needs {smem} bytes of shared memory for R={R}, E={E}, "
+                         f"num_slots={N}; the device has {_smem_optin(dev)}: use backend='reference'")
+    key = (dev, R, E, N, policy)  # a workspace per policy: the two may plan at once
+    ws = _peer_workspaces.get(key)
+    if ws is None:
+        ws = _peer_workspaces[key] = torch.empty(torch.ops.topoep.peer_workspace_elems(R, E, N), dtype=torch.int64,
+                                                 device=dev)
+    slot_expert = torch.empty(R, N, dtype=torch.int64, device=dev)
+    route = torch.empty(R, E + R * N, dtype=torch.int64, device=dev)
+    info = torch.empty(1, dtype=torch.int64, device=dev)
+    torch.ops.topoep.plan_peer(omega.contiguous(), PEER_POLICIES.index(policy), M, N, enable, slot_expert, route, info,
+                               ws, _smem_optin(dev))
+    return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert, route=route,
+                policy=policy, expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
+                info={"backend": "cuda", "device": info})
+
+
+_SMEM_OPTIN: dict = {}
+
+
+def _smem_optin(device) -> int:
+    """The most dynamic shared memory one block may opt in to on `device` (queried once per device)."""
+    device = torch.device(device)
+    if device not in _SMEM_OPTIN:
+        _SMEM_OPTIN[device] = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _SMEM_OPTIN[device]
 
 
 def spread_info(plan: Plan) -> dict:

@@ -15,7 +15,7 @@ import torch
 from topoep.plan import Plan
 from topoep.relay import max_level
 
-MAX_PLANS = 4  # csrc/planner.h kMaxGuardPlans
+MAX_PLANS = 6  # csrc/planner.h kMaxGuardPlans
 MAX_LEVELS = 128  # csrc/planner.h kMaxRelayLevels
 MAX_CHUNKS = 64  # csrc/planner.h kMaxRelayChunks
 
