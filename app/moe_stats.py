@@ -5,8 +5,8 @@ over micro-batches). Once per step the counts are all-gathered over the EP group
 layer, from which the no-balancing ("before") imbalance and inter-node share follow; TopoEP layers add
 their plans' statistics ("after") and the share of their calls in which the net-benefit guard fired
 (executed the static plan), the share in which its pre-plan bound left planning out (`plan_skip`: no plan could
-pay) and the shares that ran topoep_plus's local plan (`plan_local`) and a spread plan (`plan_spread`,
-eplb.plus_spread) and the share that ran the spread planner (`spread_planned`: eplb.spread_gate); with backend cuda also the share of calls that left the replica machinery out
+pay) and the shares that ran topoep_plus's local plan (`plan_local`), a spread plan (`plan_spread`,
+eplb.plus_spread) and a peer's plan (`plan_peer`, eplb.plus_peers) and the share that ran the spread planner (`spread_planned`: eplb.spread_gate); with backend cuda also the share of calls that left the replica machinery out
 (`slot_skip`), the share that did so although their own guard wanted replicas (`slot_skip_missed`: the cost
 of deciding from the guard `skip_lag` calls earlier) and how often the host waited for that earlier decision
 (`slot_waits`, a count on the ranks that report each stage), and the rows the capacity step could not fit into the
@@ -24,7 +24,8 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.topology import Topology
 
 COLUMNS = ("imbalance_before", "imbalance_after", "internode_before", "internode_after", "replica_fraction",
-           "planner_ms", "num_replicas", "guard_fired", "plan_skip", "plan_local", "plan_spread", "spread_planned",
+           "planner_ms", "num_replicas", "guard_fired", "plan_skip", "plan_local", "plan_spread", "plan_peer",
+           "spread_planned",
            "slot_skip", "slot_skip_missed", "slot_waits",
            "capacity_overflow")
 _IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
@@ -94,7 +95,8 @@ class MoEStats:
             inter = (om * cross).sum() / total
             row = dict(imbalance_before=before, imbalance_after=before, internode_before=inter,
                        internode_after=inter, replica_fraction=0.0, planner_ms=0.0, num_replicas=0.0,
-                       guard_fired=0.0, plan_skip=0.0, plan_local=0.0, plan_spread=0.0, spread_planned=0.0,
+                       guard_fired=0.0, plan_skip=0.0, plan_local=0.0, plan_spread=0.0, plan_peer=0.0,
+                       spread_planned=0.0,
                        slot_skip=0.0, slot_skip_missed=0.0,
                        slot_waits=0.0, capacity_overflow=0.0)
             balancer = getattr(layer, "balancer", None)
@@ -104,7 +106,8 @@ class MoEStats:
                            replica_fraction=s[_IDX["replica_fraction"]], planner_ms=s[_IDX["planner_ms"]] * calls,
                            num_replicas=s[_IDX["num_replicas"]], guard_fired=s[_IDX["guard_fired"]],
                            plan_skip=s[_IDX["plan_skipped"]], plan_local=s[_IDX["plan_local"]],
-                           plan_spread=s[_IDX["plan_spread"]], spread_planned=s[_IDX["spread_planned"]],
+                           plan_spread=s[_IDX["plan_spread"]], plan_peer=s[_IDX["plan_peer"]],
+                           spread_planned=s[_IDX["spread_planned"]],
                            slot_skip=s[_IDX["slot_skipped"]], slot_skip_missed=s[_IDX["slot_skip_missed"]],
                            capacity_overflow=s[_IDX["capacity_overflow"]] * calls)
             hint = getattr(balancer, "slot_hint", None)

@@ -69,8 +69,11 @@ def parse_args(argv=None):
     ap.add_argument("--spread-probe", type=int, default=sim.Execution.spread_probe,
                     help="the spread gate's probe period in calls (LayerConfig.spread_probe)")
     ap.add_argument("--peer-candidates", action="store_true",
-                    help="a what-if layer, topoep_plus_peers: guarded topoep_plus with FlexMoE's and DeepSeek EPLB's "
-                         "plans as further candidates, planned at topoep_plus's measured time")
+                    help="a layer topoep_plus_peers: guarded topoep_plus with FlexMoE's and DeepSeek EPLB's plans as "
+                         "further candidates (LayerConfig.plus_peers), timed as --peer-planner says")
+    ap.add_argument("--peer-planner", default="plus", choices=list(sim.SPREAD_PLANNERS),
+                    help="with --peer-candidates: time the peers' candidates as topoep_plus's CUDA planner (plus: the "
+                         "what-if) or as csrc/peers.cu measured on one H200 (measured; sim.Execution.peer_planner)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -80,6 +83,8 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")
     if args.spread_speedup != 1.0 and args.spread_planner != "measured":
         raise SystemExit("--spread-speedup scales the measured spread planner: add --spread-planner measured")
+    if args.peer_planner != "plus" and not args.peer_candidates:
+        raise SystemExit("--peer-planner times the --peer-candidates layer: add --peer-candidates")
     if args.spread_probe < 2:
         raise SystemExit("--spread-probe must be >= 2")
     if not args.spread_speedup > 0:
@@ -133,7 +138,8 @@ def run(args) -> list[dict]:
             fanout, cands = ours.get(policy, (None, ()))
             ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap,
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
-                                     spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe)
+                                     spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe,
+                                     peer_planner=args.peer_planner)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share)
@@ -222,10 +228,12 @@ def report(args, rows: list[dict]) -> str:
            "probes (which run the other two plans: averaged in), elsewhere only on the probes (its time beyond theirs "
            "amortised) and the other two plans run; `gate`: on or off per cell; " if args.spread_gate == "on" else
            "the spread planner runs on every planned call (`--spread-gate off`); ")
-        + ("topoep_plus_peers (`--peer-candidates`, a what-if): guarded topoep_plus with FlexMoE's and DeepSeek EPLB's "
-           "plans as further candidates (`ran`: plus, local, flexmoe, deepseek), planned beside topoep_plus's at its "
-           "CUDA planner's measured time: no GPU planner for them exists, so this bounds what such candidates could "
-           "give; " if args.peer_candidates else "")
+        + ("topoep_plus_peers (`--peer-candidates`; the runtime's `LayerConfig.plus_peers`): guarded topoep_plus with "
+           "FlexMoE's and DeepSeek EPLB's plans as further candidates (`ran`: plus, local, flexmoe, deepseek), "
+           + ("planned beside topoep_plus's at its CUDA planner's measured time (a what-if: what such candidates give "
+              "when they cost no time beyond the pair); " if args.peer_planner == "plus" else
+              "the four plans at once timed as csrc/peers.cu ran them on one H200 (`--peer-planner measured`, "
+              "`baselines.peer_set_s`: results/peer_latency.md); ") if args.peer_candidates else "")
         + "bound: the variant / the static layer on perfectly balanced routing",
         "- forward replica fetch: " + (
             "beside the dispatch and the main experts' GEMMs for every policy (`sim.Execution.fetch_overlap`, backend "

@@ -371,12 +371,17 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="add a per-kernel time breakdown (torch.profiler)")
     ap.add_argument("--spread", action="store_true", help="only the spread candidates (csrc/spread.cu), EP 8-128 at "
                     "E 640: writes spread_latency.{md,json}")
+    ap.add_argument("--peers", action="store_true", help="only the peers' planners (csrc/peers.cu: flexmoe, deepseek) "
+                    "alone and with topoep_plus's pair, EP 8-128 at E 640 and EP 16-256 at 8 experts per rank: writes "
+                    "peer_latency.{md,json}")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("planner_latency needs a GPU")
     torch.set_num_threads(4)
     if args.spread:
         return spread_main(args)
+    if args.peers:
+        return peers_main(args)
     # (b): the paper uses E = 40 and 80 at EP 32; TopoEP (like megatron) needs E to be a multiple of EP, so
     # those two points become 64 and 96
     configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (64, 96, 160, 320, 640)]
@@ -429,6 +434,60 @@ def spread_main(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spread_latency.md").write_text(md)
     write_json(args.out / "spread_latency.json", info, rows)
+    print(md)
+    return 0
+
+
+PEERS = ("flexmoe", "deepseek")  # LayerConfig.plus_peers' candidates (topoep.runtime.moe.PEER_CANDIDATES)
+
+
+def measure_peers(ep: int, experts: int, slots: int, scen: str, runs: int, warmup: int, tokens: int) -> dict:
+    """The peers' planners alone and the four plans of a guarded topoep_plus layer with plus_peers at once (graph
+    replay on a busy stream), every plan checked against the reference's; and flexmoe's steps. scen: "fig11" (the
+    latency workload) or a `topoep.workloads` scenario."""
+    from topoep.workloads import scenario
+
+    if scen == "fig11":
+        topo, omega_cpu = workload(ep, experts, tokens, 8)
+    else:
+        topo = Topology(num_domains=max(1, ep // 8), ranks_per_domain=min(8, ep))
+        omega_cpu = scenario(scen, ep, experts, tokens, 8, ranks_per_domain=min(8, ep), seed=13)
+    omega = omega_cpu.cuda()
+    steps = solve(omega_cpu, topo, num_slots=slots, policy="flexmoe", backend="reference").info["steps"]
+    return dict(ep=ep, experts=experts, slots=slots, scenario=scen, domains=topo.num_domains, flexmoe_steps=steps,
+                peer_graph_busy_us={n: _set_graph_busy(omega, topo, slots, (n,), runs, warmup) for n in PEERS},
+                pair_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR, runs, warmup),
+                peer_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + PEERS, runs, warmup))
+
+
+def peers_main(args) -> int:
+    rows = []
+    configs = ([(ep, 640, args.slots, "fig11") for ep in (8, 16, 32, 64, 128)]
+               + [(ep, 8 * ep, n, "hot_domain") for ep in (16, 32, 64, 128, 256) for n in (2, 4)])
+    for ep, e, n, scen in configs:
+        r = measure_peers(ep, e, n, scen, args.runs, args.warmup, args.tokens)
+        rows.append(r)
+        print(f"{scen} EP {ep:>3} E {e:>4} slots {n}: " + "  ".join(f"{k} {v:.1f} us" for k, v in
+                                                                     r["peer_graph_busy_us"].items())
+              + f"  pair {r['pair_graph_busy_us']:.1f}  all four {r['peer_set_graph_busy_us']:.1f} us", flush=True)
+    info = run_info(vars(args) | {"out": str(args.out)})
+    table = markdown_table(
+        ["workload", "EP", "experts", "slots", "flexmoe us", "flexmoe steps", "deepseek us", "topoep_plus + local us",
+         "all four at once us"],
+        [[r["scenario"], r["ep"], r["experts"], r["slots"], f"{r['peer_graph_busy_us']['flexmoe']:.1f}",
+          r["flexmoe_steps"], f"{r['peer_graph_busy_us']['deepseek']:.1f}", f"{r['pair_graph_busy_us']:.1f}",
+          f"{r['peer_set_graph_busy_us']:.1f}"] for r in rows])
+    md = (f"# The peers' planners' latency\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: "
+          f"{info['hardware']}\n- workloads: fig11 (Fig. 11's: biased router, router_skew -2.5, top-8, E 640, "
+          f"{args.slots} slots) and hot_domain (`topoep.workloads`, 8 experts per rank: flexmoe's most steps); "
+          f"{args.tokens} tokens per rank, 8 ranks per domain; median of {args.runs} graph replays on a busy stream "
+          f"after {args.warmup} warm-ups (CUDA events), every plan equal to the reference's\n- flexmoe, deepseek: "
+          "csrc/peers.cu alone; all four at once: topoep_plus, topoep_plus_local, flexmoe and deepseek on four "
+          "streams (`plan_concurrently`: what a guarded topoep_plus layer with LayerConfig.plus_peers plans)\n"
+          "- reproduce: `python bench/planner_latency.py --peers`\n\n" + table + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peer_latency.md").write_text(md)
+    write_json(args.out / "peer_latency.json", info, rows)
     print(md)
     return 0
 

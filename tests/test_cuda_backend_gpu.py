@@ -457,14 +457,15 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world, spread=False, probe=False):
+def _guarded_plus(rank, world, spread=False, probe=False, peers=False):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
     topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
     csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same
     candidate as backend torch's reference planners. The spread gate (guard.SpreadGate) asks nothing of a spread plan
     beyond beating the others (spread_plan_s 0), probing it on call 2 (spread_probe 2); with `probe`, 5 calls of a
     spread planner that never pays (spread_plan_s 1 s): it runs on the probes, calls 2 and 4, only, the gate's state
-    carried through the graph's replays."""
+    carried through the graph's replays. With `peers` (LayerConfig.plus_peers) FlexMoE's and DeepSeek EPLB's plans
+    (csrc/peers.cu) are candidates too."""
     from topoep import ExpertParallelMoE
     from topoep.runtime import NetBenefitGuard
 
@@ -476,7 +477,7 @@ def _guarded_plus(rank, world, spread=False, probe=False):
         guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=1.0 if probe else 0.0)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
-                                  guard=guard, plus_spread=spread, spread_probe=2,
+                                  guard=guard, plus_spread=spread, plus_peers=peers, spread_probe=2,
                                   **(cuda_options(capacity_factor=None) if backend == "cuda" else
                                      dict(capacity_factor=None, relay_fanout=RELAY)))
         rows = []
@@ -487,17 +488,18 @@ def _guarded_plus(rank, world, spread=False, probe=False):
             (y * gy.to(torch.bfloat16)).sum().backward()
             s = layer.stats_dict()
             rows.append((s["guard_fired"], s["plan_local"], s["plan_spread"], s["spread_planned"],
-                         s["replica_fraction"], s["imbalance"]))
+                         s["replica_fraction"], s["imbalance"], s["plan_peer"]))
         out[backend] = rows
     return out
 
 
-@pytest.mark.parametrize("spread", [False, True], ids=["plus", "plus_spread"])
-def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends(spread):
-    for out in run_ranks(_guarded_plus, WORLD, spread, backend="nccl"):
+@pytest.mark.parametrize("spread,peers", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plus", "plus_spread", "plus_peers", "plus_spread_peers"])
+def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends(spread, peers):
+    for out in run_ranks(_guarded_plus, WORLD, spread, False, peers, backend="nccl"):
         assert out["cuda"] == out["torch"], out
-        if spread:  # the spread gate probes on call 2 and keeps the spread planner on where its plan is kept
-            kept = out["cuda"][1][2]
+        if spread or peers:  # the spread gate probes on call 2 and keeps the gated planners on where their plan is kept
+            kept = max(out["cuda"][1][2], out["cuda"][1][6])
             assert [r[3] for r in out["cuda"]] == [0.0, 1.0, kept], out
             assert out["cuda"][2] == out["cuda"][1] or not kept, out
         else:

@@ -39,6 +39,7 @@ BAD = [  # (field, bad value, what the error says)
     ("deepep_deterministic", "yes", "LayerConfig.deepep_deterministic must be true or false, got 'yes'"),
     ("fetch_overlap", 1, "LayerConfig.fetch_overlap must be true or false, got 1"),
     ("plus_spread", 1, "LayerConfig.plus_spread must be true or false, got 1"),
+    ("plus_peers", 1, "LayerConfig.plus_peers must be true or false, got 1"),
     ("spread_gate", "yes", "LayerConfig.spread_gate must be true or false, got 'yes'"),
     ("spread_probe", 1, "LayerConfig.spread_probe must be an integer >= 2 (calls between the spread gate's probes), "
                         "got 1"),

@@ -429,6 +429,89 @@ def test_guarded_topoep_plus_executes_its_spread_candidate():
     assert len({repr(r) for r in results}) == 1  # every rank decided alike
 
 
+def _peer_candidates(rank, world):
+    """Guarded topoep_plus layers with plus_peers on 4 ranks (2 domains of 2, NICs at 100 MB/s), on two routings where
+    the guard's per-link model prefers a peer's plan: FlexMoE's (clustered hot experts, expert time dominating) and
+    DeepSeek EPLB's (scattered ones, cheap experts). Each call executes the kept plan bit for bit as an unguarded layer
+    of that policy computes it; with plus_spread as well the spread candidates come after the peers'."""
+    topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
+    layer, run = _harness(rank, topo, 64, 4)
+    cheap = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0)
+    out = []
+    for layout, skew, t_ffn in (("clustered", -4.0, 1e-4), ("scattered", -2.0, 1e-6)):
+        idx = biased_topk(world, 16, 64, 2, skew, seed=0, layout=layout)[rank]
+        for spread in (False, True):
+            guarded = layer("topoep_plus", cheap, t_ffn, plus_peers=True, plus_spread=spread, spread_gate=False)
+            res = run(guarded, idx)
+            s = guarded.stats_dict()
+            choice = int(guarded.last_plan.info["guard_choice"])
+            names = guarded._plus_policies()
+            ref = run(layer(names[choice] if not s["guard_fired"] else "static", False, t_ffn), idx)
+            out.append(dict(names=names, choice=choice, fired=s["guard_fired"], peer=s["plan_peer"],
+                            spread=s["plan_spread"], local=s["plan_local"],
+                            bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref))))
+    return out
+
+
+def test_guarded_topoep_plus_executes_a_peer_candidate():
+    results = run_ranks(_peer_candidates, 4)
+    for r in results:
+        assert all(c["bit_equal"] for c in r), r
+        assert [c["names"] for c in r[:2]] == [
+            ("topoep_plus", "topoep_plus_local", "flexmoe", "deepseek"),
+            ("topoep_plus", "topoep_plus_local", "flexmoe", "deepseek", "topoep_plus_spread")]
+        # the peer's plan is kept on both routings (without and with the spread candidate beside it)
+        assert [(c["fired"], c["choice"], c["peer"], c["spread"], c["local"]) for c in r] == [
+            (0.0, 2, 1.0, 0.0, 0.0), (0.0, 2, 1.0, 0.0, 0.0), (0.0, 3, 1.0, 0.0, 0.0), (0.0, 3, 1.0, 0.0, 0.0)], r
+    assert len({repr(r) for r in results}) == 1  # every rank decided alike
+
+
+def _peer_gate(rank, world):
+    """The flexmoe routing of _peer_candidates over 4 calls with the spread gate on (probe period 3): a peers' planner
+    that costs more than any plan saves (spread_plan_s 1 s) runs on the probe (call 2) only, and the calls around it
+    execute what the layer without plus_peers executes, bit for bit; a free one (0 s), whose plan the guard keeps,
+    runs on every call from the second."""
+    topo = Topology(num_domains=2, ranks_per_domain=2, inter_cost=1e-8)
+    layer, run = _harness(rank, topo, 64, 4)
+    idx = biased_topk(world, 16, 64, 2, -4.0, seed=0, layout="clustered")[rank]
+    out = {}
+    for name, spread_s, peers in (("slow", 1.0, True), ("free", 0.0, True), ("without", None, False)):
+        guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=spread_s)
+        m = layer("topoep_plus", guard, 1e-4, plus_peers=peers, spread_probe=3)
+        calls = []
+        for _ in range(4):
+            m.zero_grad(set_to_none=True)
+            res = run(m, idx)
+            s = m.stats_dict()
+            calls.append(dict(res=res, state=(s["spread_planned"], s["plan_peer"], int(m.last_plan.info["guard_choice"]))))
+        out[name] = calls
+    same = [all(torch.equal(a, b) for a, b in zip(c["res"], w["res"])) for c, w in zip(out["slow"], out["without"])]
+    return {k: [c["state"] for c in v] for k, v in out.items()} | {"slow_as_without": same}
+
+
+def test_spread_gate_runs_the_peers_planners_where_they_pay():
+    results = run_ranks(_peer_gate, 4)
+    for r in results:
+        # (spread_planned, plan_peer, the guard's choice) per call: FlexMoE's plan (choice 2) where the peers ran
+        assert r["slow"] == [(0.0, 0.0, 0), (1.0, 1.0, 2), (0.0, 0.0, 0), (0.0, 0.0, 0)], r
+        assert r["free"] == [(0.0, 0.0, 0)] + [(1.0, 1.0, 2)] * 3, r
+        assert r["without"] == [(0.0, 0.0, 0)] * 4, r
+        assert [same for i, same in enumerate(r["slow_as_without"]) if i != 1] == [True] * 3, r
+    decisions = [{k: v for k, v in r.items() if k != "slow_as_without"} for r in results]
+    assert len({repr(d) for d in decisions}) == 1  # every rank decided alike
+
+
+def test_plus_peers_needs_the_guarded_topoep_plus_layer():
+    from topoep import LayerConfig
+
+    assert LayerConfig(policy="topoep_plus", plus_peers=True).plus_peers
+    for bad in (dict(policy="topoep"), dict(policy="topoep_plus", guard=False), dict(policy="topoep_plus", num_slots=0)):
+        with pytest.raises(ValueError, match="plus_peers=true adds candidates"):
+            LayerConfig(plus_peers=True, **bad)
+    with pytest.raises(ValueError, match="plus_peers must be true or false"):
+        LayerConfig(policy="topoep_plus", plus_peers="yes")
+
+
 def _spread_gate(rank, world):
     """The spread candidate's layer of _spread_candidate over 7 calls on the same routing, with the spread gate
     (LayerConfig.spread_gate, probe period 3). The first call runs without the spread planner, the second probes it.

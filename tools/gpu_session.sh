@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -394,6 +394,20 @@ step_spread() {  # the spread planner (csrc/spread.cu): its GPU tests (bit-equal
     python3 tools/sync_audit.py
   _s sync_audit_ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py
   timeout 200 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
+}
+
+step_peers() {  # the peers' planners (csrc/peers.cu: flexmoe, deepseek) against the reference (tests/test_peers_cuda.py),
+  # guarded topoep_plus with plus_peers at EP 8 as 2 domains of 4 (ranks sharing the GPU) on both backends, the sync
+  # audit at EP 8, then their latency (bench/planner_latency.py --peers -> peer_latency.{md,json}). Short logs into
+  # $OUT/peers/
+  mkdir -p "$OUT/peers"
+  _p() { short_log peers "$@"; }
+  _p tests timeout -k 10 300 python3 -m pytest -q -rA tests/test_peers_cuda.py
+  _p ep8_rpd4_plus TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 300 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py -k "guarded_topoep_plus"
+  _p sync_audit_ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 200 \
+    python3 tools/sync_audit.py
+  timeout 240 python3 bench/planner_latency.py --peers --runs 100 --out "$OUT" 2>&1 | grep -E "EP|Error" | tail -16
 }
 
 step_gate() {  # the spread gate (guard.SpreadGate, LayerConfig.spread_gate): its update kernel against its reference

@@ -2,8 +2,8 @@
 (GPU machine; TOPOEP_GPU_WORLD=1 for one): runs under torch.cuda.set_sync_debug_mode("warn") and prints the
 Python stack of each synchronising call. Three layers: topoep with 2 replica slots; with none (the capacity step
 cannot move the hot rank's rows: they go through the spill kernels at EP 2 and more); and guarded topoep_plus with
-plus_spread (its three planners at once, the guard and the spread gate, whose probe runs the spread planner on the
-audited second call). The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
+plus_spread and plus_peers (its five planners at once, the guard and the spread gate, whose probe runs the spread
+planner on the audited second call). The layer is the GPU tests' (tests/test_cuda_backend_gpu.py): the same
 TOPOEP_GPU_WORLD, TOPOEP_GPU_RPD (virtual domains), TOPOEP_GPU_TRANSPORT, TOPOEP_GPU_CHUNKS, TOPOEP_GPU_PREFETCH and
 TOPOEP_GPU_SHARE (the test variants of tests/test_cuda_backend_gpu.py).
 Usage: python tools/sync_audit.py"""
@@ -32,7 +32,7 @@ def _audit(rank, world):
         found.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
 
     spread = dict(policy="topoep_plus", guard=NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=0.0),
-                  plus_spread=True)
+                  plus_spread=True, plus_peers=True)
     for slots, kw in ((2, dict(policy="topoep")), (0, dict(policy="topoep")), (2, spread)):
         layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD, topology=_topology(),
                                   num_slots=slots, backend="cuda", dtype=torch.bfloat16, device=dev,

@@ -94,13 +94,20 @@ class LayerConfig:
     group, priced on the busiest link; with relay_fanout also topoep_plus_spread_tree) beside topoep_plus and
     topoep_plus_local, each on its own stream (csrc/spread.cu on a GPU: no host synchronisation), and the guard keeps
     the fastest plan by its per-link model (the share that ran a spread plan: the plan_spread statistic)."""
+    plus_peers: bool = False
+    """Policy topoep_plus with the guard: the layer also plans FlexMoE's and DeepSeek EPLB's placements (`flexmoe` and
+    `deepseek` of topoep.planners.baselines, csrc/peers.cu on a GPU: no host synchronisation) beside topoep_plus and
+    topoep_plus_local, each on its own stream, and the guard keeps the fastest plan by its per-link model: where hot
+    experts cluster in one domain a topology-unaware spread of replicas can beat ours (the share that ran a peer's plan:
+    the plan_peer statistic). Their planners take 120-320 us per call at EP 16-64 (results/peer_latency.md), so
+    they run behind the spread gate (spread_gate). Backend cuda: at most 256 ranks (the GPU flexmoe planner's limit)."""
     spread_gate: bool = True
-    """With plus_spread: run the spread planner only where it pays for itself (`topoep.runtime.guard.SpreadGate`, on
-    the device): while the guard keeps spread plans that it predicts beat topoep_plus's and the local plan by more
-    than the spread planner's own time (`NetBenefitGuard.spread_plan_s`), on every call but one in spread_probe (which
-    measures the other two plans again); otherwise on one call in spread_probe only, and the other calls' spread
-    planner writes the static plan at once (the share of calls that ran it: the spread_planned statistic). false:
-    the spread planner on every planned call."""
+    """With plus_spread or plus_peers: run those gated planners (the spread planner, the peers' planners) only where
+    they pay for themselves (`topoep.runtime.guard.SpreadGate`, on the device): while the guard keeps a gated plan
+    that it predicts beats topoep_plus's and the local plan by more than the gated planners' own time
+    (`NetBenefitGuard.gated_s`), on every call but one in spread_probe (which measures the other two plans again);
+    otherwise on one call in spread_probe only, and the other calls' gated planners write the static plan at once
+    (the share of calls that ran them: the spread_planned statistic). false: every planner on every planned call."""
     spread_probe: int = 256
     """With spread_gate: every this many planned calls the gate tries the other state (the spread planner on while it
     is off, off while it is on), so a routing that turns warm or cools is found within them (>= 2)."""
@@ -157,7 +164,7 @@ class LayerConfig:
             raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
                              f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
         for name in ("guard", "prefetch", "combine_side_stream", "fetch_overlap", "cuda_graphs", "layer_graphs",
-                     "plus_spread", "spread_gate", "relay_share", "deepep_deterministic"):
+                     "plus_spread", "plus_peers", "spread_gate", "relay_share", "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.layer_graphs and self.backend != "cuda":
@@ -179,6 +186,11 @@ class LayerConfig:
                              f"{self.policy}, guard {str(self.guard).lower()}, num_slots {self.num_slots}): set "
                              f"{p}.policy=topoep_plus, {p}.guard=true and {p}.num_slots >= 1, or "
                              f"{p}.plus_spread=false (policy topoep_plus_spread plans it alone)")
+        if self.plus_peers and (self.policy != "topoep_plus" or not self.guard or self.num_slots == 0):
+            raise ValueError(f"{p}.plus_peers=true adds candidates to the guarded topoep_plus layer (got policy "
+                             f"{self.policy}, guard {str(self.guard).lower()}, num_slots {self.num_slots}): set "
+                             f"{p}.policy=topoep_plus, {p}.guard=true and {p}.num_slots >= 1, or "
+                             f"{p}.plus_peers=false (policies flexmoe and deepseek plan them alone)")
         if self.deepep_deterministic and self.transport != "deepep":
             raise ValueError(f"{p}.deepep_deterministic=true orders DeepEP's received rows, but {p}.transport="
                              f"{self.transport}: set {p}.transport=deepep or {p}.deepep_deterministic=false")

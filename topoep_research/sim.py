@@ -278,6 +278,10 @@ class Execution:
     standalone as a host planner, as the runtime would run it with a planner of that speed; "measured", the CUDA
     spread planner (csrc/spread.cu) as measured on one H200 (gpu_spread_s: it, or the four plans of a relayed
     layer, at once, set the layer's planning time)."""
+    peer_planner: str = "plus"
+    """How a guarded topoep_plus layer's peer candidates (flexmoe, deepseek: LayerConfig.plus_peers) are timed:
+    "plus", as fast as topoep_plus's CUDA planner (the what-if: the candidates cost no time beyond the pair's);
+    "measured", the four plans at once as csrc/peers.cu runs them on one H200 (`baselines.peer_set_s`)."""
     spread_speedup: float = 1.0
     """With spread_planner="measured": the measured spread planner's time divided by this (what a planner this many
     times faster would give; 1: as measured)."""
@@ -311,6 +315,9 @@ class Execution:
         if self.spread_speedup != 1.0 and self.spread_planner != "measured":
             raise ValueError(f"Execution.spread_speedup={self.spread_speedup} scales the measured spread planner: set "
                              f"spread_planner='measured' or spread_speedup=1.0")
+        if self.peer_planner not in SPREAD_PLANNERS:
+            raise ValueError(f"Execution.peer_planner={self.peer_planner!r} is unknown; choose one of "
+                             f"{', '.join(SPREAD_PLANNERS)}")
         if self.spread_planner not in SPREAD_PLANNERS:
             raise ValueError(f"Execution.spread_planner={self.spread_planner!r} is unknown; choose one of "
                              f"{', '.join(SPREAD_PLANNERS)}")
@@ -366,7 +373,7 @@ GPU_SPREAD_GATE_US = ((8, 6.2), (32, 5.6), (128, 6.0))
 # results/spread_latency.md).
 GPU_SPREAD_US = spread_planner.LATENCY_US
 GPU_SPREAD_SET_US = spread_planner.LATENCY_SET_US
-SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner
+SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner and Execution.peer_planner
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
 # (2 x H200, EP 2, Qwen3 expert shape; the file names its commit), backend cuda (the fast path:
@@ -627,6 +634,20 @@ def gpu_spread_s(num_ranks: int, tree: bool = False) -> float:
     """The CUDA spread planner's latency (GPU_SPREAD_US), or with `tree` the four plans of a relayed topoep_plus layer
     with plus_spread at once (GPU_SPREAD_SET_US)."""
     return _interpolated_s(GPU_SPREAD_SET_US if tree else GPU_SPREAD_US, num_ranks)
+
+
+def gated_planner_s(execution: Execution, num_ranks: int, num_slots: int, policies) -> float:
+    """The gated candidates' planning time (the spread gate's): the spread candidates' among `policies`
+    (spread_planner_s) and the peers' (flexmoe, deepseek: their four plans at once, `baselines.peer_set_s`, with
+    Execution.peer_planner "measured", else topoep_plus's planner), the longer where both."""
+    from topoep.planners.baselines import peer_set_s
+    from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
+
+    t = spread_planner_s(execution, num_ranks, policies) if set(policies) & set(SPREAD_POLICIES) else 0.0
+    if set(policies) & set(PEER_POLICIES):
+        t = max(t, peer_set_s(num_ranks, num_slots) if execution.peer_planner == "measured"
+                else gpu_planner_s(num_ranks, "topoep_plus"))
+    return t
 
 
 def spread_planner_s(execution: Execution, num_ranks: int, policies) -> float:
@@ -907,9 +928,9 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plan, candidates = plans[0], tuple(plans[1:])
     gate_cheap = None  # the spread gate on: the other candidates' layer, which its probes run
     if guarded and not skipped and execution.spread_gate and name == "topoep_plus":
-        from topoep.planners.cuda import SPREAD_POLICIES
+        from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
 
-        cheap = tuple(p for p in candidates if p.policy not in SPREAD_POLICIES)
+        cheap = tuple(p for p in candidates if p.policy not in SPREAD_POLICIES + PEER_POLICIES)
         if len(cheap) < len(candidates):  # the spread gate in steady state (one routing stands for every call)
             net = []
             for cands in (cheap, candidates):
@@ -917,7 +938,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
                 net.append(0.0 if bool(fired) else float(saved - cost))
             choice_all = int(executed.info["guard_choice"])
             gate = (choice_all > len(cheap) and not bool(fired)
-                    and net[1] - net[0] > spread_planner_s(execution, R_omega, plus_candidates))
+                    and net[1] - net[0] > gated_planner_s(execution, R_omega, N, plus_candidates))
             if gate:
                 gate_cheap = simulate(omega, cluster, model=model, policy=name, num_slots=N,
                                       execution=replace(execution, spread_gate=False), guard=guard_in,
@@ -949,23 +970,26 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     else:
         from topoep.planners.cuda import CUDA_POLICIES
 
-        from topoep.planners.cuda import SPREAD_POLICIES
+        from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
 
         t_gather = gather_s(R, E, cluster)
         spread = {p.policy for p in (plan, *candidates)} & set(SPREAD_POLICIES)
+        peers = {p.policy for p in candidates} & set(PEER_POLICIES)
         if plan_s is not None:
             solve_s = plan_s
         elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
-            spread_s = spread_planner_s(execution, R, plus_candidates)
+            spread_s = gated_planner_s(execution, R, N, plus_candidates)
             plus_s = gpu_planner_s(R, "topoep_plus")
             solve_s = _interpolated_s(GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
-        elif spread and execution.spread_planner == "measured":  # csrc/spread.cu, beside the other plans
-            solve_s = spread_planner_s(execution, R, spread)
-        elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES):
+        elif ((spread and execution.spread_planner == "measured")
+              or (peers and execution.peer_planner == "measured")):  # csrc/spread.cu, csrc/peers.cu beside the pair
+            solve_s = gated_planner_s(execution, R, N, spread | peers)
+        elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES + PEER_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
             solve_s = gpu_planner_s(R, name if candidates else plan.policy)
-        else:
+        else:  # a host planner; the peers' policies too, as their own systems plan them (csrc/peers.cu's GPU time,
+            # baselines.peer_set_s, is a topoep_plus layer's with plus_peers: Execution.peer_planner)
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
             solve_s = execution.host_round_trip_s + R * E * 8 / cluster.host_bytes_per_s + host
         if guarded and plan_s is None:  # the pre-plan bound and the planners' streams, as every guarded layer runs

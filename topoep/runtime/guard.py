@@ -135,10 +135,11 @@ class NetBenefitGuard:
     carries more than a tree's share (`LayerConfig.relay_share`). False: the faster by the model."""
 
     spread_plan_s: float | None = None
-    """The spread planner's time (seconds) that the spread gate (`SpreadGate`, LayerConfig.spread_gate) asks a
-    spread plan to save beyond the plan kept without it. None: the CUDA spread planner's latency measured on one H200
-    at the layer's EP size (`topoep.planners.spread.measured_latency_s`; with relay trees the relayed layer's four
-    plans)."""
+    """The gated planners' time (seconds) that the spread gate (`SpreadGate`, LayerConfig.spread_gate) asks a gated
+    plan (a spread or a peer candidate) to save beyond the plan kept without them. None: as measured on one H200 at
+    the layer's EP size (`gated_s`: the CUDA spread planner's latency, `topoep.planners.spread.measured_latency_s`,
+    with relay trees the relayed layer's four plans; the peers' four plans, `topoep.planners.baselines.peer_set_s`;
+    the longer of the two where both run)."""
 
     skip_lag: int | None = 2
     """Backend cuda: leave out the replica machinery of a call when the guard did not want replicas in the
@@ -320,6 +321,16 @@ class NetBenefitGuard:
         from topoep.planners.spread import measured_latency_s
 
         return measured_latency_s(num_ranks, trees)
+
+    def gated_s(self, num_ranks: int, num_slots: int, spread: bool, trees: bool, peers: bool) -> float:
+        """The gated planners' time that the spread gate asks their plans to save: spread_plan_s, or the longer of the
+        measured spread planner's (`spread_s`, with `spread`) and the peers' four plans at once (with `peers`:
+        `topoep.planners.baselines.peer_set_s`) at num_ranks and num_slots."""
+        if self.spread_plan_s is not None:
+            return float(self.spread_plan_s)
+        from topoep.planners.baselines import peer_set_s
+
+        return max(self.spread_s(num_ranks, trees) if spread else 0.0, peer_set_s(num_ranks, num_slots) if peers else 0.0)
 
     def select(self, plan: Plan, t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None = None,
                candidates: tuple[Plan, ...] = (), backend: str = "auto", planned: torch.Tensor | None = None):

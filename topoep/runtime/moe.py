@@ -22,7 +22,7 @@ from torch import nn
 from topoep.config import LayerConfig
 from topoep.metrics import DEFAULT_T_FFN, STAT_NAMES, plan_stats
 from topoep.planners import has_cuda_kernel, plan_concurrently, solve
-from topoep.planners.cuda import device_flag
+from topoep.planners.cuda import FLEXMOE_MAX_RANKS, SPREAD_POLICIES, device_flag
 from topoep.planners.capacity import fit_capacity
 from topoep.topology import Topology
 from topoep.runtime.backend import GLOO_HARNESS, capacity_rows, harness_transport, make_backend
@@ -44,7 +44,8 @@ from topoep.runtime.timing import PhaseTimer, phase
 
 LAYOUT = 9 + len(dataclasses.fields(SpillWork))  # tensors per chunk of _cuda_layout
 
-GUARD_STATS = 8  # guard_fired .. spread_planned in LAYER_STAT_NAMES
+GUARD_STATS = 9  # guard_fired .. spread_planned in LAYER_STAT_NAMES
+PEER_CANDIDATES = ("flexmoe", "deepseek")  # LayerConfig.plus_peers: the peers' plans the guard may keep
 LAYER_STAT_NAMES = STAT_NAMES + (
     "planner_ms",  # host time of planning and the guard (on a GPU: launch time, no sync)
     "guard_fired",  # 1 if the call executed the static plan instead of the balanced one: the guard decided so,
@@ -56,7 +57,8 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "plan_skipped",  # 1 if the guard's pre-plan bound left planning out (no plan could pay: NetBenefitGuard.worth_planning)
     "plan_local",  # 1 if the executed plan was topoep_plus's local candidate (topoep_plus_local; the guard chose it)
     "plan_spread",  # 1 if it was a spread candidate (topoep_plus_spread or _tree: LayerConfig.plus_spread)
-    "spread_planned",  # 1 if the spread planner ran (plus_spread: the pre-plan bound and the spread gate let it)
+    "plan_peer",  # 1 if it was a peer's plan (flexmoe or deepseek: LayerConfig.plus_peers)
+    "spread_planned",  # 1 if the gated planners ran (plus_spread, plus_peers: the pre-plan bound and the spread gate let them)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
@@ -120,6 +122,9 @@ class ExpertParallelMoE(nn.Module):
         if self.backend.world_size != R:
             raise ValueError(f"the EP group has {self.backend.world_size} ranks but the topology covers {R}: "
                              "build the topology for the EP group (e.g. Topology.from_env(ep_size=...))")
+        if config.plus_peers and config.backend == "cuda" and R > FLEXMOE_MAX_RANKS:
+            raise ValueError(f"plus_peers=true with backend cuda plans flexmoe on the GPU, which takes at most "
+                             f"{FLEXMOE_MAX_RANKS} ranks (the EP group has {R}): set plus_peers=false")
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.topology, self.num_slots, self.policy, self.num_chunks = topology, num_slots, policy, num_chunks
         self.rank = self.backend.rank
@@ -150,9 +155,11 @@ class ExpertParallelMoE(nn.Module):
             lag = NetBenefitGuard.skip_lag
         self.slot_hint = (SlotSkipHint(lag) if lag is not None and self.backend.name == "cuda" and num_slots > 0
                           and self._uses_slots else None)
-        # plus_spread: the spread planner runs where it pays for itself (guard.SpreadGate)
-        self._spread_gate = (SpreadGate(config.spread_probe, self.guard.spread_s(R, config.relay_fanout is not None))
-                             if config.plus_spread and config.spread_gate else None)
+        # plus_spread, plus_peers: the gated planners (spread, peers) run where they pay for themselves (guard.SpreadGate)
+        self._spread_gate = (SpreadGate(config.spread_probe,
+                                        self.guard.gated_s(R, num_slots, config.plus_spread, config.relay_fanout is not None,
+                                                           config.plus_peers))
+                             if (config.plus_spread or config.plus_peers) and config.spread_gate else None)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         if self._expert_weights is None:
@@ -252,10 +259,14 @@ class ExpertParallelMoE(nn.Module):
             return self._unplanned(omega, worth, kw, allow, capacity)
         candidates, spread_run = (), None
         names = self._plus_policies() if guarded and self.policy == "topoep_plus" else (self.policy,)
-        gate = self._spread_gate if len(names) > 2 else None
-        if len(names) > 2:  # topoep_plus, its local plan and the spread plans at once, the spread planner gated
+        # the candidates' kinds by index: topoep_plus's own (0), its local plan (1), then the gated ones: the peers',
+        # the spread plans
+        first_gated = next((i for i, name in enumerate(names) if name in SPREAD_POLICIES + PEER_CANDIDATES), len(names))
+        first_spread = next((i for i, name in enumerate(names) if name in SPREAD_POLICIES), len(names))
+        gate = self._spread_gate if first_gated < len(names) else None
+        if first_gated < len(names):  # every plan at once, the gated planners behind the spread gate
             spread_run = worth if gate is None else gate.enable(worth)
-            kws = [kw, kw] + [{**kw, "enable": spread_run}] * (len(names) - 2)
+            kws = [kw] * first_gated + [{**kw, "enable": spread_run}] * (len(names) - first_gated)
             plan, *candidates = plan_concurrently(omega, self.topology, names, kws)
         elif len(names) > 1:  # topoep_plus and its local plan at once; the guard keeps the best
             plan, *candidates = plan_concurrently(omega, self.topology, names, kw)
@@ -268,20 +279,24 @@ class ExpertParallelMoE(nn.Module):
                                                          planned=worth)
             wanted = (saved > cost) & worth
             choice = plan.info["guard_choice"]
-            local, spread = (choice == 1) & ~fired, (choice >= 2) & ~fired
+            local, spread = (choice == 1) & ~fired, (choice >= first_spread) & ~fired
+            peer = (choice >= 2) & (choice < first_spread) & ~fired
             ran = torch.zeros_like(worth) if spread_run is None else spread_run
             if gate is not None:
-                gate.record(worth, spread_run, fired, saved, cost, choice, 2)
+                gate.record(worth, spread_run, fired, saved, cost, choice, first_gated)
             guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
                                        (~worth).to(torch.float64), local.to(torch.float64), spread.to(torch.float64),
-                                       ran.to(torch.float64)])
+                                       peer.to(torch.float64), ran.to(torch.float64)])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, wanted, fit_stats
 
     def _plus_policies(self) -> tuple[str, ...]:
         """The plans of the guarded topoep_plus layer, the policy's own first (the guard's choice 0), then its local
-        candidate (1) and, with plus_spread, the spread candidates (2, and 3 with relay trees)."""
+        candidate (1), with plus_peers FlexMoE's and DeepSeek EPLB's plans, and with plus_spread the spread candidates
+        (with relay trees two)."""
         names = ("topoep_plus", "topoep_plus_local")
+        if self.config.plus_peers:
+            names += PEER_CANDIDATES
         if self.config.plus_spread:
             names += ("topoep_plus_spread",) + (("topoep_plus_spread_tree",) if self.config.relay_fanout else ())
         return names
@@ -297,7 +312,7 @@ class ExpertParallelMoE(nn.Module):
         if self.guard.relay_fanout is not None:
             plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
         guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero,
-                                   zero, zero])
+                                   zero, zero, zero])
         plan, fit_stats = self._fit(plan, capacity, allow)
         return plan, guard_stats, worth, fit_stats
 
