@@ -9,9 +9,11 @@
 //                    R_d N replica slots one at a time to the expert with the largest demand per instance (each lane
 //                    keeps the best of its experts; only the lane whose expert won recomputes its own) and packs the
 //                    replicas, heaviest first, onto the least-loaded rank with a free slot and no copy of the expert.
-//   flexmoe_kernel   one block: all warps sum the demand, then each step warp 0 finds the busiest rank and orders
-//                    its experts as the reference tries them, and the eight warps price eight of those tries at once
-//                    on the unchanged state (a failed try changes nothing, so the first try that helps is the
+//   flexmoe_kernel   one block: all warps sum the demand, then the greedy. Where every load fits in 31 bits (the
+//                    usual case) warp 0 runs it alone (flexmoe_fast): the reference's tries one after another, each
+//                    reduction one redux.sync, no block barrier. Otherwise each step warp 0 finds the busiest rank and
+//                    orders its experts as the reference tries them, and the eight warps price eight of those tries
+//                    at once on the unchanged state (a failed try changes nothing, so the first try that helps is the
 //                    reference's); the warp that priced it makes it. A lane owns the ranks lane + 32 k (k < R / 32
 //                    rounded up); an expert's replicas are a bit mask over ranks, so an instance's position among its
 //                    expert's instances (its share of the even split) is a popcount, and each expert's T // n and
@@ -281,6 +283,120 @@ __device__ bool improves(const FlexState& s, const PeerDims& d, int lane, int rb
   return mx <= Lrb && at_rb < Lrb;
 }
 
+// The greedy in warp 0 alone where every load fits in 31 bits (the usual case): the same tries in the reference's
+// order, one after another, each reduction a single redux.sync; no block barrier. Most steps keep their first try,
+// so ordering the busiest rank's experts is left to one argmax per try. Returns the steps taken.
+__device__ int flexmoe_fast(const FlexState& s, const PeerDims& d, int lane) {
+  const int C = d.Eloc + d.N;
+  int steps = 0;
+  while (steps < d.max_steps) {
+    ++steps;
+    int lv = INT_MIN, lr = INT_MAX;  // the busiest rank, the lowest of equal loads
+    for (int r = lane; r < d.R; r += 32) {
+      const int v = (int)s.L[r];
+      if (v > lv) lv = v, lr = r;
+    }
+    const int Lrb = __reduce_max_sync(kAll, lv);
+    const int rb = __reduce_min_sync(kAll, lv == Lrb ? lr : INT_MAX);
+    unsigned tried = 0u;  // bit j: the lane's candidate lane + 32 j was tried
+    bool changed = false;
+    for (;;) {
+      int ls = 0, le = INT_MAX;  // the lane's best untried candidate: the largest share on rb, then the lower expert
+      for (int c = lane, j = 0; c < C; c += 32, ++j) {
+        if ((tried >> j) & 1u) continue;
+        int e, sh;
+        if (c < d.Eloc) {
+          e = rb * d.Eloc + c;
+          sh = (int)share_of(s.q[e], s.rem[e], 0);
+        } else {
+          if (c - d.Eloc >= s.filled[rb]) continue;
+          e = s.slot[rb * d.N + c - d.Eloc];
+          sh = (int)share_of(s.q[e], s.rem[e], replica_pos(s, d, e, rb));
+        }
+        if (sh > ls || (sh == ls && sh > 0 && e < le)) ls = sh, le = e;
+      }
+      const int bs = __reduce_max_sync(kAll, ls);
+      if (bs <= 0) break;  // none left: the step changes nothing
+      const int hot = __reduce_min_sync(kAll, ls == bs ? le : INT_MAX);
+      for (int c = lane, j = 0; c < C; c += 32, ++j) {  // mark it tried (its lane holds it)
+        const int e = c < d.Eloc ? rb * d.Eloc + c : (c - d.Eloc < s.filled[rb] ? s.slot[rb * d.N + c - d.Eloc] : -1);
+        if (e == hot) tried |= 1u << j;
+      }
+      const int home = hot / d.Eloc;
+      const unsigned* hm = s.mask + (size_t)hot * d.MW;
+      int lt = INT_MAX, lrt = INT_MAX;  // expand: the least-loaded rank with a free slot and no instance of hot
+      for (int r = lane; r < d.R; r += 32) {
+        const bool host = r == home || ((hm[r >> 5] >> (r & 31)) & 1u);
+        const int v = (int)s.L[r];
+        if (!host && s.filled[r] < d.N && v < lt) lt = v, lrt = r;
+      }
+      const int mt = __reduce_min_sync(kAll, lt);
+      const int rt = __reduce_min_sync(kAll, lt == mt ? lrt : INT_MAX);
+      i64 dl[kMaxWords];
+#pragma unroll
+      for (int k = 0; k < kMaxWords; ++k) dl[k] = 0;
+      int kind = -1, where = -1, f = -1;
+      if (rt != INT_MAX) {
+        share_deltas(s, d, hot, rt, -1, lane, dl);
+        kind = 0, where = rt;
+      } else {  // migrate: the lightest replica (share, then slot) of another expert on a rank without hot
+        int ls2 = INT_MAX, lq = INT_MAX;
+        for (int q = lane; q < d.R * d.N; q += 32) {
+          const int r = q / d.N, g = s.slot[q];
+          if (g < 0 || g == hot || r == home || ((hm[r >> 5] >> (r & 31)) & 1u)) continue;
+          const int sh = (int)share_of(s.q[g], s.rem[g], replica_pos(s, d, g, r));
+          if (sh < ls2) ls2 = sh, lq = q;  // (q rises: the first of equal shares is the lowest slot)
+        }
+        const int ms = __reduce_min_sync(kAll, ls2);
+        const int q = __reduce_min_sync(kAll, ls2 == ms ? lq : INT_MAX);
+        if (q == INT_MAX) continue;
+        f = s.slot[q];
+        share_deltas(s, d, f, -1, q / d.N, lane, dl);
+        share_deltas(s, d, hot, q / d.N, -1, lane, dl);
+        kind = 1, where = q;
+      }
+      int mx = INT_MIN, at_rb = 0;  // the loads after the change: none above Lrb, rb lighter
+#pragma unroll
+      for (int k = 0; k < kMaxWords; ++k) {
+        const int r = 32 * k + lane;
+        if (k < d.MW && r < d.R) {
+          const int v = (int)(s.L[r] + dl[k]);
+          mx = v > mx ? v : mx;
+          if (r == rb) at_rb = v;
+        }
+      }
+      mx = __reduce_max_sync(kAll, mx);
+      at_rb = __shfl_sync(kAll, at_rb, rb & 31);
+      if (!(mx <= Lrb && at_rb < Lrb)) continue;
+#pragma unroll
+      for (int k = 0; k < kMaxWords; ++k) {
+        const int r = 32 * k + lane;
+        if (k < d.MW && r < d.R) s.L[r] += dl[k];
+      }
+      if (lane == 0) {
+        const int r = kind == 0 ? where : where / d.N;
+        if (kind == 0) {
+          s.slot[r * d.N + s.filled[r]] = hot;
+          s.filled[r] += 1;
+        } else {
+          s.slot[where] = hot;
+          s.mask[(size_t)f * d.MW + (r >> 5)] &= ~(1u << (r & 31));
+          s.n[f] -= 1;
+          divmod(s.T[f], s.n[f], s.q[f], s.rem[f]);
+        }
+        s.mask[(size_t)hot * d.MW + (r >> 5)] |= 1u << (r & 31);
+        s.n[hot] += 1;
+        divmod(s.T[hot], s.n[hot], s.q[hot], s.rem[hot]);
+      }
+      __syncwarp();
+      changed = true;
+      break;
+    }
+    if (!changed) break;
+  }
+  return steps;
+}
+
 // The reference's greedy. Each step: warp 0 finds the busiest rank and orders its experts (share there, then the
 // lower expert); then every warp tries one of them at once (expand, or migrate when no rank without the expert has a
 // free slot) on the unchanged state, and the first in the order whose change helps is made by the warp that priced
@@ -292,6 +408,7 @@ __global__ void __launch_bounds__(kPeerThreads) flexmoe_kernel(const i64* __rest
                                                                int* __restrict__ pos_out, i64* __restrict__ steps_out) {
   extern __shared__ i64 smem[];
   __shared__ int step_rb, step_count, tried_ok[kFlexWarps];
+  __shared__ bool fast;
   __shared__ i64 step_Lrb;
   const int C = d.Eloc + d.N;  // candidates on a rank: its mains, then its slots
   FlexState s;
@@ -324,8 +441,18 @@ __global__ void __launch_bounds__(kPeerThreads) flexmoe_kernel(const i64* __rest
     s.filled[r] = 0;
   }
   __syncthreads();
+  if (warp == 0) {  // every load fits in 31 bits: the greedy in warp 0 alone (flexmoe_fast)
+    i64 total = 0;
+    for (int r = lane; r < d.R; r += 32) total += s.L[r];
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kAll, total, o);
+    if (lane == 0) fast = total < INT_MAX;
+  }
+  __syncthreads();
   int steps = 0;
-  while (on && steps < d.max_steps) {
+  if (on && fast) {
+    if (warp == 0) steps = flexmoe_fast(s, d, lane);
+  }
+  while (on && !fast && steps < d.max_steps) {
     ++steps;
     if (warp == 0) {  // the busiest rank (the lowest of equal loads) and its experts in order
       i64 Lrb = LLONG_MIN;

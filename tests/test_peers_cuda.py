@@ -5,7 +5,7 @@ their enable flag is read on the device; the GPU flexmoe planner refuses more th
 
 import pytest
 import torch
-from test_spread_cuda import S, W, _random_cases, _scenario_cases
+from test_spread_cuda import S, W, _random_cases, _scenario_cases, check_enable_flag, check_sync_free_graph
 
 from topoep import Topology, solve
 from topoep.planners.cuda import PEER_POLICIES
@@ -58,47 +58,11 @@ def test_peer_plans_equal_reference_on_large_domains_and_256_ranks():
 
 
 def test_peer_plans_without_host_synchronisation_and_replay_in_a_graph():
-    R, E, N = 32, 640, 2
-    topo = Topology(num_domains=4, ranks_per_domain=8)
-    omegas = [scenario(n, R, E, 512, 8, ranks_per_domain=8, seed=1).cuda() for n in ("hot_domain", "random_bias")]
-    buf = omegas[0].clone()
-    for policy in PEER_POLICIES:
-        kw = dict(num_slots=N, policy=policy, backend="cuda")
-        solve(buf, topo, **kw)  # builds the extension and the workspace
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            solve(buf, topo, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            solve(buf, topo, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan = solve(buf, topo, **kw)
-        for om in omegas:
-            buf.copy_(om)
-            graph.replay()
-            ref = solve(om.cpu(), topo, num_slots=N, policy=policy, backend="reference")
-            assert torch.equal(plan.slot_expert.cpu(), ref.slot_expert) and torch.equal(plan.route.cpu(), ref.route)
-            assert _steps(plan) == _steps(ref)
-            assert int((ref.slot_expert >= 0).sum()) > 0  # the cases place replicas: the replay plans, not static
+    check_sync_free_graph(PEER_POLICIES, ("hot_domain", "random_bias"), _steps)
 
 
 def test_peer_enable_flag_is_read_on_the_device():
-    om = scenario("hot_domain", 32, 640, 512, 8, ranks_per_domain=8, seed=2).cuda()
-    topo = Topology(num_domains=4, ranks_per_domain=8)
-    static = solve(om, topo, num_slots=2, policy="static", backend="cuda")
-    for policy in PEER_POLICIES:
-        for flag in (False, True):
-            got = solve(om, topo, num_slots=2, policy=policy, backend="cuda", enable=torch.tensor(flag, device="cuda"))
-            ref = solve(om.cpu(), topo, num_slots=2, policy=policy, backend="reference")
-            want = ref if flag else static
-            assert torch.equal(got.slot_expert, want.slot_expert.cuda()) and torch.equal(got.route, want.route.cuda())
-        assert int((ref.slot_expert >= 0).sum()) > 0
+    check_enable_flag(PEER_POLICIES, "hot_domain")
 
 
 def test_flexmoe_kernel_refuses_more_than_256_ranks():

@@ -99,7 +99,7 @@ class LayerConfig:
     `deepseek` of topoep.planners.baselines, csrc/peers.cu on a GPU: no host synchronisation) beside topoep_plus and
     topoep_plus_local, each on its own stream, and the guard keeps the fastest plan by its per-link model: where hot
     experts cluster in one domain a topology-unaware spread of replicas can beat ours (the share that ran a peer's plan:
-    the plan_peer statistic). Their planners take 120-320 us per call at EP 16-64 (results/peer_latency.md), so
+    the plan_peer statistic). Their planners take 130-240 us per call at EP 16-64 (results/peer_latency.md), so
     they run behind the spread gate (spread_gate). Backend cuda: at most 256 ranks (the GPU flexmoe planner's limit)."""
     spread_gate: bool = True
     """With plus_spread or plus_peers: run those gated planners (the spread planner, the peers' planners) only where

@@ -24,8 +24,8 @@ from topoep.topology import FEMTO
 # layer with LayerConfig.plus_peers plans), graph replay on a busy stream, hot_domain routing (flexmoe's most steps),
 # 8 experts per rank; (EP, us) with 2 and with 4 slots. FlexMoE's greedy is a chain of dependent steps (about one per
 # replica slot in all), so it sets the time.
-PEER_SET_LATENCY_US = {2: ((16, 161.2), (32, 197.2), (64, 311.1), (128, 737.8), (256, 1645.7)),
-                       4: ((16, 177.9), (32, 259.6), (64, 321.4), (128, 769.5), (256, 1782.0))}
+PEER_SET_LATENCY_US = {2: ((16, 155.6), (32, 133.0), (64, 222.1), (128, 494.0), (256, 1092.0)),
+                       4: ((16, 179.9), (32, 228.4), (64, 240.3), (128, 648.2), (256, 1154.7))}
 
 
 def peer_set_s(num_ranks: int, num_slots: int) -> float:
