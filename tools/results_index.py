@@ -79,6 +79,7 @@ REPORTS = [
     _sweep("link_sweep_spread_measured_x30", "--spread-planner measured --spread-speedup 30"),
     _sweep("link_sweep_spread_measured_nogate", "--spread-planner measured --spread-gate off"),
     _sweep("link_sweep_peers", "--peer-candidates"),
+    _sweep("link_sweep_peers_measured", "--peer-candidates --peer-planner measured"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
@@ -92,6 +93,8 @@ REPORTS = [
           "python bench/planner_latency.py --profile"),
     Entry(("spread_latency.md", "spread_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
           "python bench/planner_latency.py --spread"),
+    Entry(("peer_latency.md", "peer_latency.json"), "bench/planner_latency.py", "its own measurement", "1 GPU",
+          "python bench/planner_latency.py --peers (bash tools/gpu_session.sh setup peers)"),
     Entry(("layer_memory.md", "layer_memory.json"), "bench/layer_memory.py", "gpu/layer_memory/layer_memory_ep*.json",
           "CPU, from the raw runs (they: 1 GPU, `bash tools/gpu_session.sh setup memory`)",
           "python bench/layer_memory.py --report results/gpu/layer_memory/layer_memory_ep*.json"),
@@ -154,6 +157,8 @@ GPU = [
           "in its README)"),
     Entry(("gpu/gate",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gate (its README names each log's "
           "command)"),
+    Entry(("gpu/peers",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup peers (its README names each "
+          "log's command)"),
     Entry(("gpu/spread_kernel",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
