@@ -120,7 +120,11 @@ def test_cuda_kernel_only_on_two_level_costs():
     odd = Topology(num_domains=2, ranks_per_domain=4, cost=cost)
     assert has_cuda_kernel("topoep_plus", topo) and not has_cuda_kernel("topoep_plus", odd)
     assert has_cuda_kernel("topoep", odd) and has_cuda_kernel("static", odd)
-    assert not has_cuda_kernel("flexmoe", topo) and not has_cuda_kernel("joint", topo)
+    assert not has_cuda_kernel("fastermoe", topo) and not has_cuda_kernel("joint", topo)
+    # the peers' GPU planners (csrc/peers.cu) are topology-unaware; flexmoe's takes at most 256 ranks
+    assert has_cuda_kernel("flexmoe", odd) and has_cuda_kernel("deepseek", odd)
+    big = Topology(num_domains=64, ranks_per_domain=8)
+    assert not has_cuda_kernel("flexmoe", big) and has_cuda_kernel("deepseek", big)
 
 
 def test_local_plan_keeps_replicas_in_their_domain():
