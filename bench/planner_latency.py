@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 from bench.common import REPO, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.planners.cuda import CudaPlanner  # noqa: E402
+from topoep.runtime.moe import PEER_CANDIDATES  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
 
 
@@ -438,7 +439,7 @@ def spread_main(args) -> int:
     return 0
 
 
-PEERS = ("flexmoe", "deepseek")  # LayerConfig.plus_peers' candidates (topoep.runtime.moe.PEER_CANDIDATES)
+PEERS = PEER_CANDIDATES  # LayerConfig.plus_peers' candidates, in the layer's order
 
 
 def measure_peers(ep: int, experts: int, slots: int, scen: str, runs: int, warmup: int, tokens: int) -> dict:

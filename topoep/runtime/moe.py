@@ -280,7 +280,7 @@ class ExpertParallelMoE(nn.Module):
             wanted = (saved > cost) & worth
             choice = plan.info["guard_choice"]
             local, spread = (choice == 1) & ~fired, (choice >= first_spread) & ~fired
-            peer = (choice >= 2) & (choice < first_spread) & ~fired
+            peer = (choice >= first_gated) & (choice < first_spread) & ~fired
             ran = torch.zeros_like(worth) if spread_run is None else spread_run
             if gate is not None:
                 gate.record(worth, spread_run, fired, saved, cost, choice, first_gated)
