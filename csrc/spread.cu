@@ -7,11 +7,13 @@
 // Two kernels. spread_kernel, one block of 512 threads: the greedy is a chain of dependent moves. Warp 1 is the
 // accountant, the other 15 warps scan, and warp 0 also makes each move; per move the scanners pass two barriers of
 // their own (a named barrier without the accountant):
-//   1. Every scanner scores its (target rank, instance of the busiest rank) pairs; a warp reduction of their keys
-//      (three words, compared as the reference's tuple) leaves each warp's best in shared memory. Barrier.
-//   2. Warp 0 finishes the reduction and makes the move: lane 0 finds the instance on the busiest rank and the load
-//      to move, lane 1 the target instance (a new slot) and its copy source; they write the loads, the slot and the
-//      copy counters, the warp finds the next busiest rank and publishes the move to the accountant. Barrier.
+//   1. Every scanner scores its (target rank, instance of the busiest rank) pairs, each with every word it may read
+//      loaded before any test (a chain of three loads, not one per test); a warp reduction of their keys (three
+//      words, compared as the reference's tuple) leaves each warp's best, and its move (the two instances, the
+//      load, the copy source), in shared memory. Barrier.
+//   2. Warp 0 finishes the reduction and makes the move with the winner's words: lane 0 writes the loads, lane 1
+//      the slot and the copy counters; the warp finds the next busiest rank and publishes the move to the
+//      accountant. Barrier.
 //   The accountant follows the published moves, a move behind or more: it re-shares the moved expert's instances in
 //   the one or two domains it touches, updates the domains' sums and computes the objective after the move, on its
 //   own copy of the instance loads (U2), so the scanners never wait for it. Nothing the scan reads depends on these
@@ -150,6 +152,14 @@ struct Key {
 constexpr u64 kSignBit = 1ull << 63;
 __device__ __forceinline__ Key no_move() { return Key{~0ull, ~0ull, ~0ull}; }
 
+// A candidate's move, found by the scan: the load moved, e's instance on rb, e's instance on rt (-1: a new replica,
+// placed by the move), the rank a new copy fetches from and whether over the NIC
+struct Cand {
+  i64 delta;
+  int pb, pt, src;
+  bool nic;
+};
+
 __device__ __forceinline__ bool less(const Key& x, const Key& y) {
   if (x.hi != y.hi) return x.hi < y.hi;
   if (x.mid != y.mid) return x.mid < y.mid;
@@ -234,15 +244,6 @@ __device__ __forceinline__ int instance_on(const SpreadDims& d, const SpreadStat
   for (int j = 0; j < d.N; ++j)
     if (s.slots[(i64)r * d.N + j] == e) return d.E + r * d.N + j;
   return -1;
-}
-
-// the rank a new copy of e on rt fetches from, and whether over the NIC (_State.source)
-__device__ __forceinline__ int copy_source(const SpreadDims& d, const SpreadState& s, int e, int rt, bool* nic) {
-  const int home = (int)s.home[e], m = (int)s.dom[rt];
-  if (s.dom[home] == m) { *nic = false; return home; }
-  const i64 first = d.trees ? s.first[(i64)m * d.E + e] : -1;
-  *nic = first < 0;
-  return first < 0 ? home : (int)first;
 }
 
 // domain g's sums after its load of expert e changes by x (the first half of _State.apply's domain loop)
@@ -390,6 +391,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
                                                                  const bool* __restrict__ enable, SpreadDims d,
                                                                  SpreadLayout f, i64* ws, i64* slot_out, i64* info) {
   __shared__ Key sh_key[kSpreadWarps];     // each warp's best candidate
+  __shared__ Cand sh_cand[kSpreadWarps];   // and its move
   __shared__ i64 sh_nic, sh_nvl, sh_Lrb;   // the busiest NIC / NVLink copy counts (they only grow); L of rb
   __shared__ i64 sh_obj, sh_static_obj;  // the kept prefix's objective, static's
   __shared__ int sh_rb, sh_stop, sh_moves, sh_kept;
@@ -486,39 +488,46 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       const i64 cur = replica_fs(d, mx_nic, mx_nvl);
       const i64 up_nic = replica_fs(d, mx_nic + 1, mx_nvl) - cur, up_nvl = replica_fs(d, mx_nic, mx_nvl + 1) - cur;
       Key mine = no_move();
+      Cand best{};  // mine's move
       for (int rt = rt0, k = k0; rt < R; k += step_k, rt += step_rt + (k >= K), k -= k >= K ? K : 0) {
-        const i64 Lrt = s.L[rt];
+        // Every word the candidate may read is loaded before any test (all in range, shared memory where the state
+        // fits), so its chain is three loads deep instead of one load per test. Ranks' domains and experts' mains
+        // are computed (dom_of, home_of: the values of s.dom and s.home).
+        const bool main_k = k < d.Eloc;
+        const int p = main_k ? rb * d.Eloc + k : E + rb * N + (k - d.Eloc);
+        const i64 Lrt = s.L[rt], u = s.U[p], used = s.used[rt], nin = s.nic_in[rt], vin = s.nvl_in[rt];
+        const int es = main_k ? p : (int)s.slots[p - E];
+        const int e = es < 0 ? 0 : es, drt = dom_of(d, rt), home = home_of(d, e), dh = dom_of(d, home);
+        const i64 ge = (i64)drt * E + e;
+        const i64 dem = s.D[ge], first = d.trees ? s.first[ge] : -1;
+        int jt = home == rt ? -2 : -1;  // e's instance on rt: -2 its main, j >= 0 slot j, -1 none (instance_on)
+        for (int j = 0; j < N; ++j)
+          if (jt == -1 && s.slots[(i64)rt * N + j] == e) jt = j;
+        const bool nic = dh != drt && first < 0;  // _State.source: the home, or the domain's first copy (NVLink)
+        const int src = dh == drt || first < 0 ? home : (int)first;
+        const i64 out = nic ? s.nic_out[src] : s.nvl_out[src];
         const i64 half = (Lrb - Lrt) / 2;  // Lrb >= Lrt: the floor
-        if (half <= 0) continue;
-        int p, e;
-        if (k < d.Eloc) {
-          p = rb * d.Eloc + k;
-          e = p;
-        } else {
-          p = E + rb * N + (k - d.Eloc);
-          e = (int)s.slots[p - E];
-          if (e < 0) continue;
-        }
-        const i64 u = s.U[p];
-        if (u <= 0) continue;
-        const int drt = (int)s.dom[rt];
-        const bool existing = instance_on(d, s, rt, e) >= 0;
+        if (half <= 0 || es < 0 || u <= 0) continue;
+        const bool existing = jt != -1;
         i64 extra = 0;
         if (!existing) {
-          if (s.used[rt] >= N) continue;
-          if (s.dom[s.home[e]] != drt && !(s.D[(i64)drt * E + e] > d.c4)) continue;  // C4
-          bool nic;
-          const int src = copy_source(d, s, e, rt, &nic);
-          if (nic) extra = s.nic_out[src] == mx_nic || s.nic_in[rt] == mx_nic ? up_nic : 0;
-          else extra = s.nvl_out[src] == mx_nvl || s.nvl_in[rt] == mx_nvl ? up_nvl : 0;
+          if (used >= N) continue;
+          if (dh != drt && !(dem > d.c4)) continue;  // C4
+          extra = nic ? (out == mx_nic || nin == mx_nic ? up_nic : 0) : (out == mx_nvl || vin == mx_nvl ? up_nvl : 0);
         }
         const i64 delta = u < half ? u : half;
         const Key x{(u64)(extra - d.t * delta) ^ kSignBit, (u64)(drt != drb) << 63 | (u64)!existing << 62 | (u64)Lrt,
                     (u64)rt << 32 | (u64)e};
-        if (less(x, mine)) mine = x;
+        if (less(x, mine)) {
+          mine = x;
+          best = Cand{delta, p, jt == -2 ? e : jt >= 0 ? E + rt * N + jt : -1, src, nic};
+        }
       }
-      mine = warp_min(mine);
-      if (lane == 0) sh_key[warp] = mine;
+      const Key wmin = warp_min(mine);
+      if (mine.lo == wmin.lo && mine.hi == wmin.hi && mine.mid == wmin.mid) {  // keys are unique: the lane that found
+        sh_key[warp] = wmin;                                                   // it (or, without a candidate, every
+        sh_cand[warp] = best;                                                  // lane, writing the same words)
+      }
       scan_barrier();
       // 2. warp 0: the best candidate, the move (_State.apply's loads, slot and copy counters), the busiest rank
       if (warp == 0) {
@@ -528,28 +537,19 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
         } else {
           const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = (int)s.dom[rt];
           const bool fresh = (b.mid >> 62) & 1;
-          // lane 0: e's instance on rb and the load moved; lane 1: e's instance on rt (fresh: rt's lowest free
-          // slot) and the rank it fetches from
-          int pb = 0, pt = 0, slot = -1, src = 0;
-          bool nic = false;
-          i64 delta = 0;
-          if (lane == 0) {
-            pb = instance_on(d, s, rb, e);
-            const i64 half = (Lrb - s.L[rt]) / 2, u = s.U[pb];
-            delta = u < half ? u : half;
-          } else if (lane == 1) {
-            if (fresh) {
-              slot = rt * N + (int)s.used[rt];
-              pt = E + slot;
-              src = copy_source(d, s, e, rt, &nic);
-            } else {
-              pt = instance_on(d, s, rt, e);
-            }
+          // the winner's words, from the warp that found it: e's instance on rb and the load moved, e's instance on
+          // rt (fresh: rt's lowest free slot) and the rank a new copy fetches from
+          const unsigned at = __ballot_sync(0xffffffffu, lane < kSpreadWarps && lane != 1 && sh_key[lane].lo == b.lo &&
+                                                             sh_key[lane].hi == b.hi && sh_key[lane].mid == b.mid);
+          const Cand c = sh_cand[__ffs(at) - 1];
+          const int pb = c.pb, src = c.src;
+          const bool nic = c.nic;
+          const i64 delta = c.delta;
+          int pt = c.pt, slot = -1;
+          if (fresh) {
+            slot = rt * N + (int)s.used[rt];
+            pt = E + slot;
           }
-          pb = __shfl_sync(0xffffffffu, pb, 0);
-          delta = __shfl_sync(0xffffffffu, delta, 0);
-          pt = __shfl_sync(0xffffffffu, pt, 1);
-          slot = __shfl_sync(0xffffffffu, slot, 1);
           __syncwarp();
           if (lane == 0) {
             s.U[pb] -= delta;
