@@ -590,8 +590,10 @@ def test_spread_plan_s():
     with pytest.raises(ValueError, match="spread_plan_s must be None"):
         NetBenefitGuard(spread_plan_s=-1.0)
     assert NetBenefitGuard(spread_plan_s=2e-4).spread_s(32, False) == 2e-4
-    assert NetBenefitGuard().spread_s(32, False) == pytest.approx(390.2e-6)
-    assert NetBenefitGuard().spread_s(32, True) == pytest.approx(393.9e-6)
+    from topoep.planners.spread import LATENCY_SET_US, LATENCY_US
+
+    assert NetBenefitGuard().spread_s(32, False) == pytest.approx(dict(LATENCY_US)[32] * 1e-6)
+    assert NetBenefitGuard().spread_s(32, True) == pytest.approx(dict(LATENCY_SET_US)[32] * 1e-6)
 
 
 def test_plus_spread_needs_the_guarded_topoep_plus_layer():

@@ -73,8 +73,8 @@ INGRESS_TRANSFERS = 4
 # topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once. Its time grows with
 # the greedy's moves (about 3 us each), so on other routings it is an estimate. The spread gate
 # (NetBenefitGuard.worth_spreading) and the simulator read it through `measured_latency_s`.
-LATENCY_US = ((8, 41.6), (16, 101.1), (32, 390.2), (64, 404.6), (128, 586.3))
-LATENCY_SET_US = ((8, 79.7), (16, 103.9), (32, 393.9), (64, 1248.2), (128, 1013.1))
+LATENCY_US = ((8, 41.2), (16, 95.4), (32, 346.5), (64, 365.1), (128, 517.1))
+LATENCY_SET_US = ((8, 79.3), (16, 97.6), (32, 349.3), (64, 1085.0), (128, 855.4))
 
 
 def interpolated_s(pts, num_ranks: int) -> float:
