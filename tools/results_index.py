@@ -161,6 +161,8 @@ GPU = [
           "log's command)"),
     Entry(("gpu/spread_kernel",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
+    Entry(("gpu/spread_scan",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
+          "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
     Entry(("gpu/grouped_gemm",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gemm (its README names "
