@@ -74,6 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-planner", default="plus", choices=list(sim.SPREAD_PLANNERS),
                     help="with --peer-candidates: time the peers' candidates as topoep_plus's CUDA planner (plus: the "
                          "what-if) or as csrc/peers.cu measured on one H200 (measured; sim.Execution.peer_planner)")
+    ap.add_argument("--guard-pipeline", action="store_true",
+                    help="every guard predicts the compute and token time with the simulator's chunk pipeline "
+                         "(NetBenefitGuard.token_chunks = the execution's chunks) instead of its token_overlap formula")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -92,6 +95,13 @@ def parse_args(argv=None):
     if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0 or args.relay_chunks < 1:
         raise SystemExit("--experts-per-rank, --tokens and --relay-chunks must be >= 1 and --nic-scale > 0")
     return args
+
+
+def guard_of(args) -> NetBenefitGuard:
+    """Every guarded policy's guard: default constants, with --guard-pipeline the chunk pipeline's prediction."""
+    if args.guard_pipeline:
+        return NetBenefitGuard(token_chunks=sim.EXECUTIONS["topoep"].num_chunks)
+    return NetBenefitGuard()
 
 
 def layers(args) -> dict:
@@ -116,7 +126,7 @@ def run(args) -> list[dict]:
     from tqdm import tqdm
 
     model0 = sim.MODELS[args.model]
-    guard = NetBenefitGuard()
+    guard = guard_of(args)
     omegas, bounds, rows = {}, {}, []
     ours = layers(args)
     todo = list(cells(args))
@@ -200,7 +210,10 @@ def report(args, rows: list[dict]) -> str:
         f"top-{sim.MODELS[args.model].top_k}, "
         f"{args.tokens} tokens per rank, seed {args.seed}; NIC bandwidth x {args.nic_scale:g}",
         "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy "
-        "(its per-link prediction; routing no plan can pay for is not planned); every policy, static included, pays "
+        "(its per-link prediction; routing no plan can pay for is not planned; "
+        + ("its compute and token time as the simulator's chunk pipeline runs them, `NetBenefitGuard.token_chunks="
+           f"{sim.EXECUTIONS['topoep'].num_chunks}`" if args.guard_pipeline else
+           "its compute and token time by the `token_overlap` formula, `NetBenefitGuard()`") + "); every policy, static included, pays "
         "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
         "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
         "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: the same with "

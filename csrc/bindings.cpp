@@ -137,7 +137,8 @@ void check_bool_scalar(const c10::optional<at::Tensor>& t, const at::Tensor& ome
 void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at::Tensor& cost_fs,
                   const std::vector<at::Tensor>& routes, const std::vector<at::Tensor>& slots,
                   int64_t ranks_per_domain, int64_t token_bytes, int64_t expert_bytes, double t_ffn,
-                  int64_t token_transfers, double token_overlap, double plan_s, double latency, int64_t exposed,
+                  int64_t token_transfers, double token_overlap, int64_t token_chunks, double plan_s, double latency,
+                  int64_t exposed,
                   int64_t fanout, int64_t levels, int64_t chunks, bool share,
                   const c10::optional<at::Tensor>& allow,
                   const c10::optional<at::Tensor>& planned, at::Tensor route_out,
@@ -170,6 +171,8 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   TORCH_CHECK(chunks >= 1 && chunks <= topoep::kMaxRelayChunks && (fanout > 0 || chunks == 1),
               "chunks must be 1 without relays, else 1 to ", topoep::kMaxRelayChunks, "; got ", chunks);
   TORCH_CHECK(token_transfers >= 0 && exposed >= 0, "token_transfers and exposed must be >= 0");
+  TORCH_CHECK(token_chunks >= 0 && token_chunks <= topoep::kMaxTokenChunks, "token_chunks must be 0 (the "
+              "token_overlap formula) or 1 to ", topoep::kMaxTokenChunks, ", got ", token_chunks);
   for (const at::Tensor* t : {&choice, &use, &fired, &relay, &saved, &cost})
     TORCH_CHECK(t->is_cuda() && t->numel() == 1 && t->device() == omega.device(), "the guard's outputs must be ",
                 "one element each on omega's device");
@@ -193,7 +196,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.token_bytes = token_bytes, a.expert_bytes = expert_bytes;
   a.t_ffn = t_ffn, a.h = token_overlap, a.plan_s = plan_s, a.latency = latency;
   a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
-  a.chunks = (int)chunks, a.share = share;
+  a.chunks = (int)chunks, a.share = share, a.k = (int)token_chunks;
   a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
   a.planned = planned.has_value() ? planned->data_ptr<bool>() : nullptr;
   a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
@@ -342,7 +345,8 @@ TORCH_LIBRARY(topoep, m) {
   m.def("fit_workspace_elems(int R, int E, int N) -> int", &fit_workspace_elems);
   m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
         "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
-        "float token_overlap, float plan_s, float latency, int exposed, int fanout, int levels, int chunks, bool share, "
+        "float token_overlap, int token_chunks, float plan_s, float latency, int exposed, int fanout, int levels, "
+        "int chunks, bool share, "
         "Tensor? allow, "
         "Tensor? planned, "
         "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "

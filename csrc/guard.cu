@@ -192,9 +192,28 @@ __device__ __forceinline__ i64 warp_max(i64 v) {
   return v;
 }
 
-// X = x + m t - h min(x, m t) (guard._layer), in the reference's order of operations
-__device__ __forceinline__ double layer_time(double x, double t, int m, double h) {
+// One pass of links.chunk_pipeline with k equal chunks (dispatch d, compute c, combine d each; tail after the last):
+// the later of its two streams' ends, in the reference's order of operations
+__device__ double pipeline_pass(double d, double c, double tail, int k) {
+  double x_end[kMaxTokenChunks];
+  double t = 0.0, comp = 0.0;
+  for (int i = 0; i < k; ++i) {
+    t = __dadd_rn(t, d);
+    comp = __dadd_rn(fmax(comp, t), c);
+    x_end[i] = comp;
+  }
+  for (int i = 0; i < k; ++i) t = __dadd_rn(fmax(t, x_end[i]), d);
+  return fmax(t, __dadd_rn(comp, tail));
+}
+
+// X = x + m t - h min(x, m t), or with k token chunks links.pipelined_layer_s(x, t, k) (guard._layer), in the
+// reference's order of operations
+__device__ __forceinline__ double layer_time(double x, double t, int m, double h, int k) {
   if (!m) return x;
+  if (k > 0) {
+    const double third = __ddiv_rn(x, 3.0), d = __ddiv_rn(t, (double)k), c = __ddiv_rn(third, (double)k);
+    return __dadd_rn(pipeline_pass(d, c, 0.0, k), pipeline_pass(d, c, third, k));
+  }
   const double mt = __dmul_rn((double)m, t);
   return __dsub_rn(__dadd_rn(x, mt), __dmul_rn(h, fmin(x, mt)));
 }
@@ -251,14 +270,14 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
   if (threadIdx.x != 0) return;
   const double kSecondsPerFs = 1e-15;
   double x_static = __dmul_rn(a.t_ffn, (double)maxima[0]);
-  const double X_static = layer_time(x_static, __dmul_rn((double)maxima[Q], kSecondsPerFs), a.m, a.h);
+  const double X_static = layer_time(x_static, __dmul_rn((double)maxima[Q], kSecondsPerFs), a.m, a.h, a.k);
   int best = 0;
   double best_net = 0, saved_best = 0, cost_best = 0;
   bool relay_best = false;
   for (int p = 0; p < P; ++p) {
     const double x = __dmul_rn(a.t_ffn, (double)maxima[1 + p]);
     const double t_dispatch = __dmul_rn((double)maxima[Q + 1 + p], kSecondsPerFs);
-    const double saved = __dsub_rn(X_static, layer_time(x, t_dispatch, a.m, a.h));
+    const double saved = __dsub_rn(X_static, layer_time(x, t_dispatch, a.m, a.h, a.k));
     double t = __dadd_rn(__dmul_rn((double)maxima[2 * Q + p], kSecondsPerFs), a.latency);
     bool relay = false;
     if (a.fanout > 0) {

@@ -92,6 +92,7 @@ cudaError_t fit_capacity(const int64_t* omega, int R, int E, int N, int ranks_pe
 // `levels` levels (topoep.relay.max_level, at most kMaxRelayLevels), each copy in `chunks` chunks (at most
 // kMaxRelayChunks; the fetch runs levels + chunks - 1 steps, topoep.relay.relay_steps).
 constexpr int kMaxGuardPlans = 6, kMaxRelayLevels = 128, kMaxRelayChunks = 64;
+constexpr int kMaxTokenChunks = 64;  // guard.token_chunks (NetBenefitGuard checks the same bound)
 constexpr int kMaxRelaySteps = kMaxRelayLevels + kMaxRelayChunks - 1;
 struct GuardArgs {
   const int64_t* omega;
@@ -104,6 +105,7 @@ struct GuardArgs {
   double t_ffn, h, plan_s, latency;
   int m, n, fanout, levels, chunks;  // token transfers, exposed replica transfers, relay fanout (0: none), relay
                                      // levels, chunks per relayed copy
+  int k;  // token chunks of the pipeline the prediction follows (guard.token_chunks; 0: the token_overlap formula)
   bool share;  // relay every plan whose direct fetch exceeds a tree's share (relay.direct_beyond_tree)
   const bool* allow;
   const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced

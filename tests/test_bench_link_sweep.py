@@ -71,3 +71,13 @@ def test_link_sweep_peer_candidates(tmp_path):
     (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {layer} | ")]
     assert "topoep_plus, topoep_plus_local, flexmoe, deepseek" in line and f"| {misses} of 2 |" in line
     assert link_sweep.ran_name(link_sweep.OURS[link_sweep.SPREAD_RELAY][1], 3) == "tree"
+
+
+def test_guard_pipeline_option():
+    """--guard-pipeline: every guard predicts with the simulator's chunk pipeline (the execution's chunks); the
+    report says which prediction the guards made."""
+    from topoep_research import sim
+
+    assert link_sweep.guard_of(link_sweep.parse_args([])).token_chunks is None
+    g = link_sweep.guard_of(link_sweep.parse_args(["--guard-pipeline"]))
+    assert g.token_chunks == sim.EXECUTIONS["topoep"].num_chunks == 2

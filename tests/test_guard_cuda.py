@@ -47,6 +47,8 @@ def guards(rng):
     fanout = rng.choice([None, 2])
     yield NetBenefitGuard(bytes_per_s=rng.choice([25e9, 100e9]), relay_fanout=fanout, token_overlap=rng.random(),
                           relay_chunks=rng.choice([1, 5]) if fanout else 1)
+    yield NetBenefitGuard(token_chunks=rng.choice([1, 2, 3, 64]), relay_fanout=rng.choice([None, 2]))
+    yield NetBenefitGuard(token_chunks=2, token_transfers=0, plan_s=0.0)
 
 
 def to(plan, device):

@@ -11,6 +11,7 @@ from distributed import run_ranks
 from topoep import ExpertParallelMoE, Plan, Topology, solve
 from topoep.runtime import LAYER_STAT_NAMES
 from topoep.relay import relay_sources
+from topoep.links import chunk_pipeline, pipelined_layer_s
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
 from topoep.workloads import balanced_topk, biased_topk
 
@@ -57,11 +58,36 @@ def test_prediction_and_selection_on_a_hand_worked_plan():
         saved_h = NetBenefitGuard(token_overlap=h).predict(plan, 1e-6, 3)[0].item()
         want = (x_s + 4 * t_s - h * min(x_s, 4 * t_s)) - (x_p + 4 * t_p - h * min(x_p, 4 * t_p))
         assert saved_h == pytest.approx(want, rel=1e-12), h
+    # the chunk pipeline (token_chunks): X is links.pipelined_layer_s of the same x and t
+    for n in (1, 2, 5):
+        saved_n = NetBenefitGuard(token_chunks=n).predict(plan, 1e-6, 3)[0].item()
+        assert saved_n == pytest.approx(pipelined_layer_s(x_s, t_s, n) - pipelined_layer_s(x_p, t_p, n), rel=1e-12)
+    assert NetBenefitGuard(token_chunks=2, token_transfers=0).predict(plan, 1e-6, 3)[0].item() == pytest.approx(8e-6)
     # a slow link moves the decision: 1000 B at 10 B/s = 100 s per transfer
     assert NetBenefitGuard(bytes_per_s=10.0).select(plan, 1e-4, 1)[1].item()
     # no planning cost, one exposed transfer: 8 us saved < 5 ns + 20 us latency; without the latency > 5 ns
     assert NetBenefitGuard(plan_s=0.0).select(plan, 1e-6, 1)[1].item()
     assert not NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0).select(plan, 1e-6, 1)[1].item()
+
+
+def test_pipelined_layer_time_by_hand():
+    """links.pipelined_layer_s: forward and backward chunk pipelines (paper 3.3), worked by hand."""
+    # 1 chunk, x 3 (1 per third), t 1: forward dispatch 1, compute 1, combine 1 = 3; backward dispatch 1, data
+    # gradients 1, then the combine (1) beside the weight gradients (1) = 3
+    assert pipelined_layer_s(3.0, 1.0, 1) == 6.0
+    # 2 chunks of dispatch 0.5, compute 0.5: forward 0.5 + 0.5 + 0.5 + 0.5 = 2.0; backward the same, the weight
+    # gradients (1) after the last chunk's data gradients (ends 1.5): 2.5
+    assert pipelined_layer_s(3.0, 1.0, 2) == 4.5
+    # transfer-bound: the four transfers (4 each) take 16, the compute (0.3) hides behind them
+    assert pipelined_layer_s(0.3, 4.0, 2) == 16.0
+    # tensors: elementwise, equal to the float schedule
+    x, t = torch.tensor([3.0, 0.3, 7.0], dtype=torch.float64), torch.tensor([1.0, 4.0, 0.1], dtype=torch.float64)
+    got = pipelined_layer_s(x, t, 3)
+    assert got.tolist() == [pipelined_layer_s(a, b, 3) for a, b in zip(x.tolist(), t.tolist())]
+    # the simulator's pipeline is the same function
+    from topoep_research import sim
+
+    assert sim.pipeline is chunk_pipeline
 
 
 def test_transfer_times_are_the_busiest_link_of_a_brute_force_count():
@@ -276,7 +302,10 @@ def test_bad_guard_arguments():
                       (dict(token_transfers=1.5), "token_transfers"), (dict(token_transfers=-1), "token_transfers"),
                       (dict(token_top_k=0), "token_top_k"), (dict(token_top_k=True), "token_top_k"),
                       (dict(relay_fanout=0), "relay_fanout"),
-                      (dict(token_overlap=1.5), "token_overlap"), (dict(token_overlap=None), "token_overlap")]:
+                      (dict(token_overlap=1.5), "token_overlap"), (dict(token_overlap=None), "token_overlap"),
+                      (dict(token_chunks=0), "token_chunks"), (dict(token_chunks=65), "token_chunks"),
+                      (dict(token_chunks=2.0), "token_chunks"),
+                      (dict(token_chunks=2, token_transfers=2), "token_transfers must be 4")]:
         with pytest.raises(ValueError, match=match):
             NetBenefitGuard(**kw)
     topo = Topology(num_domains=1, ranks_per_domain=1)

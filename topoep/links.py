@@ -13,6 +13,10 @@ Phases of one call: dispatch (token rows s -> the rank of each instance, `token_
 replica fetch (one expert's weights from its main rank to each replica's rank, `replica_matrix`; the backward reload
 is the same transfer again) and gradient return (the fetch's transpose). The simulator (`topoep_research.sim`) and
 `topoep.metrics` read these functions; nothing here synchronises the host.
+
+How the token transfers and the expert compute of one call add up when they run as paper 3.3's two-stream chunk
+pipeline (`chunk_pipeline`, `pipelined_layer_s`) is here too: the simulator times its pipelined execution with it and
+the net-benefit guard, with `token_chunks`, predicts with it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,54 @@ import torch
 from topoep.plan import Plan
 
 PHASES = ("dispatch", "combine", "replica_fetch", "grad_return")
+
+
+def _later(a, b):
+    """max(a, b) of floats or float64 tensors (elementwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    return max(a, b)
+
+
+def chunk_pipeline(dispatch, compute, combine, *, compute_ready=0.0, tail_compute=0.0):
+    """(comm stream end, compute stream end) of the two-stream chunk schedule of paper 3.3: the comm stream runs every
+    dispatch, then combine i once compute i is done; compute i starts when dispatch i and compute i-1 are done (and not
+    before compute_ready); tail_compute runs after the last chunk (the weight gradients in backward). Every time is a
+    float or a float64 tensor (elementwise: one schedule per element), added in this fixed order (the guard's CUDA
+    kernel repeats it operation for operation)."""
+    t, d_end = 0.0, []
+    for d in dispatch:
+        t = t + d
+        d_end.append(t)
+    comp, x_end = compute_ready, []
+    for de, x in zip(d_end, compute):
+        comp = _later(comp, de) + x
+        x_end.append(comp)
+    for xe, c in zip(x_end, combine):
+        t = _later(t, xe) + c
+    return t, comp + tail_compute
+
+
+def _div(a, b: float):
+    """a / b, correctly rounded for floats and float64 tensors alike: a tensor is divided by a tensor on its device
+    (torch divides a CUDA tensor by a Python number as a product with its reciprocal, which can differ in the last
+    bit from the division the CPU and the guard's CUDA kernel make)."""
+    if isinstance(a, torch.Tensor):
+        return a / torch.tensor(float(b), dtype=a.dtype, device=a.device)
+    return a / b
+
+
+def pipelined_layer_s(x, t, chunks: int):
+    """Expert compute and token transfers of one layer call (forward + backward) as `chunk_pipeline` runs them: each
+    pass dispatches and combines `chunks` chunks of t / chunks (t: one dispatch's time, the combine mirrors it); the
+    forward computes x / 3 over the chunks, the backward the data gradients (x / 3) over the chunks and the weight
+    gradients (x / 3) after the last (x: the straggler's expert time, forward + backward). Floats or float64 tensors;
+    each division correctly rounded (`_div`)."""
+    third = _div(x, 3)
+    d, c = _div(t, chunks), _div(third, chunks)
+    fwd = chunk_pipeline([d] * chunks, [c] * chunks, [d] * chunks)
+    bwd = chunk_pipeline([d] * chunks, [c] * chunks, [d] * chunks, tail_compute=third)
+    return _later(*fwd) + _later(*bwd)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ import torch
 import topoep
 from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
-from topoep.links import replica_matrix, token_matrix
+from topoep.links import chunk_pipeline, replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
@@ -571,23 +571,8 @@ def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: floa
     return t
 
 
-def pipeline(dispatch: list[float], compute: list[float], combine: list[float], *, compute_ready: float = 0.0,
-             tail_compute: float = 0.0) -> tuple[float, float]:
-    """(comm stream end, compute stream end) of the two-stream chunk schedule of paper 3.3: the comm
-    stream runs every dispatch, then combine i once compute i is done; compute i starts when dispatch i
-    and compute i-1 are done (and not before compute_ready); tail_compute runs after the last chunk
-    (the weight gradients in backward)."""
-    t, d_end = 0.0, []
-    for d in dispatch:
-        t += d
-        d_end.append(t)
-    comp, x_end = compute_ready, []
-    for de, x in zip(d_end, compute):
-        comp = max(comp, de) + x
-        x_end.append(comp)
-    for xe, c in zip(x_end, combine):
-        t = max(t, xe) + c
-    return t, comp + tail_compute
+# paper 3.3's two-stream chunk schedule: topoep.links.chunk_pipeline (the guard predicts with it too)
+pipeline = chunk_pipeline
 
 
 @dataclass

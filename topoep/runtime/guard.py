@@ -16,7 +16,9 @@ port or NIC, in one direction, at the topology's per-byte cost),
 
 with T_dispatch one dispatch's busiest-link time (the combine mirrors it; rows per assignment, or deduplicated as
 DeepEP sends them with `token_top_k`), m = token_transfers the dispatches and combines of a call, h = token_overlap
-the share of the smaller of x and m * t that the chunked pipeline runs beside the other (0: serial), T_fetch one
+the share of the smaller of x and m * t that the chunked pipeline runs beside the other (0: serial); with
+`token_chunks` = n, X(plan) is instead the time paper 3.3's chunk pipeline of n chunks takes for x and the four token
+transfers (`topoep.links.pipelined_layer_s`, the simulator's schedule), T_fetch one
 replica fetch's busiest-link time (W = expert_bytes bytes from each replica's main rank) and n the replica
 transfers the critical path waits for. With `bytes_per_s` every link
 runs at that bandwidth instead of the topology's. The balanced plan is used iff T_saved > T_plan + T_transfer;
@@ -66,7 +68,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from topoep.links import loads_seconds, replica_matrix, token_loads, token_matrix, transfer_fs
+from topoep.links import loads_seconds, pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
 from topoep.relay import check_chunks, direct_beyond_tree, relay_fetch_fs
 from topoep.runtime import worth_triton
@@ -111,6 +113,14 @@ class NetBenefitGuard:
     pipelined execution (2 chunks): on four cells of bench/link_sweep.py (static and balanced plans, compute- and
     transfer-bound) it predicts the simulated compute + exposed token time within 4 %. The runtime's own overlap
     is not measured at scale."""
+
+    token_chunks: int | None = None
+    """How the token transfers and the straggler's expert compute add up: None, X = x + m t - h min(x, m t)
+    (token_transfers, token_overlap); an integer n >= 1, as paper 3.3's two-stream chunk pipeline runs them
+    (`topoep.links.pipelined_layer_s`: forward and backward each dispatch, compute and combine n chunks of t / n, the
+    weight gradients after the last), the schedule the simulator's pipelined execution times, so the guard ranks
+    plans as the simulator does (token_transfers must then be 4, or 0 to price no tokens; token_overlap is unused).
+    Set it to the layer's chunks where the layer runs that pipeline."""
 
     token_top_k: int | None = None
     """How the token transfers are priced: None, one row per assignment rank to rank (the runtime's transports);
@@ -164,6 +174,14 @@ class NetBenefitGuard:
         h = self.token_overlap
         if not (isinstance(h, (int, float)) and not isinstance(h, bool) and 0 <= h <= 1):
             raise ValueError(f"NetBenefitGuard.token_overlap must be a number in [0, 1], got {h!r}")
+        c = self.token_chunks
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= 64):
+            raise ValueError(f"NetBenefitGuard.token_chunks must be None (the token_overlap formula) or the pipeline's "
+                             f"chunks, an integer in [1, 64], got {c!r}")
+        if c is not None and m not in (0, 4):
+            raise ValueError(f"NetBenefitGuard.token_chunks={c} prices the four token transfers of the chunk pipeline "
+                             f"(forward and backward dispatch and combine): token_transfers must be 4 (or 0: no "
+                             f"tokens), got {m}")
         k = self.token_top_k
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"NetBenefitGuard.token_top_k must be None (a row per assignment) or the router's top-k "
@@ -242,9 +260,11 @@ class NetBenefitGuard:
 
     def _layer(self, x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
         """X = straggler compute x + token transfers (m dispatch-like transfers of t each), the overlapped part
-        counted once; x alone without token_transfers."""
+        counted once (with token_chunks: as the chunk pipeline runs them); x alone without token_transfers."""
         if not self.token_transfers:
             return x
+        if self.token_chunks is not None:
+            return pipelined_layer_s(x, t, self.token_chunks)
         m, h = self.token_transfers, self.token_overlap
         return x + m * t - h * torch.minimum(x, m * t)
 

@@ -54,7 +54,7 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
     ops.guard_select(plan.omega, plan.main_rank.to(dev), topo.cost_fs, [p.route for p in plans],
                      [p.slot_expert for p in plans], plan.topology.ranks_per_domain, int(plan.token_bytes),
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
-                     float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
+                     int(guard.token_chunks or 0), float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
                      guard.relay_chunks if fanout else 1, bool(guard.relay_share),
                      allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
     return slot, route, choice, fired, relay, saved, cost
