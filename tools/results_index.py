@@ -80,6 +80,7 @@ REPORTS = [
     _sweep("link_sweep_spread_measured_nogate", "--spread-planner measured --spread-gate off"),
     _sweep("link_sweep_peers", "--peer-candidates"),
     _sweep("link_sweep_peers_measured", "--peer-candidates --peer-planner measured"),
+    _sweep("link_sweep_guard_pipeline", "--guard-pipeline --spread-planner measured"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
@@ -163,6 +164,8 @@ GPU = [
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/spread_scan",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
+    Entry(("gpu/guard_pipeline",), GPU_SESSION, "-", "1 GPU", "pytest tests/test_guard_cuda.py; TOPOEP_GPU_SHARE=1 "
+          "TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 pytest tests/test_cuda_backend_gpu.py -k guarded_topoep_plus (its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
           "GUARD_KERNEL=0 bash tools/gpu_session.sh guard (its README names each log's command)"),
     Entry(("gpu/grouped_gemm",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup gemm (its README names "
