@@ -74,6 +74,12 @@ def parse_args(argv=None):
     ap.add_argument("--peer-planner", default="plus", choices=list(sim.SPREAD_PLANNERS),
                     help="with --peer-candidates: time the peers' candidates as topoep_plus's CUDA planner (plus: the "
                          "what-if) or as csrc/peers.cu measured on one H200 (measured; sim.Execution.peer_planner)")
+    ap.add_argument("--execution", default="topoep", choices=list(sim.EXECUTIONS),
+                    help="the simulated software (sim.EXECUTIONS): topoep, paper 3.3's overlapped two-chunk pipeline; "
+                         "cuda and torch, the runtime backends as fitted on the GPU machine (serial)")
+    ap.add_argument("--token-overlap", type=float, default=None,
+                    help="every guard's token_overlap (NetBenefitGuard; default its own, 0.8): 0 prices the token "
+                         "transfers and the expert compute serially")
     ap.add_argument("--guard-pipeline", action="store_true",
                     help="every guard predicts the compute and token time with the simulator's chunk pipeline "
                          "(NetBenefitGuard.token_chunks = the execution's chunks) instead of its token_overlap formula")
@@ -88,6 +94,11 @@ def parse_args(argv=None):
         raise SystemExit("--spread-speedup scales the measured spread planner: add --spread-planner measured")
     if args.peer_planner != "plus" and not args.peer_candidates:
         raise SystemExit("--peer-planner times the --peer-candidates layer: add --peer-candidates")
+    if args.guard_pipeline and (not sim.EXECUTIONS[args.execution].pipelined or args.token_overlap is not None):
+        raise SystemExit(f"--guard-pipeline predicts with the chunk pipeline: it needs a pipelined --execution (got "
+                         f"{args.execution}) and no --token-overlap")
+    if args.token_overlap is not None and not 0 <= args.token_overlap <= 1:
+        raise SystemExit("--token-overlap must be in [0, 1]")
     if args.spread_probe < 2:
         raise SystemExit("--spread-probe must be >= 2")
     if not args.spread_speedup > 0:
@@ -100,7 +111,9 @@ def parse_args(argv=None):
 def guard_of(args) -> NetBenefitGuard:
     """Every guarded policy's guard: default constants, with --guard-pipeline the chunk pipeline's prediction."""
     if args.guard_pipeline:
-        return NetBenefitGuard(token_chunks=sim.EXECUTIONS["topoep"].num_chunks)
+        return NetBenefitGuard(token_chunks=sim.EXECUTIONS[args.execution].num_chunks)
+    if args.token_overlap is not None:
+        return NetBenefitGuard(token_overlap=args.token_overlap)
     return NetBenefitGuard()
 
 
@@ -141,12 +154,13 @@ def run(args) -> list[dict]:
                                              seed=args.seed)
         if (preset, ep) not in bounds:
             bal = workloads.balanced_routing(ep, model.num_experts, args.tokens, model.top_k)
-            bounds[(preset, ep)] = sim.simulate(bal, cl, model=model, policy="static", num_slots=0).layer_s
+            bounds[(preset, ep)] = sim.simulate(bal, cl, model=model, policy="static", num_slots=0,
+                                                execution=sim.EXECUTIONS[args.execution]).layer_s
         row = {"preset": preset, "ep": ep, "domains": ep // d, "slots": slots, "scenario": scen,
                "bound_ms": 1e3 * bounds[(preset, ep)]}
         for policy in POLICIES + tuple(o for o in ours if o not in POLICIES):
             fanout, cands = ours.get(policy, (None, ()))
-            ex = dataclasses.replace(sim.EXECUTIONS["topoep"], fetch_overlap=args.fetch_overlap,
+            ex = dataclasses.replace(sim.EXECUTIONS[args.execution], fetch_overlap=args.fetch_overlap,
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
                                      spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe,
                                      peer_planner=args.peer_planner)
@@ -212,8 +226,9 @@ def report(args, rows: list[dict]) -> str:
         "- ms: the simulated MoE layer (forward + backward) with the net-benefit guard on for every balancing policy "
         "(its per-link prediction; routing no plan can pay for is not planned; "
         + ("its compute and token time as the simulator's chunk pipeline runs them, `NetBenefitGuard.token_chunks="
-           f"{sim.EXECUTIONS['topoep'].num_chunks}`" if args.guard_pipeline else
-           "its compute and token time by the `token_overlap` formula, `NetBenefitGuard()`") + "); every policy, static included, pays "
+           f"{sim.EXECUTIONS[args.execution].num_chunks}`" if args.guard_pipeline else
+           f"its compute and token time by the `token_overlap` formula, h = {guard_of(args).token_overlap:g}")
+        + f"); execution `{args.execution}` (`sim.EXECUTIONS`); every policy, static included, pays "
         "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
         "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
         "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: the same with "

@@ -3,6 +3,8 @@ time, the balanced bound below static's, the verdict of the issue's targets, and
 
 import json
 
+import pytest
+
 from bench import link_sweep
 
 
@@ -81,3 +83,18 @@ def test_guard_pipeline_option():
     assert link_sweep.guard_of(link_sweep.parse_args([])).token_chunks is None
     g = link_sweep.guard_of(link_sweep.parse_args(["--guard-pipeline"]))
     assert g.token_chunks == sim.EXECUTIONS["topoep"].num_chunks == 2
+    assert link_sweep.guard_of(link_sweep.parse_args(["--token-overlap", "0"])).token_overlap == 0.0
+    for bad in (["--guard-pipeline", "--execution", "cuda"], ["--guard-pipeline", "--token-overlap", "0"],
+                ["--token-overlap", "1.5"]):
+        with pytest.raises(SystemExit):
+            link_sweep.parse_args(bad)
+
+
+def test_link_sweep_serial_execution(tmp_path):
+    """--execution cuda: the runtime backend's serial execution for every policy and the bound."""
+    args = ["--presets", "h200", "--eps", "16", "--slots", "2", "--scenarios", "hot_rank", "--execution", "cuda",
+            "--token-overlap", "0", "--out", str(tmp_path), "--name", "ls"]
+    link_sweep.main(args)
+    (row,) = json.loads((tmp_path / "ls.json").read_text())["rows"]
+    assert row["topoep_plus_ms"] < row["static_ms"] and row["bound_ms"] <= row["static_ms"]
+    assert "execution `cuda`" in (tmp_path / "ls.md").read_text()
