@@ -296,6 +296,18 @@ def test_guard_reads_no_tensor_values():
     assert worth.is_meta and worth.dtype == torch.bool and worth.shape == ()
 
 
+def test_layer_guard_prices_its_serial_execution():
+    """A layer's own guard (LayerConfig.guard) prices its dispatch, compute and combine serially
+    (SERIAL_TOKEN_OVERLAP); a NetBenefitGuard passed to the layer keeps its constants."""
+    from topoep.runtime.guard import SERIAL_TOKEN_OVERLAP
+
+    topo = Topology(num_domains=1, ranks_per_domain=1)
+    layer = ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, guard=True)
+    assert SERIAL_TOKEN_OVERLAP == 0.0 and layer.guard.token_overlap == SERIAL_TOKEN_OVERLAP
+    own = NetBenefitGuard(token_overlap=0.5)
+    assert ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, guard=own).guard == own
+
+
 def test_bad_guard_arguments():
     for kw, match in [(dict(plan_s=-1.0), "plan_s"), (dict(transfer_latency_s=float("inf")), "transfer_latency_s"),
                       (dict(bytes_per_s=0), "bytes_per_s"), (dict(exposed_transfers=-1), "exposed_transfers"),

@@ -58,7 +58,8 @@ class LayerConfig:
     guard: bool = True
     """Net-benefit guard (paper eq. 2): execute the static plan when balancing is predicted not to pay (saving of
     straggler expert time <= planning + replica transfer time). Its constants model GPUs
-    (`topoep.runtime.NetBenefitGuard`; the library also takes an instance with other constants)."""
+    (`topoep.runtime.NetBenefitGuard`; the library also takes an instance with other constants); it prices a call's
+    dispatch, expert compute and combine one after another, as both backends run them (token_overlap 0)."""
     t_ffn: float | None = None
     """Seconds of expert compute per assignment (forward + backward) for cost-aware policies, the guard and the
     modelled-time statistics. None: the trainer derives it from the model's shape, the library takes

@@ -28,7 +28,7 @@ from topoep.topology import Topology
 from topoep.runtime.backend import GLOO_HARNESS, capacity_rows, harness_transport, make_backend
 from topoep.runtime.torch_function import ExpertParallelFunction, LayerCall
 from topoep.runtime.graphs import graph_layer
-from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint, SpreadGate
+from topoep.runtime.guard import SERIAL_TOKEN_OVERLAP, NetBenefitGuard, SlotSkipHint, SpreadGate
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import RelayTrees, executed_sources, max_level
 from topoep.runtime.cuda_function import CudaChunk, CudaExpertParallelFunction, CudaLayerCall, side_stream
@@ -114,6 +114,11 @@ class ExpertParallelMoE(nn.Module):
         num_slots, policy, num_chunks = config.num_slots, config.policy, config.chunks
         self.t_ffn = DEFAULT_T_FFN if config.t_ffn is None else config.t_ffn
         self.guard = NetBenefitGuard.build(guard if isinstance(guard, NetBenefitGuard) else config.guard)
+        if self.guard is not None and not isinstance(guard, NetBenefitGuard):
+            # both backends run a call's dispatch, expert compute and combine one after another (no chunk pipeline
+            # beside the compute), so the layer's guard prices them serially (SERIAL_TOKEN_OVERLAP); the guard's own
+            # default, 0.8, models paper 3.3's overlapped pipeline, which the simulator's `topoep` execution runs
+            self.guard = dataclasses.replace(self.guard, token_overlap=SERIAL_TOKEN_OVERLAP)
         if self.guard is not None and config.relay_fanout is not None:  # it prices the fetch that runs
             self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share)
         self.capacity_factor = config.capacity_factor
