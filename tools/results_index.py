@@ -169,6 +169,8 @@ GPU = [
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/spread_scan",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
+    Entry(("gpu/serial_guard",), GPU_SESSION, "-", "1 GPU", "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 "
+          "pytest tests/test_cuda_backend_gpu.py -k guarded_topoep_plus (its README)"),
     Entry(("gpu/guard_pipeline",), GPU_SESSION, "-", "1 GPU", "pytest tests/test_guard_cuda.py; TOPOEP_GPU_SHARE=1 "
           "TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 pytest tests/test_cuda_backend_gpu.py -k guarded_topoep_plus (its README)"),
     Entry(("gpu/guard_kernel",), GPU_SESSION, "-", "1 GPU", "GUARD_LAYER=0 bash tools/gpu_session.sh setup guard; "
