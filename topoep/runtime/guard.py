@@ -90,6 +90,7 @@ def _flat_topology(num_domains: int, ranks_per_domain: int, cost: float) -> Topo
 # 1 % slower than with the default 0.8 and up to 8 % faster (results/link_sweep_cuda_serial_guard.md).
 SERIAL_TOKEN_OVERLAP = 0.0
 
+
 @dataclass(frozen=True, kw_only=True)
 class NetBenefitGuard:
     """Constants of the guard's cost prediction (module docstring). Defaults model one H200/H800 node."""
@@ -117,8 +118,8 @@ class NetBenefitGuard:
     """Share of the smaller of the straggler's expert time and the token transfers' time that runs beside the
     other (module docstring: the chunked pipeline overlaps them; 0 for a serial layer). 0.8 fits the simulator's
     pipelined execution (2 chunks): on four cells of bench/link_sweep.py (static and balanced plans, compute- and
-    transfer-bound) it predicts the simulated compute + exposed token time within 4 %. The runtime's own overlap
-    is not measured at scale."""
+    transfer-bound) it predicts the simulated compute + exposed token time within 4 %. A layer's own guard takes
+    SERIAL_TOKEN_OVERLAP instead: its backends do not overlap them."""
 
     token_chunks: int | None = None
     """How the token transfers and the straggler's expert compute add up: None, X = x + m t - h min(x, m t)
