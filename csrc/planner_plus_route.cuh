@@ -121,10 +121,11 @@ __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl
       pl.cumu2[p] = slots_u2;  // pass B adds the main's u2 and the slots of the domains before m
       slots_u2 += u1 - c;
     }
-    i64 acc2 = 0;
+    i64 acc2 = 0, acum = 0;  // acum: pl.acum again, summed as the first loop did
     for (int s = s0; s < s0 + d.rpd; ++s) {
       const i64 i = (i64)s * d.E + e, a = pl.A[i];
-      const i64 w2 = a - min(max(mg - pl.acum[i], (i64)0), a);
+      const i64 w2 = a - min(max(mg - acum, (i64)0), a);
+      acum += a;
       pl.w2[i] = w2;
       pl.w2cum[i] = acc2;  // pass B adds the sources of the domains before m
       acc2 += w2;
@@ -148,9 +149,12 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 4);
-  // pass B: a thread per (source, instance)
-  for (i64 i = tid; i < (i64)d.R * d.P; i += threads) {
-    const int s = (int)(i / d.P), p = (int)(i - (i64)s * d.P);
+  // pass B: a thread per (source, instance), (s, p) stepped by the grid's stride without a division per pair
+  // (R * P < 2^31: planner.h's sizes)
+  const int total = d.R * d.P, ds_s = threads / d.P, ds_p = threads - ds_s * d.P;
+  int s = tid / d.P, p = tid - s * d.P;
+  for (int i = tid; i < total; i += threads, s += ds_s, p += ds_p) {
+    if (p >= d.P) { p -= d.P; ++s; }
     int r;
     const int e = plus_instance(p, se1, d, U, &r);
     i64 v = 0;

@@ -61,7 +61,7 @@ def _div(a, b: float):
     (torch divides a CUDA tensor by a Python number as a product with its reciprocal, which can differ in the last
     bit from the division the CPU and the guard's CUDA kernel make)."""
     if isinstance(a, torch.Tensor):
-        return a / torch.tensor(float(b), dtype=a.dtype, device=a.device)
+        return a / a.new_full((), float(b))
     return a / b
 
 

@@ -72,6 +72,7 @@ from topoep.links import loads_seconds, pipelined_layer_s, replica_matrix, token
 from topoep.plan import Plan, static_route
 from topoep.relay import check_chunks, direct_beyond_tree, relay_fetch_fs
 from topoep.runtime import worth_triton
+from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
 from topoep.planners.common import static_rank_load
 from topoep.topology import Topology
 
@@ -182,9 +183,9 @@ class NetBenefitGuard:
         if not (isinstance(h, (int, float)) and not isinstance(h, bool) and 0 <= h <= 1):
             raise ValueError(f"NetBenefitGuard.token_overlap must be a number in [0, 1], got {h!r}")
         c = self.token_chunks
-        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= 64):
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_TOKEN_CHUNKS):
             raise ValueError(f"NetBenefitGuard.token_chunks must be None (the token_overlap formula) or the pipeline's "
-                             f"chunks, an integer in [1, 64], got {c!r}")
+                             f"chunks, an integer in [1, {MAX_TOKEN_CHUNKS}], got {c!r}")
         if c is not None and m not in (0, 4):
             raise ValueError(f"NetBenefitGuard.token_chunks={c} prices the four token transfers of the chunk pipeline "
                              f"(forward and backward dispatch and combine): token_transfers must be 4 (or 0: no "

@@ -18,6 +18,7 @@ from topoep.relay import max_level
 MAX_PLANS = 6  # csrc/planner.h kMaxGuardPlans
 MAX_LEVELS = 128  # csrc/planner.h kMaxRelayLevels
 MAX_CHUNKS = 64  # csrc/planner.h kMaxRelayChunks
+MAX_TOKEN_CHUNKS = 64  # csrc/planner.h kMaxTokenChunks: NetBenefitGuard.token_chunks
 
 
 def usable(guard, plans: tuple[Plan, ...]) -> bool:
