@@ -131,19 +131,22 @@ __device__ int global_moves(const Dims& d, const Work& w, const Plus& pl, const 
         pt = e;
         rt = main_rank_of(e, d);
       }
+      // the global words a pair may need, loaded before the filters so that their latencies overlap
+      const int d2 = dom_of_rank(rt, d);
+      const bool cross = d2 != d1;
+      const i64 om_b = w.om[(i64)rb * d.E + e], om_t = w.om[(i64)rt * d.E + e];
+      const i64 D1 = cross ? w.D[(i64)d1 * d.E + e] : 0, D2 = cross ? w.D[(i64)d2 * d.E + e] : 0;
       if (rt == rb || !s.host[ps] || !s.host[pt]) continue;
       const i64 u = s.U[ps];
       if (u <= 0) continue;
       const i64 lt = s.L[rt], half = (lb - lt) >> 1;
       if (half <= 0) continue;
-      const int d2 = dom_of_rank(rt, d);
-      const bool cross = d2 != d1;
-      const i64 f1 = max(u - w.om[(i64)rb * d.E + e], (i64)0);
-      const i64 g2 = max(w.om[(i64)rt * d.E + e] - s.U[pt], (i64)0);
+      const i64 f1 = max(u - om_b, (i64)0);
+      const i64 g2 = max(om_t - s.U[pt], (i64)0);
       i64 F1 = 0, G2 = 0;
       if (cross) {
-        F1 = max(domain_load(d1, e, d, s, se1) - w.D[(i64)d1 * d.E + e], (i64)0);
-        G2 = max(w.D[(i64)d2 * d.E + e] - domain_load(d2, e, d, s, se1), (i64)0);
+        F1 = max(domain_load(d1, e, d, s, se1) - D1, (i64)0);
+        G2 = max(D2 - domain_load(d2, e, d, s, se1), (i64)0);
       }
       i64 cap = min(u, half);
       if (cross) cap = min(cap, F1 + G2);

@@ -135,6 +135,80 @@ __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl
   }
 }
 
+constexpr int kRegSources = 8;  // route_groups_regs: domains of up to 8 ranks (an NVLink node of 8 GPUs)
+
+// Pass A with a thread per group whose domain has at most K sources (rpd <= K): route_groups_serial with the
+// sources' instances, loads and A in registers (loops unrolled over K, so nothing is indexed at run time). A rank
+// hosts an expert at most once, so the domain's instances of e are the sources' own: the main (on its rank, if that
+// lies in the domain) and the slots in rank order, which is the order of the sources.
+template <int K>
+__device__ void route_groups_regs(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1) {
+  const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const i64* __restrict__ om = w.om;
+  for (int gi = tid; gi < d.M * d.E; gi += threads) {
+    const int m = gi / d.E, e = gi - m * d.E, s0 = m * d.rpd, mr = main_rank_of(e, d);
+    i64 a[K], u1[K];
+    int ps[K];
+    i64 acc = 0, cap = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      ps[k] = -1; a[k] = 0; u1[k] = 0;
+      if (k >= d.rpd) continue;
+      const int s = s0 + k;
+      const i64 x = om[(i64)s * d.E + e];
+      int p = -1;  // e's instance on s, if any
+      if (mr == s) p = e;
+      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+      i64 loc = 0;
+      if (p >= 0) {
+        const i64 u = U[p];
+        loc = min(x, u);
+        pl.loc[p] = loc;
+        u1[k] = u - loc;
+        cap += u1[k];
+      }
+      ps[k] = p;
+      a[k] = x - loc;
+      pl.A[(i64)s * d.E + e] = a[k];
+      pl.acum[(i64)s * d.E + e] = acc;
+      acc += a[k];
+    }
+    const i64 mg = min(acc, cap);
+    pl.Mg[gi] = mg;
+    i64 cum = 0, slots_u2 = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {  // the main first (the first of e's instances)
+      if (ps[k] != e) continue;
+      const i64 c = min(max(mg - cum, (i64)0), u1[k]);
+      pl.c[e] = c; pl.cumc[e] = min(cum, mg); pl.u2[e] = u1[k] - c; pl.cumu2[e] = 0;
+      cum += u1[k];
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {  // then the slots, in rank order
+      const int p = ps[k];
+      if (p < d.E) continue;
+      const i64 c = min(max(mg - cum, (i64)0), u1[k]);
+      pl.c[p] = c; pl.cumc[p] = min(cum, mg); pl.u2[p] = u1[k] - c;
+      pl.cumu2[p] = slots_u2;  // pass B adds the main's u2 and the slots of the domains before m
+      cum += u1[k];
+      slots_u2 += u1[k] - c;
+    }
+    i64 acc2 = 0, acum = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (k >= d.rpd) continue;
+      const i64 i = (i64)(s0 + k) * d.E + e;
+      const i64 w2 = a[k] - min(max(mg - acum, (i64)0), a[k]);
+      acum += a[k];
+      pl.w2[i] = w2;
+      pl.w2cum[i] = acc2;  // pass B adds the sources of the domains before m
+      acc2 += w2;
+    }
+    pl.w2tot[gi] = acc2;
+    pl.u2tot[gi] = slots_u2;
+  }
+}
+
 __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i64* U, const int* se1,
                            i64* __restrict__ slot_expert, i64* __restrict__ route) {
   const int threads = gridDim.x * blockDim.x, tid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -146,6 +220,7 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
   // lane groups where they take at most two rounds of the grid (results/planner_latency.md, "Grid size")
   const bool lanes = (d.skip & kRouteLanes) || (long long)d.M * d.E * d.rw <= 2ll * threads;
   if (d.rw > 0 && !(d.skip & kRouteSerial) && lanes) route_groups_lanes(d, w, pl, U, se1);
+  else if (d.rpd <= kRegSources) route_groups_regs<kRegSources>(d, w, pl, U, se1);
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 4);

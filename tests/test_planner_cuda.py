@@ -271,3 +271,28 @@ def test_plans_for_any_domain_size_grid_and_move_path(case):
         for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64), (0, 128), (5, 144)]:
             planner.plan(omega.cuda(), topo, policy, 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
             assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (policy, blocks, mask)
+
+
+# (R, E, domains, slots, router skew, layout): domains of 1-8 ranks, whose route pass A with a thread per group keeps
+# the sources in registers (route_groups_regs), at EP 128 the default path
+REG_SOURCE_CASES = [(16, 64, 4, 2, -6.0, "clustered"), (16, 128, 8, 1, -3.0, "clustered"), (24, 96, 8, 3, -4.0, "random"),
+                    (40, 160, 8, 4, -3.0, "scattered"), (56, 224, 8, 2, -8.0, "clustered"), (64, 640, 8, 2, -2.5, "random"),
+                    (128, 640, 16, 2, -2.5, "random"), (128, 256, 32, 2, -4.0, "clustered")]
+
+
+@pytest.mark.parametrize("case", REG_SOURCE_CASES, ids=lambda c: f"R{c[0]}-E{c[1]}-M{c[2]}-N{c[3]}")
+def test_route_pass_a_in_registers_equals_reference(case):
+    """topoep_plus's route pass A with a thread per group on domains of 1-8 ranks (the register path, forced by
+    kRouteSerial = 32, and the default choice, which takes it at EP 128), on the default grid and on 3 blocks, with
+    its moves on per-block and global loads: every plan equals the reference's."""
+    R, E, M, N, skew, layout = case
+    topo = Topology(num_domains=M, ranks_per_domain=R // M)
+    omega = biased_routing(R, E, 512, 8, skew, seed=R + E + M, layout=layout)
+    planner = CudaPlanner(R, E, M, N, "cuda")
+    se = torch.empty(R, N, dtype=torch.int64, device="cuda")
+    rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
+    ref = solve(omega, topo, num_slots=N, policy="topoep_plus", expert_bytes=9_437_184, token_bytes=4096,
+                backend="reference")
+    for blocks, mask in [(0, 32), (3, 32), (0, 48), (0, 0)]:
+        planner.plan(omega.cuda(), topo, "topoep_plus", 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
+        assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (blocks, mask)
