@@ -54,8 +54,6 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
               "route's pass A a thread / a lane group per group), 128 (no one-block plan), got ", skip_stages);
   TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
               "rank (E=", E, ", R=", R, "); use backend='reference'");
-  TORCH_CHECK(R * (E + R * num_slots) < (1ll << 31), "the CUDA planner indexes route (R x (E + R x slots) = ",
-              R * (E + R * num_slots), " entries) in 32 bits: use fewer ranks, experts or slots, or backend='reference'");
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_layout(R, E, num_domains, num_slots).elems,
               "workspace too small");

@@ -224,38 +224,44 @@ __device__ void route_plus(const Dims& d, const Work& w, const Plus& pl, const i
   else route_groups_serial(d, w, pl, U, se1);
   grid_sync();
   plus_stamp(pl, 4);
-  // pass B: a thread per (source, instance), (s, p) stepped by the grid's stride without a division per pair
-  // (R * P < 2^31: planner.h's sizes)
-  const int total = d.R * d.P, ds_s = threads / d.P, ds_p = threads - ds_s * d.P;
-  int s = tid / d.P, p = tid - s * d.P;
-  for (int i = tid; i < total; i += threads, s += ds_s, p += ds_p) {
-    if (p >= d.P) { p -= d.P; ++s; }
+  // pass B: route[s, p], a thread per instance p and every per_p-th source (threads next to each other write next
+  // instances of one source row); an instance's own words are loaded once for all its sources
+  const int per_p = max(threads / d.P, 1);
+  for (int t = tid; t < per_p * d.P; t += threads) {
+    const int p = t % d.P, s_first = t / d.P;
     int r;
     const int e = plus_instance(p, se1, d, U, &r);
-    i64 v = 0;
-    if (e >= 0) {
-      const i64 si = (i64)s * d.E + e;
-      const int ds = dom_of_rank(s, d), dr = dom_of_rank(r, d);
-      if (s == r) v += pl.loc[p];
-      if (ds == dr) {
-        const i64 mg = pl.Mg[(i64)dr * d.E + e];
-        const i64 lo = min(pl.acum[si], mg), hi = min(pl.acum[si] + pl.A[si], mg);
-        const i64 ov = min(hi, pl.cumc[p] + pl.c[p]) - max(lo, pl.cumc[p]);
-        if (ov > 0) v += ov;
-      }
-      const i64 w2 = pl.w2[si], u2 = pl.u2[p];
-      if (w2 > 0 && u2 > 0) {
-        i64 w2cum = pl.w2cum[si], cumu2 = pl.cumu2[p];
-        for (int m2 = 0; m2 < ds; ++m2) w2cum += pl.w2tot[(i64)m2 * d.E + e];
-        if (p >= d.E) {  // a slot: after the main and the slots of the domains before its own
-          cumu2 += pl.u2[e];
-          for (int m2 = 0; m2 < dr; ++m2) cumu2 += pl.u2tot[(i64)m2 * d.E + e];
-        }
-        const i64 ov = min(w2cum + w2, cumu2 + u2) - max(w2cum, cumu2);
-        if (ov > 0) v += ov;
-      }
+    if (e < 0) {
+      for (int s = s_first; s < d.R; s += per_p) route[(i64)s * d.P + p] = 0;
+      continue;
     }
-    route[i] = v;
+    const int dr = dom_of_rank(r, d);
+    const i64 loc = pl.loc[p], mg = pl.Mg[(i64)dr * d.E + e], cumc = pl.cumc[p], c = pl.c[p], u2 = pl.u2[p];
+    i64 cumu2 = pl.cumu2[p];
+    if (u2 > 0 && p >= d.E) {  // a slot: after the main and the slots of the domains before its own
+      cumu2 += pl.u2[e];
+      for (int m2 = 0; m2 < dr; ++m2) cumu2 += pl.u2tot[(i64)m2 * d.E + e];
+    }
+    for (int s = s_first; s < d.R; s += per_p) {
+      const i64 si = (i64)s * d.E + e;
+      const int ds = dom_of_rank(s, d);
+      i64 v = s == r ? loc : 0;
+      if (ds == dr) {
+        const i64 acum = pl.acum[si], lo = min(acum, mg), hi = min(acum + pl.A[si], mg);
+        const i64 ov = min(hi, cumc + c) - max(lo, cumc);
+        if (ov > 0) v += ov;
+      }
+      if (u2 > 0) {
+        const i64 w2 = pl.w2[si];
+        if (w2 > 0) {
+          i64 w2cum = pl.w2cum[si];
+          for (int m2 = 0; m2 < ds; ++m2) w2cum += pl.w2tot[(i64)m2 * d.E + e];
+          const i64 ov = min(w2cum + w2, cumu2 + u2) - max(w2cum, cumu2);
+          if (ov > 0) v += ov;
+        }
+      }
+      route[(i64)s * d.P + p] = v;
+    }
   }
 }
 
