@@ -6,16 +6,31 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdio>
 #include <vector>
 
 #include "planner.h"
 
+// A check whose message has values: formatted here, printf-style, into one C string, which TORCH_CHECK passes to
+// torch as it is. TORCH_CHECK with several message arguments formats them through a std::ostringstream instantiated
+// in this library and hands torch a std::string; a check failing that way ended the process with a segmentation
+// fault on the GPU machine (this library built on another machine) where a check with one C string raised its
+// RuntimeError (results/gpu/product_shape/README.md). Every check here has one C string message or this macro.
+#define TOPOEP_CHECK(cond, ...)                                       \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      char topoep_msg_[768];                                          \
+      std::snprintf(topoep_msg_, sizeof(topoep_msg_), __VA_ARGS__);   \
+      TORCH_CHECK(false, static_cast<const char*>(topoep_msg_));     \
+    }                                                                 \
+  } while (0)
+
 namespace {
 
 void check_i64_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TOPOEP_CHECK(t.is_cuda(), "%s must be a CUDA tensor", name);
+  TOPOEP_CHECK(t.scalar_type() == at::kLong, "%s must be int64", name);
+  TOPOEP_CHECK(t.is_contiguous(), "%s must be contiguous", name);
 }
 
 void check_outputs(const at::Tensor& omega, int64_t N, const at::Tensor& slot_expert, const at::Tensor& route) {
@@ -44,22 +59,23 @@ void plan(const at::Tensor& omega, const at::Tensor& cost_fs, int64_t num_domain
   const int64_t R = omega.size(0), E = omega.size(1);
   TORCH_CHECK(R >= 1 && E % R == 0, "E must be a multiple of R");
   TORCH_CHECK(num_domains >= 1 && R % num_domains == 0, "num_domains must divide R");
-  TORCH_CHECK(R / num_domains <= topoep::kMaxRanksPerDomain, "at most ", topoep::kMaxRanksPerDomain,
-              " ranks per domain");
+  TOPOEP_CHECK(R / num_domains <= topoep::kMaxRanksPerDomain, "at most %d ranks per domain",
+               topoep::kMaxRanksPerDomain);
   TORCH_CHECK(num_slots >= 0, "num_slots must be >= 0");
-  TORCH_CHECK(num_blocks >= 0 && num_blocks <= 4096, "num_blocks must be in [0, 4096] (0: the default), got ",
-              num_blocks);
-  TORCH_CHECK(skip_stages >= 0 && skip_stages < 256, "skip_stages must be a combination of 1 (refine), 2 (route), ",
-              "4 (all), 8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its ",
-              "route's pass A a thread / a lane group per group), 128 (no one-block plan), got ", skip_stages);
-  TORCH_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per ",
-              "rank (E=", E, ", R=", R, "); use backend='reference'");
+  TOPOEP_CHECK(num_blocks >= 0 && num_blocks <= 4096, "num_blocks must be in [0, 4096] (0: the default), got %lld",
+               (long long)num_blocks);
+  TOPOEP_CHECK(skip_stages >= 0 && skip_stages < 256, "skip_stages must be a combination of 1 (refine), 2 (route), "
+               "4 (all), 8 (profile the refinement), 16 (topoep_plus's moves on the global loads), 32 / 64 (its "
+               "route's pass A a thread / a lane group per group), 128 (no one-block plan), got %lld",
+               (long long)skip_stages);
+  TOPOEP_CHECK(E < (1 << 20) && E / R < 4096, "the CUDA planner supports fewer than 2^20 experts and 4096 experts per "
+               "rank (E=%lld, R=%lld); use backend='reference'", (long long)E, (long long)R);
   TORCH_CHECK(cost_fs.dim() == 2 && cost_fs.size(0) == R && cost_fs.size(1) == R, "cost_fs must be int64[R, R]");
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::workspace_layout(R, E, num_domains, num_slots).elems,
               "workspace too small");
-  TORCH_CHECK(topoep::smem_bytes(R, E, num_domains, num_slots) <= 200 * 1024,
-              "the planner's per-block state does not fit in shared memory (ranks_per_domain x (E/R + slots), ",
-              "or E, or R x slots too large): use fewer experts per rank or slots");
+  TOPOEP_CHECK(topoep::smem_bytes(R, E, num_domains, num_slots) <= 200 * 1024,
+               "the planner's per-block state does not fit in shared memory (ranks_per_domain x (E/R + slots), "
+               "or E, or R x slots too large): use fewer experts per rank or slots");
   check_outputs(omega, num_slots, slot_expert, route);
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::plan_topoep(omega.data_ptr<int64_t>(), cost_fs.data_ptr<int64_t>(), (int)R, (int)E,
@@ -124,13 +140,13 @@ void fit_capacity(const at::Tensor& omega, int64_t ranks_per_domain, int64_t cap
 }
 
 void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name) {
-  TORCH_CHECK(t.device() == ref.device(), name, " must be on omega's device");
+  TOPOEP_CHECK(t.device() == ref.device(), "%s must be on omega's device", name);
 }
 
 void check_bool_scalar(const c10::optional<at::Tensor>& t, const at::Tensor& omega, const char* name) {
   if (t.has_value())
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBool && t->numel() == 1 && t->device() == omega.device(),
-                name, " must be one bool on omega's device, or None");
+    TOPOEP_CHECK(t->is_cuda() && t->scalar_type() == at::kBool && t->numel() == 1 && t->device() == omega.device(),
+                 "%s must be one bool on omega's device, or None", name);
 }
 
 // the net-benefit guard's selection (csrc/guard.cu; topoep/runtime/guard_cuda.py calls it)
@@ -147,10 +163,10 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), P = (int64_t)routes.size();
-  TORCH_CHECK(P >= 1 && P <= topoep::kMaxGuardPlans && (int64_t)slots.size() == P, "the guard selects among 1 to ",
-              topoep::kMaxGuardPlans, " plans, with as many slot tables as routes; got ", P, " routes and ",
-              slots.size(), " slot tables");
-  TORCH_CHECK(R >= 1 && R <= 6144, "the guard kernel supports 1 to 6144 ranks, got ", R);
+  TOPOEP_CHECK(P >= 1 && P <= topoep::kMaxGuardPlans && (int64_t)slots.size() == P, "the guard selects among 1 to "
+               "%d plans, with as many slot tables as routes; got %lld routes and %lld slot tables",
+               topoep::kMaxGuardPlans, (long long)P, (long long)slots.size());
+  TOPOEP_CHECK(R >= 1 && R <= 6144, "the guard kernel supports 1 to 6144 ranks, got %lld", (long long)R);
   TORCH_CHECK(ranks_per_domain >= 1 && R % ranks_per_domain == 0, "ranks_per_domain must divide R");
   check_i64_cuda(main_rank, "main_rank");
   TORCH_CHECK(main_rank.numel() == E, "main_rank must be int64[E]");
@@ -165,17 +181,17 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   check_outputs(omega, N, slot_out, route_out);
   check_bool_scalar(allow, omega, "allow");
   check_bool_scalar(planned, omega, "planned");
-  TORCH_CHECK(fanout >= 0 && levels >= 0 && levels <= topoep::kMaxRelayLevels && (fanout == 0) == (levels == 0),
-              "fanout 0 needs levels 0, a fanout >= 1 between 1 and ", topoep::kMaxRelayLevels, " levels; got fanout ",
-              fanout, ", levels ", levels);
-  TORCH_CHECK(chunks >= 1 && chunks <= topoep::kMaxRelayChunks && (fanout > 0 || chunks == 1),
-              "chunks must be 1 without relays, else 1 to ", topoep::kMaxRelayChunks, "; got ", chunks);
+  TOPOEP_CHECK(fanout >= 0 && levels >= 0 && levels <= topoep::kMaxRelayLevels && (fanout == 0) == (levels == 0),
+               "fanout 0 needs levels 0, a fanout >= 1 between 1 and %d levels; got fanout %lld, levels %lld",
+               topoep::kMaxRelayLevels, (long long)fanout, (long long)levels);
+  TOPOEP_CHECK(chunks >= 1 && chunks <= topoep::kMaxRelayChunks && (fanout > 0 || chunks == 1),
+               "chunks must be 1 without relays, else 1 to %d; got %lld", topoep::kMaxRelayChunks, (long long)chunks);
   TORCH_CHECK(token_transfers >= 0 && exposed >= 0, "token_transfers and exposed must be >= 0");
-  TORCH_CHECK(token_chunks >= 0 && token_chunks <= topoep::kMaxTokenChunks, "token_chunks must be 0 (the "
-              "token_overlap formula) or 1 to ", topoep::kMaxTokenChunks, ", got ", token_chunks);
+  TOPOEP_CHECK(token_chunks >= 0 && token_chunks <= topoep::kMaxTokenChunks, "token_chunks must be 0 (the "
+               "token_overlap formula) or 1 to %d, got %lld", topoep::kMaxTokenChunks, (long long)token_chunks);
   for (const at::Tensor* t : {&choice, &use, &fired, &relay, &saved, &cost})
-    TORCH_CHECK(t->is_cuda() && t->numel() == 1 && t->device() == omega.device(), "the guard's outputs must be ",
-                "one element each on omega's device");
+    TOPOEP_CHECK(t->is_cuda() && t->numel() == 1 && t->device() == omega.device(), "the guard's outputs must be "
+                 "one element each on omega's device");
   TORCH_CHECK(choice.scalar_type() == at::kLong && use.scalar_type() == at::kBool &&
                   fired.scalar_type() == at::kBool && relay.scalar_type() == at::kBool &&
                   saved.scalar_type() == at::kDouble &&
@@ -240,16 +256,16 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), N = num_slots;
-  TORCH_CHECK(R >= 1 && R <= 2048 && E % R == 0, "the spread planner needs 1 <= R <= 2048 ranks and E a multiple of ",
-              "R (default placement); got R=", R, ", E=", E);
-  TORCH_CHECK(E < (1 << 24), "the spread planner supports fewer than 2^24 experts, got ", E);
+  TOPOEP_CHECK(R >= 1 && R <= 2048 && E % R == 0, "the spread planner needs 1 <= R <= 2048 ranks and E a multiple of "
+               "R (default placement); got R=%lld, E=%lld", (long long)R, (long long)E);
+  TOPOEP_CHECK(E < (1 << 24), "the spread planner supports fewer than 2^24 experts, got %lld", (long long)E);
   TORCH_CHECK(num_domains >= 1 && R % num_domains == 0, "num_domains must divide R");
-  TORCH_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got ", N);
+  TOPOEP_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got %lld", (long long)N);
   TORCH_CHECK(expert_bytes >= 1 && token_bytes >= 1 && t_fs >= 0 && a >= 0 && b >= 0,
               "expert_bytes and token_bytes must be >= 1, t_fs, a and b >= 0");
-  TORCH_CHECK(max_moves >= 0 && max_moves <= 4 * (E + R * N),
-              "max_moves must be in [0, 4 (E + R num_slots)] (the move log's length; the default, "
-              "spread.default_max_moves, is the bound), got ", max_moves);
+  TOPOEP_CHECK(max_moves >= 0 && max_moves <= 4 * (E + R * N),
+               "max_moves must be in [0, 4 (E + R num_slots)] (the move log's length; the default, "
+               "spread.default_max_moves, is the bound), got %lld", (long long)max_moves);
   check_bool_scalar(enable, omega, "enable");
   check_outputs(omega, N, slot_expert, route);
   check_i64_cuda(info, "info");
@@ -274,19 +290,20 @@ void plan_peer(const at::Tensor& omega, int64_t policy, int64_t num_domains, int
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), N = num_slots;
-  TORCH_CHECK(policy == topoep::kPeerDeepseek || policy == topoep::kPeerFlexmoe,
-              "policy must be 0 (deepseek) or 1 (flexmoe), got ", policy);
-  TORCH_CHECK(R >= 1 && E % R == 0 && E < (1 << 24), "the peers' planners need E a multiple of R (default placement) ",
-              "and fewer than 2^24 experts; got R=", R, ", E=", E);
+  TOPOEP_CHECK(policy == topoep::kPeerDeepseek || policy == topoep::kPeerFlexmoe,
+               "policy must be 0 (deepseek) or 1 (flexmoe), got %lld", (long long)policy);
+  TOPOEP_CHECK(R >= 1 && E % R == 0 && E < (1 << 24), "the peers' planners need E a multiple of R (default placement) "
+               "and fewer than 2^24 experts; got R=%lld, E=%lld", (long long)R, (long long)E);
   TORCH_CHECK(num_domains >= 1 && R % num_domains == 0, "num_domains must divide R");
-  TORCH_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got ", N);
-  TORCH_CHECK(policy != topoep::kPeerFlexmoe || (R <= 256 && E / R + N <= 1024),
-              "the CUDA flexmoe planner takes at most 256 ranks and 1024 experts per rank plus slots; got R=", R,
-              ", E=", E, ", num_slots=", N, "; use backend='reference'");
+  TOPOEP_CHECK(N >= 0 && N <= 64, "num_slots must be in [0, 64], got %lld", (long long)N);
+  TOPOEP_CHECK(policy != topoep::kPeerFlexmoe || (R <= 256 && E / R + N <= 1024),
+               "the CUDA flexmoe planner takes at most 256 ranks and 1024 experts per rank plus slots; got R=%lld, "
+               "E=%lld, num_slots=%lld; use backend='reference'", (long long)R, (long long)E, (long long)N);
   const int64_t smem = (int64_t)topoep::peer_smem_bytes((int)policy, (int)R, (int)E, (int)num_domains, (int)N);
-  TORCH_CHECK(smem <= smem_limit, "the CUDA ", policy == topoep::kPeerDeepseek ? "deepseek" : "flexmoe",
-              " planner needs ", smem, " bytes of shared memory for R=", R, ", E=", E, ", num_slots=", N,
-              "; the device has ", smem_limit, "; use backend='reference'");
+  TOPOEP_CHECK(smem <= smem_limit, "the CUDA %s planner needs %lld bytes of shared memory for R=%lld, E=%lld, "
+               "num_slots=%lld; the device has %lld; use backend='reference'",
+               policy == topoep::kPeerDeepseek ? "deepseek" : "flexmoe", (long long)smem, (long long)R, (long long)E,
+               (long long)N, (long long)smem_limit);
   check_bool_scalar(enable, omega, "enable");
   check_outputs(omega, N, slot_expert, route);
   check_i64_cuda(info, "info");

@@ -296,3 +296,45 @@ def test_route_pass_a_in_registers_equals_reference(case):
     for blocks, mask in [(0, 32), (3, 32), (0, 48), (0, 0)]:
         planner.plan(omega.cuda(), topo, "topoep_plus", 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
         assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (blocks, mask)
+
+
+_ERRORS_SCRIPT = r'''
+import torch
+from topoep.planners.cuda import load_extension
+
+load_extension()
+ops, dev = torch.ops.topoep, "cuda"
+om = torch.ones(4, 8, dtype=torch.int64, device=dev)
+cost = torch.zeros(4, 4, dtype=torch.int64, device=dev)
+se = torch.empty(4, 2, dtype=torch.int64, device=dev)
+rt = torch.empty(4, 16, dtype=torch.int64, device=dev)
+info = torch.zeros(64, dtype=torch.int64, device=dev)
+ws = torch.zeros(16, dtype=torch.int64, device=dev)
+cases = [
+    ("skip_stages", lambda: ops.plan_topoep(om, cost, 1, 2, 1, 1, se, rt, ws, 0, 999), "got 999"),
+    ("cost_fs on the host", lambda: ops.plan_topoep(om, cost.cpu(), 1, 2, 1, 1, se, rt, ws), "cost_fs must be a CUDA"),
+    ("workspace", lambda: ops.plan_topoep(om, cost, 1, 2, 1, 1, se, rt, ws), "workspace too small"),
+    ("peer policy", lambda: ops.plan_peer(om, 7, 1, 2, None, se, rt, info, ws, 0), "(flexmoe), got 7"),
+    ("spread slots", lambda: ops.plan_spread(om, 1, 65, 1, 1, 0, 0, 0, 0, False, None, se, rt, info, ws),
+     "num_slots must be in [0, 64], got 65"),
+]
+for name, call, want in cases:
+    try:
+        call()
+        print("NO ERROR", name)
+    except RuntimeError as e:
+        print("RAISED" if want in str(e) else "OTHER MESSAGE", name, "|", str(e).splitlines()[0][:200])
+'''
+
+
+def test_extension_checks_raise_their_messages():
+    """A failed check inside the extension's ops raises a RuntimeError that names the value, whether its message has
+    values (TOPOEP_CHECK, formatted in csrc/bindings.cpp) or is one string; in a subprocess, so a crash fails the test
+    instead of the session."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ERRORS_SCRIPT], capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("RAISED", "NO", "OTHER")]
+    assert out.returncode == 0, f"the process ended with {out.returncode}: {out.stdout[-2000:]} {out.stderr[-2000:]}"
+    assert len(lines) == 5 and all(line.startswith("RAISED") for line in lines), "\n".join(lines)
