@@ -39,9 +39,11 @@
 //                in shared memory; the best move by a block reduction), until none is left. Every block makes
 //                the same moves on its own copy of the loads in shared memory, so no grid barrier follows
 //   8-9 route    common.hierarchical_route in two passes and one grid barrier: A per (expert, domain) group
-//                (a lane per source of the domain and shuffle scans; own-rank loads, the domain's sources, the
-//                group's matched amount m and its instances), B a thread per (source, instance), which adds
-//                the prefixes across domains only where a cross-domain share can be nonzero
+//                (own-rank loads, the domain's sources, the group's matched amount m and its instances): a lane
+//                per source of the domain and shuffle scans where that takes at most two rounds of the grid, else
+//                a thread per group, with the sources in registers on domains of up to 8 ranks; B a thread per
+//                instance and every few sources (the instance's words loaded once), which adds the prefixes
+//                across domains only where a cross-domain share can be nonzero
 // Block 0 records a %globaltimer stamp after every phase in the workspace's head (planner.h); the route's end,
 // with no grid barrier after it, is the latest block's. topoep_plus stamps its own phases after the refinement.
 
