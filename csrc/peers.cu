@@ -283,6 +283,33 @@ __device__ bool improves(const FlexState& s, const PeerDims& d, int lane, int rb
   return mx <= Lrb && at_rb < Lrb;
 }
 
+// Makes the try that helps, every lane of the warp that priced it: the rank loads by the deltas dl, then (lane 0)
+// the instance tables: kind 0 adds a replica of `hot` in rank `where`'s next slot, kind 1 gives slot `where` from
+// expert f to `hot`.
+__device__ __forceinline__ void commit_try(const FlexState& s, const PeerDims& d, int lane, const i64* dl, int kind,
+                                           int where, int hot, int f) {
+#pragma unroll
+  for (int k = 0; k < kMaxWords; ++k) {
+    const int r = 32 * k + lane;
+    if (k < d.MW && r < d.R) s.L[r] += dl[k];
+  }
+  if (lane == 0) {
+    const int r = kind == 0 ? where : where / d.N;
+    if (kind == 0) {
+      s.slot[r * d.N + s.filled[r]] = hot;
+      s.filled[r] += 1;
+    } else {
+      s.slot[where] = hot;
+      s.mask[(size_t)f * d.MW + (r >> 5)] &= ~(1u << (r & 31));
+      s.n[f] -= 1;
+      divmod(s.T[f], s.n[f], s.q[f], s.rem[f]);
+    }
+    s.mask[(size_t)hot * d.MW + (r >> 5)] |= 1u << (r & 31);
+    s.n[hot] += 1;
+    divmod(s.T[hot], s.n[hot], s.q[hot], s.rem[hot]);
+  }
+}
+
 // The greedy in warp 0 alone where every load fits in 31 bits (the usual case): the same tries in the reference's
 // order, one after another, each reduction a single redux.sync; no block barrier. Most steps keep their first try,
 // so ordering the busiest rank's experts is left to one argmax per try. Returns the steps taken.
@@ -368,26 +395,7 @@ __device__ int flexmoe_fast(const FlexState& s, const PeerDims& d, int lane) {
       mx = __reduce_max_sync(kAll, mx);
       at_rb = __shfl_sync(kAll, at_rb, rb & 31);
       if (!(mx <= Lrb && at_rb < Lrb)) continue;
-#pragma unroll
-      for (int k = 0; k < kMaxWords; ++k) {
-        const int r = 32 * k + lane;
-        if (k < d.MW && r < d.R) s.L[r] += dl[k];
-      }
-      if (lane == 0) {
-        const int r = kind == 0 ? where : where / d.N;
-        if (kind == 0) {
-          s.slot[r * d.N + s.filled[r]] = hot;
-          s.filled[r] += 1;
-        } else {
-          s.slot[where] = hot;
-          s.mask[(size_t)f * d.MW + (r >> 5)] &= ~(1u << (r & 31));
-          s.n[f] -= 1;
-          divmod(s.T[f], s.n[f], s.q[f], s.rem[f]);
-        }
-        s.mask[(size_t)hot * d.MW + (r >> 5)] |= 1u << (r & 31);
-        s.n[hot] += 1;
-        divmod(s.T[hot], s.n[hot], s.q[hot], s.rem[hot]);
-      }
+      commit_try(s, d, lane, dl, kind, where, hot, f);
       __syncwarp();
       changed = true;
       break;
@@ -539,28 +547,7 @@ __global__ void __launch_bounds__(kPeerThreads) flexmoe_kernel(const i64* __rest
         if (tried_ok[w]) first = w;
       if (first >= 0) {
         changed = true;
-        if (warp == first) {  // make the change: the loads, then the instance tables
-#pragma unroll
-          for (int k = 0; k < kMaxWords; ++k) {
-            const int r = 32 * k + lane;
-            if (k < d.MW && r < d.R) s.L[r] += dl[k];
-          }
-          if (lane == 0) {
-            const int r = kind == 0 ? where : where / d.N;
-            if (kind == 0) {
-              s.slot[r * d.N + s.filled[r]] = hot;
-              s.filled[r] += 1;
-            } else {
-              s.slot[where] = hot;
-              s.mask[(size_t)f * d.MW + (r >> 5)] &= ~(1u << (r & 31));
-              s.n[f] -= 1;
-              divmod(s.T[f], s.n[f], s.q[f], s.rem[f]);
-            }
-            s.mask[(size_t)hot * d.MW + (r >> 5)] |= 1u << (r & 31);
-            s.n[hot] += 1;
-            divmod(s.T[hot], s.n[hot], s.q[hot], s.rem[hot]);
-          }
-        }
+        if (warp == first) commit_try(s, d, lane, dl, kind, where, hot, f);
       }
       __syncthreads();
     }

@@ -22,6 +22,15 @@ __device__ __forceinline__ i64 group_excl_scan(i64 v, int sub, int gw) {
   return x - v;
 }
 
+// e's instance on rank s that the route counts (plus_instance): its main if mr (e's main rank) is s, else the slot of
+// s that holds e with load; -1 if none (a rank hosts an expert at most once)
+__device__ __forceinline__ int instance_on(int s, int e, int mr, const int* se1, const Dims& d, const i64* U) {
+  if (mr == s) return e;
+  int p = -1;
+  for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+  return p;
+}
+
 // The route of topoep_plus, common.hierarchical_route of the moved loads, in two passes with one grid barrier.
 // Pass A, per group (expert e, domain m) and its sources s in m, with p(s) e's instance on s if any (valid:
 // a main, or a replica with load): loc = min(omega[s, e], U[p(s)]) served on its own rank, u1 = U - loc;
@@ -49,8 +58,7 @@ __device__ void route_groups_lanes(const Dims& d, const Work& w, const Plus& pl,
       e = gi - m * d.E;
       s = m * d.rpd + sub;
       x = w.om[(i64)s * d.E + e];
-      if (main_rank_of(e, d) == s) p = e;
-      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+      p = instance_on(s, e, main_rank_of(e, d), se1, d, U);
     }
     const i64 u = p >= 0 ? U[p] : 0, loc = min(x, u), u1 = u - loc, a = x - loc;
     const bool is_main = p >= 0 && p < d.E, is_slot = p >= d.E;
@@ -85,9 +93,7 @@ __device__ void route_groups_serial(const Dims& d, const Work& w, const Plus& pl
 #pragma unroll 4
     for (int s = s0; s < s0 + d.rpd; ++s) {
       const i64 x = om[(i64)s * d.E + e];
-      int p = -1;  // e's instance on s, if any
-      if (main_rank_of(e, d) == s) p = e;
-      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+      const int p = instance_on(s, e, main_rank_of(e, d), se1, d, U);
       i64 loc = 0;
       if (p >= 0) {
         const i64 u = U[p];
@@ -156,9 +162,7 @@ __device__ void route_groups_regs(const Dims& d, const Work& w, const Plus& pl, 
       if (k >= d.rpd) continue;
       const int s = s0 + k;
       const i64 x = om[(i64)s * d.E + e];
-      int p = -1;  // e's instance on s, if any
-      if (mr == s) p = e;
-      else for (int j = 0; j < d.N; ++j) if (slot_holds(s * d.N + j, e, se1, d, U)) p = d.E + s * d.N + j;
+      const int p = instance_on(s, e, mr, se1, d, U);
       i64 loc = 0;
       if (p >= 0) {
         const i64 u = U[p];

@@ -259,16 +259,23 @@ def test_plans_for_any_domain_size_grid_and_move_path(case):
     loads (kPlusGlobal = 16, the path of plans too large for a copy per block) and with its route's pass A forced
     to a thread (32) or a lane group (64) per group, and the one-domain case on a grid instead of its one block
     (kNoLocal = 128): every plan equals the reference's."""
+    _check_paths(case, case[0] + case[1] + case[3], ("topoep", "topoep_plus"),
+                 [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64), (0, 128), (5, 144)])
+
+
+def _check_paths(case, seed: int, policies, paths) -> None:
+    """Every (grid_blocks, skip_stages) of `paths` plans `case`'s routing (R, E, domains, slots, skew, layout; seeded
+    with `seed`) as the reference does, for every policy."""
     R, E, M, N, skew, layout = case
     topo = Topology(num_domains=M, ranks_per_domain=R // M)
-    omega = biased_routing(R, E, 512, 8, skew, seed=R + E + N, layout=layout)
+    omega = biased_routing(R, E, 512, 8, skew, seed=seed, layout=layout)
     planner = CudaPlanner(R, E, M, N, "cuda")
     se = torch.empty(R, N, dtype=torch.int64, device="cuda")
     rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
-    for policy in ("topoep", "topoep_plus"):
+    for policy in policies:
         ref = solve(omega, topo, num_slots=N, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
                     backend="reference")
-        for blocks, mask in [(0, 0), (3, 0), (132, 0), (0, 16), (3, 16), (0, 32), (0, 64), (3, 64), (0, 128), (5, 144)]:
+        for blocks, mask in paths:
             planner.plan(omega.cuda(), topo, policy, 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
             assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (policy, blocks, mask)
 
@@ -285,17 +292,7 @@ def test_route_pass_a_in_registers_equals_reference(case):
     """topoep_plus's route pass A with a thread per group on domains of 1-8 ranks (the register path, forced by
     kRouteSerial = 32, and the default choice, which takes it at EP 128), on the default grid and on 3 blocks, with
     its moves on per-block and global loads: every plan equals the reference's."""
-    R, E, M, N, skew, layout = case
-    topo = Topology(num_domains=M, ranks_per_domain=R // M)
-    omega = biased_routing(R, E, 512, 8, skew, seed=R + E + M, layout=layout)
-    planner = CudaPlanner(R, E, M, N, "cuda")
-    se = torch.empty(R, N, dtype=torch.int64, device="cuda")
-    rt = torch.empty(R, E + R * N, dtype=torch.int64, device="cuda")
-    ref = solve(omega, topo, num_slots=N, policy="topoep_plus", expert_bytes=9_437_184, token_bytes=4096,
-                backend="reference")
-    for blocks, mask in [(0, 32), (3, 32), (0, 48), (0, 0)]:
-        planner.plan(omega.cuda(), topo, "topoep_plus", 9_437_184, 4096, se, rt, grid_blocks=blocks, skip_stages=mask)
-        assert torch.equal(se.cpu(), ref.slot_expert) and torch.equal(rt.cpu(), ref.route), (blocks, mask)
+    _check_paths(case, case[0] + case[1] + case[2], ("topoep_plus",), [(0, 32), (3, 32), (0, 48), (0, 0)])
 
 
 _ERRORS_SCRIPT = r'''
