@@ -171,6 +171,7 @@ GPU = [
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/serial_guard",), GPU_SESSION, "-", "1 GPU", "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 "
           "pytest tests/test_cuda_backend_gpu.py -k guarded_topoep_plus (its README)"),
+    Entry(("gpu/dedupe",), GPU_SESSION, "-", "1 GPU", "pytest tests/test_planner_cuda.py tests/test_peers_cuda.py"),
     Entry(("gpu/ext_errors",), GPU_SESSION, "-", "1 GPU", "pytest tests/test_planner_cuda.py::"
           "test_extension_checks_raise_their_messages tests/test_peers_cuda.py tests/test_spread_cuda.py "
           "tests/test_guard_cuda.py (its README)"),
