@@ -83,6 +83,10 @@ def parse_args(argv=None):
     ap.add_argument("--guard-pipeline", action="store_true",
                     help="every guard predicts the compute and token time with the simulator's chunk pipeline "
                          "(NetBenefitGuard.token_chunks = the execution's chunks) instead of its token_overlap formula")
+    ap.add_argument("--oracle", action="store_true",
+                    help="where a topoep_plus layer misses a target, also run each plan it planned in that call (and "
+                         "the static plan) in the guard's place (sim.simulate's force_choice) and report the fastest: "
+                         "which misses a perfect pick would meet, and which need better plans")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
@@ -158,6 +162,7 @@ def run(args) -> list[dict]:
                                                 execution=sim.EXECUTIONS[args.execution]).layer_s
         row = {"preset": preset, "ep": ep, "domains": ep // d, "slots": slots, "scenario": scen,
                "bound_ms": 1e3 * bounds[(preset, ep)]}
+        forced = {}  # the topoep_plus layers' simulate arguments, for --oracle
         for policy in POLICIES + tuple(o for o in ours if o not in POLICIES):
             fanout, cands = ours.get(policy, (None, ()))
             ex = dataclasses.replace(sim.EXECUTIONS[args.execution], fetch_overlap=args.fetch_overlap,
@@ -167,9 +172,12 @@ def run(args) -> list[dict]:
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share)
-            r = sim.simulate(omegas[key], cl, model=model, policy=policy if policy not in ours else "topoep_plus",
-                             num_slots=slots, guard=None if policy == "static" else guard, execution=ex,
-                             **({"plus_candidates": cands} if policy in ours else {}))
+            kw = dict(model=model, policy=policy if policy not in ours else "topoep_plus", num_slots=slots,
+                      guard=None if policy == "static" else guard, execution=ex,
+                      **({"plus_candidates": cands} if policy in ours else {}))
+            r = sim.simulate(omegas[key], cl, **kw)
+            if policy in ours:
+                forced[policy] = (kw, r)
             row[f"{policy}_ms"] = 1e3 * r.layer_s
             row[f"{policy}_imbalance"] = r.stats["imbalance"]
             if policy in ours:  # which plan the guard kept: topoep_plus's, a candidate, or static
@@ -179,8 +187,26 @@ def run(args) -> list[dict]:
             row[f"{policy}_fetch_nic_bytes"] = r.traffic.get("replica_nic_bytes", 0.0)
             for k in SENDS:  # the busiest senders of the fetch as it ran (relayed or direct)
                 row[f"{policy}_sends_{k}"] = r.stats[f"sends_{k}"]
+        if args.oracle:
+            for o, (kw, r) in forced.items():
+                row.update(oracle(row, o, omegas[key], cl, kw, r))
         rows.append(row)
     return rows
+
+
+def oracle(row: dict, layer: str, omega, cluster, kw: dict, guarded) -> dict:
+    """--oracle for one layer in one cell: where it misses a target, every plan it planned in the call (and static) in
+    the guard's place; `<layer>_oracle_ms` the fastest (the guarded time where it met the targets: a pick can only be
+    as fast or faster), `<layer>_oracle_ran` which plan that was."""
+    best, ran = row[f"{layer}_ms"], row[f"{layer}_ran"]
+    if not verdict(row, layer)["ok"] and guarded.stats["plans_planned"] > 0:
+        names = ("plus",) + tuple(SHORT.get(c, c) for c in kw["plus_candidates"])
+        planned = int(guarded.stats["plans_planned"])
+        for i in range(-1, planned):
+            ms = 1e3 * sim.simulate(omega, cluster, **kw, force_choice=i).layer_s
+            if ms < best - 1e-12:
+                best, ran = ms, "static" if i < 0 else names[i]
+    return {f"{layer}_oracle_ms": best, f"{layer}_oracle_ran": ran}
 
 
 def verdict(row: dict, ours: str = "topoep_plus") -> dict:
@@ -300,6 +326,8 @@ def report(args, rows: list[dict]) -> str:
                       markdown_table(["preset", "EP", "slots", "scenario", "ours / static", "best peer", "ours / best"],
                                      [[r["preset"], r["ep"], r["slots"], r["scenario"], f"{v['vs_static']:.2f}",
                                        v["best_peer"], f"{v['vs_best']:.2f}"] for r, v in misses[o]]), ""]
+    if args.oracle:
+        lines += oracle_report(rows, ours)
     shown = [p for p in POLICIES if p != "static"] + [o for o in ours if o not in POLICIES]
     header = (["preset", "EP", "slots", "scenario", "static ms"] + shown
               + ["plus ran", "spread ran", "spread gate", "plus / bound", "spread relay / bound"])
@@ -310,6 +338,32 @@ def report(args, rows: list[dict]) -> str:
             for r, vp, vs in zip(rows, verdicts["topoep_plus"], verdicts[SPREAD_RELAY])]
     lines += ["## All cells (layer time / static)", "", markdown_table(header, body), ""]
     return "\n".join(lines)
+
+
+def oracle_report(rows: list[dict], ours: dict) -> list[str]:
+    """--oracle: each layer's misses with the guard's pick and with the fastest of the plans it planned, and the cells
+    a perfect pick still misses."""
+    def oracle_verdict(r, o):
+        return verdict({**r, f"{o}_ms": r[f"{o}_oracle_ms"]}, o)
+
+    summary, left = [], []
+    for o in ours:
+        vs = [oracle_verdict(r, o) for r in rows]
+        summary.append([o, sum(not verdict(r, o)["ok"] for r in rows), sum(not v["ok"] for v in vs),
+                        f"{max(v['vs_best'] for v in vs):.2f}"])
+        left += [[o, r["preset"], r["ep"], r["slots"], r["scenario"], r[f"{o}_ran"], r[f"{o}_oracle_ran"],
+                  f"{v['vs_static']:.2f}", v["best_peer"], f"{verdict(r, o)['vs_best']:.2f}", f"{v['vs_best']:.2f}"]
+                 for r, v in zip(rows, vs) if not v["ok"]]
+    return ["## The guard's pick against the fastest plan of the call (--oracle)", "",
+            "Where a layer misses a target, each plan it planned in that call (and the static plan) ran in the guard's "
+            "place (`sim.simulate(..., force_choice=i)`: the same plan time, the guard's relayed or direct fetch for "
+            "that plan; the spread gate's probe calls keep the guard's pick). Misses a perfect pick would meet come "
+            "from the guard's prediction; the rest need better plans (or cheaper planning).", "",
+            markdown_table(["layer", "cells missed (guard's pick)", "cells missed (fastest plan)",
+                            "worst / best peer (fastest plan)"], summary), "",
+            "Cells the fastest plan still misses:", "",
+            markdown_table(["layer", "preset", "EP", "slots", "scenario", "guard ran", "fastest", "fastest / static",
+                            "best peer", "guard / best", "fastest / best"], left) if left else "none", ""]
 
 
 def _us_range(points) -> str:

@@ -98,3 +98,28 @@ def test_link_sweep_serial_execution(tmp_path):
     (row,) = json.loads((tmp_path / "ls.json").read_text())["rows"]
     assert row["topoep_plus_ms"] < row["static_ms"] and row["bound_ms"] <= row["static_ms"]
     assert "execution `cuda`" in (tmp_path / "ls.md").read_text()
+
+
+def test_link_sweep_oracle(tmp_path):
+    """--oracle: every layer's fastest plan of the call is at most its guarded time, equal where the layer met the
+    targets; the report counts each layer's misses with the guard's pick and with the fastest plan, and lists the
+    cells the fastest plan still misses."""
+    args = ["--presets", "h200", "--eps", "32", "--slots", "2", "--scenarios", "source_ragged", "burst",
+            "--spread-planner", "measured", "--oracle", "--out", str(tmp_path), "--name", "ls"]
+    link_sweep.main(args)
+    rows = json.loads((tmp_path / "ls.json").read_text())["rows"]
+    text = (tmp_path / "ls.md").read_text()
+    assert "## The guard's pick against the fastest plan of the call (--oracle)" in text
+    improved = 0
+    for o in link_sweep.OURS:
+        oracle_misses = 0
+        for r in rows:
+            assert r[f"{o}_oracle_ms"] <= r[f"{o}_ms"] * (1 + 1e-12)
+            if link_sweep.verdict(r, o)["ok"]:
+                assert r[f"{o}_oracle_ms"] == r[f"{o}_ms"] and r[f"{o}_oracle_ran"] == r[f"{o}_ran"]
+            improved += r[f"{o}_oracle_ms"] < r[f"{o}_ms"]
+            oracle_misses += not link_sweep.verdict({**r, f"{o}_ms": r[f"{o}_oracle_ms"]}, o)["ok"]
+        misses = sum(not link_sweep.verdict(r, o)["ok"] for r in rows)
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {o} | {misses} | ")]
+        assert line.startswith(f"| {o} | {misses} | {oracle_misses} | ")
+    assert improved > 0  # h200 EP 32 source-ragged: the guard keeps topoep_plus's plan, the local one is faster

@@ -618,3 +618,35 @@ def test_spread_speedup_divides_the_measured_planner_time():
             replace(ex, spread_speedup=bad)
     with pytest.raises(ValueError, match="scales the measured spread planner"):
         replace(sim.EXECUTIONS["topoep"], spread_speedup=2.0)
+
+
+def test_forced_choice_runs_each_planned_plan():
+    """force_choice (the guard oracle of bench/link_sweep.py --oracle): forcing the guard's own pick reproduces the
+    guarded layer; forcing each plan runs that plan (its imbalance, the same plan time), -1 the static plan; a choice
+    outside the plans planned, or on a layer that does not choose, is refused."""
+    from topoep.runtime import NetBenefitGuard
+
+    cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
+    om = workloads.scenario("random_bias", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    ex = replace(sim.EXECUTIONS["topoep"], relay_fanout=2)
+    cands = ("topoep_plus_local", "topoep_plus_spread")
+
+    def run(**kw):
+        return sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(), plus_candidates=cands,
+                            execution=ex, **kw)
+
+    guarded = run()
+    assert guarded.stats["plans_planned"] == 3.0
+    forced = [run(force_choice=i) for i in (-1, 0, 1, 2)]
+    pick = int(guarded.stats["guard_choice"])
+    assert forced[1 + pick].layer_s == pytest.approx(guarded.layer_s)
+    assert forced[0].stats["num_replicas"] == 0 and forced[0].stats["imbalance"] == pytest.approx(
+        forced[0].stats["static_imbalance"])
+    for i, r in enumerate(forced[1:]):
+        assert r.stats["guard_choice"] == float(i) and r.stats["num_replicas"] > 0
+        assert r.terms["plan"] == pytest.approx(guarded.terms["plan"])
+    assert len({round(r.layer_s, 9) for r in forced}) > 1  # the plans differ in time
+    with pytest.raises(ValueError, match="force_choice=3 picks one of the 3 plans"):
+        run(force_choice=3)
+    with pytest.raises(ValueError, match="force_choice=0"):
+        sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard(), execution=ex, force_choice=0)

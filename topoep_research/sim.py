@@ -834,7 +834,8 @@ class PlanCache:
 def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: Execution | None = None,
              policy: str = "topoep", num_slots: int = 2, plan_s: float | None = None, guard=None,
              plan_cache: PlanCache | None = None,
-             plus_candidates: tuple[str, ...] = ("topoep_plus_local",), _solved: dict | None = None) -> SimResult:
+             plus_candidates: tuple[str, ...] = ("topoep_plus_local",), force_choice: int | None = None,
+             _solved: dict | None = None) -> SimResult:
     """Predicted time of one MoE layer call (forward + backward) on `cluster`.
 
     plan_or_omega: a `Plan` (its topology must match cluster.topology(R)'s domains) or omega int64[R, E],
@@ -852,6 +853,11 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         with the link-aware spread candidate, `topoep.planners.spread`). The candidates run at once on the GPU: one
         planner latency, topoep_plus's, or with `execution.spread_planner="measured"` the measured CUDA spread
         planner's where a spread plan is among them.
+    force_choice: research (an oracle of the guard's pick): a guarded topoep_plus layer runs plan `force_choice` of
+        the plans it planned in this call (0 its own, i >= 1 the i-th candidate planned, -1 the static plan) instead
+        of the guard's pick, with the guard's fetch choice (relayed or direct) for that plan and every cost of the
+        call as planned; stats["plans_planned"] says how many plans there were (after the spread gate). None: the
+        guard picks.
     """
     execution = execution or EXECUTIONS["topoep"]
     guard_in, solved = guard, {}  # (the spread gate's second call: the arguments as given, the plans made)
@@ -931,7 +937,21 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
                                       _solved=solved)
             else:  # the spread planner runs on probe calls only: the other candidates' plan on every call
                 candidates = cheap
-    if guarded and not skipped:
+    planned = 1 + len(candidates) if guarded and not skipped else 0
+    if force_choice is not None:
+        if not guarded or skipped or name != "topoep_plus" or not -1 <= force_choice < planned:
+            raise ValueError(f"force_choice={force_choice} picks one of the {planned} plans a guarded topoep_plus layer "
+                             f"planned in this call, or -1 (static); this call (policy {name!r}, guarded {guarded}, "
+                             f"planning skipped {skipped}) has none to pick")
+        if force_choice < 0:
+            plan = guard.select(plan, t_ffn, n_rep, allow=torch.zeros((), dtype=torch.bool))[0]
+        else:
+            kept = (plan, *candidates)[force_choice]
+            relay = guard.fetch_choice(kept, n_rep)[1]
+            plan = guard._executed(kept, kept.slot_expert, kept.route, torch.tensor(force_choice), relay)
+        choice = float(max(force_choice, 0))
+        local_plan = float(choice >= 1 and candidates[int(choice) - 1].policy == "topoep_plus_local")
+    elif guarded and not skipped:
         plan, fired = guard.select(plan, t_ffn, n_rep, candidates=candidates)[:2]
         choice = float(int(plan.info["guard_choice"])) if candidates and not bool(fired) else 0.0
         local_plan = float(choice == 1 and plus_candidates[:1] == ("topoep_plus_local",))
@@ -1050,6 +1070,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     stats["local_plan"] = local_plan  # 1: guarded topoep_plus ran its local candidate (topoep_plus_local)
     stats["guard_choice"] = choice  # guarded topoep_plus: i >= 1 when it ran plus_candidates[i - 1], else 0
     stats["plan_skipped"] = float(skipped)  # 1: the guard's pre-plan bound left planning out
+    stats["plans_planned"] = float(planned)  # a guarded layer's plans in this call (force_choice picks among them)
     # the busiest senders of the fetch as it runs (relayed or direct): copies per rank, and of one expert
     sends = sender_copies(plan, fetch[0] if fetch is not None else None)
     stats.update({f"sends_{k}": float(v) for k, v in sends.items()})
