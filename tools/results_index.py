@@ -82,6 +82,7 @@ REPORTS = [
     _sweep("link_sweep_peers_measured", "--peer-candidates --peer-planner measured"),
     _sweep("link_sweep_guard_pipeline", "--guard-pipeline --spread-planner measured"),
     _sweep("link_sweep_oracle", "--spread-planner measured --oracle"),
+    _sweep("link_sweep_oracle_overlap_share", "--fetch-overlap --relay-share --spread-planner measured --oracle"),
     _sweep("link_sweep_overlap_share_measured", "--fetch-overlap --relay-share --spread-planner measured"),
     _sweep("link_sweep_cuda", "--execution cuda"),
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
