@@ -17,8 +17,8 @@ constexpr int kLocalSmemBytes = 160 * 1024;  // one-block plans keep omega and t
 // loads per block: block 0 moves the global state (tests).
 // kRouteSerial / kRouteLanes (tuning; the plan is the policy's): topoep_plus's route pass A with a thread per
 // group (its sources in registers on domains of up to 8 ranks) / a lane group per group (domains of at most 32
-// ranks) whatever the grid. kNoLocal (tuning): no
-// one-block plan with its state in shared memory; the grid of multi-block plans instead.
+// ranks) whatever the grid. kNoLocal (tuning): no one-block plan with its state in shared memory; the grid of
+// multi-block plans instead.
 constexpr int kSkipRefine = 1, kSkipRoute = 2, kSkipAll = 4, kProfile = 8, kPlusGlobal = 16, kRouteSerial = 32,
               kRouteLanes = 64, kNoLocal = 128;
 
