@@ -27,6 +27,7 @@ if __package__ in (None, ""):
 
 from bench.common import REPO, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
+from topoep.plan import default_main_rank  # noqa: E402
 from topoep.planners.cuda import CudaPlanner  # noqa: E402
 from topoep.runtime.moe import PEER_CANDIDATES  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
@@ -142,17 +143,44 @@ def measure_spread(ep: int, experts: int, slots: int, rpd: int, runs: int, warmu
     checked against the reference's; and the moves the greedy made."""
     topo, omega_cpu = workload(ep, experts, tokens, rpd)
     omega = omega_cpu.cuda()
+    every, every_moves = _spread_alone(omega, topo, slots, runs, warmup, move_cost_fs=0)
+    fixed, _ = _spread_alone(omega, topo, slots, runs, warmup, max_moves=0)
     return dict(ep=ep, experts=experts, slots=slots, domains=topo.num_domains,
                 spread_graph_busy_us={n: _set_graph_busy(omega, topo, slots, (n,), runs, warmup) for n in SPREAD},
                 spread_moves={n: _spread_moves(omega_cpu, topo, slots, n) for n in SPREAD},
                 pair_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR, runs, warmup),
-                spread_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + SPREAD, runs, warmup))
+                spread_set_graph_busy_us=_set_graph_busy(omega, topo, slots, PAIR + SPREAD, runs, warmup),
+                spread_fixed_us=fixed, spread_every_us=every, spread_every_moves=every_moves,
+                spread_move_us=(every - fixed) / every_moves if every_moves else float("nan"))
 
 
-def _spread_moves(omega_cpu, topo, slots: int, policy: str) -> int:
+def _spread_moves(omega_cpu, topo, slots: int, policy: str, **kw) -> int:
     """The moves the spread greedy makes on this workload (the reference's count; the GPU's is equal)."""
-    return solve(omega_cpu, topo, num_slots=slots, policy=policy, expert_bytes=9_437_184, token_bytes=4096,
-                 backend="reference").info["greedy_moves"]
+    from topoep.planners.spread import solve_topoep_plus_spread
+
+    return solve_topoep_plus_spread(omega_cpu, topo, num_slots=slots, main_rank=default_main_rank(*omega_cpu.shape[::-1]),
+                                    expert_bytes=9_437_184, token_bytes=4096,
+                                    trees=policy == "topoep_plus_spread_tree", **kw).info["greedy_moves"]
+
+
+def _spread_alone(omega, topo, slots: int, runs: int, warmup: int, **kw) -> tuple[float, int]:
+    """topoep_plus_spread with the greedy's max_moves or move_cost_fs as given (graph replay on a busy stream, us),
+    its plan checked against the reference's with the same arguments, and the moves it made: the planner's fixed part
+    (max_moves=0) and its time per move (move_cost_fs=0: every move that gains anything)."""
+    from topoep.planners.cuda import solve_spread_cuda
+    from topoep.planners.spread import solve_topoep_plus_spread
+
+    main_rank = default_main_rank(omega.shape[1], omega.shape[0], device=omega.device)
+    args = dict(num_slots=slots, main_rank=main_rank, expert_bytes=9_437_184, token_bytes=4096)
+    solve_spread_cuda(omega, topo, policy="topoep_plus_spread", **args, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = solve_spread_cuda(omega, topo, policy="topoep_plus_spread", **args, **kw)
+    graph.replay()
+    ref = solve_topoep_plus_spread(omega.cpu(), topo, **(args | {"main_rank": main_rank.cpu()}), **kw)
+    assert torch.equal(ref.route, plan.route.cpu()) and torch.equal(ref.slot_expert, plan.slot_expert.cpu()), kw
+    return _events_median(graph.replay, runs, warmup, busy=True), ref.info["greedy_moves"]
 
 
 def _set_graph_busy(omega, topo, slots: int, names: tuple[str, ...], runs: int, warmup: int) -> float:
@@ -263,7 +291,14 @@ def spread_table(rows: list[dict]) -> str:
                 [[r["sweep"], r["ep"], r["experts"]]
                  + [x for n in SPREAD for x in (f"{r['spread_graph_busy_us'][n]:.1f}", r["spread_moves"][n])]
                  + [f"{r['pair_graph_busy_us']:.1f}", f"{r['spread_set_graph_busy_us']:.1f}"]
-                 for r in rows]))
+                 for r in rows])
+            + "\n\nThe greedy's cost per move: topoep_plus_spread with max_moves=0 (its fixed part: the greedy's state, "
+            "the rollback, the route) and with move_cost_fs=0 (every move that gains anything: the default stops once "
+            "no move gains more than `spread.MOVE_COST_US`), graph replay on a busy stream, each plan equal to the "
+            "reference's with the same arguments; us per move = (every move - fixed) / its moves:\n\n" + markdown_table(
+                ["sweep", "EP", "experts", "fixed part us", "every move us", "moves", "us per move"],
+                [[r["sweep"], r["ep"], r["experts"], f"{r['spread_fixed_us']:.1f}", f"{r['spread_every_us']:.1f}",
+                  r["spread_every_moves"], f"{r['spread_move_us']:.2f}"] for r in rows if "spread_fixed_us" in r]))
 
 
 # graph replay of the planner with stages left out (csrc/planner.h kSkip*)

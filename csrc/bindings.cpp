@@ -250,9 +250,9 @@ void relay_trees(const at::Tensor& slot_expert, const at::Tensor& main_rank, int
 
 // topoep_plus_spread / _tree on the GPU (csrc/spread.cu): slot_expert, route and info out
 void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots, int64_t expert_bytes,
-                 int64_t token_bytes, int64_t t_fs, int64_t a, int64_t b, int64_t max_moves, bool trees,
-                 const c10::optional<at::Tensor>& enable, at::Tensor slot_expert, at::Tensor route, at::Tensor info,
-                 at::Tensor workspace) {
+                 int64_t token_bytes, int64_t t_fs, int64_t a, int64_t b, int64_t max_moves, int64_t move_cost_fs,
+                 bool trees, const c10::optional<at::Tensor>& enable, at::Tensor slot_expert, at::Tensor route,
+                 at::Tensor info, at::Tensor workspace) {
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), N = num_slots;
@@ -266,6 +266,8 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
   TOPOEP_CHECK(max_moves >= 0 && max_moves <= 4 * (E + R * N),
                "max_moves must be in [0, 4 (E + R num_slots)] (the move log's length; the default, "
                "spread.default_max_moves, is the bound), got %lld", (long long)max_moves);
+  TOPOEP_CHECK(move_cost_fs >= 0, "move_cost_fs must be >= 0 (the least gain of a greedy move, fs), got %lld",
+               (long long)move_cost_fs);
   check_bool_scalar(enable, omega, "enable");
   check_outputs(omega, N, slot_expert, route);
   check_i64_cuda(info, "info");
@@ -274,7 +276,7 @@ void plan_spread(const at::Tensor& omega, int64_t num_domains, int64_t num_slots
   TORCH_CHECK(workspace.numel() >= (int64_t)topoep::spread_workspace_elems((int)R, (int)E, (int)num_domains, (int)N),
               "workspace too small");
   for (const at::Tensor* t : {&slot_expert, &route, &info, &workspace}) check_same_device(*t, omega, "every output");
-  const topoep::SpreadArgs args{(int)max_moves, trees ? 1 : 0, expert_bytes, token_bytes, t_fs, a, b};
+  const topoep::SpreadArgs args{(int)max_moves, trees ? 1 : 0, expert_bytes, token_bytes, t_fs, a, b, move_cost_fs};
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::plan_spread(omega.data_ptr<int64_t>(), (int)R, (int)E, (int)num_domains, (int)N, args,
                                      enable.has_value() ? enable->data_ptr<bool>() : nullptr,
@@ -372,8 +374,8 @@ TORCH_LIBRARY(topoep, m) {
   m.def("relay_trees(Tensor slot_expert, Tensor main_rank, int ranks_per_domain, int fanout, Tensor? relay, "
         "Tensor(a!) source, Tensor(b!) level) -> ()");
   m.def("plan_spread(Tensor omega, int num_domains, int num_slots, int expert_bytes, int token_bytes, int t_fs, "
-        "int a, int b, int max_moves, bool trees, Tensor? enable, Tensor(a!) slot_expert, Tensor(b!) route, "
-        "Tensor(c!) info, Tensor(d!) workspace) -> ()");
+        "int a, int b, int max_moves, int move_cost_fs, bool trees, Tensor? enable, Tensor(a!) slot_expert, "
+        "Tensor(b!) route, Tensor(c!) info, Tensor(d!) workspace) -> ()");
   m.def("spread_workspace_elems(int R, int E, int M, int N) -> int", &spread_workspace_elems);
   m.def("plan_peer(Tensor omega, int policy, int num_domains, int num_slots, Tensor? enable, Tensor(a!) slot_expert, "
         "Tensor(b!) route, Tensor(c!) info, Tensor(d!) workspace, int smem_limit) -> ()");

@@ -124,11 +124,12 @@ cudaError_t relay_trees(const int64_t* slot, const int64_t* main_rank, int R, in
 // greedy's slot table after the rollback and the drop, and the route of its loads. omega int64[R, E] (default
 // placement: E a multiple of R, domains of R / M contiguous ranks); outputs slot_expert int64[R, N], route int64[R,
 // E + R*N], info int64[5]: moves kept, moves made, objective and static objective (fs), replicas dropped. enable:
-// one bool on the device or null (false: the static plan). max_moves <= 4 (E + R N). The greedy in one block, then
-// the route in a grid of warps, on `stream`.
+// one bool on the device or null (false: the static plan). max_moves <= 4 (E + R N). The greedy stops where no move
+// gains more than move_cost_fs (>= 0). The greedy in one block, then the route in a grid of warps, on `stream`.
 struct SpreadArgs {
   int max_moves, trees;
   int64_t expert_bytes, token_bytes, t_fs, a, b;  // W, S_tok, t_ffn in fs, two-level costs in fs per byte
+  int64_t move_cost_fs;                           // the least gain of a move (spread.py move_cost_fs)
 };
 size_t spread_workspace_elems(int R, int E, int M, int N);
 cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const SpreadArgs& args, const bool* enable,

@@ -58,6 +58,7 @@ constexpr i64 kReplicaTransfers = 3, kTokenTransfers = 2, kIngressTransfers = 4;
 struct SpreadDims {
   int R, E, N, M, P, Eloc, rpd, max_moves, trees;
   i64 W, S, t, a, b;  // expert bytes, token bytes, t_ffn in fs, two-level costs in fs per byte
+  u64 stop_hi;        // a best key's hi word at or above this stops the greedy: its score >= -move_cost_fs
   i64 c4;                           // C4 holds for a new copy in domain m where D[m, e] > c4 = W / (2 S)
   double inv_rpd, inv_Eloc, inv_N;  // 1 / rpd, 1 / Eloc, 1 / N (0 without slots): fast_div
 };
@@ -145,7 +146,7 @@ __device__ __forceinline__ void scan_barrier() { asm volatile("bar.sync 1, %0;" 
 // A candidate move's key, compared as the reference's tuple (extra - t delta, rt outside rb's domain, a new
 // replica, L[rt], rt, e): hi the score with its sign bit flipped (signed order as unsigned), mid cross << 63 | fresh
 // << 62 | L[rt], lo rt << 32 | e. (rt, e) is unique, so no two candidates tie. kNoMove is worse than any candidate
-// and, like every score >= 0, stops the greedy.
+// and, like every score >= -move_cost_fs (SpreadDims.stop_hi), stops the greedy.
 struct Key {
   u64 hi, mid, lo;
 };
@@ -532,7 +533,7 @@ __global__ void __launch_bounds__(kSpreadThreads) spread_kernel(const i64* __res
       // 2. warp 0: the best candidate, the move (_State.apply's loads, slot and copy counters), the busiest rank
       if (warp == 0) {
         const Key b = warp_min(lane < kSpreadWarps && lane != 1 ? sh_key[lane] : no_move());
-        if (b.hi >= kSignBit) {  // no candidate, or the best score is >= 0
+        if (b.hi >= d.stop_hi) {  // no candidate, or the best move gains at most move_cost_fs
           if (lane == 0) sh_stop = 1;
         } else {
           const int rt = (int)(b.lo >> 32), e = (int)(b.lo & 0xffffffffu), drt = (int)s.dom[rt];
@@ -732,6 +733,8 @@ cudaError_t plan_spread(const int64_t* omega, int R, int E, int M, int N, const 
   d.a = args.a;
   d.b = args.b;
   d.c4 = d.W / (2 * d.S);  // (2 D S > W for integers D >= 0: D > floor(W / (2 S)))
+  if (args.move_cost_fs < 0) return cudaErrorInvalidValue;  // (plan_spread's check names it)
+  d.stop_hi = (u64)(-args.move_cost_fs) ^ kSignBit;  // score >= -g, in the keys' unsigned order
   d.inv_rpd = 1.0 / d.rpd;
   d.inv_Eloc = 1.0 / d.Eloc;
   d.inv_N = N > 0 ? 1.0 / N : 0.0;

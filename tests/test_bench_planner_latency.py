@@ -64,6 +64,8 @@ def test_spread_table_lists_the_spread_candidates_where_measured():
                                  spread_set_graph_busy_us=140.2)
     text = spread_table([row])
     assert "| a | 128 | 640 | 120.5 | 140 | 131.0 | 150 | 71.2 | 140.2 |" in text
+    row |= dict(spread_fixed_us=40.0, spread_every_us=310.0, spread_every_moves=100, spread_move_us=2.7)
+    assert "| a | 128 | 640 | 40.0 | 310.0 | 100 | 2.70 |" in spread_table([row])
     del row["spread_graph_busy_us"]
     assert spread_table([row]) == ""
 

@@ -312,8 +312,10 @@ cases = [
     ("cost_fs on the host", lambda: ops.plan_topoep(om, cost.cpu(), 1, 2, 1, 1, se, rt, ws), "cost_fs must be a CUDA"),
     ("workspace", lambda: ops.plan_topoep(om, cost, 1, 2, 1, 1, se, rt, ws), "workspace too small"),
     ("peer policy", lambda: ops.plan_peer(om, 7, 1, 2, None, se, rt, info, ws, 0), "(flexmoe), got 7"),
-    ("spread slots", lambda: ops.plan_spread(om, 1, 65, 1, 1, 0, 0, 0, 0, False, None, se, rt, info, ws),
+    ("spread slots", lambda: ops.plan_spread(om, 1, 65, 1, 1, 0, 0, 0, 0, 0, False, None, se, rt, info, ws),
      "num_slots must be in [0, 64], got 65"),
+    ("spread move cost", lambda: ops.plan_spread(om, 1, 2, 1, 1, 0, 0, 0, 0, -1, False, None, se, rt, info, ws),
+     "move_cost_fs must be >= 0"),
 ]
 for name, call, want in cases:
     try:
@@ -334,4 +336,4 @@ def test_extension_checks_raise_their_messages():
     out = subprocess.run([sys.executable, "-c", _ERRORS_SCRIPT], capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("RAISED", "NO", "OTHER")]
     assert out.returncode == 0, f"the process ended with {out.returncode}: {out.stdout[-2000:]} {out.stderr[-2000:]}"
-    assert len(lines) == 5 and all(line.startswith("RAISED") for line in lines), "\n".join(lines)
+    assert len(lines) == 6 and all(line.startswith("RAISED") for line in lines), "\n".join(lines)

@@ -15,12 +15,13 @@ from topoep.topology import FEMTO
 W, S, T_FFN = 9_437_184, 4096, 45e-9
 
 
-def _plan(om, topo, slots, max_moves=None, trees=False):
-    if max_moves is None:
+def _plan(om, topo, slots, max_moves=None, trees=False, move_cost_fs=None):
+    if max_moves is None and move_cost_fs is None:
         return solve(om, topo, num_slots=slots, policy="topoep_plus_spread_tree" if trees else "topoep_plus_spread",
                      expert_bytes=W, token_bytes=S, t_ffn=T_FFN, backend="reference")
     return solve_topoep_plus_spread(om, topo, num_slots=slots, main_rank=default_main_rank(om.shape[1], om.shape[0]),
-                                    expert_bytes=W, token_bytes=S, t_ffn=T_FFN, max_moves=max_moves, trees=trees)
+                                    expert_bytes=W, token_bytes=S, t_ffn=T_FFN, max_moves=max_moves, trees=trees,
+                                    move_cost_fs=move_cost_fs)
 
 
 def _objective(plan) -> int:
@@ -134,6 +135,32 @@ def test_rollback_keeps_the_first_best_prefix(scenario, R, rpd, slots, trees):
     assert full.info["objective_fs"] == objs[-1]
     kept = full.info["moves"]
     assert objs[kept] == objs[-1] and (kept == 0 or objs[kept - 1] > objs[-1])  # the first prefix reaching the best
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_move_cost_stops_the_greedy_on_its_path(trees):
+    """The greedy's stopping threshold (move_cost_fs, default MOVE_COST_US) only ends the chain of moves earlier: the
+    default plan equals the plan of every move that gains anything (move_cost_fs=0) cut after as many moves, a move
+    cost no move can pay leaves the static plan, and a negative one is refused. On the natural routing of 64 ranks the
+    default greedy makes fewer moves than the unthresholded one (the tail of moves that each gain less than their own
+    planning time)."""
+    shorter = 0
+    for scenario, R, rpd, slots in CASES[:4] + [("natural", 64, 8, 2)]:
+        om = workloads.scenario(scenario, R, 8 * R, 4096, 8, ranks_per_domain=rpd, seed=2)
+        topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
+        every = _plan(om, topo, slots, trees=trees, move_cost_fs=0)
+        dflt = _plan(om, topo, slots, trees=trees)
+        k = dflt.info["greedy_moves"]
+        assert k <= every.info["greedy_moves"]
+        shorter += k < every.info["greedy_moves"]
+        cut = _plan(om, topo, slots, trees=trees, move_cost_fs=0, max_moves=k)
+        assert cut.info == dflt.info
+        assert torch.equal(cut.slot_expert, dflt.slot_expert) and torch.equal(cut.route, dflt.route)
+        none = _plan(om, topo, slots, trees=trees, move_cost_fs=1 << 62)
+        assert none.info["greedy_moves"] == 0 and bool((none.slot_expert < 0).all())
+    assert shorter >= 1
+    with pytest.raises(ValueError, match="move_cost_fs must be >= 0"):
+        _plan(om, topo, slots, trees=trees, move_cost_fs=-1)
 
 
 def test_warm_domain_spreads_load_and_copies_over_the_other_domains():

@@ -69,6 +69,33 @@ def test_spread_plan_equals_reference_on_random_cases(seed):
     assert not bad, f"{len(bad)} plans differ from the reference, e.g. {bad[:5]}"
 
 
+def test_spread_move_cost_equals_reference():
+    """The greedy's stopping threshold as the kernel reads it (SpreadDims.stop_hi): with move_cost_fs 0 (every move
+    that gains anything), the default, a dear one and one no move can pay, and with max_moves cut, the plan and
+    counters equal the reference's with the same arguments."""
+    from topoep.plan import default_main_rank
+    from topoep.planners.cuda import solve_spread_cuda
+    from topoep.planners.spread import solve_topoep_plus_spread
+
+    bad = []
+    for name in ("natural", "random_bias", "warm_domain"):
+        for R, E, N in ((32, 640, 2), (64, 512, 1)):
+            om = scenario(name, R, E, 4096, 8, ranks_per_domain=8, seed=5)
+            topo = Topology(num_domains=R // 8, ranks_per_domain=8)
+            for policy in SPREAD_POLICIES:
+                for kw in ({"move_cost_fs": 0}, {}, {"move_cost_fs": 20_000_000_000}, {"move_cost_fs": 1 << 62},
+                           {"move_cost_fs": 0, "max_moves": 7}):
+                    args = dict(num_slots=N, expert_bytes=W, token_bytes=S, t_ffn=45e-9, **kw)
+                    ref = solve_topoep_plus_spread(om, topo, main_rank=default_main_rank(E, R),
+                                                   trees=policy == "topoep_plus_spread_tree", **args)
+                    got = solve_spread_cuda(om.cuda(), topo, policy=policy, main_rank=default_main_rank(E, R).cuda(),
+                                            **args)
+                    if not (torch.equal(got.slot_expert.cpu(), ref.slot_expert) and
+                            torch.equal(got.route.cpu(), ref.route) and spread_info(got) == spread_info(ref)):
+                        bad.append((name, R, policy, kw))
+    assert not bad, f"{len(bad)} plans differ from the reference: {bad[:5]}"
+
+
 def check_sync_free_graph(policies, scenarios, info, **plan_kw) -> None:
     """Each policy plans without host synchronisation (sync debug mode "error"), on a side stream, and from a CUDA
     graph replayed on the omega of each scenario (EP 32, E 640, 4 domains of 8, 2 slots): every replay's plan the

@@ -393,7 +393,7 @@ step_spread() {  # the spread planner (csrc/spread.cu): its GPU tests (bit-equal
   _s sync_audit_ep8_rpd4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 timeout -k 10 200 \
     python3 tools/sync_audit.py
   _s sync_audit_ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py
-  timeout 200 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
+  timeout 300 python3 bench/planner_latency.py --spread --runs 100 --out "$OUT" 2>&1 | grep -E "^EP|Error" | tail -8
 }
 
 step_peers() {  # the peers' planners (csrc/peers.cu: flexmoe, deepseek) against the reference (tests/test_peers_cuda.py),

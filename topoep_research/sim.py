@@ -615,31 +615,36 @@ def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
     return _interpolated_s(GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US, num_ranks)
 
 
-def gpu_spread_s(num_ranks: int, tree: bool = False) -> float:
+def gpu_spread_s(num_ranks: int, tree: bool = False, moves: int | None = None) -> float:
     """The CUDA spread planner's latency (GPU_SPREAD_US), or with `tree` the four plans of a relayed topoep_plus layer
-    with plus_spread at once (GPU_SPREAD_SET_US)."""
+    with plus_spread at once (GPU_SPREAD_SET_US); with `moves`, for a call whose greedy made that many moves
+    (`topoep.planners.spread.measured_latency_s`)."""
+    if moves is not None:
+        return spread_planner.measured_latency_s(num_ranks, tree, moves)
     return _interpolated_s(GPU_SPREAD_SET_US if tree else GPU_SPREAD_US, num_ranks)
 
 
-def gated_planner_s(execution: Execution, num_ranks: int, num_slots: int, policies) -> float:
+def gated_planner_s(execution: Execution, num_ranks: int, num_slots: int, policies, moves: int | None = None) -> float:
     """The gated candidates' planning time (the spread gate's): the spread candidates' among `policies`
-    (spread_planner_s) and the peers' (flexmoe, deepseek: their four plans at once, `baselines.peer_set_s`, with
-    Execution.peer_planner "measured", else topoep_plus's planner), the longer where both."""
+    (spread_planner_s; `moves`: the call's greedy moves, None: the measured workload's) and the peers' (flexmoe,
+    deepseek: their four plans at once, `baselines.peer_set_s`, with Execution.peer_planner "measured", else
+    topoep_plus's planner), the longer where both."""
     from topoep.planners.baselines import peer_set_s
     from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
 
-    t = spread_planner_s(execution, num_ranks, policies) if set(policies) & set(SPREAD_POLICIES) else 0.0
+    t = spread_planner_s(execution, num_ranks, policies, moves) if set(policies) & set(SPREAD_POLICIES) else 0.0
     if set(policies) & set(PEER_POLICIES):
         t = max(t, peer_set_s(num_ranks, num_slots) if execution.peer_planner == "measured"
                 else gpu_planner_s(num_ranks, "topoep_plus"))
     return t
 
 
-def spread_planner_s(execution: Execution, num_ranks: int, policies) -> float:
+def spread_planner_s(execution: Execution, num_ranks: int, policies, moves: int | None = None) -> float:
     """The spread candidates' planning time as `execution` times them (Execution.spread_planner): the measured CUDA
-    spread planner (with a tree candidate among `policies`, the relayed layer's set), or topoep_plus's planner."""
+    spread planner (with a tree candidate among `policies`, the relayed layer's set; with `moves`, for that many
+    greedy moves), or topoep_plus's planner."""
     if execution.spread_planner == "measured":
-        return gpu_spread_s(num_ranks, tree="topoep_plus_spread_tree" in policies) / execution.spread_speedup
+        return gpu_spread_s(num_ranks, "topoep_plus_spread_tree" in policies, moves) / execution.spread_speedup
     return gpu_planner_s(num_ranks, "topoep_plus")
 
 
@@ -979,17 +984,20 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
 
         t_gather = gather_s(R, E, cluster)
         spread = {p.policy for p in (plan, *candidates)} & set(SPREAD_POLICIES)
+        # the greedy moves of this call's spread plans (the planners run at once: the longer chain sets the time)
+        spread_moves = max((int(p.info["greedy_moves"]) for p, _ in solved.values()
+                            if p.policy in SPREAD_POLICIES and "greedy_moves" in p.info), default=None)
         peers = {p.policy for p in candidates} & set(PEER_POLICIES)
         if plan_s is not None:
             solve_s = plan_s
         elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
-            spread_s = gated_planner_s(execution, R, N, plus_candidates)
+            spread_s = gated_planner_s(execution, R, N, plus_candidates, spread_moves)
             plus_s = gpu_planner_s(R, "topoep_plus")
             solve_s = _interpolated_s(GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif ((spread and execution.spread_planner == "measured")
               or (peers and execution.peer_planner == "measured")):  # csrc/spread.cu, csrc/peers.cu beside the pair
-            solve_s = gated_planner_s(execution, R, N, spread | peers)
+            solve_s = gated_planner_s(execution, R, N, spread | peers, spread_moves)
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES + PEER_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
             solve_s = gpu_planner_s(R, name if candidates else plan.policy)

@@ -114,8 +114,8 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("topoep::plan_spread")
-    def _(omega, num_domains, num_slots, expert_bytes, token_bytes, t_fs, a, b, max_moves, trees, enable, slot_expert,
-          route, info, workspace):
+    def _(omega, num_domains, num_slots, expert_bytes, token_bytes, t_fs, a, b, max_moves, move_cost_fs, trees, enable,
+          slot_expert, route, info, workspace):
         return None
 
     @torch.library.register_fake("topoep::plan_peer")
@@ -277,13 +277,15 @@ SPREAD_INFO = ("moves", "greedy_moves", "objective_fs", "static_objective_fs", "
 
 def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: str, main_rank: torch.Tensor,
                       expert_bytes: int, token_bytes: int, t_ffn: float | None = None,
-                      enable: torch.Tensor | None = None) -> Plan:
+                      enable: torch.Tensor | None = None, max_moves: int | None = None,
+                      move_cost_fs: int | None = None) -> Plan:
     """`topoep_plus_spread` / `topoep_plus_spread_tree` on the GPU (csrc/spread.cu), the reference's plan bit for bit
     (default placement). No host synchronisation: one kernel writes the slot table and the route (that of
     `common.hierarchical_route`), and info["device"] holds int64[5] in the order of SPREAD_INFO (`spread_info` reads
     it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan at once, no greedy state built, and
-    info["device"] all zeros)."""
-    from topoep.planners.spread import default_max_moves, spread_constants
+    info["device"] all zeros). max_moves, move_cost_fs: the reference's (None: its defaults,
+    `spread.default_max_moves` and `spread.default_move_cost_fs`)."""
+    from topoep.planners.spread import default_max_moves, default_move_cost_fs, spread_constants
 
     if policy not in SPREAD_POLICIES:
         raise ValueError(f"solve_spread_cuda plans {', '.join(SPREAD_POLICIES)}, not {policy!r}")
@@ -300,8 +302,9 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
     route = torch.empty(R, E + R * N, dtype=torch.int64, device=dev)
     info = torch.empty(len(SPREAD_INFO), dtype=torch.int64, device=dev)
     torch.ops.topoep.plan_spread(omega.contiguous(), M, N, int(expert_bytes), int(token_bytes), t, a, b,
-                                 default_max_moves(R, E, N), policy == "topoep_plus_spread_tree", enable, slot_expert,
-                                 route, info, ws)
+                                 default_max_moves(R, E, N) if max_moves is None else int(max_moves),
+                                 default_move_cost_fs() if move_cost_fs is None else int(move_cost_fs),
+                                 policy == "topoep_plus_spread_tree", enable, slot_expert, route, info, ws)
     return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert, route=route,
                 policy=policy, expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
                 info={"backend": "cuda", "device": info})

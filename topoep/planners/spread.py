@@ -29,7 +29,8 @@ main rank):
    delta = min(u, floor((L[rb] - L[rt]) / 2)); extra = the rise of R a new copy causes (0 for an existing
    instance); score = t delta - extra. The largest score wins; ties: rt in rb's domain, then an existing
    instance, then lower L[rt], lower rt, lower e. A new replica takes rt's lowest free slot. Stop when the best
-   score is <= 0, or after `max_moves` moves (default 4 R (E / R + N)).
+   score is <= g, the planner's own time per move (`move_cost_fs`, default MOVE_COST_US: a move that gains less
+   than it costs to plan is not worth making), or after `max_moves` moves (default 4 R (E / R + N)).
 2. Roll back to the best prefix: the objective after every move; the plan keeps the moves up to the first prefix
    with the smallest objective (the empty prefix is the static plan). So the plan's objective is never above
    static's.
@@ -70,11 +71,19 @@ INGRESS_TRANSFERS = 4
 
 # The CUDA spread planner's latency (us, 640 experts, 2 slots, the planner-latency workload) on one H200, from
 # results/spread_latency.md (CUDA-graph replay on a busy stream): this planner alone, and the four plans of a relayed
-# topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once. Its time grows with
-# the greedy's moves (about 3 us each), so on other routings it is an estimate. The spread gate
-# (NetBenefitGuard.worth_spreading) and the simulator read it through `measured_latency_s`.
+# topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once; the greedy's moves
+# on that workload (alone; the set: the more of the two spread planners'); the planner's fixed part (max_moves=0:
+# the greedy's state, the rollback and the route). The spread gate (NetBenefitGuard.worth_spreading) reads the
+# latency through `measured_latency_s`; the simulator, which knows a call's moves, shifts it by MOVE_COST_US per move.
 LATENCY_US = ((8, 41.2), (16, 95.4), (32, 346.5), (64, 365.1), (128, 517.1))
 LATENCY_SET_US = ((8, 79.3), (16, 97.6), (32, 349.3), (64, 1085.0), (128, 855.4))
+LATENCY_MOVES = ((8, 6), (16, 23), (32, 117), (64, 113), (128, 142))
+LATENCY_SET_MOVES = ((8, 6), (16, 23), (32, 117), (64, 382), (128, 259))
+FIXED_US = ((8, 25.0), (16, 33.3), (32, 30.6), (64, 60.0), (128, 133.7))
+# The CUDA planner's time per greedy move (us) on one H200: the slope of the latency against the moves
+# (results/spread_latency.md). The greedy's stopping threshold: a move must save more layer time than it adds to the
+# planner's.
+MOVE_COST_US = 2.7
 
 
 def interpolated_s(pts, num_ranks: int) -> float:
@@ -90,10 +99,18 @@ def interpolated_s(pts, num_ranks: int) -> float:
     return (u1 + (num_ranks - r1) * (u1 - u0) / (r1 - r0)) * 1e-6
 
 
-def measured_latency_s(num_ranks: int, trees: bool = False) -> float:
+def measured_latency_s(num_ranks: int, trees: bool = False, moves: int | None = None) -> float:
     """The CUDA spread planner's measured latency at num_ranks (LATENCY_US), or with `trees` the relayed layer's four
-    plans at once (LATENCY_SET_US)."""
-    return interpolated_s(LATENCY_SET_US if trees else LATENCY_US, num_ranks)
+    plans at once (LATENCY_SET_US). With `moves` (the greedy moves of the call; with trees the more of the two
+    spread planners'): that latency shifted by MOVE_COST_US per move more or fewer than the measured workload's
+    (LATENCY_MOVES, LATENCY_SET_MOVES), never below the planner's fixed part (FIXED_US)."""
+    t = interpolated_s(LATENCY_SET_US if trees else LATENCY_US, num_ranks)
+    if moves is None:
+        return t
+    if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
+        raise ValueError(f"moves must be an integer >= 0 (the greedy's moves), got {moves!r}")
+    measured = 1e6 * interpolated_s(LATENCY_SET_MOVES if trees else LATENCY_MOVES, num_ranks)
+    return max(interpolated_s(FIXED_US, num_ranks), t + MOVE_COST_US * 1e-6 * (moves - measured))
 
 
 class _State:
@@ -189,7 +206,8 @@ def _replica_fs(nic: int, nvl: int, a: int, b: int, W: int) -> int:
 
 
 def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_bytes, token_bytes, t_ffn=None,
-                             max_moves: int | None = None, trees: bool = False, **kw) -> Plan:
+                             max_moves: int | None = None, trees: bool = False, move_cost_fs: int | None = None,
+                             **kw) -> Plan:
     """The `topoep_plus_spread` policy (module docstring); with `trees`, `topoep_plus_spread_tree`: the replica term
     counts each remote domain's copies of an expert as its relay tree fetches them (`topoep.relay`): the first over
     the NIC from the home, the others over NVLink from that first copy. info: "moves" (kept after the rollback),
@@ -202,6 +220,9 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     t, a, b = spread_constants(topology, t_ffn)
     if max_moves is None:
         max_moves = default_max_moves(R, E, N)
+    g = default_move_cost_fs() if move_cost_fs is None else int(move_cost_fs)
+    if g < 0:
+        raise ValueError(f"move_cost_fs must be >= 0 (femtoseconds a move must save), got {move_cost_fs!r}")
     om = omega.tolist()
     mr = main_rank.tolist()
     st = _State(om, mr, N, rpd, trees)
@@ -243,7 +264,7 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
                 key = (extra - t * delta, dom[rt] != dom[rb], not existing, L[rt], rt, e)
                 if best is None or key < best[0]:
                     best = (key, rt, e, delta)
-        if best is None or best[0][0] >= 0 or best[3] <= 0:
+        if best is None or best[0][0] >= -g or best[3] <= 0:
             break
         _, rt, e, delta = best
         st.apply(rb, rt, e, delta, mr[e])
@@ -287,6 +308,11 @@ def spread_constants(topology, t_ffn: float | None) -> tuple[int, int, int]:
 
     a, b, _ = cached_two_level_costs(topology)
     return int(round((DEFAULT_T_FFN if t_ffn is None else t_ffn) * FEMTO)), a, b
+
+
+def default_move_cost_fs() -> int:
+    """The greedy's default stopping threshold in fs: MOVE_COST_US."""
+    return int(round(MOVE_COST_US * 1e-6 * FEMTO))
 
 
 def default_max_moves(R: int, E: int, N: int) -> int:
