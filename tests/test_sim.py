@@ -544,10 +544,19 @@ def test_measured_cases_rebuild_the_executed_plans():
         sim.measured_cases(REPO / "results" / "moe_layer.json", backend="absent")
 
 
+def _spread_moves(om, cl, model, slots: int, policies) -> int:
+    """The most greedy moves of the spread planners among `policies` on om (what the simulator times them by)."""
+    topo = cl.topology(om.shape[0])
+    return max(solve(om, topo, policy=p, num_slots=slots, expert_bytes=model.expert_bytes,
+                     token_bytes=model.token_bytes, t_ffn=cl.t_ffn(model)).info["greedy_moves"]
+               for p in policies if p.startswith("topoep_plus_spread"))
+
+
 def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned():
     """spread_planner="measured", no spread gate: a guarded topoep_plus layer with the spread candidate pays the CUDA
-    spread planner's measured latency (gpu_spread_s; the four plans of a relayed layer at once) instead of topoep_plus's; a layer
-    without a spread candidate, and the plan it runs, are unchanged."""
+    spread planner's measured latency for the moves its greedy made in the call (gpu_spread_s; the four plans of a
+    relayed layer at once) instead of topoep_plus's; a layer without a spread candidate, and the plan it runs, are
+    unchanged."""
     cl, model = sim.CLUSTERS["paper_h800"], sim.MODELS["qwen3"].with_experts(32 * 8)
     om = workloads.scenario("warm_domain", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
     from topoep.runtime import NetBenefitGuard
@@ -560,8 +569,9 @@ def test_measured_spread_planner_charges_its_time_where_a_spread_plan_is_planned
                              execution=replace(ex, relay_fanout=fanout, spread_planner=mode, spread_gate=False))
                 for mode in ("plus", "measured") for c in (cands, ("topoep_plus_local",))]
         (plus, plus_local), (measured, measured_local) = runs[:2], runs[2:]
-        extra = sim.gpu_spread_s(32, tree=fanout is not None) - sim.gpu_planner_s(32, "topoep_plus")
-        assert extra > 0.2e-3  # (a difference the checks below can see)
+        moves = _spread_moves(om, cl, model, 2, cands)
+        extra = sim.gpu_spread_s(32, fanout is not None, moves) - sim.gpu_planner_s(32, "topoep_plus")
+        assert extra > 0.05e-3  # (a difference the checks below can see)
         assert measured.terms["plan"] == pytest.approx(plus.terms["plan"] + extra)
         assert measured.layer_s == pytest.approx(plus.layer_s + extra)
         assert measured.stats["guard_choice"] == plus.stats["guard_choice"]  # the same plan runs
@@ -595,7 +605,8 @@ def test_spread_gate_in_steady_state(scen, slots, on):
         assert ungated.stats["guard_choice"] == 2.0 and gated.stats["guard_choice"] == 2.0
         assert gated.layer_s == pytest.approx((15 * (ungated.layer_s + gate_s) + plain.layer_s) / 16)
     else:
-        extra = (sim.gpu_spread_s(32) - sim.gpu_planner_s(32, "topoep_plus")) / 16
+        extra = (sim.gpu_spread_s(32, moves=_spread_moves(om, cl, model, slots, cands))
+                 - sim.gpu_planner_s(32, "topoep_plus")) / 16
         assert gated.stats["guard_choice"] == plain.stats["guard_choice"]
         assert gated.layer_s == pytest.approx(plain.layer_s + gate_s + extra)
         assert gated.layer_s < ungated.layer_s
@@ -612,7 +623,8 @@ def test_spread_speedup_divides_the_measured_planner_time():
     r1, r10 = (sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(),
                             plus_candidates=("topoep_plus_local", "topoep_plus_spread"),
                             execution=replace(ex, spread_speedup=x)) for x in (1.0, 10.0))
-    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(0.9 * sim.gpu_spread_s(32))
+    moves = _spread_moves(om, cl, model, 2, ("topoep_plus_spread",))
+    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(0.9 * sim.gpu_spread_s(32, moves=moves))
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="spread_speedup must be a finite number > 0"):
             replace(ex, spread_speedup=bad)

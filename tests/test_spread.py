@@ -277,3 +277,20 @@ def test_the_multi_block_planner_refuses_the_spread_policies():
         with pytest.raises(ValueError, match=f"CudaPlanner plans static, topoep, topoep_plus, topoep_plus_local, not "
                                              f"'{policy}'"):
             planner.plan(None, None, policy, 1, 1, None, None)
+
+
+def test_measured_latency_follows_the_moves():
+    """The simulator's spread planner time for a call (measured_latency_s with moves): the measured latency at the
+    measured workload's moves, MOVE_US more per further move, never below the fixed part; moves must be an integer."""
+    from topoep.planners import spread
+
+    for trees in (False, True):
+        m = dict(spread.LATENCY_SET_MOVES if trees else spread.LATENCY_MOVES)[32]
+        t = spread.measured_latency_s(32, trees)
+        assert spread.measured_latency_s(32, trees, m) == pytest.approx(t)
+        assert spread.measured_latency_s(32, trees, m + 10) == pytest.approx(t + 10 * dict(spread.MOVE_US)[32] * 1e-6)
+        assert spread.measured_latency_s(32, trees, 0) == pytest.approx(
+            max(dict(spread.FIXED_US)[32] * 1e-6, t - m * dict(spread.MOVE_US)[32] * 1e-6))
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="moves must be an integer"):
+            spread.measured_latency_s(32, False, bad)

@@ -74,15 +74,16 @@ INGRESS_TRANSFERS = 4
 # topoep_plus layer (topoep_plus, its local plan, this one and topoep_plus_spread_tree) at once; the greedy's moves
 # on that workload (alone; the set: the more of the two spread planners'); the planner's fixed part (max_moves=0:
 # the greedy's state, the rollback and the route). The spread gate (NetBenefitGuard.worth_spreading) reads the
-# latency through `measured_latency_s`; the simulator, which knows a call's moves, shifts it by MOVE_COST_US per move.
-LATENCY_US = ((8, 41.2), (16, 95.4), (32, 346.5), (64, 365.1), (128, 517.1))
-LATENCY_SET_US = ((8, 79.3), (16, 97.6), (32, 349.3), (64, 1085.0), (128, 855.4))
-LATENCY_MOVES = ((8, 6), (16, 23), (32, 117), (64, 113), (128, 142))
-LATENCY_SET_MOVES = ((8, 6), (16, 23), (32, 117), (64, 382), (128, 259))
-FIXED_US = ((8, 25.0), (16, 33.3), (32, 30.6), (64, 60.0), (128, 133.7))
-# The CUDA planner's time per greedy move (us) on one H200: the slope of the latency against the moves
-# (results/spread_latency.md). The greedy's stopping threshold: a move must save more layer time than it adds to the
-# planner's.
+# latency through `measured_latency_s`; the simulator, which knows a call's moves, shifts it by MOVE_US per move.
+LATENCY_US = ((8, 41.4), (16, 95.3), (32, 199.6), (64, 310.7), (128, 433.7))
+LATENCY_SET_US = ((8, 91.3), (16, 98.6), (32, 203.3), (64, 376.8), (128, 776.5))
+LATENCY_MOVES = ((8, 6), (16, 23), (32, 61), (64, 93), (128, 112))
+LATENCY_SET_MOVES = ((8, 6), (16, 23), (32, 61), (64, 115), (128, 212))
+FIXED_US = ((8, 22.5), (16, 29.9), (32, 35.4), (64, 49.7), (128, 76.5))
+# and its time per greedy move (us): every move that gains anything (move_cost_fs=0) less the fixed part, per move
+MOVE_US = ((8, 3.17), (16, 2.85), (32, 2.68), (64, 2.79), (128, 3.13))
+# The greedy's stopping threshold (us): about the planner's own time per move at EP 32-64 (MOVE_US), so a move must
+# save more layer time than it adds to the planner's.
 MOVE_COST_US = 2.7
 
 
@@ -102,7 +103,7 @@ def interpolated_s(pts, num_ranks: int) -> float:
 def measured_latency_s(num_ranks: int, trees: bool = False, moves: int | None = None) -> float:
     """The CUDA spread planner's measured latency at num_ranks (LATENCY_US), or with `trees` the relayed layer's four
     plans at once (LATENCY_SET_US). With `moves` (the greedy moves of the call; with trees the more of the two
-    spread planners'): that latency shifted by MOVE_COST_US per move more or fewer than the measured workload's
+    spread planners'): that latency shifted by MOVE_US per move more or fewer than the measured workload's
     (LATENCY_MOVES, LATENCY_SET_MOVES), never below the planner's fixed part (FIXED_US)."""
     t = interpolated_s(LATENCY_SET_US if trees else LATENCY_US, num_ranks)
     if moves is None:
@@ -110,7 +111,7 @@ def measured_latency_s(num_ranks: int, trees: bool = False, moves: int | None = 
     if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
         raise ValueError(f"moves must be an integer >= 0 (the greedy's moves), got {moves!r}")
     measured = 1e6 * interpolated_s(LATENCY_SET_MOVES if trees else LATENCY_MOVES, num_ranks)
-    return max(interpolated_s(FIXED_US, num_ranks), t + MOVE_COST_US * 1e-6 * (moves - measured))
+    return max(interpolated_s(FIXED_US, num_ranks), t + interpolated_s(MOVE_US, num_ranks) * (moves - measured))
 
 
 class _State:
