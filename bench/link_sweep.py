@@ -27,10 +27,11 @@ from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research import sim  # noqa: E402
 
 POLICIES = ("static", "topoep", "topoep_plus", "deepseek", "fastermoe", "flexmoe")
-RELAY = "topoep_plus_relay"  # topoep_plus's plans with their replica fetches down relay trees of 2 (topoep.relay)
+RELAY = "topoep_plus_relay"  # topoep_plus's plans with their replica fetches down relay trees (topoep.relay)
 SPREAD = "topoep_plus_spread"  # guarded topoep_plus with the link-aware spread candidate (topoep.planners.spread)
-SPREAD_RELAY = "topoep_plus_spread_relay"  # the same with relay trees of 2
-# the topoep_plus layers: column -> (relay fanout, the candidates the guard chooses from besides topoep_plus's plan)
+SPREAD_RELAY = "topoep_plus_spread_relay"  # the same with relay trees
+# the topoep_plus layers: column -> (relay fanout, the candidates the guard chooses from besides topoep_plus's plan);
+# the relay layers' fanout is --relay-fanout (2 here)
 OURS = {"topoep_plus": (None, ("topoep_plus_local",)), RELAY: (2, ("topoep_plus_local",)),
         SPREAD: (None, ("topoep_plus_local", "topoep_plus_spread")),
         SPREAD_RELAY: (2, ("topoep_plus_local", "topoep_plus_spread", "topoep_plus_spread_tree"))}
@@ -52,6 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--experts-per-rank", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--nic-scale", type=float, default=1.0, help="multiply every preset's NIC bandwidth by this")
+    ap.add_argument("--relay-fanout", type=int, default=2,
+                    help="the relay layers' relay_fanout: children per node of a relay tree (>= 2), the copies of one "
+                         "expert a rank may send")
     ap.add_argument("--relay-chunks", type=int, default=1,
                     help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
     ap.add_argument("--relay-share", action="store_true",
@@ -105,6 +109,8 @@ def parse_args(argv=None):
         raise SystemExit("--token-overlap must be in [0, 1]")
     if args.spread_probe < 2:
         raise SystemExit("--spread-probe must be >= 2")
+    if args.relay_fanout < 2:
+        raise SystemExit(f"--relay-fanout must be >= 2 (a tree of one child per node is a chain), got {args.relay_fanout}")
     if not args.spread_speedup > 0:
         raise SystemExit("--spread-speedup must be > 0")
     if args.experts_per_rank < 1 or args.tokens < 1 or not args.nic_scale > 0 or args.relay_chunks < 1:
@@ -122,8 +128,10 @@ def guard_of(args) -> NetBenefitGuard:
 
 
 def layers(args) -> dict:
-    """The topoep_plus layers of this sweep: OURS, and with --peer-candidates PEER_LAYER."""
-    return {**OURS, PEER_LAYER: (None, PEER_CANDIDATES)} if args.peer_candidates else dict(OURS)
+    """The topoep_plus layers of this sweep: OURS (the relay layers' fanout --relay-fanout), and with
+    --peer-candidates PEER_LAYER."""
+    ours = {o: (f and args.relay_fanout, c) for o, (f, c) in OURS.items()}
+    return {**ours, PEER_LAYER: (None, PEER_CANDIDATES)} if args.peer_candidates else ours
 
 
 def ran_name(candidates: tuple[str, ...], choice: int) -> str:
@@ -233,9 +241,9 @@ def beyond_tree(row: dict, layer: str, fanout: int = 2) -> tuple[bool, bool]:
             row[f"{layer}_sends_nic_expert"] > row["domains"] - 1)
 
 
-def _beyond(rows: list[dict], layer: str) -> str:
-    """Cells beyond a relay tree of 2's share: any, over NVLink, over the NIC."""
-    flags = [beyond_tree(r, layer) for r in rows]
+def _beyond(rows: list[dict], layer: str, fanout: int) -> str:
+    """Cells beyond a relay tree of `fanout`'s share: any, over NVLink, over the NIC."""
+    flags = [beyond_tree(r, layer, fanout) for r in rows]
     return f"{sum(a or b for a, b in flags)} ({sum(a for a, _ in flags)} / {sum(b for _, b in flags)})"
 
 
@@ -258,9 +266,9 @@ def report(args, rows: list[dict]) -> str:
         "the count all-gather of megatron's dispatcher; each policy column is its time / static's; topoep_plus: the "
         "layer plans topoep_plus and topoep_plus_local at once and the guard keeps the faster by its prediction "
         "(`ran`: plus, local, or static when the guard fired or nothing was planned); topoep_plus_relay: the same with "
-        f"`relay_fanout=2`, `relay_chunks={args.relay_chunks}`, `relay_share={str(args.relay_share).lower()}` "
+        f"`relay_fanout={args.relay_fanout}`, `relay_chunks={args.relay_chunks}`, `relay_share={str(args.relay_share).lower()}` "
         "(`topoep.relay`; both backends execute it): the guard also chooses, per plan, between the replica fetch down "
-        f"relay trees of 2 children per node, each copy in {args.relay_chunks} chunk(s) forwarded as they arrive "
+        f"relay trees of {args.relay_fanout} children per node, each copy in {args.relay_chunks} chunk(s) forwarded as they arrive "
         "(more than one: the levels overlap, each step paying a transfer latency), and the direct one"
         + (", and relays wherever the direct fetch would make a home send more copies of one expert than a tree's "
            "share" if args.relay_share else "") + "; "
@@ -310,13 +318,14 @@ def report(args, rows: list[dict]) -> str:
                                f"{len(misses[o])} of {len(rows)}",
                                f"{max(v['vs_best'] for v in verdicts[o]):.2f}",
                                f"{sorted(v['vs_bound'] for v in verdicts[o])[len(rows) // 2]:.2f}", _sends(rows, o),
-                               _beyond(rows, o)]
+                               _beyond(rows, o, args.relay_fanout)]
                               for o in ours]),
               "",
               "Busiest sender: the most replica copies one rank sends in a fetch as it ran (relayed or direct, the "
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
               "children a rank sends at most f copies of one expert over NVLink and its home one per other domain "
-              "over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of 2 lets it (the "
+              f"over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of "
+              f"{args.relay_fanout} lets it (the "
               "layers without relays fetch every copy from its home; " + ("the relay layers' guard relays every such "
               "fetch)." if args.relay_share else "the relay layers' guard runs the direct fetch where its model finds "
               "it faster: `--relay-share` relays every such fetch).") + "", ""]

@@ -123,3 +123,23 @@ def test_link_sweep_oracle(tmp_path):
         (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {o} | {misses} | ")]
         assert line.startswith(f"| {o} | {misses} | {oracle_misses} | ")
     assert improved > 0  # h200 EP 32 source-ragged: the guard keeps topoep_plus's plan, the local one is faster
+
+
+def test_relay_fanout_sets_the_relay_layers_trees(tmp_path):
+    """--relay-fanout: the relay layers fetch down trees of that many children (the summary's fanout column and the
+    report's text), the layers without relays keep none, and their sends are judged against that tree's share; a
+    fanout below 2 is refused."""
+    args = ["--presets", "paper_h800", "--eps", "16", "--slots", "2", "--scenarios", "hot_rank", "--tokens", "2048",
+            "--out", str(tmp_path), "--name", "f3", "--relay-fanout", "3", "--relay-share"]
+    link_sweep.main(args)
+    text = (tmp_path / "f3.md").read_text()
+    assert "`relay_fanout=3`" in text and "relay trees of 3 children per node" in text
+    rows = json.loads((tmp_path / "f3.json").read_text())["rows"]
+    for ours, fanout in (("topoep_plus", "-"), (link_sweep.RELAY, "3"), (link_sweep.SPREAD_RELAY, "3")):
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {ours} | ")]
+        assert line.split(" | ")[1] == fanout
+        assert line.endswith(f"| {link_sweep._beyond(rows, ours, 3)} |")
+    for r in rows:  # relayed with relay_share: no sender beyond a tree of 3's share
+        assert r[f"{link_sweep.SPREAD_RELAY}_sends_nvlink_expert"] <= 3
+    with pytest.raises(SystemExit, match="--relay-fanout must be >= 2"):
+        link_sweep.parse_args(["--relay-fanout", "1"])
