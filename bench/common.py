@@ -14,16 +14,18 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> str:
-    """The checkout's commit; TOPOEP_COMMIT overrides it where the copy's git metadata is stale (the device
-    machine gets a copy of the working tree whose .git may lag behind)."""
+def git_commit(repo: Path = REPO) -> str:
+    """The checkout's commit, with "-dirty" where a tracked file outside results/ differs from it (reports rewritten
+    by an earlier run, as tools/rerun_results.py leaves them, change nothing that makes the next one); TOPOEP_COMMIT
+    overrides it where the copy's git metadata is stale (the device machine gets a copy of the working tree whose
+    .git may lag behind)."""
     if os.environ.get("TOPOEP_COMMIT"):
         return os.environ["TOPOEP_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)results"], cwd=repo, capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

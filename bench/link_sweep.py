@@ -276,7 +276,9 @@ def report(args, rows: list[dict]) -> str:
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
         "planner: csrc/spread.cu, " + ("timed as measured on one H200 (`sim.gpu_spread_s`: "
                                         f"{_us_range(sim.GPU_SPREAD_US)} alone, {_us_range(sim.GPU_SPREAD_SET_US)} "
-                                        "with the three other plans at EP 8-128)"
+                                        "with the three other plans at EP 8-128 on the latency workload; per call "
+                                        "shifted by its time per greedy move for the moves the call's greedy made, "
+                                        "`spread.measured_latency_s`)"
                                         + (f" divided by {args.spread_speedup:g}" if args.spread_speedup != 1 else "")
                                         if args.spread_planner == "measured" else "timed here as topoep_plus's CUDA planner (about 50 us; the "
                                         f"measured one: {_us_range(sim.GPU_SPREAD_US)}, `--spread-planner measured`)")

@@ -277,7 +277,7 @@ class Execution:
     timed: "plus", as fast as topoep_plus's CUDA planner (a layer's candidates run at once: one planner latency) and
     standalone as a host planner, as the runtime would run it with a planner of that speed; "measured", the CUDA
     spread planner (csrc/spread.cu) as measured on one H200 (gpu_spread_s: it, or the four plans of a relayed
-    layer, at once, set the layer's planning time)."""
+    layer, at once, set the layer's planning time), for the moves its greedy made in the call."""
     peer_planner: str = "plus"
     """How a guarded topoep_plus layer's peer candidates (flexmoe, deepseek: LayerConfig.plus_peers) are timed:
     "plus", as fast as topoep_plus's CUDA planner (the what-if: the candidates cost no time beyond the pair's);
