@@ -50,3 +50,7 @@ def test_rerun_results_reads_the_reproduce_command(tmp_path):
     assert "link_sweep" in {p.stem for p in rerun_results.reports(["link_sweep"], [])}
     assert not any(p.stem.startswith("link_sweep_oracle") for p in rerun_results.reports(["link_sweep"],
                                                                                             ["link_sweep_oracle"]))
+    assert [p.stem for p in rerun_results.reports(["link_sweep_oracle", "link_sweep"], [], exact=True)] == [
+        "link_sweep_oracle", "link_sweep"]
+    with pytest.raises(SystemExit, match="no report"):
+        rerun_results.reports(["no_such_report"], [], exact=True)

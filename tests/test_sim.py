@@ -266,6 +266,8 @@ def _cache_case():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_plan_cache_returns_the_reference_plan(tmp_path, policy):
     cl, model, om, topo, kw = _cache_case()
+    if policy.startswith("topoep_plus_spread"):  # the spread planners' stopping threshold as the simulator asks
+        kw = kw | {"move_cost_fs": sim.spread_move_cost_fs(sim.EXECUTIONS["topoep"])}
     ref = solve(om, topo, num_slots=2, policy=policy, backend="reference", **kw)
     writer = sim.PlanCache(tmp_path, min_solve_s=0.0, memory=0)
     made, t_made = writer.solve(om, topo, num_slots=2, policy=policy, **kw)
@@ -544,11 +546,14 @@ def test_measured_cases_rebuild_the_executed_plans():
         sim.measured_cases(REPO / "results" / "moe_layer.json", backend="absent")
 
 
-def _spread_moves(om, cl, model, slots: int, policies) -> int:
-    """The most greedy moves of the spread planners among `policies` on om (what the simulator times them by)."""
+def _spread_moves(om, cl, model, slots: int, policies, speedup: float = 1.0) -> int:
+    """The most greedy moves of the spread planners among `policies` on om (what the simulator times them by), at
+    the measured planner's stopping threshold (divided by `speedup`)."""
     topo = cl.topology(om.shape[0])
+    ex = replace(sim.EXECUTIONS["topoep"], spread_planner="measured", spread_speedup=speedup)
     return max(solve(om, topo, policy=p, num_slots=slots, expert_bytes=model.expert_bytes,
-                     token_bytes=model.token_bytes, t_ffn=cl.t_ffn(model)).info["greedy_moves"]
+                     token_bytes=model.token_bytes, t_ffn=cl.t_ffn(model),
+                     move_cost_fs=sim.spread_move_cost_fs(ex)).info["greedy_moves"]
                for p in policies if p.startswith("topoep_plus_spread"))
 
 
@@ -623,8 +628,11 @@ def test_spread_speedup_divides_the_measured_planner_time():
     r1, r10 = (sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(),
                             plus_candidates=("topoep_plus_local", "topoep_plus_spread"),
                             execution=replace(ex, spread_speedup=x)) for x in (1.0, 10.0))
-    moves = _spread_moves(om, cl, model, 2, ("topoep_plus_spread",))
-    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(0.9 * sim.gpu_spread_s(32, moves=moves))
+    # a planner 10x faster: a tenth of the time for the moves it makes, and its greedy stops 10x later
+    m1, m10 = (_spread_moves(om, cl, model, 2, ("topoep_plus_spread",), x) for x in (1.0, 10.0))
+    assert m10 > m1
+    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(sim.gpu_spread_s(32, moves=m1)
+                                                                  - sim.gpu_spread_s(32, moves=m10) / 10)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="spread_speedup must be a finite number > 0"):
             replace(ex, spread_speedup=bad)

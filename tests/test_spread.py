@@ -294,3 +294,28 @@ def test_measured_latency_follows_the_moves():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="moves must be an integer"):
             spread.measured_latency_s(32, False, bad)
+
+
+def test_solve_passes_the_move_cost_to_the_spread_planners_only():
+    """topoep.solve's move_cost_fs reaches the spread planners (the same plan as the planner called with it) and is
+    refused for any other policy and for a negative or non-integer value; the simulator asks for 0 where it times the
+    spread planner as topoep_plus's (moves cost nothing more) and the measured default divided by spread_speedup."""
+    from dataclasses import replace
+
+    from topoep.planners.spread import default_move_cost_fs
+    from topoep_research import sim
+
+    om = workloads.scenario("natural", 32, 256, 4096, 8, ranks_per_domain=8, seed=2)
+    topo = Topology(num_domains=4, ranks_per_domain=8)
+    got = solve(om, topo, num_slots=2, policy="topoep_plus_spread", expert_bytes=W, token_bytes=S, t_ffn=T_FFN,
+                backend="reference", move_cost_fs=0)
+    assert got.info == _plan(om, topo, 2, move_cost_fs=0).info
+    for policy, bad, match in (("topoep_plus", 0, "takes none"), ("topoep_plus_spread", -1, "integer >= 0"),
+                               ("topoep_plus_spread", 1.5, "integer >= 0")):
+        with pytest.raises(ValueError, match=match):
+            solve(om, topo, num_slots=2, policy=policy, backend="reference", move_cost_fs=bad)
+    ex = sim.EXECUTIONS["topoep"]
+    assert sim.spread_move_cost_fs(ex) == 0
+    assert sim.spread_move_cost_fs(replace(ex, spread_planner="measured")) == default_move_cost_fs()
+    assert sim.spread_move_cost_fs(replace(ex, spread_planner="measured", spread_speedup=4.0)) == round(
+        default_move_cost_fs() / 4)

@@ -3,6 +3,7 @@
     python tools/rerun_results.py link_sweep link_bound          # every results/<name>.md starting with these
     python tools/rerun_results.py --list link_sweep               # print the commands only
     python tools/rerun_results.py link_sweep --exclude link_sweep_large
+    python tools/rerun_results.py --exact link_sweep_oracle link_sweep    # these reports, in this order
 
 After a change to a planner or to the simulator, the CPU reports it feeds (the link sweeps, the bound, plan quality)
 are stale: this reruns them exactly as they were written (their `- reproduce:` line names the command and every
@@ -37,8 +38,14 @@ def reproduce_command(report: Path) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
-def reports(prefixes: list[str], exclude: list[str]) -> list[Path]:
-    """results/*.md whose stem starts with one of `prefixes` and with none of `exclude`, in name order."""
+def reports(prefixes: list[str], exclude: list[str], exact: bool = False) -> list[Path]:
+    """results/*.md whose stem starts with one of `prefixes` and with none of `exclude`, in name order; with
+    `exact`, the reports named, in the order given."""
+    if exact:
+        missing = [n for n in prefixes if not (RESULTS / f"{n}.md").is_file()]
+        if missing:
+            raise SystemExit(f"no report results/<name>.md for {', '.join(missing)}")
+        return [RESULTS / f"{n}.md" for n in prefixes if n not in exclude]
     out = sorted(p for p in RESULTS.glob("*.md") if p.name != "README.md" and p.stem.startswith(tuple(prefixes))
                  and not p.stem.startswith(tuple(exclude)))
     if not out:
@@ -50,9 +57,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefixes", nargs="+", help="report names (results/<name>.md) starting with these")
     ap.add_argument("--exclude", nargs="*", default=[], help="leave out the reports starting with these")
+    ap.add_argument("--exact", action="store_true", help="the names are whole report names, run in the order given")
     ap.add_argument("--list", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
-    todo = [(p, reproduce_command(p)) for p in reports(args.prefixes, args.exclude)]
+    todo = [(p, reproduce_command(p)) for p in reports(args.prefixes, args.exclude, args.exact)]
     if args.list:
         for p, cmd in todo:
             print(f"{p.stem}: {shlex.join(['python', *cmd[1:]])}")

@@ -95,6 +95,7 @@ from topoep.plan import Plan, default_main_rank
 from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
+from topoep.planners.cuda import SPREAD_POLICIES as SPREAD_POLICY_NAMES
 from topoep.topology import Topology
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -615,6 +616,16 @@ def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
     return _interpolated_s(GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US, num_ranks)
 
 
+def spread_move_cost_fs(execution: Execution) -> int:
+    """The spread planners' stopping threshold (`solve`'s move_cost_fs) for the planner `execution` times them as
+    (Execution.spread_planner): "measured", the runtime's default (the measured time per move,
+    `spread.MOVE_COST_US`) divided by spread_speedup; "plus", 0: a planner as fast as topoep_plus's takes that time
+    whatever its moves, so every move that gains anything is worth making."""
+    if execution.spread_planner == "measured":
+        return int(round(spread_planner.default_move_cost_fs() / execution.spread_speedup))
+    return 0
+
+
 def gpu_spread_s(num_ranks: int, tree: bool = False, moves: int | None = None) -> float:
     """The CUDA spread planner's latency (GPU_SPREAD_US), or with `tree` the four plans of a relayed topoep_plus layer
     with plus_spread at once (GPU_SPREAD_SET_US); with `moves`, for a call whose greedy made that many moves
@@ -731,11 +742,12 @@ class PlanCache:
         self._recent: OrderedDict = OrderedDict()
 
     def key(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
-            token_bytes: int, t_ffn: float | None = None) -> str:
+            token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None) -> str:
         om = omega.detach().to("cpu", torch.int64).contiguous()
         head = {"format": PLAN_CACHE_FORMAT, "planner": self.fingerprint, "policy": policy, "num_slots": num_slots,
                 "expert_bytes": expert_bytes, "token_bytes": token_bytes, "shape": list(om.shape),
                 "t_ffn": float(DEFAULT_T_FFN if t_ffn is None else t_ffn).hex(),  # solve's default
+                "move_cost_fs": move_cost_fs,
                 "domains": [topology.num_domains, topology.ranks_per_domain]}
         h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
         for t in (om, topology.cost_fs, topology.cost):
@@ -746,12 +758,12 @@ class PlanCache:
         return self.root / key[:2] / f"{key}.plan"
 
     def solve(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
-              token_bytes: int, t_ffn: float | None = None) -> tuple[Plan, float]:
+              token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None) -> tuple[Plan, float]:
         """(plan, solve seconds): `topoep.solve(omega, topology, ..., backend="reference")`, from the cache
         when the same inputs were solved before. Raises what `topoep.solve` raises for bad input."""
         omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, None)
         key = self.key(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
-                       token_bytes=token_bytes, t_ffn=t_ffn)
+                       token_bytes=token_bytes, t_ffn=t_ffn, move_cost_fs=move_cost_fs)
         if key in self._recent:
             self.hits += 1
             self._recent.move_to_end(key)
@@ -765,7 +777,7 @@ class PlanCache:
             return got
         t0 = time.perf_counter()
         plan = solve(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
-                     token_bytes=token_bytes, t_ffn=t_ffn, backend="reference")
+                     token_bytes=token_bytes, t_ffn=t_ffn, backend="reference", move_cost_fs=move_cost_fs)
         solve_s = time.perf_counter() - t0
         self.misses += 1
         if solve_s >= self.min_solve_s and self._write(key, plan, solve_s):
@@ -909,7 +921,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plans = []
         for each in (name, *plus_candidates) if guarded and name == "topoep_plus" else (name,):
             kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
-                      t_ffn=t_ffn)
+                      t_ffn=t_ffn, move_cost_fs=spread_move_cost_fs(execution) if each in SPREAD_POLICY_NAMES else None)
             if each in _solved:  # the spread gate's call for the other candidates' layer: the plans made already
                 p, m = _solved[each]
             elif plan_cache is not None:

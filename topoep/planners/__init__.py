@@ -103,7 +103,8 @@ def has_cuda_kernel(policy: str, topology: Topology) -> bool:
 def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy: str = "topoep",
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto",
-          capacity: int | None = None, grid_blocks: int = 0, enable: torch.Tensor | None = None) -> Plan:
+          capacity: int | None = None, grid_blocks: int = 0, enable: torch.Tensor | None = None,
+          move_cost_fs: int | None = None) -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -141,6 +142,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         enable: None (plan), or a 0-d bool tensor on omega's device: False returns the static plan without planning
             (`topoep.runtime.NetBenefitGuard.worth_planning` decides it). The CUDA planner reads it on the device (no
             host synchronisation; a CUDA graph replays either case); the reference planners read it on the host.
+        move_cost_fs: topoep_plus_spread and topoep_plus_spread_tree only: the greedy stops once no move gains more
+            than this (fs; `topoep.planners.spread`, default MOVE_COST_US: the GPU planner's time per move), an
+            integer >= 0; None for the default. Both backends.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -151,6 +155,15 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     from topoep.planners.cuda import check_grid_blocks
 
     check_grid_blocks(grid_blocks, "grid_blocks")
+    if move_cost_fs is not None:
+        from topoep.planners.cuda import SPREAD_POLICIES
+
+        if policy not in SPREAD_POLICIES:
+            raise ValueError(f"move_cost_fs is the spread planners' ({', '.join(SPREAD_POLICIES)}) stopping threshold; "
+                             f"policy {policy!r} takes none: pass None")
+        if isinstance(move_cost_fs, bool) or not isinstance(move_cost_fs, int) or move_cost_fs < 0:
+            raise ValueError(f"move_cost_fs must be an integer >= 0 (femtoseconds a greedy move must save), got "
+                             f"{move_cost_fs!r}")
     if enable is not None and not (isinstance(enable, torch.Tensor) and enable.dtype == torch.bool
                                    and enable.numel() == 1):
         raise ValueError(f"enable must be None or a 0-d bool tensor (NetBenefitGuard.worth_planning), got {enable!r}")
@@ -179,7 +192,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         if policy in SPREAD_POLICIES:
             plan = solve_spread_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                                      expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),
-                                     t_ffn=_checked_t_ffn(t_ffn), enable=enable)
+                                     t_ffn=_checked_t_ffn(t_ffn), enable=enable, move_cost_fs=move_cost_fs)
         elif policy in PEER_POLICIES:
             plan = solve_peer_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                                    expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), enable=enable)
@@ -191,6 +204,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     kw = {}
     if policy in T_FFN_POLICIES:
         kw["t_ffn"] = _checked_t_ffn(t_ffn)
+    if move_cost_fs is not None:
+        kw["move_cost_fs"] = move_cost_fs
     if enable is not None and not bool(enable):  # the static plan, under the policy's name (the guard's skip)
         plan = _policies()["static"](omega, topology, num_slots=num_slots, main_rank=main_rank,
                                      expert_bytes=int(expert_bytes), token_bytes=int(token_bytes))
