@@ -83,6 +83,8 @@ REPORTS = [
     _sweep("link_sweep_guard_pipeline", "--guard-pipeline --spread-planner measured"),
     _sweep("link_sweep_oracle", "--spread-planner measured --oracle"),
     _sweep("link_sweep_oracle_overlap_share", "--fetch-overlap --relay-share --spread-planner measured --oracle"),
+    _sweep("link_sweep_oracle_overlap_share_f3",
+           "--fetch-overlap --relay-share --relay-fanout 3 --spread-planner measured --oracle"),
     _sweep("link_sweep_overlap_share_measured", "--fetch-overlap --relay-share --spread-planner measured"),
     _sweep("link_sweep_cuda", "--execution cuda"),
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
@@ -171,6 +173,8 @@ GPU = [
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
     Entry(("gpu/spread_scan",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
           "bash tools/planner_ncu.sh topoep_plus_spread 32 640 (its README)"),
+    Entry(("gpu/spread_move_cost",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup spread; "
+          "pytest tests/test_planner_cuda.py -k extension_checks"),
     Entry(("gpu/serial_guard",), GPU_SESSION, "-", "1 GPU", "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 "
           "pytest tests/test_cuda_backend_gpu.py -k guarded_topoep_plus (its README)"),
     Entry(("gpu/dedupe",), GPU_SESSION, "-", "1 GPU", "pytest tests/test_planner_cuda.py tests/test_peers_cuda.py"),
