@@ -159,8 +159,9 @@ def test_move_cost_stops_the_greedy_on_its_path(trees):
         none = _plan(om, topo, slots, trees=trees, move_cost_fs=1 << 62)
         assert none.info["greedy_moves"] == 0 and bool((none.slot_expert < 0).all())
     assert shorter >= 1
-    with pytest.raises(ValueError, match="move_cost_fs must be >= 0"):
-        _plan(om, topo, slots, trees=trees, move_cost_fs=-1)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="move_cost_fs must be an integer >= 0"):
+            _plan(om, topo, slots, trees=trees, move_cost_fs=bad)
 
 
 def test_warm_domain_spreads_load_and_copies_over_the_other_domains():

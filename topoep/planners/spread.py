@@ -221,9 +221,9 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     t, a, b = spread_constants(topology, t_ffn)
     if max_moves is None:
         max_moves = default_max_moves(R, E, N)
-    g = default_move_cost_fs() if move_cost_fs is None else int(move_cost_fs)
-    if g < 0:
-        raise ValueError(f"move_cost_fs must be >= 0 (femtoseconds a move must save), got {move_cost_fs!r}")
+    g = default_move_cost_fs() if move_cost_fs is None else move_cost_fs
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise ValueError(f"move_cost_fs must be an integer >= 0 (femtoseconds a move must save), got {move_cost_fs!r}")
     om = omega.tolist()
     mr = main_rank.tolist()
     st = _State(om, mr, N, rpd, trees)
