@@ -161,9 +161,9 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         if policy not in SPREAD_POLICIES:
             raise ValueError(f"move_cost_fs is the spread planners' ({', '.join(SPREAD_POLICIES)}) stopping threshold; "
                              f"policy {policy!r} takes none: pass None")
-        if isinstance(move_cost_fs, bool) or not isinstance(move_cost_fs, int) or move_cost_fs < 0:
-            raise ValueError(f"move_cost_fs must be an integer >= 0 (femtoseconds a greedy move must save), got "
-                             f"{move_cost_fs!r}")
+        from topoep.planners.spread import move_cost_or_default
+
+        move_cost_or_default(move_cost_fs)  # (checked here, before planning on either backend)
     if enable is not None and not (isinstance(enable, torch.Tensor) and enable.dtype == torch.bool
                                    and enable.numel() == 1):
         raise ValueError(f"enable must be None or a 0-d bool tensor (NetBenefitGuard.worth_planning), got {enable!r}")

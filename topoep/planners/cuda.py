@@ -284,8 +284,8 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
     `common.hierarchical_route`), and info["device"] holds int64[5] in the order of SPREAD_INFO (`spread_info` reads
     it). enable: None, or a 0-d bool tensor on the GPU (False: the static plan at once, no greedy state built, and
     info["device"] all zeros). max_moves, move_cost_fs: the reference's (None: its defaults,
-    `spread.default_max_moves` and `spread.default_move_cost_fs`)."""
-    from topoep.planners.spread import default_max_moves, default_move_cost_fs, spread_constants
+    `spread.default_max_moves` and `spread.default_move_cost_fs`; a bad move cost raises ValueError)."""
+    from topoep.planners.spread import default_max_moves, move_cost_or_default, spread_constants
 
     if policy not in SPREAD_POLICIES:
         raise ValueError(f"solve_spread_cuda plans {', '.join(SPREAD_POLICIES)}, not {policy!r}")
@@ -303,7 +303,7 @@ def solve_spread_cuda(omega: torch.Tensor, topology, *, num_slots: int, policy: 
     info = torch.empty(len(SPREAD_INFO), dtype=torch.int64, device=dev)
     torch.ops.topoep.plan_spread(omega.contiguous(), M, N, int(expert_bytes), int(token_bytes), t, a, b,
                                  default_max_moves(R, E, N) if max_moves is None else int(max_moves),
-                                 default_move_cost_fs() if move_cost_fs is None else int(move_cost_fs),
+                                 move_cost_or_default(move_cost_fs),
                                  policy == "topoep_plus_spread_tree", enable, slot_expert, route, info, ws)
     return Plan(omega=omega, topology=topology, num_slots=N, main_rank=main_rank, slot_expert=slot_expert, route=route,
                 policy=policy, expert_bytes=int(expert_bytes), token_bytes=int(token_bytes),

@@ -221,9 +221,7 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
     t, a, b = spread_constants(topology, t_ffn)
     if max_moves is None:
         max_moves = default_max_moves(R, E, N)
-    g = default_move_cost_fs() if move_cost_fs is None else move_cost_fs
-    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-        raise ValueError(f"move_cost_fs must be an integer >= 0 (femtoseconds a move must save), got {move_cost_fs!r}")
+    g = move_cost_or_default(move_cost_fs)
     om = omega.tolist()
     mr = main_rank.tolist()
     st = _State(om, mr, N, rpd, trees)
@@ -314,6 +312,16 @@ def spread_constants(topology, t_ffn: float | None) -> tuple[int, int, int]:
 def default_move_cost_fs() -> int:
     """The greedy's default stopping threshold in fs: MOVE_COST_US."""
     return int(round(MOVE_COST_US * 1e-6 * FEMTO))
+
+
+def move_cost_or_default(move_cost_fs: int | None) -> int:
+    """The greedy's stopping threshold as given (an integer >= 0, fs), or the default for None; ValueError otherwise."""
+    if move_cost_fs is None:
+        return default_move_cost_fs()
+    if isinstance(move_cost_fs, bool) or not isinstance(move_cost_fs, int) or move_cost_fs < 0:
+        raise ValueError(f"move_cost_fs must be an integer >= 0 (femtoseconds a greedy move must save), got "
+                         f"{move_cost_fs!r}")
+    return move_cost_fs
 
 
 def default_max_moves(R: int, E: int, N: int) -> int:
