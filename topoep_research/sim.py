@@ -95,7 +95,7 @@ from topoep.plan import Plan, default_main_rank
 from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
-from topoep.planners.cuda import SPREAD_POLICIES as SPREAD_POLICY_NAMES
+from topoep.planners.cuda import CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES
 from topoep.topology import Topology
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -641,7 +641,6 @@ def gated_planner_s(execution: Execution, num_ranks: int, num_slots: int, polici
     deepseek: their four plans at once, `baselines.peer_set_s`, with Execution.peer_planner "measured", else
     topoep_plus's planner), the longer where both."""
     from topoep.planners.baselines import peer_set_s
-    from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
 
     t = spread_planner_s(execution, num_ranks, policies, moves) if set(policies) & set(SPREAD_POLICIES) else 0.0
     if set(policies) & set(PEER_POLICIES):
@@ -921,7 +920,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plans = []
         for each in (name, *plus_candidates) if guarded and name == "topoep_plus" else (name,):
             kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
-                      t_ffn=t_ffn, move_cost_fs=spread_move_cost_fs(execution) if each in SPREAD_POLICY_NAMES else None)
+                      t_ffn=t_ffn, move_cost_fs=spread_move_cost_fs(execution) if each in SPREAD_POLICIES else None)
             if each in _solved:  # the spread gate's call for the other candidates' layer: the plans made already
                 p, m = _solved[each]
             elif plan_cache is not None:
@@ -936,8 +935,6 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plan, candidates = plans[0], tuple(plans[1:])
     gate_cheap = None  # the spread gate on: the other candidates' layer, which its probes run
     if guarded and not skipped and execution.spread_gate and name == "topoep_plus":
-        from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
-
         cheap = tuple(p for p in candidates if p.policy not in SPREAD_POLICIES + PEER_POLICIES)
         if len(cheap) < len(candidates):  # the spread gate in steady state (one routing stands for every call)
             net = []
@@ -990,10 +987,6 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         t_gather = gather_s(R, E, cluster)
         t_plan = t_gather + execution.static_plan_s + t_guard
     else:
-        from topoep.planners.cuda import CUDA_POLICIES
-
-        from topoep.planners.cuda import PEER_POLICIES, SPREAD_POLICIES
-
         t_gather = gather_s(R, E, cluster)
         spread = {p.policy for p in (plan, *candidates)} & set(SPREAD_POLICIES)
         # the greedy moves of this call's spread plans (the planners run at once: the longer chain sets the time)
