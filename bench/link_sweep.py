@@ -58,6 +58,9 @@ def parse_args(argv=None):
                          "expert a rank may send")
     ap.add_argument("--relay-chunks", type=int, default=1,
                     help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
+    ap.add_argument("--relay-schedule", default="levels", choices=list(sim.RELAY_SCHEDULES),
+                    help="the relay layers' fetch: levels (as both runtimes run it) or async, a what-if where every "
+                         "copy leaves as soon as its source holds it (sim.Execution.relay_schedule)")
     ap.add_argument("--relay-share", action="store_true",
                     help="the relay layers' relay_share: relay every fetch whose direct form exceeds a tree's share")
     ap.add_argument("--fetch-overlap", action="store_true",
@@ -109,6 +112,8 @@ def parse_args(argv=None):
         raise SystemExit("--token-overlap must be in [0, 1]")
     if args.spread_probe < 2:
         raise SystemExit("--spread-probe must be >= 2")
+    if args.relay_schedule == "async" and args.relay_chunks != 1:
+        raise SystemExit("--relay-schedule async moves whole copies: leave --relay-chunks at 1")
     if args.relay_fanout < 2:
         raise SystemExit(f"--relay-fanout must be >= 2 (a tree of one child per node is a chain), got {args.relay_fanout}")
     if not args.spread_speedup > 0:
@@ -179,7 +184,7 @@ def run(args) -> list[dict]:
                                      peer_planner=args.peer_planner)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
-                                         relay_share=args.relay_share)
+                                         relay_share=args.relay_share, relay_schedule=args.relay_schedule)
             kw = dict(model=model, policy=policy if policy not in ours else "topoep_plus", num_slots=slots,
                       guard=None if policy == "static" else guard, execution=ex,
                       **({"plus_candidates": cands} if policy in ours else {}))
@@ -271,7 +276,11 @@ def report(args, rows: list[dict]) -> str:
         f"relay trees of {args.relay_fanout} children per node, each copy in {args.relay_chunks} chunk(s) forwarded as they arrive "
         "(more than one: the levels overlap, each step paying a transfer latency), and the direct one"
         + (", and relays wherever the direct fetch would make a home send more copies of one expert than a tree's "
-           "share" if args.relay_share else "") + "; "
+           "share" if args.relay_share else "")
+        + (" (a what-if, `--relay-schedule async`: the relayed fetch runs copy by copy, each leaving as soon as its "
+           "source holds it, timed as the longer of its busiest link and its longest chain of hops, "
+           "`sim.async_fetch_s`; no runtime runs it, and the guard still prices the levels)"
+           if args.relay_schedule == "async" else "") + "; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
         "planner: csrc/spread.cu, " + ("timed as measured on one H200 (`sim.gpu_spread_s`: "

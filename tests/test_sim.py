@@ -670,3 +670,48 @@ def test_forced_choice_runs_each_planned_plan():
         run(force_choice=3)
     with pytest.raises(ValueError, match="force_choice=0"):
         sim.simulate(om, cl, model=model, policy="topoep", guard=NetBenefitGuard(), execution=ex, force_choice=0)
+
+
+def test_async_relay_fetch_is_the_longer_of_busiest_link_and_chain():
+    """Execution.relay_schedule="async" (a what-if): a relayed fetch takes the longer of its busiest link over all
+    levels and its longest chain of hops; never more than the levels one after the other."""
+    from topoep.links import link_loads
+    from topoep.relay import relay_levels, relay_sources
+    from topoep.workloads import biased_routing
+
+    cl = sim.CLUSTERS["paper_h800"]
+    topo = cl.topology(16)  # 2 domains of 8
+    W = 1e8
+    base = solve(biased_routing(16, 32, 256, 2, -4.0, seed=0, layout="clustered"), topo, num_slots=2,
+                 policy="static", expert_bytes=int(W), token_bytes=10)
+    # expert 0 (home rank 0) on ranks 1, 2 (domain 0: the home sends both) and 8, 9, 10 (domain 1: 8 from the home
+    # over the NIC, 9 and 10 from 8 over NVLink)
+    se = torch.full((16, 2), -1, dtype=torch.int64)
+    for r in (1, 2, 8, 9, 10):
+        se[r, 0] = 0
+    plan = replace(base, slot_expert=se)
+    src, lvl = relay_sources(plan, 2)
+    assert src[8, 0] == 0 and src[9, 0] == 8 and src[10, 0] == 8 and int(lvl.max()) == 2
+    dom = topo.domain_of
+    flows = relay_levels(plan, src, lvl)
+    loads = {k: v for k, v in link_loads(flows.sum(0).double() * W, dom).as_dict().items()}
+    chain = W / cl.rdma_bytes_per_s + W / cl.nvlink_bytes_per_s
+    busiest = sim.transfer_time(loads, cl)[0]
+    assert sim.async_fetch_s(plan, src, lvl, loads, cl, W) == pytest.approx(max(chain, busiest))
+    levels = sum(sim.transfer_time(link_loads(f.double() * W, dom).as_dict(), cl)[0] for f in flows)
+    assert sim.async_fetch_s(plan, src, lvl, loads, cl, W) <= levels + 1e-12
+    # a whole layer (drifting hot set: the remote roots' NIC copies dominate, their NVLink forwards overlap them)
+    om = workloads.scenario("drifting", 16, 128, 4096, 8, ranks_per_domain=8, seed=0)
+    model = sim.MODELS["qwen3"].with_experts(128)
+    ex = replace(sim.EXECUTIONS["topoep"], relay_fanout=2)
+    runs = {s: sim.simulate(om, cl, model=model, policy="topoep_plus", num_slots=2, execution=replace(ex, relay_schedule=s))
+            for s in sim.RELAY_SCHEDULES}
+    assert runs["levels"].stats["num_replicas"] > 0
+    assert runs["async"].terms["fetch"] < runs["levels"].terms["fetch"]
+
+
+def test_relay_schedule_is_checked():
+    with pytest.raises(ValueError, match="relay_schedule='tree'"):
+        replace(sim.EXECUTIONS["topoep"], relay_schedule="tree")
+    with pytest.raises(ValueError, match="relay_chunks must be 1"):
+        replace(sim.EXECUTIONS["topoep"], relay_fanout=2, relay_chunks=2, relay_schedule="async")

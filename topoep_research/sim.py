@@ -268,6 +268,12 @@ class Execution:
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form exceeds a tree's share
     (`NetBenefitGuard.relay_share`)."""
+    relay_schedule: str = "levels"
+    """With relay_fanout: how a relayed fetch runs. "levels" (both runtimes): level after level, each waiting for the
+    one before (relay_chunks overlap them). "async", a what-if no runtime executes: every copy leaves as soon as its
+    source holds it, so the fetch takes the longer of its busiest link's bytes over all levels and its longest chain
+    of hops (`async_fetch_s`), an optimistic estimate of a copy-by-copy schedule; the guard still prices the levels
+    (its choice between relayed and direct is left as it is)."""
     fetch_overlap: bool = False
     """Pipelined executions: the forward replica fetch runs beside the dispatch and the main experts' GEMMs, first on
     the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs
@@ -306,6 +312,10 @@ class Execution:
         if self.relay_fanout is not None:
             _check(self, "relay_fanout", "int", 1)
         _check(self, "relay_chunks", "int", 1)
+        if self.relay_schedule not in RELAY_SCHEDULES:
+            raise ValueError(f"Execution.relay_schedule={self.relay_schedule!r}: one of {', '.join(RELAY_SCHEDULES)}")
+        if self.relay_schedule == "async" and self.relay_chunks != 1:
+            raise ValueError("Execution.relay_schedule='async' moves whole copies: relay_chunks must be 1")
         _check(self, "spread_probe", "int", 2)
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
                      "replica_latency_s", "static_plan_s", "host_round_trip_s"):
@@ -374,6 +384,7 @@ GPU_SPREAD_GATE_US = ((8, 6.2), (32, 5.6), (128, 6.0))
 # results/spread_latency.md).
 GPU_SPREAD_US = spread_planner.LATENCY_US
 GPU_SPREAD_SET_US = spread_planner.LATENCY_SET_US
+RELAY_SCHEDULES = ("levels", "async")  # Execution.relay_schedule
 SPREAD_PLANNERS = ("plus", "measured")  # Execution.spread_planner and Execution.peer_planner
 
 # Expert GEMM throughput and effective NVLink bandwidth fitted by `calibrate` on results/moe_layer.json
@@ -609,6 +620,26 @@ class SimResult:
         for group in ("exposed", "terms", "traffic", "stats", "memory"):
             out.update({f"{group}.{k}": v for k, v in getattr(self, group).items()})
         return out
+
+
+def async_fetch_s(plan: Plan, source: torch.Tensor, level: torch.Tensor, loads: dict, cluster: Cluster,
+                  copy_bytes: float) -> float:
+    """Execution.relay_schedule "async": seconds of a relayed fetch whose copies each leave as soon as their source
+    holds them, estimated as the longer of its busiest link over the whole fetch (`loads`: every level's bytes per
+    link, summed) and its longest chain of hops (each hop one copy of `copy_bytes` at that link's bandwidth: NVLink
+    inside a domain, the NIC across). Optimistic: a real schedule also waits where a chain's hop finds its link busy."""
+    busiest = transfer_time(loads, cluster)[0]
+    R, N = plan.num_ranks, plan.num_slots
+    dom = plan.topology.domain_of.tolist()
+    src, lvl, se = source.reshape(-1).tolist(), level.reshape(-1).tolist(), plan.slot_expert.reshape(-1).tolist()
+    hop = {True: copy_bytes / cluster.nvlink_bytes_per_s, False: copy_bytes / cluster.rdma_bytes_per_s}
+    ready: dict = {}  # (rank, expert) -> when that rank holds the expert; its home holds it from the start
+    for i in sorted(range(R * N), key=lambda i: lvl[i]):  # parents (lower levels) first
+        if se[i] < 0:
+            continue
+        r, s = i // N, src[i]
+        ready[(r, se[i])] = ready.get((s, se[i]), 0.0) + hop[dom[s] == dom[r]]
+    return max(busiest, max(ready.values(), default=0.0))
 
 
 def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
@@ -1031,6 +1062,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         step_loads = [link_loads(step.double() * (W / C), dom) for step in relay_steps(relay_levels(plan, *fetch), C)]
         t_rep = sum(transfer_time(loads, cluster)[0] for loads in step_loads)
         rep_loads = {k: sum(loads[k] for loads in step_loads) for k in rep_loads}
+        if execution.relay_schedule == "async":
+            t_rep = async_fetch_s(plan, *fetch, rep_loads, cluster, W)
     t_rep = t_rep + execution.replica_latency_s if has_rep else 0.0
 
     # compute: the straggler's chunks (collectives wait for it)
