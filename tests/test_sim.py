@@ -704,8 +704,8 @@ def test_async_relay_fetch_is_the_longer_of_busiest_link_and_chain():
     om = workloads.scenario("drifting", 16, 128, 4096, 8, ranks_per_domain=8, seed=0)
     model = sim.MODELS["qwen3"].with_experts(128)
     ex = replace(sim.EXECUTIONS["topoep"], relay_fanout=2)
-    runs = {s: sim.simulate(om, cl, model=model, policy="topoep_plus", num_slots=2, execution=replace(ex, relay_schedule=s))
-            for s in sim.RELAY_SCHEDULES}
+    runs = {s: sim.simulate(om, cl, model=model, policy="topoep_plus", num_slots=2,
+                            execution=replace(ex, relay_schedule=s)) for s in sim.RELAY_SCHEDULES}
     assert runs["levels"].stats["num_replicas"] > 0
     assert runs["async"].terms["fetch"] < runs["levels"].terms["fetch"]
 
