@@ -9,6 +9,9 @@ call form the layer uses, with:
     aten        torch._grouped_mm (CUTLASS), what the layer runs by default
     triton      the weight gradients with `topoep_research.grouped_gemm.grouped_wgrad`, one row per tile shape of
                 --configs (WgradConfig fields block_p, block_q, block_k, num_warps, num_stages)
+    cutlass     (--cutlass) every GEMM with `topoep_research.cutlass_wgrad` (CUTLASS's Hopper grouped GEMM with our
+                schedules and tiles: grouped_wgrad for the weight gradients, grouped_mm for the others), one row per
+                configuration (WGRAD_CONFIGS, MM_CONFIGS; built beforehand: the module's docstring)
     inductor    (--inductor) torch.compile(torch._grouped_mm, mode="max-autotune-no-cudagraphs"): inductor's Triton
                 grouped-GEMM templates autotuned against aten on this GPU, for reference
     dense       one dense bf16 matmul of the same FLOPs (the rate a GEMM of that size reaches here)
@@ -113,6 +116,12 @@ def run(args) -> tuple[list[dict], list[str]]:
     dev = torch.device("cuda")
     E, H, Fd, k = args.experts, args.hidden, args.ffn, args.topk
     configs = [WgradConfig(*map(int, c.split(","))) for c in args.configs]
+    cutlass = None
+    if args.cutlass:
+        from topoep_research import cutlass_wgrad
+
+        cutlass = cutlass_wgrad
+        cutlass_wgrad.load(build=False)  # before any timing: a missing build fails here, naming how to build it
     compiled = torch.compile(torch._grouped_mm, mode="max-autotune-no-cudagraphs", dynamic=False) \
         if args.inductor else None
     rows, notes = [], []
@@ -143,6 +152,19 @@ def run(args) -> tuple[list[dict], list[str]]:
                             continue
                         add(f"triton {c.block_p}x{c.block_q}x{c.block_k} w{c.num_warps} s{c.num_stages}",
                             lambda c=c: grouped_wgrad(*ours, offs, c), out)
+                if cutlass is not None:  # every configuration of the GEMM's form
+                    wgrad = ours is not None
+                    fn, names = ((cutlass.grouped_wgrad, cutlass.WGRAD_CONFIGS) if wgrad else
+                                 (cutlass.grouped_mm, cutlass.MM_CONFIGS))
+                    args_ = ours if wgrad else (a, b)
+                    for c, cname in enumerate(names):
+                        try:
+                            out = fn(*args_, offs, c)
+                        except Exception as e:  # a configuration CUTLASS refuses on this shape: reported
+                            notes.append(f"- cutlass {cname}, {name}: {type(e).__name__}: "
+                                         f"{str(e).splitlines()[0][:160]}")
+                            continue
+                        add(f"cutlass {cname}", lambda fn=fn, c=c, args_=args_: fn(*args_, offs, c), out)
                 if compiled is not None:
                     try:
                         out = compiled(a, b, offs=offs)
@@ -208,10 +230,14 @@ def parse_args(argv):
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
                     help="wgrad tile shapes: block_p,block_q,block_k,num_warps,num_stages")
     ap.add_argument("--inductor", action="store_true", help="also inductor's autotuned grouped GEMM (slow to compile)")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="also CUTLASS's grouped GEMM under our tiles and schedules, every configuration "
+                         "(topoep_research.cutlass_wgrad, built beforehand)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--name", default="grouped_gemm")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    return args
 
 
 def main(argv=None) -> int:

@@ -62,3 +62,7 @@ def test_report_names_the_best_kernel():
 def test_without_a_gpu_it_says_so(capsys):
     assert main(["--tokens", "64"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cutlass_kernels_are_an_option():
+    assert parse_args([]).cutlass is False and parse_args(["--cutlass"]).cutlass is True

@@ -151,10 +151,12 @@ step_deepep() {  # transport deepep (DeepEP V2) on this machine's GPUs, from DEE
   python3 bench/transports.py "$OUT" --results "$OUT" | tail -20  # the three side by side: moe_layer_deepep.md
 }
 
-step_gemm() {  # the experts' weight-gradient kernel (tests/test_grouped_gemm.py) against its reference and
+step_gemm() {  # the experts' weight-gradient kernels (tests/test_grouped_gemm.py, and tests/test_cutlass_wgrad.py
+  # where the CUTLASS kernel was built here and carried: build/cutlass_wgrad_*) against their reference and
   # torch._grouped_mm, then the six grouped GEMMs of a layer call kernel by kernel (bench/grouped_gemm.py; GEMM_ARGS
-  # adds options, e.g. --inductor)
-  timeout 300 python3 -m pytest -q -rA tests/test_grouped_gemm.py 2>&1 | tail -8 | tee "$OUT/grouped_gemm_tests.log"
+  # adds options, e.g. --inductor or --cutlass)
+  timeout 300 python3 -m pytest -q -rA tests/test_grouped_gemm.py tests/test_cutlass_wgrad.py 2>&1 | tail -12 \
+    | tee "$OUT/grouped_gemm_tests.log"
   timeout ${GEMM_TIMEOUT:-420} python3 bench/grouped_gemm.py --out "$OUT" ${GEMM_ARGS:-} 2>&1 | grep -v -i warn \
     | grep -E "^\||Error|error" | head -60
 }

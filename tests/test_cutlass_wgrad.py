@@ -1,0 +1,103 @@
+"""The CUTLASS weight-gradient kernel (topoep_research.cutlass_wgrad): its input checks and build errors on the CPU;
+on a GPU with the library built, its outputs against its torch form and torch._grouped_mm on the layer's shapes."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from topoep_research import cutlass_wgrad
+from topoep_research.cutlass_wgrad import (MM_CONFIGS, WGRAD_CONFIGS, check_config, cutlass_include, grouped_mm,
+                                          grouped_wgrad)
+
+
+def test_configs_are_named_by_index_or_name():
+    for configs in (WGRAD_CONFIGS, MM_CONFIGS):
+        assert [check_config(i, configs) for i in range(len(configs))] == list(range(len(configs)))
+        assert check_config(configs[1], configs) == 1
+        for bad in (-1, len(configs), True, "pingpong", 1.0):
+            with pytest.raises(ValueError, match="none of the compiled configurations"):
+                check_config(bad, configs)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"\[A, P\] and \[A, Q\]"):
+        grouped_wgrad(torch.zeros(4, 8), torch.zeros(5, 8), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="runs on a GPU"):
+        grouped_wgrad(torch.zeros(4, 8), torch.zeros(4, 8), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="config 7"):
+        grouped_wgrad(torch.zeros(4, 8), torch.zeros(4, 8), torch.tensor([4], dtype=torch.int32), config=7)
+    with pytest.raises(ValueError, match=r"\[A, K\], \[G, K, N\] and \[G\]"):
+        grouped_mm(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="runs on a GPU"):
+        grouped_mm(torch.zeros(4, 8), torch.zeros(2, 8, 16), torch.tensor([1, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="config 4"):
+        grouped_mm(torch.zeros(4, 8), torch.zeros(2, 8, 16), torch.tensor([1, 4], dtype=torch.int32), config=4)
+
+
+def test_missing_headers_and_build_say_how_to_get_them(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUTLASS_HOME", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps nvidia-cutlass==4.2.0"):
+        cutlass_include()
+    monkeypatch.setenv("CUTLASS_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="CUTLASS_HOME"):
+        cutlass_include()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "tools" / "util" / "include").mkdir(parents=True)
+    assert cutlass_include() == [str(tmp_path / "include"), str(tmp_path / "tools" / "util" / "include")]
+    monkeypatch.setattr(cutlass_wgrad, "_module", None)
+    monkeypatch.setattr(cutlass_wgrad, "build_dir", lambda: tmp_path / "nothing")
+    with pytest.raises(RuntimeError, match="not built"):
+        cutlass_wgrad.load(build=False)
+
+
+def _built() -> bool:
+    return torch.cuda.is_available() and cutlass_wgrad.library_path().exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _built(), reason="needs a GPU and the built library (topoep_research.cutlass_wgrad.load)")
+@pytest.mark.parametrize("config", range(len(WGRAD_CONFIGS)))
+def test_wgrad_equals_the_reference_and_grouped_mm_on_the_layer_shapes(config):
+    from topoep_research.grouped_gemm import wgrad_reference
+
+    g = torch.Generator(device="cuda").manual_seed(config)
+    counts = torch.randint(200, 320, (128,), device="cuda", generator=g)
+    counts[5] = counts[77] = 0  # groups without rows get zeros
+    offs = counts.cumsum(0).to(torch.int32)
+    A = int(offs[-1])
+    for P, Q in ((1536, 2048), (2048, 768)):  # wgrad fc1 (gh, x) and fc2 (gy, act); rows past offs[-1] never read
+        a = torch.randn(A + 64, P, device="cuda", generator=g).to(torch.bfloat16)
+        b = torch.randn(A + 64, Q, device="cuda", generator=g).to(torch.bfloat16)
+        a[A:], b[A:] = float("nan"), float("nan")
+        out = grouped_wgrad(a, b, offs, config)
+        assert out.shape == (128, P, Q) and out.dtype == torch.bfloat16
+        assert torch.equal(out[5], torch.zeros_like(out[5])) and torch.equal(out[77], torch.zeros_like(out[77]))
+        for ref in (wgrad_reference(a, b, offs), torch._grouped_mm(a.t(), b, offs=offs)):
+            err = (out.float() - ref.float()).abs()  # fp32 sums in another order: within two bf16 ulps
+            assert bool((err <= 2 ** -7 * ref.float().abs() + 1e-3).all()), (config, P, Q, err.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _built(), reason="needs a GPU and the built library (topoep_research.cutlass_wgrad.load)")
+@pytest.mark.parametrize("config", range(len(MM_CONFIGS)))
+def test_mm_equals_grouped_mm_on_the_layer_shapes(config):
+    g = torch.Generator(device="cuda").manual_seed(config)
+    counts = torch.randint(200, 320, (128,), device="cuda", generator=g)
+    counts[5] = counts[77] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    A = int(offs[-1])
+    for K, N, k_major in ((2048, 1536, True), (768, 2048, True), (2048, 768, False), (1536, 2048, False)):
+        # forward fc1, fc2 (x w1[g]^T: b the transpose of [G, N, K]) and data gradients fc2, fc1 (gy w2[g]: b [G, K, N])
+        a = torch.randn(A + 64, K, device="cuda", generator=g).to(torch.bfloat16)
+        a[A:] = float("nan")  # rows past the last group are never read
+        w = torch.randn(128, N, K, device="cuda", generator=g).to(torch.bfloat16) * K ** -0.5
+        b = w.transpose(1, 2) if k_major else w.reshape(128, K, N)
+        out = grouped_mm(a, b, offs, config)[:A]
+        ref = torch._grouped_mm(a, b, offs=offs)[:A]
+        loop = torch.cat([a[s:e].float() @ b[i].float() for i, (s, e) in
+                          enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
+        for want in (ref.float(), loop):
+            err = (out.float() - want).abs()
+            assert bool((err <= 2 ** -7 * want.abs() + 1e-2).all()), (config, K, N, err.max())
