@@ -52,6 +52,16 @@ def test_missing_headers_and_build_say_how_to_get_them(monkeypatch, tmp_path):
         cutlass_wgrad.load(build=False)
 
 
+def _groups(seed: int):
+    """(generator, int32 end offsets of 128 groups of 200-319 rows as at 4096 tokens of random routing, groups 5 and 77
+    without rows, their total rows)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.randint(200, 320, (128,), device="cuda", generator=g)
+    counts[5] = counts[77] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    return g, offs, int(offs[-1])
+
+
 def _built() -> bool:
     return torch.cuda.is_available() and cutlass_wgrad.library_path().exists()
 
@@ -62,11 +72,7 @@ def _built() -> bool:
 def test_wgrad_equals_the_reference_and_grouped_mm_on_the_layer_shapes(config):
     from topoep_research.grouped_gemm import wgrad_reference
 
-    g = torch.Generator(device="cuda").manual_seed(config)
-    counts = torch.randint(200, 320, (128,), device="cuda", generator=g)
-    counts[5] = counts[77] = 0  # groups without rows get zeros
-    offs = counts.cumsum(0).to(torch.int32)
-    A = int(offs[-1])
+    g, offs, A = _groups(config)
     for P, Q in ((1536, 2048), (2048, 768)):  # wgrad fc1 (gh, x) and fc2 (gy, act); rows past offs[-1] never read
         a = torch.randn(A + 64, P, device="cuda", generator=g).to(torch.bfloat16)
         b = torch.randn(A + 64, Q, device="cuda", generator=g).to(torch.bfloat16)
@@ -83,11 +89,7 @@ def test_wgrad_equals_the_reference_and_grouped_mm_on_the_layer_shapes(config):
 @pytest.mark.skipif(not _built(), reason="needs a GPU and the built library (topoep_research.cutlass_wgrad.load)")
 @pytest.mark.parametrize("config", range(len(MM_CONFIGS)))
 def test_mm_equals_grouped_mm_on_the_layer_shapes(config):
-    g = torch.Generator(device="cuda").manual_seed(config)
-    counts = torch.randint(200, 320, (128,), device="cuda", generator=g)
-    counts[5] = counts[77] = 0
-    offs = counts.cumsum(0).to(torch.int32)
-    A = int(offs[-1])
+    g, offs, A = _groups(config)
     for K, N, k_major in ((2048, 1536, True), (768, 2048, True), (2048, 768, False), (1536, 2048, False)):
         # forward fc1, fc2 (x w1[g]^T: b the transpose of [G, N, K]) and data gradients fc2, fc1 (gy w2[g]: b [G, K, N])
         a = torch.randn(A + 64, K, device="cuda", generator=g).to(torch.bfloat16)
