@@ -25,6 +25,9 @@ The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, 
 Layers, all on the same input, routing, weights and output gradient:
     cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
                                  at EP 1 topoep's guard fires on every call (nothing to balance)
+    cuda/static cutlass,         (--cutlass) the same layers with their grouped GEMMs on CUTLASS under our tiles and
+    cuda/topoep cutlass          schedules (topoep_research.cutlass_wgrad.as_grouped_mm in --cutlass-config swapped in
+                                 for topoep.runtime.cuda_function.GROUPED_MM around each call); built beforehand
     cuda/static graphed,         (--graphed) the same layers with their forward and backward captured as CUDA
     cuda/topoep graphed          graphs on their first call (LayerConfig.layer_graphs, topoep.graph_layer): no host work of the
                                  layer per call; a capture the layer does not allow is reported as such
@@ -56,6 +59,7 @@ kernels of the cuda layers' metadata graph, one by one) write <out>/<name>_profi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -292,6 +296,27 @@ def host_profile(run, iters: int = 20, top: int = 40) -> str:
     return f"### host profile ({iters} calls; cProfile)\n{text}"
 
 
+def gemm_kernel(name: str, args):
+    """A context manager (factory) under which a layer's call runs: for the `cutlass` layers,
+    `topoep.runtime.cuda_function.GROUPED_MM` is CUTLASS's grouped GEMM under our tiles
+    (`topoep_research.cutlass_wgrad.as_grouped_mm` in --cutlass-config), forward and backward; else nothing changes."""
+    if not name.endswith(" cutlass"):
+        return contextlib.nullcontext
+    from topoep.runtime import cuda_function
+    from topoep_research.cutlass_wgrad import as_grouped_mm
+
+    kernel = as_grouped_mm(*args.cutlass_config)
+
+    @contextlib.contextmanager
+    def swapped():
+        default, cuda_function.GROUPED_MM = cuda_function.GROUPED_MM, kernel
+        try:
+            yield
+        finally:
+            cuda_function.GROUPED_MM = default
+    return swapped
+
+
 def build(args, T: int, dev, fc1, fc2) -> dict:
     """{name: (module or None, forward(x, idx, w) -> y)} of the layers (module docstring)."""
     from bench.moe_layer import megatron_layer
@@ -328,6 +353,9 @@ def build(args, T: int, dev, fc1, fc2) -> dict:
             y, _ = mlayer(x.view(Tn, 1, H))
             return y.view(Tn, H)
         layers["megatron/alltoall"] = (mlayer, mrun)
+    if args.cutlass:  # the same layers timed with CUTLASS's grouped GEMM under our tiles (gemm_kernel swaps it in)
+        for policy in ("static", "topoep"):
+            layers[f"cuda/{policy} cutlass"] = ours(policy)
     if args.graphed:  # last (a failed capture may leave the stream unusable); layers of their own: a captured
         # pool or metadata graph changes the layer's state
         for policy in ("static", "topoep"):
@@ -351,9 +379,22 @@ def parse_args(argv):
                          "(into <name>_profile.txt)")
     ap.add_argument("--graphed", action="store_true",
                     help="also cuda/static with forward and backward captured as CUDA graphs by the caller")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="also cuda/static and cuda/topoep with their grouped GEMMs on CUTLASS under our tiles "
+                         "(topoep_research.cutlass_wgrad, built beforehand)")
+    ap.add_argument("--cutlass-config", type=int, nargs=2, default=[0, 0], metavar=("WGRAD", "MM"),
+                    help="with --cutlass: the weight-gradient and the M-grouped configuration, by index "
+                         "(cutlass_wgrad.WGRAD_CONFIGS, MM_CONFIGS)")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
     args = ap.parse_args(argv)
+    if args.cutlass:
+        from topoep_research.cutlass_wgrad import MM_CONFIGS, check_config
+
+        try:
+            check_config(args.cutlass_config[0]), check_config(args.cutlass_config[1], MM_CONFIGS)
+        except ValueError as err:
+            ap.error(f"--cutlass-config: {err}")
     args.__dict__.update(QWEN3)
     return args
 
@@ -388,11 +429,12 @@ def main(argv=None) -> int:
                           "balanced" if rname == "balanced" else "uniform", 0)[0].to(dev)
             ref = None
             for name, (module, fwd) in layers.items():
-                def run(module=module, fwd=fwd):
-                    x.grad = w.grad = None
-                    module.zero_grad(set_to_none=True)
-                    y = fwd(x, idx, w)
-                    y.backward(gy)
+                def run(module=module, fwd=fwd, kernel=gemm_kernel(name, args)):
+                    with kernel():
+                        x.grad = w.grad = None
+                        module.zero_grad(set_to_none=True)
+                        y = fwd(x, idx, w)
+                        y.backward(gy)
                     return y.detach()
                 try:
                     y = run()

@@ -66,3 +66,24 @@ def test_layers_table_shows_each_layer_and_says_which_did_not_run():
     assert "- 4096 tokens, balanced, cuda/static graphed: did not run: capture failed: x" in text
     assert "- 4096 tokens, balanced, plain torch: the host outlasted the sleep" in text
     assert "cuda/static: the host outlasted" not in text
+
+
+def test_cutlass_layers_swap_the_grouped_gemm_around_each_call(monkeypatch):
+    import topoep_research.cutlass_wgrad as cw
+    from bench.layer_limit import gemm_kernel, parse_args
+    from topoep.runtime import cuda_function
+
+    default = cuda_function.GROUPED_MM
+    seen = []
+    monkeypatch.setattr(cw, "as_grouped_mm", lambda wgrad, mm: seen.append((wgrad, mm)) or "cutlass kernel")
+    args = parse_args(["--cutlass", "--cutlass-config", "2", "1"])
+    assert args.cutlass and args.cutlass_config == [2, 1]
+    with gemm_kernel("cuda/static", args)():
+        assert cuda_function.GROUPED_MM is default
+    with pytest.raises(RuntimeError, match="inside"):
+        with gemm_kernel("cuda/topoep cutlass", args)():
+            assert cuda_function.GROUPED_MM == "cutlass kernel" and seen == [(2, 1)]
+            raise RuntimeError("inside")
+    assert cuda_function.GROUPED_MM is default  # restored, also after an error
+    with pytest.raises(SystemExit):
+        parse_args(["--cutlass", "--cutlass-config", "9", "0"])

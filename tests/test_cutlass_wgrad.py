@@ -103,3 +103,60 @@ def test_mm_equals_grouped_mm_on_the_layer_shapes(config):
         for want in (ref.float(), loop):
             err = (out.float() - want).abs()
             assert bool((err <= 2 ** -7 * want.abs() + 1e-2).all()), (config, K, N, err.max())
+
+
+def test_the_layers_call_forms_reach_the_right_kernel():
+    from bench.grouped_gemm import gemms, operands
+    from topoep_research.cutlass_wgrad import call_form
+
+    t = operands(8, 2, 4, 16, 8, "cpu")
+    forms = {name: call_form(a, b) for name, (a, b), _ in gemms(t)}
+    assert forms == {"fwd fc1": "mm", "fwd fc2": "mm", "dgrad fc2": "mm", "dgrad fc1": "mm", "wgrad fc2": "wgrad",
+                     "wgrad fc1": "wgrad"}
+    x = torch.zeros(6, 8)
+    assert call_form(x[:, :4], torch.zeros(2, 4, 8)) is None  # rows not contiguous: torch._grouped_mm
+    assert call_form(x.t(), torch.zeros(6, 4).t()) is None
+    assert call_form(torch.zeros(2, 6, 8), torch.zeros(2, 8, 4)) is None
+
+
+def _layer_on_both(rank, world):
+    """Backend cuda's layer at EP 1, forward and backward, with the default grouped GEMM and with these kernels
+    (cuda_function.GROUPED_MM swapped as bench/layer_limit.py --cutlass does): (output, input, weight and expert
+    gradients) of each, as fp32 CPU tensors."""
+    from topoep import ExpertParallelMoE, Topology
+    from topoep.runtime import cuda_function
+    from topoep_research.cutlass_wgrad import as_grouped_mm
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, E, H, Fd, k = 1024, 16, 256, 128, 4
+    layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
+                              topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=2, policy="static",
+                              backend="cuda", dtype=torch.bfloat16, device=dev, max_tokens=T)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    idx = torch.rand(T, E, device=dev, generator=g).topk(k, dim=1).indices
+    w = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1).to(torch.bfloat16).requires_grad_()
+    gy = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+    outs = []
+    for kernel in (cuda_function.GROUPED_MM, as_grouped_mm(0, 0)):
+        default, cuda_function.GROUPED_MM = cuda_function.GROUPED_MM, kernel
+        try:
+            x.grad = w.grad = None
+            layer.zero_grad(set_to_none=True)
+            y = layer(x, idx, w)
+            y.backward(gy)
+        finally:
+            cuda_function.GROUPED_MM = default
+        outs.append([t.float().cpu() for t in (y, x.grad, w.grad, layer.fc1.grad, layer.fc2.grad)])
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _built(), reason="needs a GPU and the built library (topoep_research.cutlass_wgrad.load)")
+def test_layer_on_cutlass_equals_the_layer_on_torch():
+    """Output and every gradient of the layer on these kernels within bf16 error of the layer on torch's."""
+    from distributed import run_ranks
+
+    torch_run, cutlass_run = run_ranks(_layer_on_both, 1, backend="nccl")[0]
+    for got, want in zip(cutlass_run, torch_run):
+        assert bool(((got - want).abs() <= 2 ** -6 * want.abs() + 1e-2).all()), (got - want).abs().max()

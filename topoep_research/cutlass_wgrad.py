@@ -137,3 +137,37 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, config=0) -
     if not (a.is_cuda and b.is_cuda and offs.is_cuda):
         raise ValueError("grouped_mm runs on a GPU: a, b and offs must be CUDA tensors (torch._grouped_mm elsewhere)")
     return load(build=False).grouped_mm(a, b, offs, index)
+
+
+def as_grouped_mm(wgrad_config=0, mm_config=0):
+    """A function with torch._grouped_mm's contract, `(a, b, offs=...)`, that runs the two forms of backend cuda's
+    expert GEMMs on these kernels: K-grouped (a the transpose of a contiguous [A, P], b a contiguous [A, Q]: the weight
+    gradients) with `grouped_wgrad` in configuration `wgrad_config`, M-grouped (a a contiguous [A, K], b [G, K, N]
+    contiguous or the transpose(1, 2) of a contiguous [G, N, K]) with `grouped_mm` in `mm_config`; anything else
+    (another dtype, the CPU) with torch._grouped_mm. For `topoep.runtime.cuda_function.GROUPED_MM` in a benchmark
+    (`bench/layer_limit.py --cutlass`)."""
+    wgrad_index, mm_index = check_config(wgrad_config), check_config(mm_config, MM_CONFIGS)
+    lib = load(build=False)
+
+    def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+        form = call_form(a, b) if offs is not None and a.is_cuda and a.dtype == b.dtype == torch.bfloat16 else None
+        if form == "wgrad":
+            return lib.grouped_wgrad(a.t(), b, offs, wgrad_index)
+        if form == "mm":
+            return lib.grouped_mm(a, b, offs, mm_index)
+        return torch._grouped_mm(a, b, offs=offs)
+
+    return grouped
+
+
+def call_form(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Which kernel of this module computes torch._grouped_mm(a, b, offs=...) for these operands' shapes and strides:
+    "wgrad" (a the transpose of a contiguous [A, P], b a contiguous [A, Q]), "mm" (a a contiguous [A, K], b [G, K, N]
+    contiguous or the transpose(1, 2) of a contiguous [G, N, K]), or None (torch._grouped_mm)."""
+    if a.dim() != 2:
+        return None
+    if b.dim() == 2 and a.t().is_contiguous() and b.is_contiguous():
+        return "wgrad"
+    if b.dim() == 3 and a.is_contiguous() and (b.is_contiguous() or b.transpose(1, 2).is_contiguous()):
+        return "mm"
+    return None

@@ -146,21 +146,27 @@ def _sum_choices(rows, k, T, local=None):
     return sum_choices(rows, k, T, local) if rows.is_cuda else sum_choices_reference(rows, k, T, local)
 
 
+# The grouped GEMM of every expert computation below, with torch._grouped_mm's contract (a, b, offs=...): a module
+# attribute, so that a benchmark can time the layer on another kernel of the same contract
+# (bench/layer_limit.py --cutlass swaps in topoep_research.cutlass_wgrad.as_grouped_mm).
+GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
 def grouped_swiglu(x, w1, w2, offs, n):
-    h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(_act(h, n), w2.transpose(1, 2), offs=offs), h
+    h = GROUPED_MM(x, w1.transpose(1, 2), offs=offs)
+    return GROUPED_MM(_act(h, n), w2.transpose(1, 2), offs=offs), h
 
 
 def grouped_swiglu_dgrad(gy, h, w1, w2, offs, n):
     """(input gradient, gradient of h, the activation: the weight gradient's input, made in the same pass)."""
-    gh, act = _act_grad(torch._grouped_mm(gy, w2, offs=offs), h, n)
-    return torch._grouped_mm(gh, w1, offs=offs), gh, act
+    gh, act = _act_grad(GROUPED_MM(gy, w2, offs=offs), h, n)
+    return GROUPED_MM(gh, w1, offs=offs), gh, act
 
 
 def grouped_swiglu_wgrad(x, act, gy, gh, offs):
     """The weight gradients of every group, (g1 [G, 2F, H], g2 [G, H, F]), written once by the GEMMs (no
     zero fill, no accumulation pass); a group with no rows gets zeros. act: the activation (grouped_swiglu_dgrad's)."""
-    return torch._grouped_mm(gh.t(), x, offs=offs), torch._grouped_mm(gy.t(), act, offs=offs)
+    return GROUPED_MM(gh.t(), x, offs=offs), GROUPED_MM(gy.t(), act, offs=offs)
 
 
 _SIDE_STREAMS: dict = {}
