@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -94,6 +94,20 @@ step_limit() {  # one layer at EP 1 against its physical limit (bench/layer_limi
   # same run, our layer (static, topoep), a plain PyTorch MoE and megatron's; LIMIT_ARGS adds options (e.g. --profile)
   timeout ${LIMIT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/layer_limit.py \
     --out "$OUT" ${LIMIT_ARGS:-} 2>&1 | grep -v -i warn | grep -E "^  [0-9]|^\||Error|error" | tail -60
+}
+
+step_cutlass() {  # CUTLASS's grouped GEMM under our tiles (topoep_research.cutlass_wgrad; build it here and carry
+  # build/cutlass_wgrad_*): its GPU tests (kernels against torch._grouped_mm, the layer on them against the default),
+  # the six GEMMs kernel by kernel, then the layer at EP 1 against its limit with and without them (LIMIT_ARGS adds
+  # options, e.g. --cutlass-config 2 0)
+  ls -d build/cutlass_wgrad_*/cutlass_wgrad.so || { echo "cutlass: no build carried (build/cutlass_wgrad_*)"; return 1; }
+  timeout 300 python3 -m pytest -q -rA tests/test_cutlass_wgrad.py 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" \
+    | tee "$OUT/cutlass_tests.log" | tail -3
+  timeout ${GEMM_TIMEOUT:-420} python3 bench/grouped_gemm.py --out "$OUT" --name grouped_gemm_cutlass --cutlass \
+    --configs 128,128,64,8,3 ${GEMM_ARGS:-} 2>&1 | grep -v -i warn | grep -E "^\||Error|error" | head -40
+  timeout ${LIMIT_TIMEOUT:-420} python3 -m torch.distributed.run --standalone --nproc_per_node=1 bench/layer_limit.py \
+    --out "$OUT" --name layer_limit_cutlass --no-megatron --iters 10 --cutlass ${LIMIT_ARGS:-} 2>&1 | grep -v -i warn \
+    | grep -E "^  [0-9]|^\||Error|error" | tail -40
 }
 
 step_meta() {  # the metadata graph's kernels: backend cuda's GPU tests at EP 1 (stops at the first failure) and its sync
