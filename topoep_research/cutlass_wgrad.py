@@ -14,8 +14,9 @@ epilogue is as long as its main loop; on random routing a group just over a mult
 
 Building needs nvcc (the CUDA toolkit; `topoep.planners.cuda.cuda_home`) and CUTLASS's headers: `CUTLASS_HOME` (a
 CUTLASS checkout), else the `nvidia-cutlass` package (`pip install --no-deps nvidia-cutlass==4.2.0`, which ships
-them). Its 13 configurations take 10-15 minutes on 2 cores; build here, carry `build/cutlass_wgrad_*` to the GPU machine
-(`tools/gpu_session.sh` step `gemm`), which loads the built library without CUTLASS. Nothing in the layer uses it.
+them). Its 13 configurations take 10-15 minutes on 2 cores; build here, carry `build/cutlass_wgrad_*` to the GPU
+machine (`tools/gpu_session.sh` step `cutlass`), which loads the built library without CUTLASS. The layer never uses
+it unless a benchmark swaps it in (`as_grouped_mm`).
 """
 
 from __future__ import annotations
