@@ -236,8 +236,7 @@ def parse_args(argv):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--name", default="grouped_gemm")
-    args = ap.parse_args(argv)
-    return args
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:

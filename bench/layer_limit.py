@@ -302,19 +302,10 @@ def gemm_kernel(name: str, args):
     (`topoep_research.cutlass_wgrad.as_grouped_mm` in --cutlass-config), forward and backward; else nothing changes."""
     if not name.endswith(" cutlass"):
         return contextlib.nullcontext
-    from topoep.runtime import cuda_function
-    from topoep_research.cutlass_wgrad import as_grouped_mm
+    from topoep_research.cutlass_wgrad import as_grouped_mm, swapped_grouped_mm
 
     kernel = as_grouped_mm(*args.cutlass_config)
-
-    @contextlib.contextmanager
-    def swapped():
-        default, cuda_function.GROUPED_MM = cuda_function.GROUPED_MM, kernel
-        try:
-            yield
-        finally:
-            cuda_function.GROUPED_MM = default
-    return swapped
+    return lambda: swapped_grouped_mm(kernel)
 
 
 def build(args, T: int, dev, fc1, fc2) -> dict:

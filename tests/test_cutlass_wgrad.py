@@ -125,7 +125,7 @@ def _layer_on_both(rank, world):
     gradients) of each, as fp32 CPU tensors."""
     from topoep import ExpertParallelMoE, Topology
     from topoep.runtime import cuda_function
-    from topoep_research.cutlass_wgrad import as_grouped_mm
+    from topoep_research.cutlass_wgrad import as_grouped_mm, swapped_grouped_mm
 
     dev = torch.device("cuda", torch.cuda.current_device())
     T, E, H, Fd, k = 1024, 16, 256, 128, 4
@@ -139,14 +139,11 @@ def _layer_on_both(rank, world):
     gy = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
     outs = []
     for kernel in (cuda_function.GROUPED_MM, as_grouped_mm(0, 0)):
-        default, cuda_function.GROUPED_MM = cuda_function.GROUPED_MM, kernel
-        try:
+        with swapped_grouped_mm(kernel):
             x.grad = w.grad = None
             layer.zero_grad(set_to_none=True)
             y = layer(x, idx, w)
             y.backward(gy)
-        finally:
-            cuda_function.GROUPED_MM = default
         outs.append([t.float().cpu() for t in (y, x.grad, w.grad, layer.fc1.grad, layer.fc2.grad)])
     return outs
 

@@ -21,6 +21,7 @@ it unless a benchmark swaps it in (`as_grouped_mm`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -172,3 +173,16 @@ def call_form(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if b.dim() == 3 and a.is_contiguous() and (b.is_contiguous() or b.transpose(1, 2).is_contiguous()):
         return "mm"
     return None
+
+
+@contextlib.contextmanager
+def swapped_grouped_mm(kernel):
+    """Backend cuda's expert GEMMs (`topoep.runtime.cuda_function.GROUPED_MM`) run `kernel` (e.g. `as_grouped_mm()`)
+    inside the block, forward and backward alike; the default comes back after it, also after an error."""
+    from topoep.runtime import cuda_function
+
+    default, cuda_function.GROUPED_MM = cuda_function.GROUPED_MM, kernel
+    try:
+        yield
+    finally:
+        cuda_function.GROUPED_MM = default
