@@ -98,6 +98,12 @@ def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
         NetBenefitGuard().select(plans[0], 1e-6, 1, backend="gpu")
     meta = [to(p, "meta") for p in plans]
     assert not guard_cuda.usable(NetBenefitGuard(), tuple(meta))
+    # the kernel prices relayed fetches level by level; copy by copy the guard runs its reference
+    from types import SimpleNamespace
+
+    cuda_like = SimpleNamespace(route=SimpleNamespace(is_cuda=True), topology=plans[0].topology)
+    assert guard_cuda.usable(NetBenefitGuard(relay_fanout=2), (cuda_like,))
+    assert not guard_cuda.usable(NetBenefitGuard(relay_fanout=2, relay_schedule="async"), (cuda_like,))
 
 
 @gpu

@@ -36,6 +36,7 @@ BAD = [  # (field, bad value, what the error says)
     ("relay_fanout", 0, "LayerConfig.relay_fanout must be an integer >= 1, got 0"),
     ("relay_chunks", 0, "LayerConfig.relay_chunks must be an integer >= 1, got 0"),
     ("relay_share", 1, "LayerConfig.relay_share must be true or false, got 1"),
+    ("relay_schedule", "tree", "LayerConfig.relay_schedule='tree' is unknown; choose one of levels, async"),
     ("deepep_deterministic", "yes", "LayerConfig.deepep_deterministic must be true or false, got 'yes'"),
     ("fetch_overlap", 1, "LayerConfig.fetch_overlap must be true or false, got 1"),
     ("plus_spread", 1, "LayerConfig.plus_spread must be true or false, got 1"),

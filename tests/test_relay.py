@@ -3,6 +3,7 @@ Python walk of the rule; every tree is valid (each copy's source holds the same 
 levels one more than the source's, one NIC crossing per remote domain, at most `fanout` children per node); a hot
 expert's home sends at most fanout + (domains - 1) copies instead of one per copy."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -274,3 +275,66 @@ def test_direct_beyond_tree_equals_a_count_per_home():
             assert got.dtype == torch.bool and got.shape == () and bool(got) == want
             seen.add(want)
     assert seen == {False, True}
+
+
+def _chain_reference(plan, source, level, hop):
+    """copy_arrival written as a walk: parents (lower levels) first, each copy one hop after its source holds e."""
+    R, N = plan.num_ranks, plan.num_slots
+    se, src, lvl = plan.slot_expert.tolist(), source.tolist(), level.tolist()
+    ready, out = {}, [[0] * N for _ in range(R)]
+    for r, n in sorted(((r, n) for r in range(R) for n in range(N) if se[r][n] >= 0), key=lambda t: lvl[t[0]][t[1]]):
+        s, e = src[r][n], se[r][n]
+        ready[(r, e)] = ready.get((s, e), 0) + (int(hop[s, r]) if s != r else 0)
+        out[r][n] = ready[(r, e)]
+    return out
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_copy_arrival_and_async_fetch_fs_equal_a_walk(fanout):
+    """copy_arrival: each copy arrives the sum of its path's hops after the start (a plain walk of the trees);
+    async_fetch_fs: the longer of the whole fetch's busiest link and the latest arrival, in exact integers, never
+    above the level-by-level price (each hop of a chain is at most its level's busiest link, and the busiest link of
+    the sum at most the sum of the levels'), with the levels that carry a copy as its steps."""
+    from topoep.links import transfer_fs
+    from topoep.relay import async_fetch_fs, copy_arrival, relay_fetch_fs
+
+    deep = 0
+    for plan in _plans():
+        topo = plan.topology.on("cpu")
+        source, level = relay_sources(plan, fanout)
+        hop = topo.cost_fs * plan.expert_bytes
+        L = max_level(plan.topology, fanout)
+        got = copy_arrival(plan, source, level, hop, L)
+        assert got.dtype == torch.int64 and got.tolist() == _chain_reference(plan, source, level, hop)
+        assert torch.equal(got, copy_arrival(plan, source, level, hop))  # the host-read number of levels
+        flows = relay_levels(plan, source, level, L)
+        fs, steps = async_fetch_fs(plan, fanout, plan.topology)
+        want = max(int(transfer_fs(flows.sum(0), plan.expert_bytes, topo)), int(got.max()))
+        assert int(fs) == want and int(steps) == int((flows.sum((1, 2)) > 0).sum())
+        assert int(fs) <= int(relay_fetch_fs(plan, fanout, plan.topology)[0])
+        deep += int(level.max()) >= 2
+    assert deep > 0  # chains of relayed hops were walked
+
+
+def test_async_fetch_fs_on_a_hand_built_tree():
+    """Expert 0 (home 0) with copies on ranks 1, 2, 3 (domain 0) and 4, 5, 6, 7 (domain 1), fanout 2: domain 0's copies
+    come from the home (1, 2) and from 1 (3), domain 1's root 4 from the home over the NIC, 5 and 6 from 4, 7 from 5.
+    The longest chain is NIC + 2 NVLink hops; the busiest link is the home's NVLink port (2 copies) and the NICs
+    (1 copy); copy by copy the fetch takes the chain, level by level the sum of three levels' busiest links."""
+    from topoep.relay import async_fetch_fs, copy_arrival, relay_fetch_fs
+
+    W, intra, inter = 1000, 2, 9  # femtoseconds per byte on NVLink and across
+    topo = Topology(num_domains=2, ranks_per_domain=4, intra_cost=intra * 1e-15, inter_cost=inter * 1e-15)
+    base = solve(biased_routing(8, 8, 64, 2, -4.0, seed=0), topo, num_slots=1, policy="static", expert_bytes=W,
+                 token_bytes=10)
+    se = torch.tensor([[-1], [0], [0], [0], [0], [0], [0], [0]])
+    plan = dataclasses.replace(base, slot_expert=se)
+    source, level = relay_sources(plan, 2)
+    assert source.flatten().tolist() == [-1, 0, 0, 1, 0, 4, 4, 5]
+    arrival = copy_arrival(plan, source, level, topo.cost_fs * W).flatten().tolist()
+    assert arrival == [0, 2 * W, 2 * W, 4 * W, 9 * W, 11 * W, 11 * W, 13 * W]
+    fs, steps = async_fetch_fs(plan, 2, topo)
+    # busiest link over the fetch: home 0 sends 2 copies over NVLink (4 W) and 1 over the NIC (9 W); 4 sends 2 (4 W)
+    assert int(fs) == 13 * W and int(steps) == 3
+    # level by level: level 1 (home's NIC copy, 9 W), level 2 (two NVLink copies from 4, 4 W), level 3 (2 W)
+    assert int(relay_fetch_fs(plan, 2, topo)[0]) == (9 + 4 + 2) * W

@@ -1,7 +1,10 @@
 """Backend torch with relayed replica fetches (LayerConfig.relay_fanout, topoep.relay) on gloo processes, 8 ranks as
 2 domains of 4 under a strong skew: the same outputs bit for bit as fetching every copy from its home, the same
-gradients up to float summation order (and equal to the dense reference), bit-identical from run to run, and the
-trees really relay (copies fetched from other copies, more than one level)."""
+gradients up to float summation order (and equal to the dense reference), bit-identical from run to run, level by
+level or copy by copy (LayerConfig.relay_schedule), and the trees really relay (copies fetched from other copies,
+more than one level)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,10 +15,12 @@ from topoep import ExpertParallelMoE, LayerConfig, Topology
 from topoep.relay import max_level, relay_sources
 
 
-# (name, relay_fanout, relay_chunks): copies in 3 chunks whose levels overlap (relay2_c3: a weight of 2 F H elements
-# does not divide into 3 equal chunks here)
-RUNS = (("direct", None, 1), ("relay1", 1, 1), ("relay2", 2, 1), ("relay2_again", 2, 1), ("relay2_c3", 2, 3),
-        ("relay1_c4", 1, 4))
+# (name, relay_fanout, relay_chunks, relay_schedule): copies in 3 chunks whose levels overlap (relay2_c3: a weight of
+# 2 F H elements does not divide into 3 equal chunks here); copy by copy (async)
+RUNS = (("direct", None, 1, "levels"), ("relay1", 1, 1, "levels"), ("relay2", 2, 1, "levels"),
+        ("relay2_again", 2, 1, "levels"), ("relay2_c3", 2, 3, "levels"), ("relay1_c4", 1, 4, "levels"),
+        ("relay1_async", 1, 1, "async"), ("relay2_async", 2, 1, "async"), ("relay3_async", 3, 1, "async"),
+        ("relay3", 3, 1, "levels"))
 
 
 def _relay(rank, world, rpd):
@@ -28,10 +33,11 @@ def _relay(rank, world, rpd):
     ref = dense_reference(x, idx, w, fc1, fc2, gy)
     lo, hi = rank * E_loc, (rank + 1) * E_loc
     out = {}
-    for name, fanout, chunks in RUNS:
+    for name, fanout, chunks, schedule in RUNS:
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   config=LayerConfig(policy="topoep_plus", num_slots=N, guard=False,
-                                                     relay_fanout=fanout, relay_chunks=chunks))
+                                                     relay_fanout=fanout, relay_chunks=chunks,
+                                                     relay_schedule=schedule))
         with torch.no_grad():
             layer.fc1.copy_(fc1[lo:hi])
             layer.fc2.copy_(fc2[lo:hi])
@@ -60,6 +66,9 @@ def test_relayed_fetch_and_tree_return_match_the_direct_path():
         # chunked: element by element the same copies and the same sums in the same order as level by level
         for chunked, plain in (("relay2_c3", "relay2"), ("relay1_c4", "relay1")):
             assert all(torch.equal(a, b) for a, b in zip(out[chunked][0], out[plain][0])), chunked
+        # copy by copy: the same copies, and every node adds its children's gradients in the same order
+        for copies, plain in (("relay1_async", "relay1"), ("relay2_async", "relay2"), ("relay3_async", "relay3")):
+            assert all(torch.equal(a, b) for a, b in zip(out[copies][0], out[plain][0])), copies
         assert out["relay1"][1] >= 4 and out["relay1"][2] >= 3  # chains: copies sent on by other copies
 
 
@@ -83,7 +92,9 @@ def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
         idx[..., 0] = torch.where(idx[..., 1] == seed % 2, idx[..., 0], torch.full_like(idx[..., 0], seed % 2))
         inputs.append((x, idx, w, fc1, fc2, gy))
     out, before = {}, (0, 0, 0)
-    for name, fanout, relay_chunks in RUNS:
+    for name, fanout, relay_chunks, schedule in RUNS:
+        if schedule != "levels":  # backend cuda runs the trees level by level
+            continue
         layers, losses, leaves = [], [], []
         for x, idx, w, fc1, fc2, gy in inputs:
             fields = dict(options or {}, policy="topoep_plus", num_slots=N, guard=False, backend="cuda",
@@ -195,3 +206,41 @@ def test_relay_chunks_are_checked_and_reach_the_guard():
     layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=topo, relay_fanout=2,
                               relay_chunks=3, relay_share=True, guard=NetBenefitGuard(relay_fanout=1))
     assert (layer.guard.relay_fanout, layer.guard.relay_chunks, layer.guard.relay_share) == (1, 3, True)
+
+
+def test_relay_schedule_is_checked_and_reaches_the_guard():
+    """LayerConfig.relay_schedule: levels or async; async needs relay_fanout, one chunk and backend torch; the layer's
+    guard prices the schedule that runs, copy by copy never above level by level."""
+    from topoep.relay import async_fetch_fs
+    from topoep.runtime.guard import SECONDS_PER_FS, NetBenefitGuard
+    from topoep.workloads import biased_routing
+
+    with pytest.raises(ValueError, match="LayerConfig.relay_schedule='tree' is unknown; choose one of levels, async"):
+        LayerConfig(relay_fanout=2, relay_schedule="tree")
+    with pytest.raises(ValueError, match="relay_schedule=async runs the relay trees copy by copy, but "
+                                         "LayerConfig.relay_fanout is null"):
+        LayerConfig(relay_schedule="async")
+    with pytest.raises(ValueError, match="set LayerConfig.relay_chunks=1 \\(got 2\\)"):
+        LayerConfig(relay_fanout=2, relay_chunks=2, relay_schedule="async")
+    with pytest.raises(ValueError, match="relay_schedule=async runs on backend torch"):
+        LayerConfig(relay_fanout=2, relay_schedule="async", backend="cuda")
+    with pytest.raises(ValueError, match="NetBenefitGuard.relay_schedule must be one of levels, async"):
+        NetBenefitGuard(relay_fanout=2, relay_schedule="copies")
+    with pytest.raises(ValueError, match="relay_chunks must be 1, got 3"):
+        NetBenefitGuard(relay_fanout=2, relay_chunks=3, relay_schedule="async")
+    one = Topology(num_domains=1, ranks_per_domain=1)
+    layer = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=one, relay_fanout=2,
+                              relay_schedule="async")
+    assert (layer.guard.relay_fanout, layer.guard.relay_schedule) == (2, "async")
+    levels = ExpertParallelMoE(num_experts=4, hidden_size=16, ffn_hidden_size=8, topology=one, relay_fanout=2)
+    assert levels.guard.relay_schedule == "levels"
+    from topoep import solve
+
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    plan = solve(biased_routing(8, 16, 256, 2, -4.0, seed=3, layout="clustered"), topo, num_slots=3,
+                 policy="topoep_plus", expert_bytes=1 << 20, token_bytes=64)
+    guard = NetBenefitGuard(relay_fanout=2, relay_share=True, relay_schedule="async", transfer_latency_s=1e-5)
+    t, relay = guard.fetch_choice(plan, 1)
+    fs, steps = async_fetch_fs(plan, 2, topo)
+    assert bool(relay) and float(t) == float(fs.double() * SECONDS_PER_FS + steps.double() * 1e-5)
+    assert float(t) <= float(dataclasses.replace(guard, relay_schedule="levels").fetch_choice(plan, 1)[0])

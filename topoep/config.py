@@ -122,6 +122,13 @@ class LayerConfig:
     it has it, so the trees' levels overlap (levels + relay_chunks - 1 steps instead of one level after the other,
     `topoep.relay.relay_steps`); the gradient return runs up the trees alike. Backend cuda pays a barrier of the
     group per step. The guard prices the fetch this way. Results do not depend on it (1 to 64)."""
+    relay_schedule: str = "levels"
+    """With relay_fanout: how a relayed fetch runs (topoep.relay.RELAY_SCHEDULES). "levels": level after level (a
+    relay sends on once its whole level arrived; relay_chunks overlap the levels). "async": copy by copy, each copy
+    sent on as soon as its relay holds it, and the gradient return up the trees alike (a node sends once its
+    children's gradients arrived), so a deep tree's second hop runs beside its first level's other copies; the guard
+    prices it as the longer of the fetch's busiest link and its longest chain of hops (`NetBenefitGuard.relay_schedule`,
+    on its torch reference). Backend torch only; relay_chunks must be 1. Results do not depend on it."""
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form would make a home send more copies of one
     expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into each
@@ -135,6 +142,7 @@ class LayerConfig:
 
     def __post_init__(self):
         from topoep.planners import OFFLINE_POLICIES, POLICIES
+        from topoep.relay import RELAY_SCHEDULES
 
         p = self.prefix
         if self.policy in OFFLINE_POLICIES:
@@ -220,6 +228,18 @@ class LayerConfig:
         if self.relay_share and self.relay_fanout is None:
             raise ValueError(f"{p}.relay_share=true bounds the senders of relay trees, but {p}.relay_fanout is null "
                              f"(nothing relayed): set {p}.relay_fanout (e.g. 2) or {p}.relay_share=false")
+        _check_choice(self, "relay_schedule", RELAY_SCHEDULES)
+        if self.relay_schedule == "async":
+            if self.relay_fanout is None:
+                raise ValueError(f"{p}.relay_schedule=async runs the relay trees copy by copy, but {p}.relay_fanout is "
+                                 f"null (nothing relayed): set {p}.relay_fanout (e.g. 2) or {p}.relay_schedule=levels")
+            if self.relay_chunks != 1:
+                raise ValueError(f"{p}.relay_schedule=async moves whole copies, each as soon as its relay holds it: set "
+                                 f"{p}.relay_chunks=1 (got {self.relay_chunks}) or {p}.relay_schedule=levels")
+            if self.backend != "torch":
+                raise ValueError(f"{p}.relay_schedule=async runs on backend torch (point-to-point sends); backend "
+                                 f"{self.backend} runs the trees level by level: set {p}.backend=torch or "
+                                 f"{p}.relay_schedule=levels")
         if self.relay_chunks > 1 and self.relay_fanout is None:
             raise ValueError(f"{p}.relay_chunks={self.relay_chunks} chunks the relayed replica fetch, but "
                              f"{p}.relay_fanout is null (every copy from its home, nothing relayed): set "

@@ -16,6 +16,11 @@ share its links. The gradient return follows the trees in reverse, deepest level
 summing its children's gradients in list order onto its own before sending (a fixed order, element by element: the
 sums stay bit-reproducible and do not depend on C).
 
+A fetch can also run copy by copy (`RELAY_SCHEDULES` "async"): each copy leaves as soon as its source holds it, so
+a deep tree's second hop runs beside the first level's other copies instead of after all of them; it takes the longer
+of its busiest link over the whole fetch and its longest chain of hops (`async_fetch_fs`, optimistic: contention
+along a chain is not in it). The copies and the gradient sums are the same as level by level.
+
 Everything here is tensor code on the plan's device, without host synchronisation: the number of levels is bounded by
 the shapes (`max_level`), so a runtime that must not read the plan on the host runs that many levels, empty ones
 included. Backend torch (`LayerConfig.relay_fanout`) executes the trees, backend cuda too (both transports), and the
@@ -30,6 +35,12 @@ import torch
 
 from topoep.links import transfer_fs
 from topoep.plan import Plan
+
+
+RELAY_SCHEDULES = ("levels", "async")
+"""How a relayed fetch runs: "levels", one level after the other (each copy sent on once the whole level arrived;
+`relay_steps`, `relay_fetch_fs`), or "async", copy by copy (a copy leaves as soon as its source holds it:
+`copy_arrival`, `async_fetch_fs`)."""
 
 
 class RelayTrees(NamedTuple):
@@ -197,6 +208,48 @@ def relay_fetch_fs(plan: Plan, fanout: int, topology, chunks: int = 1) -> tuple[
     flows = relay_levels(plan, *relay_sources(plan, fanout), max_level(plan.topology, fanout))
     steps = relay_steps(flows, chunks)
     return transfer_fs(steps, plan.expert_bytes, topology).sum() // chunks, (steps.sum((1, 2)) > 0).sum()
+
+
+def copy_arrival(plan: Plan, source: torch.Tensor, level: torch.Tensor, hop: torch.Tensor,
+                 levels: int | None = None) -> torch.Tensor:
+    """[R, N] (hop's dtype): when each slot holds its copy in a fetch that runs copy by copy (`RELAY_SCHEDULES`
+    "async"): a copy leaves its source as soon as the source holds it (a home holds its experts from the start, 0) and
+    takes hop[source, dst] (e.g. expert_bytes x the link's per-byte cost: `Topology.cost_fs`, or seconds), so a slot's
+    arrival is the sum of the hops on its path from the home. Link contention is not in it (`async_fetch_fs` adds the
+    busiest link). 0 for an empty slot. Walks `levels` levels with fixed shapes (e.g. `max_level`: no host
+    synchronisation; default the largest level, which the host reads)."""
+    R, N, E = plan.num_ranks, plan.num_slots, plan.num_experts
+    se = plan.slot_expert.reshape(-1)
+    dev = se.device
+    src, lv = source.reshape(-1), level.reshape(-1)
+    occ = se >= 0
+    L = levels if levels is not None else max(1, int(lv.max()) if lv.numel() else 1)
+    dst = torch.arange(R * N, device=dev) // max(N, 1)
+    e = se.clamp(min=0)
+    hop = hop.to(dev)
+    cost = torch.where(occ & (src != dst), hop[src.clamp(min=0), dst], torch.zeros((), dtype=hop.dtype, device=dev))
+    ready = torch.zeros(R * E + 1, dtype=hop.dtype, device=dev)  # (rank, expert) -> when it holds it; R E: unused
+    at = dst * E + e
+    for l in range(1, L + 1):  # parents first: a level's sources got their copies in the levels before
+        take = occ & (lv == l)
+        ready.index_copy_(0, torch.where(take, at, R * E), ready[src.clamp(min=0) * E + e] + cost)
+    return torch.where(occ, ready[at], torch.zeros((), dtype=hop.dtype, device=dev)).view(R, N)
+
+
+def async_fetch_fs(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """(femtoseconds int64 0-d, steps int64 0-d) of one relayed replica fetch of `plan` run copy by copy
+    (`RELAY_SCHEDULES` "async"), under `topology`'s integer per-byte costs: the longer of its busiest link over the
+    whole fetch (every level's copies together, `topoep.links.transfer_fs`) and its longest chain of hops
+    (`copy_arrival` with hop = expert_bytes x cost_fs), an optimistic estimate (a hop that finds its link busy waits
+    in a real schedule); and the levels that carry a copy (the longest chain's hops at most: each pays a transfer's
+    latency, as in `relay_fetch_fs`). Exact integers; no host synchronisation (`max_level` levels)."""
+    source, level = relay_sources(plan, fanout)
+    L = max_level(plan.topology, fanout)
+    flows = relay_levels(plan, source, level, L)
+    topo = topology.on(flows.device)
+    busiest = transfer_fs(flows.sum(0), plan.expert_bytes, topo)
+    chain = copy_arrival(plan, source, level, topo.cost_fs * int(plan.expert_bytes), L).amax()
+    return torch.maximum(busiest, chain), (flows.sum((1, 2)) > 0).sum()
 
 
 def direct_beyond_tree(plan: Plan, fanout: int) -> torch.Tensor:

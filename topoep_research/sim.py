@@ -92,7 +92,7 @@ from topoep import links, workloads
 from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import chunk_pipeline, replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
-from topoep.relay import executed_sources, relay_levels, relay_steps, sender_copies
+from topoep.relay import copy_arrival, executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
 from topoep.planners.cuda import CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES
@@ -270,10 +270,10 @@ class Execution:
     (`NetBenefitGuard.relay_share`)."""
     relay_schedule: str = "levels"
     """With relay_fanout: how a relayed fetch runs. "levels" (both runtimes): level after level, each waiting for the
-    one before (relay_chunks overlap them). "async", a what-if no runtime executes: every copy leaves as soon as its
-    source holds it, so the fetch takes the longer of its busiest link's bytes over all levels and its longest chain
-    of hops (`async_fetch_s`), an optimistic estimate of a copy-by-copy schedule; the guard still prices the levels
-    (its choice between relayed and direct is left as it is)."""
+    one before (relay_chunks overlap them). "async" (backend torch, `LayerConfig.relay_schedule`): every copy leaves
+    as soon as its source holds it, so the fetch takes the longer of its busiest link's bytes over all levels and its
+    longest chain of hops (`async_fetch_s`), an optimistic estimate of a copy-by-copy schedule; the guard prices the
+    fetch the same way (`NetBenefitGuard.relay_schedule`, `topoep.relay.async_fetch_fs`)."""
     fetch_overlap: bool = False
     """Pipelined executions: the forward replica fetch runs beside the dispatch and the main experts' GEMMs, first on
     the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs
@@ -625,21 +625,16 @@ class SimResult:
 def async_fetch_s(plan: Plan, source: torch.Tensor, level: torch.Tensor, loads: dict, cluster: Cluster,
                   copy_bytes: float) -> float:
     """Execution.relay_schedule "async": seconds of a relayed fetch whose copies each leave as soon as their source
-    holds them, estimated as the longer of its busiest link over the whole fetch (`loads`: every level's bytes per
-    link, summed) and its longest chain of hops (each hop one copy of `copy_bytes` at that link's bandwidth: NVLink
-    inside a domain, the NIC across). Optimistic: a real schedule also waits where a chain's hop finds its link busy."""
+    holds them: the longer of its busiest link over the whole fetch (`loads`: every level's bytes per link, summed)
+    and its longest chain of hops (`topoep.relay.copy_arrival`, each hop one copy of `copy_bytes` at that link's
+    bandwidth: NVLink inside a domain, the NIC across), the model of `topoep.relay.async_fetch_fs` at the cluster's
+    bandwidths. Optimistic: a real schedule also waits where a chain's hop finds its link busy."""
     busiest = transfer_time(loads, cluster)[0]
-    R, N = plan.num_ranks, plan.num_slots
-    dom = plan.topology.domain_of.tolist()
-    src, lvl, se = source.reshape(-1).tolist(), level.reshape(-1).tolist(), plan.slot_expert.reshape(-1).tolist()
-    hop = {True: copy_bytes / cluster.nvlink_bytes_per_s, False: copy_bytes / cluster.rdma_bytes_per_s}
-    ready: dict = {}  # (rank, expert) -> when that rank holds the expert; its home holds it from the start
-    for i in sorted(range(R * N), key=lambda i: lvl[i]):  # parents (lower levels) first
-        if se[i] < 0:
-            continue
-        r, s = i // N, src[i]
-        ready[(r, se[i])] = ready.get((s, se[i]), 0.0) + hop[dom[s] == dom[r]]
-    return max(busiest, max(ready.values(), default=0.0))
+    dom = plan.topology.domain_of
+    same = dom[:, None] == dom[None, :]
+    hop = torch.where(same, copy_bytes / cluster.nvlink_bytes_per_s, copy_bytes / cluster.rdma_bytes_per_s).double()
+    chain = copy_arrival(plan, source, level, hop).max().item() if source.numel() else 0.0
+    return max(busiest, chain)
 
 
 def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
@@ -929,7 +924,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     if guard is not None and execution.dedup and guard.token_top_k is None:
         guard = replace(guard, token_top_k=model.top_k)
     if guard is not None and execution.relay_fanout is not None:  # the guard prices the relayed fetch that runs
-        guard = guard.pricing_relays(execution.relay_fanout, execution.relay_chunks, execution.relay_share)
+        guard = guard.pricing_relays(execution.relay_fanout, execution.relay_chunks, execution.relay_share,
+                                      execution.relay_schedule)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

@@ -199,12 +199,118 @@ class TorchBackend:
             return main[e - self.rank * E_loc]
         return pool_tensor[plan_row.index(e)]
 
+    def _tree_nodes(self, plan: Plan, fanout: int):
+        """The relay trees (topoep.relay.executed_sources) as this rank takes part in them: [(level, dest r, slot j,
+        expert e)] of the copies it sends, sorted (a level's sends before the next level's), and {slot j: (source s,
+        level, expert e)} of the copies it receives; None when no rank holds a replica."""
+        from topoep.relay import executed_sources
+
+        R, N = plan.num_ranks, plan.num_slots
+        se = plan.slot_expert.tolist()
+        if all(e < 0 for row in se for e in row):
+            return None
+        source, level = (t.tolist() for t in executed_sources(plan, fanout))
+        sends = sorted((level[r][j], r, j, se[r][j]) for r in range(R) for j in range(N)
+                       if se[r][j] >= 0 and source[r][j] == self.rank)
+        recvs = {j: (source[self.rank][j], level[self.rank][j], e) for j, e in enumerate(se[self.rank]) if e >= 0}
+        return sends, recvs
+
+    def _fetch_async(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int) -> None:
+        """Down the relay trees copy by copy (LayerConfig.relay_schedule "async"): every copy this rank receives is
+        posted at once, every copy of an expert it is home to leaves at once, and a relay sends a copy on as soon as
+        its own has arrived (point-to-point, the tag the receiving slot). Sends go in level order, so a rank waits
+        for a copy of level l only after it sent all of its own of the levels before: no cycle of waits. The slots
+        end as level by level."""
+        nodes = self._tree_nodes(plan, fanout)
+        if nodes is None:
+            return
+        sends, recvs = nodes
+        E_loc, n1, dtype = plan.num_experts // plan.num_ranks, pool.fc1[0].numel(), pool.fc1.dtype
+        n = n1 + pool.fc2[0].numel()
+        row = plan.slot_expert[self.rank].tolist()
+        got = {j: pool.fc1.new_empty(n) for j, (s, _, _) in recvs.items() if s != self.rank}
+        pending = {j: dist.irecv(got[j], group=self.group, group_src=s, tag=j) for j, (s, _, _) in recvs.items()
+                   if s != self.rank}
+
+        def held(e: int) -> torch.Tensor:  # my copy of e, flat: my main weights, or my slot's once it arrived
+            if e_main(e, E_loc) == self.rank:
+                return _flat_range(main_fc1[e - self.rank * E_loc].detach(),
+                                   main_fc2[e - self.rank * E_loc].detach(), 0, n).to(dtype)
+            j = row.index(e)
+            if j in pending:
+                pending.pop(j).wait()
+                _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, got[j], add=False)
+            return got[j]
+
+        works = []
+        for _, r, j, e in sends:
+            data = held(e).contiguous()
+            if r == self.rank:  # a copy of one of my own experts into my own slot
+                _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, data, add=False)
+            else:
+                works.append((dist.isend(data, group=self.group, group_dst=r, tag=j), data))
+        for j in sorted(pending):
+            pending[j].wait()
+            _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, got[j], add=False)
+        for w, _ in works:
+            w.wait()
+
+    def _return_async(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list, fanout: int) -> None:
+        """Up the relay trees copy by copy (LayerConfig.relay_schedule "async"): every gradient this rank's copies
+        receive from their children is posted at once; this rank's copies go deepest level first, each adding its
+        children's gradients in (child rank, slot) order onto its own (as `_return_relayed` adds them: the same sums
+        bit for bit) and sending the result to the rank it fetched from; a home adds its children's onto its main
+        gradient. A copy of level l waits only for children of level l + 1, which every rank sent before any copy
+        of level l: no cycle of waits."""
+        nodes = self._tree_nodes(plan, fanout)
+        if nodes is None:
+            return
+        sends, recvs = nodes
+        E_loc, n1 = plan.num_experts // plan.num_ranks, pool.fc1[0].numel()
+        n = n1 + pool.fc2[0].numel()
+        row = plan.slot_expert[self.rank].tolist()
+        # the children of my copy of e (my main expert or my slot holding it): the copies fetched from me, deepest
+        # level first, then in (rank, slot) order, each with its gradient when it arrives
+        children: dict[int, list] = {}
+        incoming = {}
+        for _, r, j, e in sorted(sends, key=lambda t: (-t[0], t[1], t[2])):  # as `_return_relayed` adds them
+            children.setdefault(e, []).append((r, j))
+            if r != self.rank:
+                buf = pool.fc1.new_empty(n)
+                incoming[(r, j)] = (dist.irecv(buf, group=self.group, group_src=r, tag=j), buf)
+
+        def add_children(e: int, g1: torch.Tensor, g2: torch.Tensor) -> None:
+            for r, j in children.get(e, ()):  # (child rank, slot) order: a fixed summation order
+                if r == self.rank:
+                    data = _flat_range(pool.fc1[j], pool.fc2[j], 0, n)
+                else:
+                    work, data = incoming.pop((r, j))
+                    work.wait()
+                _flat_range_update(g1, g2, 0, n, data, add=True)
+
+        works = []
+        for j in sorted(recvs, key=lambda j: (-recvs[j][1], j)):  # deepest level first
+            s, _, e = recvs[j]
+            if e_main(e, E_loc) == self.rank:
+                continue  # a copy of my own expert: its gradient is added below, as a child of my main copy
+            add_children(e, pool.fc1[j], pool.fc2[j])
+            data = _flat_range(pool.fc1[j], pool.fc2[j], 0, n).contiguous()
+            works.append((dist.isend(data, group=self.group, group_dst=s, tag=j), data))
+        for e in sorted(children):
+            if e_main(e, E_loc) == self.rank:
+                add_children(e, grad_fc1[e - self.rank * E_loc], grad_fc2[e - self.rank * E_loc])
+        for w, _ in works:
+            w.wait()
+
     def fetch_replicas(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool,
-                       relay_fanout: int | None = None, relay_chunks: int = 1) -> None:
+                       relay_fanout: int | None = None, relay_chunks: int = 1, relay_schedule: str = "levels") -> None:
         """Copy every replicated expert's weights into the slot the plan gives it: from its main rank, or with
-        relay_fanout down the relay trees of topoep.relay, level by level (a copy is sent on once it has arrived),
-        each copy in relay_chunks chunks whose levels overlap (`topoep.relay.relay_steps`)."""
+        relay_fanout down the relay trees of topoep.relay, level by level (a copy is sent on once its level has
+        arrived), each copy in relay_chunks chunks whose levels overlap (`topoep.relay.relay_steps`), or with
+        relay_schedule "async" copy by copy (`_fetch_async`)."""
         if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
+            if relay_schedule == "async":
+                return self._fetch_async(plan, main_fc1, main_fc2, pool, relay_fanout)
             return self._fetch_relayed(plan, main_fc1, main_fc2, pool, relay_fanout, relay_chunks)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:  # no replica anywhere (the same on every rank)
@@ -256,11 +362,13 @@ class TorchBackend:
                 _flat_range_update(g1, g2, lo, hi, data, add=True)
 
     def return_grads(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list,
-                     relay_fanout: int | None = None, relay_chunks: int = 1) -> None:
+                     relay_fanout: int | None = None, relay_chunks: int = 1, relay_schedule: str = "levels") -> None:
         """Send the slots' weight gradients (held in pool.fc1/fc2) to the main ranks and add them to
         grad_fc1/grad_fc2 (this rank's main experts), in source-rank then slot order; with relay_fanout up the
-        relay trees (`_return_relayed`)."""
+        relay trees (`_return_relayed`, or with relay_schedule "async" `_return_async`)."""
         if relay_fanout is not None and self.world_size > 1 and pool.num_slots:
+            if relay_schedule == "async":
+                return self._return_async(plan, pool, grad_fc1, grad_fc2, relay_fanout)
             return self._return_relayed(plan, pool, grad_fc1, grad_fc2, relay_fanout, relay_chunks)
         routes = None if self.world_size == 1 or pool.num_slots == 0 else self._slot_routes(plan)
         if routes is None:

@@ -10,7 +10,8 @@ port or NIC, in one direction, at the topology's per-byte cost),
     T_plan     = plan_s                                                            planning estimate (a constant)
     T_transfer = n * (T_fetch(balanced) + transfer_latency_s)                      (0 without replicas)
                  (with relay_fanout: or n * (sum over the relay trees' steps of T_step / C + transfer_latency_s
-                 per step), whichever is smaller (with relay_share always the relayed fetch where the direct one
+                 per step; with relay_schedule "async" the longer of the fetch's busiest link and its longest chain
+                 of hops, plus transfer_latency_s per level), whichever is smaller (with relay_share always the relayed fetch where the direct one
                  would make a home send more copies of one expert than a tree lets a rank send); the executed plan
                  says which runs; C = relay_chunks, the steps of `topoep.relay.relay_steps`)
 
@@ -70,7 +71,7 @@ import torch
 
 from topoep.links import loads_seconds, pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
-from topoep.relay import check_chunks, direct_beyond_tree, relay_fetch_fs
+from topoep.relay import RELAY_SCHEDULES, async_fetch_fs, check_chunks, direct_beyond_tree, relay_fetch_fs
 from topoep.runtime import worth_triton
 from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
 from topoep.planners.common import static_rank_load
@@ -146,6 +147,13 @@ class NetBenefitGuard:
     """The chunks a relayed copy travels in (`LayerConfig.relay_chunks`; the layer sets it): the relay trees' levels
     run as a pipeline of levels + relay_chunks - 1 steps (`topoep.relay.relay_steps`). 1: level after level."""
 
+    relay_schedule: str = "levels"
+    """How a relayed fetch runs (`LayerConfig.relay_schedule`; the layer sets it, `topoep.relay.RELAY_SCHEDULES`):
+    "levels", priced as its steps one after the other (`topoep.relay.relay_fetch_fs`); "async", copy by copy, priced
+    as the longer of its busiest link over the whole fetch and its longest chain of hops, plus transfer_latency_s per
+    level that carries a copy (`topoep.relay.async_fetch_fs`; relay_chunks must be 1). The CUDA kernel prices
+    "levels": with "async" the guard runs on its torch reference (`guard_cuda.usable`)."""
+
     relay_share: bool = False
     """With relay_fanout: relay a plan's fetch wherever the direct one would make a home send more copies of one
     expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into
@@ -204,6 +212,12 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer "
                              f">= 1, got {f!r}")
         check_chunks(self.relay_chunks, "NetBenefitGuard.relay_chunks")
+        if self.relay_schedule not in RELAY_SCHEDULES:
+            raise ValueError(f"NetBenefitGuard.relay_schedule must be one of {', '.join(RELAY_SCHEDULES)}, got "
+                             f"{self.relay_schedule!r}")
+        if self.relay_schedule == "async" and self.relay_chunks != 1:
+            raise ValueError(f"NetBenefitGuard.relay_schedule='async' moves whole copies, each as soon as its source "
+                             f"holds it: relay_chunks must be 1, got {self.relay_chunks}")
         if not isinstance(self.relay_share, bool):
             raise ValueError(f"NetBenefitGuard.relay_share must be true or false, got {self.relay_share!r}")
         lag = self.skip_lag
@@ -211,11 +225,12 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.skip_lag must be an integer >= 1 (calls) or None (never skip the "
                              f"replica machinery), got {lag!r}")
 
-    def pricing_relays(self, fanout: int, chunks: int, share: bool) -> "NetBenefitGuard":
-        """This guard for a layer whose fetches run down relay trees of `fanout` in `chunks` chunks: it prices what
-        runs (the chunks always; the fanout unless it has its own) and bounds the senders if it or the layer asks."""
+    def pricing_relays(self, fanout: int, chunks: int, share: bool, schedule: str = "levels") -> "NetBenefitGuard":
+        """This guard for a layer whose fetches run down relay trees of `fanout` in `chunks` chunks on `schedule`: it
+        prices what runs (the chunks and the schedule always; the fanout unless it has its own) and bounds the
+        senders if it or the layer asks."""
         return replace(self, relay_fanout=self.relay_fanout or fanout, relay_chunks=chunks,
-                       relay_share=self.relay_share or share)
+                       relay_share=self.relay_share or share, relay_schedule=schedule)
 
     @staticmethod
     def build(guard) -> "NetBenefitGuard | None":
@@ -314,7 +329,8 @@ class NetBenefitGuard:
         if self.relay_fanout is not None:
             relayed = []
             for p in plans:
-                fs, steps = relay_fetch_fs(p, self.relay_fanout, topo, self.relay_chunks)
+                fs, steps = (async_fetch_fs(p, self.relay_fanout, topo) if self.relay_schedule == "async" else
+                             relay_fetch_fs(p, self.relay_fanout, topo, self.relay_chunks))
                 relayed.append(fs.double() * SECONDS_PER_FS + steps.double() * self.transfer_latency_s)
             relayed = torch.stack(relayed)
             relay = relayed < t
@@ -392,7 +408,7 @@ class NetBenefitGuard:
         if backend == "cuda" and not kernel:
             raise ValueError(f"the guard's CUDA kernel needs CUDA plans, token_top_k=None, at most "
                              f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels of at most "
-                             f"{guard_cuda.MAX_CHUNKS} chunks; use "
+                             f"{guard_cuda.MAX_CHUNKS} chunks, run level by level (relay_schedule 'levels'); use "
                              "backend='reference'")
         if kernel:
             slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,

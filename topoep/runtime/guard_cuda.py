@@ -24,9 +24,11 @@ MAX_TOKEN_CHUNKS = 64  # csrc/planner.h kMaxTokenChunks: NetBenefitGuard.token_c
 def usable(guard, plans: tuple[Plan, ...]) -> bool:
     """Whether the kernel computes `guard.select` of these plans: CUDA plans, token rows per assignment (the
     deduplicated estimate, `token_top_k`, is float and stays on the reference), at most MAX_PLANS plans and
-    MAX_LEVELS relay levels of at most MAX_CHUNKS chunks. A host-side check of shapes and constants only."""
+    MAX_LEVELS relay levels of at most MAX_CHUNKS chunks, run level by level (relay_schedule "levels": the kernel
+    does not price the copy-by-copy fetch). A host-side check of shapes and constants only."""
     plan = plans[0]
-    if not plan.route.is_cuda or guard.token_top_k is not None or len(plans) > MAX_PLANS:
+    if (not plan.route.is_cuda or guard.token_top_k is not None or len(plans) > MAX_PLANS
+            or guard.relay_schedule != "levels"):
         return False
     return guard.relay_fanout is None or (max_level(plan.topology, guard.relay_fanout) <= MAX_LEVELS
                                           and guard.relay_chunks <= MAX_CHUNKS)

@@ -120,7 +120,8 @@ class ExpertParallelMoE(nn.Module):
             # default, 0.8, models paper 3.3's overlapped pipeline, which the simulator's `topoep` execution runs
             self.guard = dataclasses.replace(self.guard, token_overlap=SERIAL_TOKEN_OVERLAP)
         if self.guard is not None and config.relay_fanout is not None:  # it prices the fetch that runs
-            self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share)
+            self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share,
+                                                   config.relay_schedule)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     harness_transport(config.transport) if cpu_harness else config.transport)
@@ -398,7 +399,8 @@ class ExpertParallelMoE(nn.Module):
             # the model was cast or moved after construction (e.g. megatron's Float16Module)
             self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm,
-                         relay_fanout=self.config.relay_fanout, relay_chunks=self.config.relay_chunks)
+                         relay_fanout=self.config.relay_fanout, relay_chunks=self.config.relay_chunks,
+                         relay_schedule=self.config.relay_schedule)
         return ExpertParallelFunction.apply(x, call, *fc1, *fc2)
 
     def _experts_cuda(self, x, topk_idx, topk_weights, fc1, fc2) -> torch.Tensor:

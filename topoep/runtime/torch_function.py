@@ -44,6 +44,7 @@ class LayerCall:
     timer: PhaseTimer | None = None
     relay_fanout: int | None = None  # LayerConfig.relay_fanout: replica fetches down relay trees
     relay_chunks: int = 1  # LayerConfig.relay_chunks: the chunks each relayed copy travels in
+    relay_schedule: str = "levels"  # LayerConfig.relay_schedule: the trees level by level, or copy by copy
 
 
 def _comm(timer: PhaseTimer | None, start, *args):
@@ -80,7 +81,8 @@ class ExpertParallelFunction(torch.autograd.Function):
         fc1, fc2 = list(weights[:n]), list(weights[n:])
         be, pool, tm = call.backend, call.pool, call.timer
         with phase(tm, "fetch", collective=True):
-            be.fetch_replicas(call.plan, fc1, fc2, pool, call.relay_fanout, call.relay_chunks)
+            be.fetch_replicas(call.plan, fc1, fc2, pool, call.relay_fanout, call.relay_chunks,
+                            call.relay_schedule)
         s1, s2 = pool.slot_weights()
         m1, m2 = grouped_copies(fc1, fc2, x) or (fc1, fc2)  # megatron's separate experts: one grouped GEMM
         W1, W2 = m1 + s1, m2 + s2
@@ -113,7 +115,8 @@ class ExpertParallelFunction(torch.autograd.Function):
         k = call.top_k
         # slots were reused by later layers: reload this layer's replicas
         with phase(tm, "fetch", collective=True):
-            be.fetch_replicas(call.plan, fc1, fc2, pool, call.relay_fanout, call.relay_chunks)
+            be.fetch_replicas(call.plan, fc1, fc2, pool, call.relay_fanout, call.relay_chunks,
+                            call.relay_schedule)
         s1, s2 = pool.slot_weights()
         # stacked again rather than kept from forward: a copy of every local expert per layer would stay
         # in memory until backward
@@ -142,7 +145,8 @@ class ExpertParallelFunction(torch.autograd.Function):
             for xin, h, gy, gh, sizes, sizes_dev in wgrad_inputs:
                 swiglu_wgrad(xin, h, gy, gh, sizes, o1, o2, out_runs, sizes_dev)
         with phase(tm, "grad_return", collective=True):
-            be.return_grads(call.plan, pool, g1, g2, call.relay_fanout, call.relay_chunks)
+            be.return_grads(call.plan, pool, g1, g2, call.relay_fanout, call.relay_chunks,
+                            call.relay_schedule)
         grad_assign = grad_out.new_empty(call.num_tokens * k, grad_out.shape[1])
         for ch, handle in zip(call.chunks, back):
             grad_assign[ch.send_idx] = handle.wait()
