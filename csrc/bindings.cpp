@@ -243,7 +243,7 @@ void relay_trees(const at::Tensor& slot_expert, const at::Tensor& main_rank, int
   check_bool_scalar(relay, slot_expert, "relay");
   const c10::cuda::CUDAGuard guard(slot_expert.device());
   C10_CUDA_CHECK(topoep::relay_trees(slot_expert.data_ptr<int64_t>(), main_rank.data_ptr<int64_t>(), (int)R, (int)N,
-                                     (int)ranks_per_domain, (int)fanout,
+                                     (int)main_rank.numel(), (int)ranks_per_domain, (int)fanout,
                                      relay.has_value() ? relay->data_ptr<bool>() : nullptr, source.data_ptr<int64_t>(),
                                      level.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }

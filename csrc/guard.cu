@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "planner.h"
+#include "relay_tree.cuh"
 
 namespace topoep {
 
@@ -39,45 +40,29 @@ __device__ __forceinline__ void add(i64* at, i64 v) { atomicAdd(reinterpret_cast
 // a load from L2 (another block's atomics), never from this SM's L1
 __device__ __forceinline__ i64 ld_l2(const i64* at) { return (i64)__ldcg(reinterpret_cast<const long long*>(at)); }
 
-// depth of heap node `index` with `fanout` children per node (relay._heap_depth): the depths k >= 1 whose first
-// index (f^k - 1) / (f - 1) (k for f = 1) it reaches
-__device__ __forceinline__ i64 heap_depth(i64 index, int fanout) {
-  if (fanout == 1) return index;
-  i64 depth = 0;
-  for (i64 first = 1; index >= first; first = first * fanout + 1) ++depth;
-  return depth;
+using relay::relay_node;
+
+// Shared memory of relay_duty: duty int[R], then a bit per expert (whether some slot holds it)
+__host__ __device__ inline size_t duty_smem_bytes(int R, int E) {
+  return (size_t)R * sizeof(int) + (size_t)((E + 31) / 32) * sizeof(unsigned);
 }
 
-// relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level); with `beyond`,
-// also whether the direct fetch of this copy exceeds a tree's share (relay.direct_beyond_tree): it is the home's
-// (fanout + 1)-th copy of e into its own domain or the second into another
-__device__ void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int N, int rpd, int fanout,
-                           int g, i64 e, i64* source, i64* level, bool* beyond = nullptr) {
-  const int rank = g / N, dom = rank / rpd;
-  const i64 home = main_rank[e];
-  const bool local = home / rpd == dom;
-  const int base = dom * rpd * N;
-  i64 p = 0;  // copies of e in this domain before g: the list is [home, copies...] at home, [copies...] elsewhere
-  for (int k = base; k < g; ++k) p += slot[k] == e;
-  const i64 idx = local ? p + 1 : p;
-  *level = heap_depth(idx, fanout) + (local ? 0 : 1);
-  if (beyond) *beyond = local ? idx > fanout : idx >= 1;
-  const i64 parent_idx = idx >= 1 ? (idx - 1) / fanout : -1;
-  if ((local && parent_idx == 0) || (!local && idx == 0)) {
-    *source = home;
-    return;
+// relay.relay_duty of slot table `slot` [R * N] into duty[R] (shared memory, `duty_smem_bytes` from `duty`), by the
+// whole block (every thread calls it; it synchronises the block)
+__device__ void relay_duty(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int R, int N, int E,
+                           int* duty) {
+  unsigned* held = reinterpret_cast<unsigned*>(duty + R);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) duty[r] = 0;
+  for (int w = threadIdx.x; w < (E + 31) / 32; w += blockDim.x) held[w] = 0u;
+  __syncthreads();
+  for (int k = threadIdx.x; k < R * N; k += blockDim.x) {
+    const i64 e = slot[k];
+    if (e >= 0) atomicOr(held + e / 32, 1u << (e % 32));
   }
-  const i64 parent_pos = local ? parent_idx - 1 : parent_idx;  // the parent's position among the domain's copies
-  i64 seen = 0;
-  for (int k = base; k < g; ++k) {
-    if (slot[k] != e) continue;
-    if (seen == parent_pos) {
-      *source = k / N;
-      return;
-    }
-    ++seen;
-  }
-  *source = -1;  // unreachable: the parent precedes the node
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if ((held[e / 32] >> (e % 32)) & 1u) atomicAdd(duty + main_rank[e], 1);
+  __syncthreads();
 }
 
 struct Acc {  // the workspace's accumulators (guard_layout), then the counter of finished blocks
@@ -151,6 +136,8 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
   if (out_nic) add(tok + 2 * R + s, out_nic);
   const int p = q - 1;
   const i64* slot = q > 0 ? a.slot[p] : nullptr;
+  int* duty = reinterpret_cast<int*>(rows + R);  // (dynamic shared memory after the rows)
+  if (q > 0 && a.fanout > 0) relay_duty(slot, a.main_rank, R, N, E, duty);  // (uniform in the block)
   for (int j = threadIdx.x; q > 0 && j < N; j += blockDim.x) {
     const int g = s * N + j;
     const i64 e = slot[g];
@@ -162,7 +149,7 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
     if (a.fanout > 0) {
       i64 src, lvl;
       bool beyond;
-      relay_node(slot, a.main_rank, N, a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
+      relay_node(slot, a.main_rank, duty, N, a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
       add(acc.copies + (i64)p * a.levels + (lvl - 1), 1);
       if (beyond) add(acc.beyond + p, 1);
       if (src != s)
@@ -323,9 +310,12 @@ __global__ void guard_execute(GuardArgs a) {
   }
 }
 
-// relay.executed_sources: the relay trees of a plan, or, where *relay is false, every copy from its home at level 1
+// relay.executed_sources: the relay trees of a plan, or, where *relay is false, every copy from its home at level 1.
+// Every block computes the ranks' duty first (relay_duty, dynamic shared memory)
 __global__ void relay_trees_kernel(const i64* __restrict__ slot, const i64* __restrict__ main_rank, int R, int N,
-                                   int rpd, int fanout, const bool* relay, i64* source, i64* level) {
+                                   int E, int rpd, int fanout, const bool* relay, i64* source, i64* level) {
+  extern __shared__ int duty_s[];
+  relay_duty(slot, main_rank, R, N, E, duty_s);
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= R * N) return;
   const i64 e = slot[g];
@@ -334,7 +324,7 @@ __global__ void relay_trees_kernel(const i64* __restrict__ slot, const i64* __re
   } else if (relay != nullptr && !*relay) {
     source[g] = main_rank[e], level[g] = 1;
   } else {
-    relay_node(slot, main_rank, N, rpd, fanout, g, e, source + g, level + g);
+    relay_node(slot, main_rank, duty_s, N, rpd, fanout, g, e, source + g, level + g);
   }
 }
 
@@ -347,17 +337,30 @@ size_t guard_workspace_elems(int P, int R, int levels) {
 }
 
 cudaError_t guard_select(const GuardArgs& a, i64* ws, cudaStream_t stream) {
-  guard_flows<<<dim3(a.R, a.P + 1), kGuardThreads, a.R * sizeof(i64), stream>>>(a, ws);
+  // shared memory: the rows of one source, then (with relays) the ranks' duty
+  const size_t smem = a.R * sizeof(i64) + (a.fanout > 0 ? duty_smem_bytes(a.R, a.E) : 0);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(guard_flows, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  guard_flows<<<dim3(a.R, a.P + 1), kGuardThreads, smem, stream>>>(a, ws);
   const i64 total = (i64)a.R * (a.E + (i64)a.R * a.N) + (i64)a.R * a.N;
   const int blocks = (int)((total + 255) / 256 < 1024 ? (total + 255) / 256 : 1024);
   guard_execute<<<blocks > 0 ? blocks : 1, 256, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
-cudaError_t relay_trees(const i64* slot, const i64* main_rank, int R, int N, int rpd, int fanout, const bool* relay,
-                        i64* source, i64* level, cudaStream_t stream) {
+cudaError_t relay_trees(const i64* slot, const i64* main_rank, int R, int N, int E, int rpd, int fanout,
+                        const bool* relay, i64* source, i64* level, cudaStream_t stream) {
   if (R * N == 0) return cudaSuccess;
-  relay_trees_kernel<<<(R * N + 255) / 256, 256, 0, stream>>>(slot, main_rank, R, N, rpd, fanout, relay, source, level);
+  const size_t smem = duty_smem_bytes(R, E);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(relay_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  relay_trees_kernel<<<(R * N + 255) / 256, 256, smem, stream>>>(slot, main_rank, R, N, E, rpd, fanout, relay, source,
+                                                                 level);
   return cudaGetLastError();
 }
 

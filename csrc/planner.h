@@ -116,9 +116,9 @@ struct GuardArgs {
 };
 size_t guard_workspace_elems(int P, int R, int levels);
 cudaError_t guard_select(const GuardArgs& args, int64_t* ws, cudaStream_t stream);
-// topoep.relay.executed_sources: slot int64[R, N], main_rank int64[E]; relay: one bool (false: the direct fetch) or
+// topoep.relay.executed_sources: slot int64[R, N], main_rank int64[E] (expert e's home; E experts); relay: one bool (false: the direct fetch) or
 // null (the trees); outputs source and level int64[R, N].
-cudaError_t relay_trees(const int64_t* slot, const int64_t* main_rank, int R, int N, int rpd, int fanout,
+cudaError_t relay_trees(const int64_t* slot, const int64_t* main_rank, int R, int N, int E, int rpd, int fanout,
                         const bool* relay, int64_t* source, int64_t* level, cudaStream_t stream);
 // The `topoep_plus_spread` policy (spread.cu; topoep/planners/spread.py), `topoep_plus_spread_tree` with trees: the
 // greedy's slot table after the rollback and the drop, and the route of its loads. omega int64[R, E] (default

@@ -24,7 +24,8 @@ def _plans():
 
 
 def _reference(plan, fanout):
-    """The rule of topoep.relay written as loops: per (expert, domain), copies in slot order."""
+    """The rule of topoep.relay written as loops: per (expert, domain), copies in order of their rank's duty, then
+    in slot order."""
     R, N, d = plan.num_ranks, plan.num_slots, plan.topology.ranks_per_domain
     se = plan.slot_expert.tolist()
     source = [[-1] * N for _ in range(R)]
@@ -34,8 +35,13 @@ def _reference(plan, fanout):
         for n in range(N):
             if se[r][n] >= 0:
                 groups.setdefault((se[r][n], r // d), []).append((r, n))
+    # a rank's duty: how many of its experts have a copy somewhere; a domain's copies in order of (duty, rank, slot)
+    duty = [0] * R
+    for e in {e for row in se for e in row if e >= 0}:
+        duty[int(plan.main_rank[e])] += 1
     for (e, dom), copies in groups.items():
         h = int(plan.main_rank[e])
+        copies = sorted(copies, key=lambda c: (duty[c[0]], c[0], c[1]))
         nodes = ([(h, None)] if dom == h // d else []) + copies
         depth = {}
         for i, (r, n) in enumerate(nodes):
@@ -338,3 +344,25 @@ def test_async_fetch_fs_on_a_hand_built_tree():
     assert int(fs) == 13 * W and int(steps) == 3
     # level by level: level 1 (home's NIC copy, 9 W), level 2 (two NVLink copies from 4, 4 W), level 3 (2 W)
     assert int(relay_fetch_fs(plan, 2, topo)[0]) == (9 + 4 + 2) * W
+
+
+def duty_plan():
+    """A plan whose relay trees differ between slot order and duty order (test_relays_are_drawn_...)."""
+    topo = Topology(num_domains=1, ranks_per_domain=4)
+    base = solve(biased_routing(4, 8, 64, 2, -4.0, seed=0), topo, num_slots=2, policy="static", expert_bytes=1000,
+                 token_bytes=10)
+    return dataclasses.replace(base, slot_expert=torch.tensor([[2, -1], [0, -1], [0, 2], [0, 2]]))
+
+
+def test_relays_are_drawn_from_the_ranks_with_the_least_duty():
+    """One domain of 4 ranks (2 experts each), fanout 2: expert 0 (home 0) has copies on ranks 1, 2, 3 and expert 2
+    (home 1) on ranks 0, 2, 3, so ranks 0 and 1 each feed a tree of their own (duty 1) and ranks 2 and 3 none. Expert
+    0's third copy is relayed by rank 2 (duty 0), not by rank 1 (the first in slot order, which feeds expert 2's
+    tree); expert 2's by rank 2 too (its list: ranks 2, 3, then 0)."""
+    from topoep.relay import relay_duty
+
+    plan = duty_plan()
+    assert relay_duty(plan).tolist() == [1, 1, 0, 0]
+    source, level = relay_sources(plan, 2)
+    assert source.tolist() == [[2, -1], [2, -1], [0, 1], [0, 1]]
+    assert level.tolist() == [[2, 0], [2, 0], [1, 1], [1, 1]]

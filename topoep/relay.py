@@ -5,8 +5,10 @@ rank makes h send R - 1 copies through one NVLink port and one NIC. With relays 
 form one tree per domain, in a fixed order that every rank computes alike from the plan:
   - in h's domain the tree's root is h; elsewhere its root is the domain's first copy, which fetches from h over the
     NIC (the only copy of e that crosses into that domain);
-  - the domain's copies, in slot order (rank, then slot), hang below the root as a heap of `fanout` children per
-    node: node i of the list [root, copy 1, copy 2, ...] fetches from node (i - 1) // fanout.
+  - the domain's copies hang below the root as a heap of `fanout` children per node: node i of the list [root,
+    copy 1, copy 2, ...] fetches from node (i - 1) // fanout. The list is in order of the copies' ranks' duty (how
+    many replicated experts the rank is home to, `relay_duty`), then in slot order (rank, then slot): the first nodes
+    relay, so relays are drawn first from the ranks with the fewest trees of their own to feed.
 A copy can only be sent once it has arrived, so a relayed fetch runs in levels (the copies at depth 1 first, then
 depth 2, ...). With `chunks` C > 1 every copy travels in C chunks (contiguous element ranges of the weights), and a
 node forwards a chunk as soon as it has it: the fetch is a pipeline of L + C - 1 steps (`relay_steps`), step s moving
@@ -100,6 +102,17 @@ def max_level(topology, fanout: int) -> int:
     return max(1, depth + (topology.num_domains > 1))
 
 
+def relay_duty(plan: Plan) -> torch.Tensor:
+    """int64[R]: how many of each rank's experts have a copy in some slot: the trees it roots as a home, each sending
+    up to `fanout` copies into its domain and one into every other domain that holds one. The trees take their relays
+    from the ranks with the least of it (`relay_sources`). No host synchronisation."""
+    se = plan.slot_expert.reshape(-1)
+    E = plan.num_experts
+    held = torch.zeros(E, dtype=torch.int64, device=se.device).index_add_(0, se.clamp(min=0), (se >= 0).to(torch.int64))
+    return torch.zeros(plan.num_ranks, dtype=torch.int64, device=se.device).index_add_(
+        0, plan.main_rank.to(se.device), (held > 0).to(torch.int64))
+
+
 def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """(source int64[R, N], level int64[R, N]): the rank each slot fetches its replica from and the level of that
     transfer (1: from the home, or the first hop of a tree; -1 and 0 for an empty slot). Deterministic: the same plan
@@ -119,9 +132,12 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     occ = se >= 0
     home = plan.main_rank.to(dev)[se.clamp(min=0)]
     dom, home_dom = slot_rank // d, home // d
-    # copies sorted by (expert, slot index): slot index order is (domain, rank, slot) since domains are contiguous
-    big = plan.num_experts * R * N
-    key = torch.where(occ, se * (R * N) + torch.arange(R * N, device=dev), torch.full_like(se, big + R * N))
+    # copies sorted by (expert, domain, duty of their rank, slot index), duty = how many replicated experts the rank
+    # is home to (`relay_duty`): the ranks with the least of it come first and relay
+    E = plan.num_experts
+    duty = relay_duty(plan)
+    key = ((se.clamp(min=0) * M + dom) * (E + 1) + duty[slot_rank]) * (R * N) + torch.arange(R * N, device=dev)
+    key = torch.where(occ, key, torch.full_like(se, E * M * (E + 1) * R * N))
     order = torch.argsort(key)
     group = torch.where(occ, se * M + dom, torch.full_like(se, plan.num_experts * M))[order]  # (expert, domain)
     pos_sorted = torch.arange(R * N, device=dev)

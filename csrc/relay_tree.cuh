@@ -1,0 +1,67 @@
+// The relay trees' rule for one copy (topoep/relay.py, relay_sources; its module docstring is the spec), shared by
+// csrc/guard.cu (the guard's pricing and the runtime's trees) and a host build that the CPU tests compare with the
+// reference bit for bit (csrc/relay_host.cpp, tests/test_relay_host.py). Plain integer code: the same on both sides.
+#pragma once
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define TOPOEP_HD __host__ __device__ __forceinline__
+#else
+#define TOPOEP_HD inline
+#endif
+
+namespace topoep {
+namespace relay {
+
+using i64 = int64_t;
+
+// depth of heap node `index` with `fanout` children per node (relay._heap_depth): the depths k >= 1 whose first
+// index (f^k - 1) / (f - 1) (k for f = 1) it reaches
+TOPOEP_HD i64 heap_depth(i64 index, int fanout) {
+  if (fanout == 1) return index;
+  i64 depth = 0;
+  for (i64 first = 1; index >= first; first = first * fanout + 1) ++depth;
+  return depth;
+}
+
+// relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level); with `beyond`,
+// also whether the direct fetch of this copy exceeds a tree's share (relay.direct_beyond_tree): it is the home's
+// (fanout + 1)-th copy of e into its own domain or the second into another. duty[r] (relay.relay_duty): how many of
+// rank r's experts have a copy; a domain's copies are listed by (duty of their rank, slot index)
+TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, const int* __restrict__ duty,
+                          int N, int rpd, int fanout, int g, i64 e, i64* source, i64* level, bool* beyond = nullptr) {
+  const int rank = g / N, dom = rank / rpd;
+  const i64 home = main_rank[e];
+  const bool local = home / rpd == dom;
+  const int base = dom * rpd * N, end = base + rpd * N, dg = duty[rank];
+  i64 p = 0;  // copies of e listed before g in this domain: the list is [home, copies...] at home, [copies...] elsewhere
+  for (int k = base; k < end; ++k) {
+    if (slot[k] != e || k == g) continue;
+    const int dk = duty[k / N];
+    p += dk < dg || (dk == dg && k < g);
+  }
+  const i64 idx = local ? p + 1 : p;
+  *level = heap_depth(idx, fanout) + (local ? 0 : 1);
+  if (beyond) *beyond = local ? idx > fanout : idx >= 1;
+  const i64 parent_idx = idx >= 1 ? (idx - 1) / fanout : -1;
+  if ((local && parent_idx == 0) || (!local && idx == 0)) {
+    *source = home;
+    return;
+  }
+  const i64 parent_pos = local ? parent_idx - 1 : parent_idx;  // the parent's position among the domain's copies
+  i64 seen = 0;  // the copies in list order: duty 0 first (the parent is listed before g: its duty is at most g's)
+  for (int dv = 0; dv <= dg; ++dv) {
+    for (int k = base; k < end; ++k) {
+      if (slot[k] != e || duty[k / N] != dv) continue;
+      if (seen == parent_pos) {
+        *source = k / N;
+        return;
+      }
+      ++seen;
+    }
+  }
+  *source = -1;  // unreachable: the parent precedes the node
+}
+
+}  // namespace relay
+}  // namespace topoep
