@@ -155,7 +155,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                   int64_t ranks_per_domain, int64_t token_bytes, int64_t expert_bytes, double t_ffn,
                   int64_t token_transfers, double token_overlap, int64_t token_chunks, double plan_s, double latency,
                   int64_t exposed,
-                  int64_t fanout, int64_t levels, int64_t chunks, bool share,
+                  int64_t fanout, int64_t levels, int64_t chunks, bool share, bool async_fetch,
                   const c10::optional<at::Tensor>& allow,
                   const c10::optional<at::Tensor>& planned, at::Tensor route_out,
                   at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor fired, at::Tensor relay,
@@ -186,6 +186,9 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                topoep::kMaxRelayLevels, (long long)fanout, (long long)levels);
   TOPOEP_CHECK(chunks >= 1 && chunks <= topoep::kMaxRelayChunks && (fanout > 0 || chunks == 1),
                "chunks must be 1 without relays, else 1 to %d; got %lld", topoep::kMaxRelayChunks, (long long)chunks);
+  TOPOEP_CHECK(!async_fetch || (fanout > 0 && chunks == 1), "async_fetch (relay_schedule 'async') prices relayed "
+               "copies moved whole: it needs fanout >= 1 and chunks 1, got fanout %lld, chunks %lld", (long long)fanout,
+               (long long)chunks);
   TORCH_CHECK(token_transfers >= 0 && exposed >= 0, "token_transfers and exposed must be >= 0");
   TOPOEP_CHECK(token_chunks >= 0 && token_chunks <= topoep::kMaxTokenChunks, "token_chunks must be 0 (the "
                "token_overlap formula) or 1 to %d, got %lld", topoep::kMaxTokenChunks, (long long)token_chunks);
@@ -212,7 +215,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.token_bytes = token_bytes, a.expert_bytes = expert_bytes;
   a.t_ffn = t_ffn, a.h = token_overlap, a.plan_s = plan_s, a.latency = latency;
   a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
-  a.chunks = (int)chunks, a.share = share, a.k = (int)token_chunks;
+  a.chunks = (int)chunks, a.share = share, a.async_fetch = async_fetch, a.k = (int)token_chunks;
   a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
   a.planned = planned.has_value() ? planned->data_ptr<bool>() : nullptr;
   a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
@@ -365,7 +368,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
         "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
         "float token_overlap, int token_chunks, float plan_s, float latency, int exposed, int fanout, int levels, "
-        "int chunks, bool share, "
+        "int chunks, bool share, bool async_fetch, "
         "Tensor? allow, "
         "Tensor? planned, "
         "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "

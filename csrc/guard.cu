@@ -66,7 +66,7 @@ __device__ void relay_duty(const i64* __restrict__ slot, const i64* __restrict__
 }
 
 struct Acc {  // the workspace's accumulators (guard_layout), then the counter of finished blocks
-  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *beyond, *done;
+  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *beyond, *chain, *done;
   size_t elems;  // the accumulators' size (the counter is the element after them)
 };
 
@@ -75,11 +75,11 @@ __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t
   const int Q = P + 1;
   const size_t load = b.take((size_t)Q * R), tok = b.take((size_t)Q * kLinks * R);
   const size_t fetch = b.take((size_t)P * kLinks * R), relayed = b.take((size_t)P * L * kLinks * R);
-  const size_t copies = b.take((size_t)P * L), occupied = b.take(P), beyond = b.take(P);
+  const size_t copies = b.take((size_t)P * L), occupied = b.take(P), beyond = b.take(P), chain = b.take(P);
   const size_t accumulated = b.end, done = b.take(1);
   if (elems) *elems = b.end;
   return Acc{ws + load,     ws + tok,    ws + fetch, ws + relayed, ws + copies,
-             ws + occupied, ws + beyond, ws + done,  accumulated};
+             ws + occupied, ws + beyond, ws + chain, ws + done,    accumulated};
 }
 
 // one flow of `fs` femtoseconds from s to r (s != r) onto a [kLinks][R] link array
@@ -155,6 +155,11 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
       if (src != s)
         add_flow(acc.relayed + ((i64)p * a.levels + (lvl - 1)) * kLinks * R, R, a.rpd, (int)src, s,
                  a.expert_bytes * a.cost_fs[src * R + s]);
+      if (a.async_fetch) {  // relay.copy_arrival: the hops from the home to this copy
+        const i64 t = relay::relay_arrival(slot, a.main_rank, duty, a.cost_fs, R, N, a.rpd, a.fanout, a.levels,
+                                           a.expert_bytes, g, e, src);
+        atomicMax(reinterpret_cast<long long*>(acc.chain + p), (long long)t);
+      }
     }
   }
   // the last block to finish decides (every other block's atomics are done and visible: fence, then count)
@@ -213,7 +218,9 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
   __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelaySteps)];
   __shared__ i64 relay_steps_used[kMaxGuardPlans];
   const int R = a.R, P = a.P, L = a.levels, C = a.chunks, Q = P + 1;
-  const int S = L > 0 ? L + C - 1 : 0;  // relay steps per plan
+  // relay steps per plan: levels + chunks - 1, or copy by copy one, the busiest link over all levels
+  const bool async = a.fanout > 0 && a.async_fetch;
+  const int S = L > 0 ? (async ? 1 : L + C - 1) : 0;
   const int items = 2 * Q + P * (1 + S);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int it = warp; it < items; it += warps) {
@@ -227,7 +234,7 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
       src = acc.fetch + (i64)(it - 2 * Q) * kLinks * R, n = kLinks * R;
     } else {
       const int p = (it - 2 * Q - P) / S, s = (it - 2 * Q - P) % S;
-      const int first = s - C + 1 > 0 ? s - C + 1 : 0, last = s < L - 1 ? s : L - 1;
+      const int first = async ? 0 : (s - C + 1 > 0 ? s - C + 1 : 0), last = async ? L - 1 : (s < L - 1 ? s : L - 1);
       src = acc.relayed + ((i64)p * L + first) * kLinks * R, n = kLinks * R, window = last - first + 1;
     }
     i64 v = 0;
@@ -239,15 +246,17 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
     v = warp_max(v);
     if (lane == 0) maxima[it] = v;
   }
-  if (threadIdx.x < P) {  // the relay steps that carry a copy, whether the plan has a replica, whether its direct
-    // fetch exceeds a tree's share
+  __shared__ i64 chain[kMaxGuardPlans];
+  if (threadIdx.x < P) {  // the relay steps that carry a copy (copy by copy: the levels that do), whether the plan
+    // has a replica, whether its direct fetch exceeds a tree's share; its longest chain of hops
     i64 used = 0;
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < (async ? L : S); ++s) {
       i64 copies = 0;
-      for (int l = (s - C + 1 > 0 ? s - C + 1 : 0); l <= (s < L - 1 ? s : L - 1); ++l)
-        copies += ld_l2(acc.copies + (i64)threadIdx.x * L + l);
+      const int first = async ? s : (s - C + 1 > 0 ? s - C + 1 : 0), last = async ? s : (s < L - 1 ? s : L - 1);
+      for (int l = first; l <= last; ++l) copies += ld_l2(acc.copies + (i64)threadIdx.x * L + l);
       used += copies > 0;
     }
+    chain[threadIdx.x] = ld_l2(acc.chain + threadIdx.x);
     relay_steps_used[threadIdx.x] = (used * 2 + (ld_l2(acc.beyond + threadIdx.x) > 0)) * 2 +
                                     (ld_l2(acc.occupied + threadIdx.x) > 0);
   }
@@ -271,6 +280,7 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
       i64 fs = 0;
       for (int s = 0; s < S; ++s) fs += maxima[2 * Q + P + p * S + s];
       fs /= C;  // each step moves 1/C of its copies (relay.relay_fetch_fs: the sum, floor-divided)
+      if (async && chain[p] > fs) fs = chain[p];  // relay.async_fetch_fs: the longer of busiest link and chain
       const i64 steps = relay_steps_used[p] / 4;
       const bool beyond = (relay_steps_used[p] / 2) & 1;
       const double relayed = __dadd_rn(__dmul_rn((double)fs, kSecondsPerFs), __dmul_rn((double)steps, a.latency));

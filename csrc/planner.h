@@ -108,6 +108,8 @@ struct GuardArgs {
                                      // levels, chunks per relayed copy
   int k;  // token chunks of the pipeline the prediction follows (guard.token_chunks; 0: the token_overlap formula)
   bool share;  // relay every plan whose direct fetch exceeds a tree's share (relay.direct_beyond_tree)
+  bool async_fetch;  // the relayed fetch runs copy by copy (relay.async_fetch_fs; chunks 1): priced as the longer of
+                     // its busiest link over all levels and its longest chain of hops
   const bool* allow;
   const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced
   int64_t *route_out, *slot_out, *choice;

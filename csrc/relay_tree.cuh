@@ -63,5 +63,27 @@ TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ 
   *source = -1;  // unreachable: the parent precedes the node
 }
 
+// relay.copy_arrival for the occupied slot g holding expert e, fetched from rank `source` (relay_node): the sum of
+// the hops on its path from the home, each expert_bytes x cost_fs[from * R + to] (0 for a copy within one rank);
+// at most `levels` hops
+TOPOEP_HD i64 relay_arrival(const i64* __restrict__ slot, const i64* __restrict__ main_rank,
+                            const int* __restrict__ duty, const i64* __restrict__ cost_fs, int R, int N, int rpd,
+                            int fanout, int levels, i64 expert_bytes, int g, i64 e, i64 source) {
+  const int s = g / N;
+  const i64 home = main_rank[e];
+  i64 t = source != s ? expert_bytes * cost_fs[source * R + s] : 0;
+  for (int rank = (int)source, hops = 0; rank != home && hops < levels; ++hops) {
+    int gp = -1;  // the parent's slot: its rank holds e once
+    for (int j = 0; j < N && gp < 0; ++j)
+      if (slot[rank * N + j] == e) gp = rank * N + j;
+    if (gp < 0) break;  // unreachable: a relay holds the expert it sends
+    i64 psrc, plvl;
+    relay_node(slot, main_rank, duty, N, rpd, fanout, gp, e, &psrc, &plvl);
+    if (psrc != rank) t += expert_bytes * cost_fs[psrc * R + rank];
+    rank = (int)psrc;
+  }
+  return t;
+}
+
 }  // namespace relay
 }  // namespace topoep

@@ -16,7 +16,8 @@ otherwise; run them on the GPU machine):
 TOPOEP_GPU_CHUNKS=2 runs backend cuda's layers with two token chunks, TOPOEP_GPU_PREFETCH=1 with a second bank of
 replica slots, TOPOEP_GPU_RELAY=f with replica fetches and gradient returns down / up relay trees of fanout f, and
 TOPOEP_GPU_RELAY_CHUNKS=c with each relayed copy in c chunks (LayerConfig.num_chunks, .prefetch, .relay_fanout,
-.relay_chunks), and TOPOEP_GPU_FETCH_OVERLAP=1 with the forward fetch beside the dispatch (.fetch_overlap). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
+.relay_chunks), TOPOEP_GPU_RELAY_SCHEDULE=async with the relayed copies moved copy by copy (.relay_schedule), and
+TOPOEP_GPU_FETCH_OVERLAP=1 with the forward fetch beside the dispatch (.fetch_overlap). The EP size is TOPOEP_GPU_WORLD (default 2; 1 runs every path but the copies between GPUs on one GPU) and the
 (virtual) domain size TOPOEP_GPU_RPD (default: all ranks in one domain), e.g. TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 for EP 8 as 2 domains of 4, or TOPOEP_GPU_RPD=1 on 2
 GPUs for 2 domains of 1: the plans then cross domains, while the data still moves through peer pointers (one
 host). TOPOEP_GPU_TRANSPORT=a2a runs backend cuda's NVSHMEM transport (the path across hosts) instead of
@@ -48,6 +49,8 @@ RELAY = int(os.environ.get("TOPOEP_GPU_RELAY", "0")) or None  # replica fetches 
 # bitwise comparisons of weight gradients between layers do not hold
 DEEPEP_DETERMINISTIC = os.environ.get("TOPOEP_GPU_DEEPEP_DETERMINISTIC", "1") == "1"
 RELAY_CHUNKS = int(os.environ.get("TOPOEP_GPU_RELAY_CHUNKS", "1"))  # chunks per relayed copy (LayerConfig.relay_chunks)
+# how relayed fetches run: levels, or copy by copy (LayerConfig.relay_schedule "async"; transport peer)
+RELAY_SCHEDULE = os.environ.get("TOPOEP_GPU_RELAY_SCHEDULE", "levels")
 # the forward fetch beside the dispatch (LayerConfig.fetch_overlap; transport peer)
 FETCH_OVERLAP = os.environ.get("TOPOEP_GPU_FETCH_OVERLAP", "0") == "1"
 if WORLD < 1 or RPD < 1 or WORLD % RPD:
@@ -69,6 +72,7 @@ def cuda_options(**changes) -> dict:
     deepep = {"deepep_deterministic": DEEPEP_DETERMINISTIC} if TRANSPORT == "deepep" else {}
     return {"transport": TRANSPORT, "capacity_factor": CF, "num_chunks": CHUNKS, "prefetch": PREFETCH,
             "relay_fanout": RELAY, "relay_chunks": RELAY_CHUNKS if RELAY else 1, "fetch_overlap": FETCH_OVERLAP,
+            "relay_schedule": RELAY_SCHEDULE if RELAY else "levels",
             **deepep, **changes}
 
 

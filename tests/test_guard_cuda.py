@@ -49,6 +49,9 @@ def guards(rng):
                           relay_chunks=rng.choice([1, 5]) if fanout else 1)
     yield NetBenefitGuard(token_chunks=rng.choice([1, 2, 3, 64]), relay_fanout=rng.choice([None, 2]))
     yield NetBenefitGuard(token_chunks=2, token_transfers=0, plan_s=0.0)
+    # copy by copy (relay_schedule "async": the longer of the busiest link over all levels and the longest chain)
+    yield NetBenefitGuard(relay_fanout=rng.choice([1, 2, 3]), relay_schedule="async", relay_share=rng.choice([False, True]),
+                          transfer_latency_s=rng.choice([0.0, 2e-5]))
 
 
 def to(plan, device):
@@ -98,19 +101,19 @@ def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
         NetBenefitGuard().select(plans[0], 1e-6, 1, backend="gpu")
     meta = [to(p, "meta") for p in plans]
     assert not guard_cuda.usable(NetBenefitGuard(), tuple(meta))
-    # the kernel prices relayed fetches level by level; copy by copy the guard runs its reference
+    # the kernel prices relayed fetches level by level and copy by copy
     from types import SimpleNamespace
 
     cuda_like = SimpleNamespace(route=SimpleNamespace(is_cuda=True), topology=plans[0].topology)
-    assert guard_cuda.usable(NetBenefitGuard(relay_fanout=2), (cuda_like,))
-    assert not guard_cuda.usable(NetBenefitGuard(relay_fanout=2, relay_schedule="async"), (cuda_like,))
+    for schedule in ("levels", "async"):
+        assert guard_cuda.usable(NetBenefitGuard(relay_fanout=2, relay_schedule=schedule), (cuda_like,))
 
 
 @gpu
 @pytest.mark.parametrize("chunk", range(4))
 def test_guard_kernel_equals_reference(chunk):
-    """Random routings x 5 guards (relay trees of 1-3 children in 1-64 chunks, with and without relay_share, among
-    them) x 3 values of t_ffn x
+    """Random routings x 8 guards (relay trees of 1-3 children in 1-64 chunks or copy by copy, with and without
+    relay_share, among them) x 3 values of t_ffn x
     {1, 2, 3} plans x the flags (allow, planned) of FLAGS: the
     executed plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
     bit for bit, on the GPU's torch reference and on the CPU's."""

@@ -93,12 +93,14 @@ def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
         inputs.append((x, idx, w, fc1, fc2, gy))
     out, before = {}, (0, 0, 0)
     for name, fanout, relay_chunks, schedule in RUNS:
-        if schedule != "levels":  # backend cuda runs the trees level by level
+        peer = options is not None and options.get("transport", "peer") == "peer"
+        if schedule != "levels" and not peer:  # copy by copy: the peer transport on the GPU (not the CPU harness)
             continue
         layers, losses, leaves = [], [], []
         for x, idx, w, fc1, fc2, gy in inputs:
             fields = dict(options or {}, policy="topoep_plus", num_slots=N, guard=False, backend="cuda",
-                          relay_fanout=fanout, relay_chunks=relay_chunks, num_chunks=chunks, prefetch=prefetch)
+                          relay_fanout=fanout, relay_chunks=relay_chunks, num_chunks=chunks, prefetch=prefetch,
+                          relay_schedule=schedule)
             layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                       config=LayerConfig(**fields), dtype=torch.bfloat16, device=dev,
                                       **({} if options is not None else {"_cpu_harness": True}))
@@ -147,6 +149,11 @@ def check_relays(results, prefetch):
         for chunked, plain in (("relay2_c3", "relay2"), ("relay1_c4", "relay1")):
             assert all(torch.equal(a, b) for a, b in zip(out[chunked][0], out[plain][0])), chunked
             assert out[chunked][3] == out["direct"][3]
+        # copy by copy (the peer transport on the GPU): the same slots and the same sums in the same order
+        for copies, plain in (("relay1_async", "relay1"), ("relay2_async", "relay2"), ("relay3_async", "relay3")):
+            if copies in out:
+                assert all(torch.equal(a, b) for a, b in zip(out[copies][0], out[plain][0])), copies
+                assert out[copies][3] == out["direct"][3]
         assert out["relay1"][1] >= 1 and out["relay1"][2] >= 2  # copies fetched from other copies
 
 
@@ -209,8 +216,9 @@ def test_relay_chunks_are_checked_and_reach_the_guard():
 
 
 def test_relay_schedule_is_checked_and_reaches_the_guard():
-    """LayerConfig.relay_schedule: levels or async; async needs relay_fanout, one chunk and backend torch; the layer's
-    guard prices the schedule that runs, copy by copy never above level by level."""
+    """LayerConfig.relay_schedule: levels or async; async needs relay_fanout, one chunk and backend torch or backend
+    cuda's peer transport; the layer's guard prices the schedule that runs, copy by copy never above level by
+    level."""
     from topoep.relay import async_fetch_fs
     from topoep.runtime.guard import SECONDS_PER_FS, NetBenefitGuard
     from topoep.workloads import biased_routing
@@ -222,8 +230,10 @@ def test_relay_schedule_is_checked_and_reaches_the_guard():
         LayerConfig(relay_schedule="async")
     with pytest.raises(ValueError, match="set LayerConfig.relay_chunks=1 \\(got 2\\)"):
         LayerConfig(relay_fanout=2, relay_chunks=2, relay_schedule="async")
-    with pytest.raises(ValueError, match="relay_schedule=async runs on backend torch"):
-        LayerConfig(relay_fanout=2, relay_schedule="async", backend="cuda")
+    with pytest.raises(ValueError, match="relay_schedule=async runs on backend torch and on backend cuda's peer "
+                                         "transport"):
+        LayerConfig(relay_fanout=2, relay_schedule="async", backend="cuda", transport="a2a", capacity_factor=None)
+    assert LayerConfig(relay_fanout=2, relay_schedule="async", backend="cuda").relay_schedule == "async"
     with pytest.raises(ValueError, match="NetBenefitGuard.relay_schedule must be one of levels, async"):
         NetBenefitGuard(relay_fanout=2, relay_schedule="copies")
     with pytest.raises(ValueError, match="relay_chunks must be 1, got 3"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -378,6 +378,23 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
   _c audit_ep8_rpd4_relay2_c4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 150 python3 tools/sync_audit.py
+}
+
+step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer): the
+  # guard kernel's tests (copy-by-copy pricing, the duty-ordered trees), backend cuda's GPU tests at EP 8 as 2 domains
+  # of 4 (ranks sharing the GPU) with trees of 2 (the relayed-vs-direct test adds the async runs of fanout 1-3, bit
+  # for bit against level by level), with the prefetch bank and fetch_overlap, and the sync audit. Correctness only.
+  # Short logs into $OUT/relay_async/
+  mkdir -p "$OUT/relay_async"
+  _a() { short_log relay_async "$@"; }
+  _a guard_kernel timeout -k 10 240 python3 -m pytest -q -rA tests/test_guard_cuda.py
+  _a ep8_rpd4_relay2_async TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
+    TOPOEP_GPU_RELAY_SCHEDULE=async timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+  _a ep8_rpd4_relay2_async_prefetch_overlap TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
+    TOPOEP_GPU_RELAY_SCHEDULE=async TOPOEP_GPU_PREFETCH=1 TOPOEP_GPU_FETCH_OVERLAP=1 timeout -k 10 280 python3 -m pytest \
+    -q -rA tests/test_cuda_backend_gpu.py -k "relay or share_the_slots or matches_torch"
+  _a audit_ep8_rpd4_relay2_async TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
+    TOPOEP_GPU_RELAY_SCHEDULE=async timeout -k 10 150 python3 tools/sync_audit.py
 }
 
 step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fetch_overlap): backend cuda's GPU tests

@@ -127,8 +127,9 @@ class LayerConfig:
     relay sends on once its whole level arrived; relay_chunks overlap the levels). "async": copy by copy, each copy
     sent on as soon as its relay holds it, and the gradient return up the trees alike (a node sends once its
     children's gradients arrived), so a deep tree's second hop runs beside its first level's other copies; the guard
-    prices it as the longer of the fetch's busiest link and its longest chain of hops (`NetBenefitGuard.relay_schedule`,
-    on its torch reference). Backend torch only; relay_chunks must be 1. Results do not depend on it."""
+    prices it as the longer of the fetch's busiest link and its longest chain of hops (`NetBenefitGuard.relay_schedule`).
+    Backend torch (point-to-point sends) and backend cuda's peer transport (one kernel per weight, a flag per chunk
+    in symmetric memory); relay_chunks must be 1. Results do not depend on it."""
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form would make a home send more copies of one
     expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into each
@@ -236,10 +237,10 @@ class LayerConfig:
             if self.relay_chunks != 1:
                 raise ValueError(f"{p}.relay_schedule=async moves whole copies, each as soon as its relay holds it: set "
                                  f"{p}.relay_chunks=1 (got {self.relay_chunks}) or {p}.relay_schedule=levels")
-            if self.backend != "torch":
-                raise ValueError(f"{p}.relay_schedule=async runs on backend torch (point-to-point sends); backend "
-                                 f"{self.backend} runs the trees level by level: set {p}.backend=torch or "
-                                 f"{p}.relay_schedule=levels")
+            if self.backend == "cuda" and self.transport != "peer":
+                raise ValueError(f"{p}.relay_schedule=async runs on backend torch and on backend cuda's peer transport "
+                                 f"(flags in symmetric memory); transport {self.transport} runs the trees level by "
+                                 f"level: set {p}.transport=peer (one host) or {p}.relay_schedule=levels")
         if self.relay_chunks > 1 and self.relay_fanout is None:
             raise ValueError(f"{p}.relay_chunks={self.relay_chunks} chunks the relayed replica fetch, but "
                              f"{p}.relay_fanout is null (every copy from its home, nothing relayed): set "

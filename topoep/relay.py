@@ -52,6 +52,8 @@ class RelayTrees(NamedTuple):
     level: torch.Tensor  # int64[R, N]: the level of that transfer (1 = first; 0: an empty slot)
     levels: int  # the levels to run: max_level, a bound from the shapes (the runtime never reads the plan on the host)
     chunks: int = 1  # chunks per copy (`relay_steps`): the runtime runs levels + chunks - 1 steps
+    schedule: str = "levels"  # RELAY_SCHEDULES: level by level, or copy by copy ("async")
+    fanout: int = 0  # children per node (the copy-by-copy return's table of children; 0: not given)
 
 
 def check_chunks(chunks, what: str = "chunks") -> int:
@@ -178,10 +180,15 @@ def executed_sources(plan: Plan, fanout: int) -> tuple[torch.Tensor, torch.Tenso
             torch.where(use, level, occ.to(torch.int64)))
 
 
-def relay_trees(plan: Plan, fanout: int, chunks: int = 1) -> RelayTrees:
-    """`executed_sources` with the number of levels a runtime runs (`max_level`) and the chunks per copy: device
-    tensors, no host sync."""
-    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout), check_chunks(chunks))
+def relay_trees(plan: Plan, fanout: int, chunks: int = 1, schedule: str = "levels") -> RelayTrees:
+    """`executed_sources` with the number of levels a runtime runs (`max_level`), the chunks per copy and the
+    schedule: device tensors, no host sync."""
+    if schedule not in RELAY_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(RELAY_SCHEDULES)}, got {schedule!r}")
+    if schedule == "async" and chunks != 1:
+        raise ValueError(f"the copy-by-copy schedule moves whole copies: chunks must be 1, got {chunks}")
+    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout), check_chunks(chunks), schedule,
+                      fanout)
 
 
 def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: int | None = None) -> torch.Tensor:

@@ -270,10 +270,11 @@ class Execution:
     (`NetBenefitGuard.relay_share`)."""
     relay_schedule: str = "levels"
     """With relay_fanout: how a relayed fetch runs. "levels" (both runtimes): level after level, each waiting for the
-    one before (relay_chunks overlap them). "async" (backend torch, `LayerConfig.relay_schedule`): every copy leaves
-    as soon as its source holds it, so the fetch takes the longer of its busiest link's bytes over all levels and its
-    longest chain of hops (`async_fetch_s`), an optimistic estimate of a copy-by-copy schedule; the guard prices the
-    fetch the same way (`NetBenefitGuard.relay_schedule`, `topoep.relay.async_fetch_fs`)."""
+    one before (relay_chunks overlap them). "async" (`LayerConfig.relay_schedule`: backend torch, backend cuda's peer
+    transport): every copy leaves as soon as its source holds it, so the fetch takes the longer of its busiest link's
+    bytes over all levels and its longest chain of hops (`async_fetch_s`), an optimistic estimate of a copy-by-copy
+    schedule; the guard prices the fetch the same way (`NetBenefitGuard.relay_schedule`,
+    `topoep.relay.async_fetch_fs`)."""
     fetch_overlap: bool = False
     """Pipelined executions: the forward replica fetch runs beside the dispatch and the main experts' GEMMs, first on
     the links they share (`overlapped_forward`; backend cuda's LayerConfig.fetch_overlap); each rank's slot GEMMs

@@ -5,9 +5,11 @@
 
 #include "../../csrc/relay_tree.cuh"
 
-// duty (relay.relay_duty) as csrc/guard.cu's blocks compute it, then every slot's (source, level, share flag)
+// duty (relay.relay_duty) as csrc/guard.cu's blocks compute it, then every slot's (source, level, share flag) and,
+// with cost_fs [R, R] (else null), its arrival copy by copy (relay.copy_arrival) over at most `levels` hops
 extern "C" void relay_sources_host(const int64_t* slot, const int64_t* main_rank, int R, int N, int E, int rpd,
-                                   int fanout, int64_t* source, int64_t* level, uint8_t* beyond) {
+                                   int fanout, int64_t* source, int64_t* level, uint8_t* beyond,
+                                   const int64_t* cost_fs, int64_t expert_bytes, int levels, int64_t* arrival) {
   std::vector<unsigned> held((E + 31) / 32, 0u);
   std::vector<int> duty(R, 0);
   for (int k = 0; k < R * N; ++k)
@@ -18,10 +20,14 @@ extern "C" void relay_sources_host(const int64_t* slot, const int64_t* main_rank
     const int64_t e = slot[g];
     if (e < 0) {
       source[g] = -1, level[g] = 0, beyond[g] = 0;
+      if (cost_fs) arrival[g] = 0;
       continue;
     }
     bool b = false;
     topoep::relay::relay_node(slot, main_rank, duty.data(), N, rpd, fanout, g, e, source + g, level + g, &b);
     beyond[g] = b;
+    if (cost_fs)
+      arrival[g] = topoep::relay::relay_arrival(slot, main_rank, duty.data(), cost_fs, R, N, rpd, fanout, levels,
+                                                expert_bytes, g, e, source[g]);
   }
 }

@@ -416,6 +416,9 @@ class A2AReplicaPool(SlotBanks):
 
     def _trees(self, se: torch.Tensor, e_loc: int, relay):
         """(source, level, levels) of every slot's transfer: from its main rank at level 1, or the relay trees."""
+        if relay is not None and relay.schedule != "levels":
+            raise ValueError(f"the a2a transport runs relay trees level by level (its all-to-alls), not "
+                             f"{relay.schedule!r}: use relay_schedule 'levels', or transport 'peer' on one host")
         if relay is None:
             return _owner(se, e_loc), (se >= 0).to(torch.int64), 1
         return relay.source.reshape(-1), relay.level.reshape(-1), relay.levels

@@ -151,8 +151,8 @@ class NetBenefitGuard:
     """How a relayed fetch runs (`LayerConfig.relay_schedule`; the layer sets it, `topoep.relay.RELAY_SCHEDULES`):
     "levels", priced as its steps one after the other (`topoep.relay.relay_fetch_fs`); "async", copy by copy, priced
     as the longer of its busiest link over the whole fetch and its longest chain of hops, plus transfer_latency_s per
-    level that carries a copy (`topoep.relay.async_fetch_fs`; relay_chunks must be 1). The CUDA kernel prices
-    "levels": with "async" the guard runs on its torch reference (`guard_cuda.usable`)."""
+    level that carries a copy (`topoep.relay.async_fetch_fs`; relay_chunks must be 1). The CUDA kernel prices both
+    (`guard_cuda`)."""
 
     relay_share: bool = False
     """With relay_fanout: relay a plan's fetch wherever the direct one would make a home send more copies of one
@@ -408,7 +408,7 @@ class NetBenefitGuard:
         if backend == "cuda" and not kernel:
             raise ValueError(f"the guard's CUDA kernel needs CUDA plans, token_top_k=None, at most "
                              f"{guard_cuda.MAX_PLANS} plans and {guard_cuda.MAX_LEVELS} relay levels of at most "
-                             f"{guard_cuda.MAX_CHUNKS} chunks, run level by level (relay_schedule 'levels'); use "
+                             f"{guard_cuda.MAX_CHUNKS} chunks; use "
                              "backend='reference'")
         if kernel:
             slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,

@@ -24,11 +24,10 @@ MAX_TOKEN_CHUNKS = 64  # csrc/planner.h kMaxTokenChunks: NetBenefitGuard.token_c
 def usable(guard, plans: tuple[Plan, ...]) -> bool:
     """Whether the kernel computes `guard.select` of these plans: CUDA plans, token rows per assignment (the
     deduplicated estimate, `token_top_k`, is float and stays on the reference), at most MAX_PLANS plans and
-    MAX_LEVELS relay levels of at most MAX_CHUNKS chunks, run level by level (relay_schedule "levels": the kernel
-    does not price the copy-by-copy fetch). A host-side check of shapes and constants only."""
+    MAX_LEVELS relay levels of at most MAX_CHUNKS chunks (level by level, or copy by copy: relay_schedule). A
+    host-side check of shapes and constants only."""
     plan = plans[0]
-    if (not plan.route.is_cuda or guard.token_top_k is not None or len(plans) > MAX_PLANS
-            or guard.relay_schedule != "levels"):
+    if not plan.route.is_cuda or guard.token_top_k is not None or len(plans) > MAX_PLANS:
         return False
     return guard.relay_fanout is None or (max_level(plan.topology, guard.relay_fanout) <= MAX_LEVELS
                                           and guard.relay_chunks <= MAX_CHUNKS)
@@ -59,6 +58,7 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      int(guard.token_chunks or 0), float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
                      guard.relay_chunks if fanout else 1, bool(guard.relay_share),
+                     bool(fanout) and guard.relay_schedule == "async",
                      allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
     return slot, route, choice, fired, relay, saved, cost
 

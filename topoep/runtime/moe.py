@@ -451,7 +451,8 @@ class ExpertParallelMoE(nn.Module):
                              combine_side_stream=self.config.combine_side_stream,
                              fetch_overlap=self.config.fetch_overlap,
                              relay=RelayTrees(relay[0], relay[1], max_level(self.topology, fanout),
-                                              self.config.relay_chunks) if fanout else None)
+                                              self.config.relay_chunks, self.config.relay_schedule,
+                                              fanout) if fanout else None)
         if deepep:  # transport deepep: DeepEP's dispatch and combine (deepep.py)
             call.deepep_ids = layout[0]
             return DeepEPExpertParallelFunction.apply(x, topk_weights, call, *fc1, *fc2)

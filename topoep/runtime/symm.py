@@ -179,6 +179,97 @@ if triton is not None:
                 _copy_range(dst, own_slots + held.to(tl.int64) * numel, lo, hi, c, CHUNK)
 
     @triton.jit
+    def _wait_flag(flag, epoch):
+        """Spin until flag (an int32 another rank sets with release semantics) reaches epoch; acquire: what the setter
+        wrote before it is visible after."""
+        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        while v < epoch:
+            v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+
+    @triton.jit
+    def _signal_flag(flag, epoch):
+        """Set another rank's flag to epoch once every thread of the program stored its part (release: the stores
+        before it are visible to whoever acquires the flag)."""
+        tl.debug_barrier()
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+    @triton.jit
+    def _push_slots_async_kernel(items, count, slot_expert, main_ptrs, own_slots, pool_bases, flags, flag_bases,
+                                 flag_row, epoch_ptr, me, e_loc, N, numel, n_chunks, chunk0,
+                                 CHUNK: tl.constexpr):
+        """Replica fetch copy by copy (LayerConfig.relay_schedule "async"): this rank's sends, items[:count] (slot
+        indices r * N + j, in level order), each in chunks of CHUNK elements, chunk c by the program c % programs
+        (persistent: every program walks the items in order, so it sends level l's chunks before it waits for any of
+        level l + 1's, and no wait closes a cycle). A copy of one of my experts leaves from my main weight at once;
+        a relayed one from my slot holding it, chunk by chunk as each arrives: flag (slot, chunk0 + c) of my flags
+        (`flags`, int32 [., flag_row]) reaches this fetch's epoch. After a chunk, the receiver's flag of that slot and
+        chunk is set to the epoch (its flag table: flag_bases[r])."""
+        epoch = tl.load(epoch_ptr)
+        n = tl.load(count)
+        for i in range(n):
+            rj = tl.load(items + i)
+            e = tl.load(slot_expert + rj)
+            r = rj // N
+            j = rj % N
+            dst = tl.load(pool_bases + r).to(tl.pointer_type(tl.bfloat16)) + j.to(tl.int64) * numel
+            remote = tl.load(flag_bases + r).to(tl.pointer_type(tl.int32)) + j.to(tl.int64) * flag_row + chunk0
+            mine = e // e_loc == me
+            held = 0
+            for jj in range(N):
+                held = tl.where(tl.load(slot_expert + me * N + jj) == e, jj, held)
+            if mine:
+                src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
+            else:
+                src = own_slots + held.to(tl.int64) * numel
+            for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+                offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+                m = offs < numel
+                if not mine:
+                    _wait_flag(flags + held.to(tl.int64) * flag_row + chunk0 + c, epoch)
+                    tl.debug_barrier()
+                tl.store(dst + offs, tl.load(src + offs, mask=m, cache_modifier=".cg"), mask=m)
+                _signal_flag(remote + c, epoch)
+
+    @triton.jit
+    def _push_grads_async_kernel(items, count, slot_expert, source, children, pool, ret, ret_bases, flags,
+                                 flag_bases, flag_row, epoch_ptr, me, N, numel, n_chunks, chunk0, FANOUT,
+                                 CHUNK: tl.constexpr):
+        """Gradient return copy by copy: my slots items[:count] (deepest level first), each in chunks of CHUNK
+        elements (chunk c by the program c % programs, every program in item order: a copy of level l waits only
+        for level l + 1's, which every rank sent first). A slot waits for each child's region of the chunk (its
+        flag in my table, `flags` [R N, flag_row], set to this return's epoch), adds them in (child rank, slot)
+        order onto its own gradient in fp32 (pool [N, numel], in place, as the level-by-level return adds them: the
+        same bits), and sends the chunk to region me * N + t of the rank it fetched from, setting that region's flag
+        there (flag_bases[parent])."""
+        epoch = tl.load(epoch_ptr)
+        n = tl.load(count)
+        for i in range(n):
+            t = tl.load(items + i)
+            g = me * N + t
+            to = tl.load(source + g)
+            dst = tl.load(ret_bases + to).to(tl.pointer_type(tl.bfloat16)) + g.to(tl.int64) * numel
+            remote = tl.load(flag_bases + to).to(tl.pointer_type(tl.int32)) + g.to(tl.int64) * flag_row + chunk0
+            own = pool + t.to(tl.int64) * numel
+            for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+                offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+                m = offs < numel
+                first = tl.load(children + t * FANOUT)
+                if first >= 0:  # a relay: its subtree's sum
+                    acc = tl.load(own + offs, mask=m).to(tl.float32)
+                    for f in range(FANOUT):
+                        sj = tl.load(children + t * FANOUT + f)
+                        if sj >= 0:
+                            _wait_flag(flags + sj.to(tl.int64) * flag_row + chunk0 + c, epoch)
+                            tl.debug_barrier()
+                            acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m,
+                                           cache_modifier=".cg").to(tl.float32)
+                    tl.store(own + offs, acc.to(pool.dtype.element_ty), mask=m)
+                    tl.store(dst + offs, acc.to(pool.dtype.element_ty), mask=m)
+                else:
+                    tl.store(dst + offs, tl.load(own + offs, mask=m), mask=m)
+                _signal_flag(remote + c, epoch)
+
+    @triton.jit
     def _push_grads_kernel(slot_expert, source, level, step, levels, chunks, span, pool, ret_bases, me, e_loc, N,
                            numel, CHUNK: tl.constexpr, RELAY: tl.constexpr):
         """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank; with RELAY
@@ -530,6 +621,18 @@ class SymmReplicaPool(SlotBanks):
         self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
         self._banked = [b.tensor.view(banks, num_slots, *b.tensor.shape[1:]) for b in (self._fc1, self._fc2)]
         self.fc1, self.fc2 = self.bank_weights(0)
+        # the copy-by-copy fetch and return (relay_schedule "async"): a flag per (slot, chunk of fc1 then fc2), set by
+        # the sender to the transfer's epoch (a counter per bank, and one for the returns, the same on every rank)
+        self._flag_row = -(-2 * F * H // COPY_CHUNK) + -(-H * F // COPY_CHUNK)
+        self._fetch_flags = SymmBuffer((banks * num_slots, self._flag_row), torch.int32, device, self.group)
+        self._ret_flags = SymmBuffer((R * num_slots, self._flag_row), torch.int32, device, self.group)
+        for flags in (self._fetch_flags, self._ret_flags):
+            flags.tensor.zero_()
+        self._fetch_flags.barrier()  # every rank zeroed its flags before any rank can set one
+        self._fetch_flag_ptrs = [self._fetch_flags.ptrs + b * num_slots * self._flag_row * 4 for b in range(banks)]
+        self._fetch_epoch = torch.zeros(banks, dtype=torch.int32, device=device)
+        self._ret_epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self._programs = torch.cuda.get_device_properties(device).multi_processor_count
         # the peers' addresses of each bank (made once: a fetch adds no tensor op)
         self._bank_ptrs = [[buf.ptrs + b * num_slots * buf.tensor[0].numel() * buf.tensor.element_size()
                             for b in range(banks)] for buf in (self._fc1, self._fc2)]
@@ -561,6 +664,8 @@ class SymmReplicaPool(SlotBanks):
         use of the bank (this call's count all-gathers in forward, the gradient return of the bank's last user in
         backward; `publish` where nothing else would)."""
         se = slot_expert.reshape(-1).contiguous()
+        if relay is not None and relay.schedule == "async":
+            return self._fetch_async(se, W1, W2, e_loc, bank, relay)
         R_N = se.numel()
         src, lvl, levels = ((se, se, 1) if relay is None else
                             (relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous(), relay.levels))
@@ -575,6 +680,66 @@ class SymmReplicaPool(SlotBanks):
                 _push_slots_kernel[(R_N, triton.cdiv(span, COPY_CHUNK))](
                     se, src, lvl, step, C, span, ptrs, own[bank], bases[bank], self.rank, e_loc, self.num_slots,
                     numel, CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
+
+    def _fetch_async(self, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int,
+                      relay) -> None:
+        """`fetch` copy by copy (relay.schedule "async", `_push_slots_async_kernel`): one launch per weight, this
+        rank's sends in level order (sorted on the device: no host synchronisation); a relay forwards each chunk of
+        a copy once its flag says it arrived. The same barriers around it as the level-by-level fetch."""
+        src, lvl = relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous()
+        RN = se.numel()
+        idx = torch.arange(RN, device=se.device)
+        mine = (se >= 0) & (src == self.rank)
+        items = torch.argsort(torch.where(mine, lvl * RN + idx, (relay.levels + 1) * RN + idx))
+        count = mine.sum()
+        epoch = self._fetch_epoch[bank:bank + 1]
+        epoch.add_(1)
+        N, row = self.num_slots, self._flag_row
+        own_flags = self._fetch_flags.tensor[bank * N:(bank + 1) * N]
+        chunk0 = 0
+        for ptrs, buf, bases, own in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2),
+                                         self._bank_ptrs, self._banked):
+            numel = buf.tensor[0].numel()
+            n_chunks = triton.cdiv(numel, COPY_CHUNK)
+            _push_slots_async_kernel[(self._programs,)](
+                items, count, se, ptrs, own[bank], bases[bank], own_flags, self._fetch_flag_ptrs[bank], row, epoch,
+                self.rank, e_loc, N, numel, n_chunks, chunk0, CHUNK=COPY_CHUNK, num_warps=COPY_WARPS)
+            chunk0 += n_chunks
+
+    def _push_grads_async(self, se: torch.Tensor, srcs: tuple, relay) -> None:
+        """`push_grads` copy by copy (relay.schedule "async", `_push_grads_async_kernel`): my slots deepest level
+        first, each relay adding its children's regions (a table of at most relay.fanout per slot, made on the
+        device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1 regions to the
+        homes' experts after its barrier, as level by level."""
+        src, lvl = relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous()
+        N, me, dev, RN = self.num_slots, self.rank, se.device, se.numel()
+        if not isinstance(relay.fanout, int) or relay.fanout < 1:
+            raise ValueError(f"the copy-by-copy gradient return needs the trees' fanout (RelayTrees.fanout >= 1), got "
+                             f"{relay.fanout!r}")
+        F = relay.fanout
+        my_se, my_lvl = se[me * N:(me + 1) * N], lvl[me * N:(me + 1) * N]
+        t = torch.arange(N, device=dev)
+        occ = my_se >= 0
+        items = torch.argsort(torch.where(occ, (relay.levels - my_lvl) * N + t, (relay.levels + 1) * N + t))
+        count = occ.sum()
+        # children[t, f]: the f-th copy (in slot order) fetched from my slot t, or -1; a node has at most F
+        match = ((se >= 0) & (src == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
+        pos = match.cumsum(1) - 1
+        table = torch.full((N, F + 1), -1, dtype=torch.int64, device=dev)
+        table.scatter_(1, torch.where(match & (pos < F), pos, F),
+                       torch.where(match, torch.arange(RN, device=dev).expand(N, RN), -1))
+        children = table[:, :F].contiguous()
+        epoch = self._ret_epoch
+        epoch.add_(1)
+        chunk0 = 0
+        for s, ret in zip(srcs, (self.ret1, self.ret2)):
+            numel = s[0].numel()
+            n_chunks = triton.cdiv(numel, COPY_CHUNK)
+            _push_grads_async_kernel[(self._programs,)](
+                items, count, se, src, children, s, ret.tensor, ret.ptrs, self._ret_flags.tensor,
+                self._ret_flags.ptrs, self._flag_row, epoch, me, N, numel, n_chunks, chunk0, F, CHUNK=COPY_CHUNK,
+                num_warps=COPY_WARPS)
+            chunk0 += n_chunks
 
     def publish(self) -> None:
         """A barrier of the group on this stream: every rank's earlier work on its stream (a prefetch it
@@ -606,6 +771,8 @@ class SymmReplicaPool(SlotBanks):
         if relay is not None and not all(s.is_contiguous() for s in srcs):
             raise ValueError("push_grads with relays adds the children's gradients into src1/src2 in place: pass "
                              "contiguous tensors")
+        if relay is not None and relay.schedule == "async":
+            return self._push_grads_async(se, srcs, relay)
         C = relay.chunks if relay is not None else 1
         for step in range(levels + C - 1):
             if step > 0:  # the children's chunks of the last step arrived everywhere: add them before sending on
