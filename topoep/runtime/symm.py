@@ -222,7 +222,7 @@ if triton is not None:
             else:
                 src = own_slots + held.to(tl.int64) * numel
             for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
-                offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+                offs = tl.arange(0, CHUNK).to(tl.int64) + c * CHUNK
                 m = offs < numel
                 if not mine:
                     _wait_flag(flags + held.to(tl.int64) * flag_row + chunk0 + c, epoch)
@@ -251,7 +251,7 @@ if triton is not None:
             remote = tl.load(flag_bases + to).to(tl.pointer_type(tl.int32)) + g.to(tl.int64) * flag_row + chunk0
             own = pool + t.to(tl.int64) * numel
             for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
-                offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+                offs = tl.arange(0, CHUNK).to(tl.int64) + c * CHUNK
                 m = offs < numel
                 first = tl.load(children + t * FANOUT)
                 if first >= 0:  # a relay: its subtree's sum
@@ -591,6 +591,38 @@ class SymmWorkspace:
         return dst
 
 
+def async_send_items(se: torch.Tensor, source: torch.Tensor, level: torch.Tensor, levels: int,
+                     me: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(items int64[R N], count int64 0-d): the slots rank `me` sends to in a copy-by-copy fetch (source == me), in
+    level order then slot order, first in `items` (`_push_slots_async_kernel`). On the device, no host sync."""
+    RN = se.numel()
+    idx = torch.arange(RN, device=se.device)
+    mine = (se >= 0) & (source == me)
+    return torch.argsort(torch.where(mine, level * RN + idx, (levels + 1) * RN + idx)), mine.sum()
+
+
+def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Tensor, levels: int, me: int, N: int,
+                        fanout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(items int64[N], count int64 0-d, children int64[N, fanout]) of rank `me` in a copy-by-copy gradient return
+    (`_push_grads_async_kernel`): its occupied slots, deepest level first, then in slot order; and per slot the
+    copies fetched from it (its children in the relay tree: at most `fanout`), in slot order, -1 after the last. On
+    the device, no host sync."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+        raise ValueError(f"the copy-by-copy gradient return needs the trees' fanout (RelayTrees.fanout >= 1), got "
+                         f"{fanout!r}")
+    dev, RN = se.device, se.numel()
+    my_se, my_lvl = se[me * N:(me + 1) * N], level[me * N:(me + 1) * N]
+    t = torch.arange(N, device=dev)
+    occ = my_se >= 0
+    items = torch.argsort(torch.where(occ, (levels - my_lvl) * N + t, (levels + 1) * N + t))
+    match = ((se >= 0) & (source == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
+    pos = match.cumsum(1) - 1
+    table = torch.full((N, fanout + 1), -1, dtype=torch.int64, device=dev)  # the last column takes the rest
+    table.scatter_(1, torch.where(match & (pos < fanout), pos, fanout),
+                   torch.where(match, torch.arange(RN, device=dev).expand(N, RN), -1))
+    return items, occ.sum(), table[:, :fanout].contiguous()
+
+
 def _expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
     """int64[E_loc] device addresses of each expert of a stacked weight, computed on the device."""
     n = stacked.shape[0]
@@ -686,12 +718,7 @@ class SymmReplicaPool(SlotBanks):
         """`fetch` copy by copy (relay.schedule "async", `_push_slots_async_kernel`): one launch per weight, this
         rank's sends in level order (sorted on the device: no host synchronisation); a relay forwards each chunk of
         a copy once its flag says it arrived. The same barriers around it as the level-by-level fetch."""
-        src, lvl = relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous()
-        RN = se.numel()
-        idx = torch.arange(RN, device=se.device)
-        mine = (se >= 0) & (src == self.rank)
-        items = torch.argsort(torch.where(mine, lvl * RN + idx, (relay.levels + 1) * RN + idx))
-        count = mine.sum()
+        items, count = async_send_items(se, relay.source.reshape(-1), relay.level.reshape(-1), relay.levels, self.rank)
         epoch = self._fetch_epoch[bank:bank + 1]
         epoch.add_(1)
         N, row = self.num_slots, self._flag_row
@@ -711,24 +738,11 @@ class SymmReplicaPool(SlotBanks):
         first, each relay adding its children's regions (a table of at most relay.fanout per slot, made on the
         device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1 regions to the
         homes' experts after its barrier, as level by level."""
-        src, lvl = relay.source.reshape(-1).contiguous(), relay.level.reshape(-1).contiguous()
-        N, me, dev, RN = self.num_slots, self.rank, se.device, se.numel()
-        if not isinstance(relay.fanout, int) or relay.fanout < 1:
-            raise ValueError(f"the copy-by-copy gradient return needs the trees' fanout (RelayTrees.fanout >= 1), got "
-                             f"{relay.fanout!r}")
+        src = relay.source.reshape(-1).contiguous()
+        N, me = self.num_slots, self.rank
+        items, count, children = async_return_tables(se, src, relay.level.reshape(-1), relay.levels, me, N,
+                                                     relay.fanout)
         F = relay.fanout
-        my_se, my_lvl = se[me * N:(me + 1) * N], lvl[me * N:(me + 1) * N]
-        t = torch.arange(N, device=dev)
-        occ = my_se >= 0
-        items = torch.argsort(torch.where(occ, (relay.levels - my_lvl) * N + t, (relay.levels + 1) * N + t))
-        count = occ.sum()
-        # children[t, f]: the f-th copy (in slot order) fetched from my slot t, or -1; a node has at most F
-        match = ((se >= 0) & (src == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
-        pos = match.cumsum(1) - 1
-        table = torch.full((N, F + 1), -1, dtype=torch.int64, device=dev)
-        table.scatter_(1, torch.where(match & (pos < F), pos, F),
-                       torch.where(match, torch.arange(RN, device=dev).expand(N, RN), -1))
-        children = table[:, :F].contiguous()
         epoch = self._ret_epoch
         epoch.add_(1)
         chunk0 = 0
