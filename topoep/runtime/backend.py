@@ -216,11 +216,12 @@ class TorchBackend:
         return sends, recvs
 
     def _fetch_async(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int) -> None:
-        """Down the relay trees copy by copy (LayerConfig.relay_schedule "async"): every copy this rank receives is
-        posted at once, every copy of an expert it is home to leaves at once, and a relay sends a copy on as soon as
-        its own has arrived (point-to-point, the tag the receiving slot). Sends go in level order, so a rank waits
-        for a copy of level l only after it sent all of its own of the levels before: no cycle of waits. The slots
-        end as level by level."""
+        """Down the relay trees copy by copy (LayerConfig.relay_schedule "async"): point-to-point sends and receives
+        (tagged by the receiving slot), issued by every rank in one global order of the transfers, (level, source
+        rank, destination rank, slot); a relay waits for its own copy only before it sends that copy on. A transfer
+        waits only for transfers of a lower level, and every rank issues its own in the same order, so no cycle of
+        waits forms, whether the process group runs point-to-point operations concurrently (gloo) or in issue order
+        on one stream (NCCL). The slots end as level by level."""
         nodes = self._tree_nodes(plan, fanout)
         if nodes is None:
             return
@@ -228,40 +229,45 @@ class TorchBackend:
         E_loc, n1, dtype = plan.num_experts // plan.num_ranks, pool.fc1[0].numel(), pool.fc1.dtype
         n = n1 + pool.fc2[0].numel()
         row = plan.slot_expert[self.rank].tolist()
-        got = {j: pool.fc1.new_empty(n) for j, (s, _, _) in recvs.items() if s != self.rank}
-        pending = {j: dist.irecv(got[j], group=self.group, group_src=s, tag=j) for j, (s, _, _) in recvs.items()
-                   if s != self.rank}
+        me = self.rank
+        # the transfers this rank takes part in, in the global order: ("send", r, j, e) / ("recv", s, j, e)
+        ops = sorted([((lvl, me, r, j), "send", r, j, e) for lvl, r, j, e in sends if r != me]
+                     + [((lvl, s, me, j), "recv", s, j, e) for j, (s, lvl, e) in recvs.items() if s != me])
+        got, pending, works = {}, {}, []
 
         def held(e: int) -> torch.Tensor:  # my copy of e, flat: my main weights, or my slot's once it arrived
-            if e_main(e, E_loc) == self.rank:
-                return _flat_range(main_fc1[e - self.rank * E_loc].detach(),
-                                   main_fc2[e - self.rank * E_loc].detach(), 0, n).to(dtype)
+            if e_main(e, E_loc) == me:
+                return _flat_range(main_fc1[e - me * E_loc].detach(), main_fc2[e - me * E_loc].detach(), 0,
+                                   n).to(dtype).contiguous()
             j = row.index(e)
             if j in pending:
                 pending.pop(j).wait()
-                _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, got[j], add=False)
             return got[j]
 
-        works = []
-        for _, r, j, e in sends:
-            data = held(e).contiguous()
-            if r == self.rank:  # a copy of one of my own experts into my own slot
-                _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, data, add=False)
+        for lvl, r, j, e in sends:  # copies of my own experts into my own slots (a self-replica) need no transfer
+            if r == me:
+                _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, held(e), add=False)
+        for _, kind, peer, j, e in ops:
+            if kind == "recv":
+                got[j] = pool.fc1.new_empty(n)
+                pending[j] = dist.irecv(got[j], group=self.group, group_src=peer, tag=j)
             else:
-                works.append((dist.isend(data, group=self.group, group_dst=r, tag=j), data))
+                data = held(e)
+                works.append((dist.isend(data, group=self.group, group_dst=peer, tag=j), data))
         for j in sorted(pending):
             pending[j].wait()
+        for j in sorted(got):
             _flat_range_update(pool.fc1[j], pool.fc2[j], 0, n, got[j], add=False)
         for w, _ in works:
             w.wait()
 
     def _return_async(self, plan: Plan, pool: ReplicaPool, grad_fc1: list, grad_fc2: list, fanout: int) -> None:
-        """Up the relay trees copy by copy (LayerConfig.relay_schedule "async"): every gradient this rank's copies
-        receive from their children is posted at once; this rank's copies go deepest level first, each adding its
-        children's gradients in (child rank, slot) order onto its own (as `_return_relayed` adds them: the same sums
-        bit for bit) and sending the result to the rank it fetched from; a home adds its children's onto its main
-        gradient. A copy of level l waits only for children of level l + 1, which every rank sent before any copy
-        of level l: no cycle of waits."""
+        """Up the relay trees copy by copy (LayerConfig.relay_schedule "async"): the fetch's transfers reversed, issued
+        by every rank in one global order, deepest level first, then (source rank, destination rank, slot) of the
+        fetch's transfer; a copy adds its children's gradients in (child rank, slot) order onto its own (as
+        `_return_relayed` adds them: the same sums bit for bit) before it sends the result to the rank it fetched
+        from, and a home adds its children's onto its main gradient. A transfer waits only for transfers of a deeper
+        level, and every rank issues its own in the same order: no cycle of waits (`_fetch_async`)."""
         nodes = self._tree_nodes(plan, fanout)
         if nodes is None:
             return
@@ -269,36 +275,37 @@ class TorchBackend:
         E_loc, n1 = plan.num_experts // plan.num_ranks, pool.fc1[0].numel()
         n = n1 + pool.fc2[0].numel()
         row = plan.slot_expert[self.rank].tolist()
+        me = self.rank
         # the children of my copy of e (my main expert or my slot holding it): the copies fetched from me, deepest
-        # level first, then in (rank, slot) order, each with its gradient when it arrives
+        # level first, then in (rank, slot) order (as `_return_relayed` adds them)
         children: dict[int, list] = {}
-        incoming = {}
-        for _, r, j, e in sorted(sends, key=lambda t: (-t[0], t[1], t[2])):  # as `_return_relayed` adds them
+        for lvl, r, j, e in sorted(sends, key=lambda t: (-t[0], t[1], t[2])):
             children.setdefault(e, []).append((r, j))
-            if r != self.rank:
-                buf = pool.fc1.new_empty(n)
-                incoming[(r, j)] = (dist.irecv(buf, group=self.group, group_src=r, tag=j), buf)
+        ops = sorted([((-lvl, me, r, j), "recv", r, j, e) for lvl, r, j, e in sends if r != me]
+                     + [((-lvl, s, me, j), "send", s, j, e) for j, (s, lvl, e) in recvs.items()
+                        if s != me and e_main(e, E_loc) != me])
+        incoming, works = {}, []
 
         def add_children(e: int, g1: torch.Tensor, g2: torch.Tensor) -> None:
-            for r, j in children.get(e, ()):  # (child rank, slot) order: a fixed summation order
-                if r == self.rank:
+            for r, j in children.get(e, ()):  # a fixed summation order
+                if r == me:
                     data = _flat_range(pool.fc1[j], pool.fc2[j], 0, n)
                 else:
                     work, data = incoming.pop((r, j))
                     work.wait()
                 _flat_range_update(g1, g2, 0, n, data, add=True)
 
-        works = []
-        for j in sorted(recvs, key=lambda j: (-recvs[j][1], j)):  # deepest level first
-            s, _, e = recvs[j]
-            if e_main(e, E_loc) == self.rank:
-                continue  # a copy of my own expert: its gradient is added below, as a child of my main copy
-            add_children(e, pool.fc1[j], pool.fc2[j])
-            data = _flat_range(pool.fc1[j], pool.fc2[j], 0, n).contiguous()
-            works.append((dist.isend(data, group=self.group, group_dst=s, tag=j), data))
+        for _, kind, peer, j, e in ops:
+            if kind == "recv":
+                buf = pool.fc1.new_empty(n)
+                incoming[(peer, j)] = (dist.irecv(buf, group=self.group, group_src=peer, tag=j), buf)
+            else:  # my slot j: its subtree's sum, to the rank it fetched from
+                add_children(e, pool.fc1[j], pool.fc2[j])
+                data = _flat_range(pool.fc1[j], pool.fc2[j], 0, n).contiguous()
+                works.append((dist.isend(data, group=self.group, group_dst=peer, tag=j), data))
         for e in sorted(children):
-            if e_main(e, E_loc) == self.rank:
-                add_children(e, grad_fc1[e - self.rank * E_loc], grad_fc2[e - self.rank * E_loc])
+            if e_main(e, E_loc) == me:
+                add_children(e, grad_fc1[e - me * E_loc], grad_fc2[e - me * E_loc])
         for w, _ in works:
             w.wait()
 
