@@ -333,7 +333,7 @@ if triton is not None:
                 if RELAY:
                     hit = hit & (tl.load(level + sj) == child) & (tl.load(source + sj) == me)
                 if hit:
-                    acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m).to(tl.float32)
+                    acc += tl.load(ret + tl.cast(sj, tl.int64) * numel + offs, mask=m).to(tl.float32)
             tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -643,31 +643,52 @@ class SymmReplicaPool(SlotBanks):
             raise ValueError(f"backend 'cuda' moves bf16 expert weights; got {dtype} (run the model in bf16)")
         self.init_banks(banks)
         self.group = group or dist.group.WORLD
-        R = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        R, self.rank = self._world()
         self.num_slots = num_slots
         H, F = hidden_size, ffn_hidden_size
-        self._fc1 = SymmBuffer((banks * num_slots, 2 * F, H), dtype, device, self.group)
-        self._fc2 = SymmBuffer((banks * num_slots, H, F), dtype, device, self.group)
-        self.ret1 = SymmBuffer((R * num_slots, 2 * F * H), dtype, device, self.group)
-        self.ret2 = SymmBuffer((R * num_slots, H * F), dtype, device, self.group)
+        for name, shape, dt in self.buffer_shapes(R, num_slots, H, F, dtype, banks):
+            setattr(self, name, self._buffer(shape, dt, device))
         self._banked = [b.tensor.view(banks, num_slots, *b.tensor.shape[1:]) for b in (self._fc1, self._fc2)]
         self.fc1, self.fc2 = self.bank_weights(0)
         # the copy-by-copy fetch and return (relay_schedule "async"): a flag per (slot, chunk of fc1 then fc2), set by
         # the sender to the transfer's epoch (a counter per bank, and one for the returns, the same on every rank)
-        self._flag_row = -(-2 * F * H // COPY_CHUNK) + -(-H * F // COPY_CHUNK)
-        self._fetch_flags = SymmBuffer((banks * num_slots, self._flag_row), torch.int32, device, self.group)
-        self._ret_flags = SymmBuffer((R * num_slots, self._flag_row), torch.int32, device, self.group)
+        self._flag_row = self._fetch_flags.tensor.shape[1]
         for flags in (self._fetch_flags, self._ret_flags):
             flags.tensor.zero_()
         self._fetch_flags.barrier()  # every rank zeroed its flags before any rank can set one
         self._fetch_flag_ptrs = [self._fetch_flags.ptrs + b * num_slots * self._flag_row * 4 for b in range(banks)]
         self._fetch_epoch = torch.zeros(banks, dtype=torch.int32, device=device)
         self._ret_epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self._programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self._programs = self._num_programs(device)
         # the peers' addresses of each bank (made once: a fetch adds no tensor op)
         self._bank_ptrs = [[buf.ptrs + b * num_slots * buf.tensor[0].numel() * buf.tensor.element_size()
                             for b in range(banks)] for buf in (self._fc1, self._fc2)]
+
+    @staticmethod
+    def buffer_shapes(R: int, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype,
+                      banks: int) -> list[tuple[str, tuple, torch.dtype]]:
+        """(attribute, shape, dtype) of every symmetric buffer of a pool, in the order it makes them: the slots of
+        every bank (fc1, fc2), the gradient-return regions (ret1, ret2), and the copy-by-copy flags (per slot of every
+        bank, and per region), a flag per chunk of COPY_CHUNK elements of fc1 then of fc2."""
+        N, H, F = num_slots, hidden_size, ffn_hidden_size
+        row = -(-2 * F * H // COPY_CHUNK) + -(-H * F // COPY_CHUNK)
+        return [("_fc1", (banks * N, 2 * F, H), dtype), ("_fc2", (banks * N, H, F), dtype),
+                ("ret1", (R * N, 2 * F * H), dtype), ("ret2", (R * N, H * F), dtype),
+                ("_fetch_flags", (banks * N, row), torch.int32), ("_ret_flags", (R * N, row), torch.int32)]
+
+    def _world(self) -> tuple[int, int]:
+        """(ranks, this rank) of the pool's group."""
+        return dist.get_world_size(self.group), dist.get_rank(self.group)
+
+    def _buffer(self, shape: tuple, dtype, device) -> "SymmBuffer":
+        """One symmetric buffer of the group (collective: every rank makes the same ones in the same order)."""
+        return SymmBuffer(shape, dtype, device, self.group)
+
+    @staticmethod
+    def _num_programs(device) -> int:
+        """The copy-by-copy kernels' persistent grid: one program per SM (all resident at once, so a program that
+        waits never keeps an earlier level's chunk from being sent)."""
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     @classmethod
     def shared(cls, group, num_slots, hidden_size, ffn_hidden_size, dtype, device, banks: int = 1):
