@@ -40,6 +40,16 @@ KERNELS = {
     "_push_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, step=I32, levels=I32, chunks=I32, span=I32,
                                 pool="*bf16", ret_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
                            dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
+    # the copy-by-copy fetch and return (LayerConfig.relay_schedule "async")
+    "_push_slots_async_kernel": (dict(items=I64, count=I64, slot_expert=I64, main_ptrs=I64, own_slots="*bf16",
+                                      pool_bases=I64, flags="*i32", flag_bases=I64, flag_row=I32, epoch_ptr="*i32",
+                                      me=I32, e_loc=I32, N=I32, numel=I32, n_chunks=I32, chunk0=I32),
+                                 dict(CHUNK=S.COPY_CHUNK)),
+    "_push_grads_async_kernel": (dict(items=I64, count=I64, slot_expert=I64, source=I64, children=I64, pool="*bf16",
+                                      ret="*bf16", ret_bases=I64, flags="*i32", flag_bases=I64, flag_row=I32,
+                                      epoch_ptr="*i32", me=I32, N=I32, numel=I32, n_chunks=I32, chunk0=I32,
+                                      FANOUT=I32),
+                                 dict(CHUNK=S.COPY_CHUNK)),
     "_swiglu_fwd_kernel": (dict(h="*bf16", act="*bf16", n_ptr=I64, cap=I32), dict(F=768, BLOCK_F=1024)),
     "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", act="*bf16", n_ptr=I64, cap=I32),
                            dict(F=768, BLOCK_F=1024)),
@@ -128,3 +138,16 @@ def test_kernel_compiles_for_sm90(name, changed):
                     constexprs={(params.index(k),): v for k, v in const.items()})
     kernel = compile(src, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"]  # ptxas produced sm_90 machine code
+
+
+@pytest.mark.parametrize("name", ["_push_slots_async_kernel", "_push_grads_async_kernel"])
+def test_copy_by_copy_kernels_signal_across_gpus(name):
+    """The copy-by-copy kernels' flags: a system-scope release where a chunk is signalled, a system-scope acquire
+    where one is awaited (what makes another GPU's stores visible before the flag)."""
+    fn = _kernel(name)
+    sig, const = KERNELS[name]
+    params = list(inspect.signature(fn.fn).parameters)
+    src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
+                    constexprs={(params.index(k),): v for k, v in const.items()})
+    ptx = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "sys.release" in ptx and "sys.acquire" in ptx
