@@ -79,6 +79,17 @@ def step_chunk(step: int, level: int, chunks: int) -> int | None:
     return c if 0 <= c < chunks else None
 
 
+def check_schedule(schedule, chunks: int, what: str = "schedule") -> str:
+    """`schedule` if it is one of RELAY_SCHEDULES and, copy by copy, its copies travel whole (chunks 1); else a
+    ValueError naming `what`."""
+    if schedule not in RELAY_SCHEDULES:
+        raise ValueError(f"{what} must be one of {', '.join(RELAY_SCHEDULES)}, got {schedule!r}")
+    if schedule == "async" and chunks != 1:
+        raise ValueError(f"{what}='async' moves whole copies, each as soon as its source holds it: relay_chunks must "
+                         f"be 1, got {chunks}")
+    return schedule
+
+
 def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tensor:
     """Depth of node `index` in a heap of `fanout` children per node (root 0 at depth 0), for indices whose depth is
     at most max_depth: the number of depths k >= 1 whose first index, (f^k - 1) / (f - 1) (k for f = 1), it reaches.
@@ -183,12 +194,8 @@ def executed_sources(plan: Plan, fanout: int) -> tuple[torch.Tensor, torch.Tenso
 def relay_trees(plan: Plan, fanout: int, chunks: int = 1, schedule: str = "levels") -> RelayTrees:
     """`executed_sources` with the number of levels a runtime runs (`max_level`), the chunks per copy and the
     schedule: device tensors, no host sync."""
-    if schedule not in RELAY_SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(RELAY_SCHEDULES)}, got {schedule!r}")
-    if schedule == "async" and chunks != 1:
-        raise ValueError(f"the copy-by-copy schedule moves whole copies: chunks must be 1, got {chunks}")
-    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout), check_chunks(chunks), schedule,
-                      fanout)
+    return RelayTrees(*executed_sources(plan, fanout), max_level(plan.topology, fanout), check_chunks(chunks),
+                      check_schedule(schedule, chunks), fanout)
 
 
 def relay_levels(plan: Plan, source: torch.Tensor, level: torch.Tensor, levels: int | None = None) -> torch.Tensor:

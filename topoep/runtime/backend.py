@@ -200,19 +200,14 @@ class TorchBackend:
         return pool_tensor[plan_row.index(e)]
 
     def _tree_nodes(self, plan: Plan, fanout: int):
-        """The relay trees (topoep.relay.executed_sources) as this rank takes part in them: [(level, dest r, slot j,
-        expert e)] of the copies it sends, sorted (a level's sends before the next level's), and {slot j: (source s,
-        level, expert e)} of the copies it receives; None when no rank holds a replica."""
-        from topoep.relay import executed_sources
-
-        R, N = plan.num_ranks, plan.num_slots
-        se = plan.slot_expert.tolist()
-        if all(e < 0 for row in se for e in row):
+        """`_relay_routes` flattened: [(level, dest r, slot j, expert e)] of the copies this rank sends, a level's
+        before the next level's, and {slot j: (source s, level, expert e)} of the copies it receives; None when no
+        rank holds a replica."""
+        routes = self._relay_routes(plan, fanout)
+        if routes is None:
             return None
-        source, level = (t.tolist() for t in executed_sources(plan, fanout))
-        sends = sorted((level[r][j], r, j, se[r][j]) for r in range(R) for j in range(N)
-                       if se[r][j] >= 0 and source[r][j] == self.rank)
-        recvs = {j: (source[self.rank][j], level[self.rank][j], e) for j, e in enumerate(se[self.rank]) if e >= 0}
+        sends = [(lv, r, j, e) for lv, (send, _) in enumerate(routes, start=1) for r, j, e in send]
+        recvs = {j: (s, lv, e) for lv, (_, recv) in enumerate(routes, start=1) for s, j, e in recv}
         return sends, recvs
 
     def _fetch_async(self, plan: Plan, main_fc1: list, main_fc2: list, pool: ReplicaPool, fanout: int) -> None:

@@ -71,7 +71,7 @@ import torch
 
 from topoep.links import loads_seconds, pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs
 from topoep.plan import Plan, static_route
-from topoep.relay import RELAY_SCHEDULES, async_fetch_fs, check_chunks, direct_beyond_tree, relay_fetch_fs
+from topoep.relay import async_fetch_fs, check_chunks, check_schedule, direct_beyond_tree, relay_fetch_fs
 from topoep.runtime import worth_triton
 from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
 from topoep.planners.common import static_rank_load
@@ -212,12 +212,7 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.relay_fanout must be None (every copy from its home) or an integer "
                              f">= 1, got {f!r}")
         check_chunks(self.relay_chunks, "NetBenefitGuard.relay_chunks")
-        if self.relay_schedule not in RELAY_SCHEDULES:
-            raise ValueError(f"NetBenefitGuard.relay_schedule must be one of {', '.join(RELAY_SCHEDULES)}, got "
-                             f"{self.relay_schedule!r}")
-        if self.relay_schedule == "async" and self.relay_chunks != 1:
-            raise ValueError(f"NetBenefitGuard.relay_schedule='async' moves whole copies, each as soon as its source "
-                             f"holds it: relay_chunks must be 1, got {self.relay_chunks}")
+        check_schedule(self.relay_schedule, self.relay_chunks, "NetBenefitGuard.relay_schedule")
         if not isinstance(self.relay_share, bool):
             raise ValueError(f"NetBenefitGuard.relay_share must be true or false, got {self.relay_share!r}")
         lag = self.skip_lag
