@@ -59,8 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--relay-chunks", type=int, default=1,
                     help="the relay layers' relay_chunks: each relayed copy in this many chunks, levels overlapping")
     ap.add_argument("--relay-schedule", default="levels", choices=list(sim.RELAY_SCHEDULES),
-                    help="the relay layers' fetch: levels (as both runtimes run it) or async, a what-if where every "
-                         "copy leaves as soon as its source holds it (sim.Execution.relay_schedule)")
+                    help="the relay layers' fetch: levels (one level of the trees after the other) or async (every "
+                         "copy leaves as soon as its source holds it; LayerConfig.relay_schedule, "
+                         "sim.Execution.relay_schedule), the guard pricing the one that runs")
     ap.add_argument("--relay-share", action="store_true",
                     help="the relay layers' relay_share: relay every fetch whose direct form exceeds a tree's share")
     ap.add_argument("--fetch-overlap", action="store_true",
@@ -277,9 +278,9 @@ def report(args, rows: list[dict]) -> str:
         "(more than one: the levels overlap, each step paying a transfer latency), and the direct one"
         + (", and relays wherever the direct fetch would make a home send more copies of one expert than a tree's "
            "share" if args.relay_share else "")
-        + (" (a what-if, `--relay-schedule async`: the relayed fetch runs copy by copy, each leaving as soon as its "
-           "source holds it, timed as the longer of its busiest link and its longest chain of hops, "
-           "`sim.async_fetch_s`; no runtime runs it, and the guard still prices the levels)"
+        + (" (`--relay-schedule async`, LayerConfig.relay_schedule: the relayed fetch runs copy by copy, each leaving "
+           "as soon as its source holds it, timed as the longer of its busiest link and its longest chain of hops, "
+           "`sim.async_fetch_s`, an optimistic bound; the guard prices it so)"
            if args.relay_schedule == "async" else "") + "; "
         "topoep_plus_spread (and _relay): the same layer with a third candidate, `topoep_plus_spread` "
         "(`topoep.planners.spread`: load moved across the whole EP group, priced on the busiest replica link; its "
