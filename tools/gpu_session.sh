@@ -380,21 +380,34 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 150 python3 tools/sync_audit.py
 }
 
-step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer): the
-  # guard kernel's tests (copy-by-copy pricing, the duty-ordered trees), backend cuda's GPU tests at EP 8 as 2 domains
-  # of 4 (ranks sharing the GPU) with trees of 2 (the relayed-vs-direct test adds the async runs of fanout 1-3, bit
-  # for bit against level by level), with the prefetch bank and fetch_overlap, and the sync audit. Correctness only.
-  # Short logs into $OUT/relay_async/
+step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer):
+  # part 1: backend cuda's GPU tests at EP 8 as 2 domains of 4 (ranks sharing the GPU) with trees of 2: the
+  # relayed-vs-direct test (the async runs of fanout 1-3, bit for bit against level by level) and the no-host-sync
+  # test first (-x: stop at the first failure), then the rest; part 2: the guard kernel's tests (copy-by-copy pricing,
+  # the duty-ordered trees; GUARD_CHUNKS picks the parts of the bit-equality test, default all four), the prefetch
+  # bank with fetch_overlap, and the sync audit. RELAY_ASYNC_PART=1 or 2 runs one part (one device call each).
+  # Correctness only. Whole pytest logs (verbose, slowest tests) into $OUT/relay_async/ as they run, so a run cut
+  # short still shows how far it got
   mkdir -p "$OUT/relay_async"
-  _a() { short_log relay_async "$@"; }
-  _a guard_kernel timeout -k 10 240 python3 -m pytest -q -rA tests/test_guard_cuda.py
-  _a ep8_rpd4_relay2_async TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
-    TOPOEP_GPU_RELAY_SCHEDULE=async timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
-  _a ep8_rpd4_relay2_async_prefetch_overlap TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
-    TOPOEP_GPU_RELAY_SCHEDULE=async TOPOEP_GPU_PREFETCH=1 TOPOEP_GPU_FETCH_OVERLAP=1 timeout -k 10 280 python3 -m pytest \
-    -q -rA tests/test_cuda_backend_gpu.py -k "relay or share_the_slots or matches_torch"
-  _a audit_ep8_rpd4_relay2_async TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
-    TOPOEP_GPU_RELAY_SCHEDULE=async timeout -k 10 150 python3 tools/sync_audit.py
+  local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
+  _a() { local name=$1 limit=$2 vars=$3; shift 3  # _a NAME SECONDS "VAR=value ..." PYTEST_ARGS...
+    env $vars timeout -k 10 "$limit" python3 -m pytest -v -rA --durations=6 -o faulthandler_timeout=$((limit - 20)) "$@" \
+      > "$OUT/relay_async/$name.log" 2>&1
+    echo "$name: rc=$? $(tail -1 "$OUT/relay_async/$name.log")"; }
+  if [ "${RELAY_ASYNC_PART:-1}" = 1 ]; then
+    _a ep8_rpd4_relay2_async_first 300 "$ep8" -x tests/test_cuda_backend_gpu.py -k "relayed_replicas or no_host_sync"
+    _a ep8_rpd4_relay2_async_rest 260 "$ep8" tests/test_cuda_backend_gpu.py -k "not relayed_replicas and not no_host_sync"
+  fi
+  if [ "${RELAY_ASYNC_PART:-2}" = 2 ]; then
+    local chunks="" c
+    for c in ${GUARD_CHUNKS:-0 1 2 3}; do chunks="$chunks tests/test_guard_cuda.py::test_guard_kernel_equals_reference[$c]"; done
+    _a guard_kernel 300 "" -x $chunks tests/test_guard_cuda.py::test_relay_trees_kernel_equals_reference \
+      tests/test_guard_cuda.py::test_no_host_synchronisation_and_graph_replay
+    _a ep8_rpd4_relay2_async_prefetch_overlap 200 "$ep8 TOPOEP_GPU_PREFETCH=1 TOPOEP_GPU_FETCH_OVERLAP=1" \
+      tests/test_cuda_backend_gpu.py -k "relay or share_the_slots or matches_torch"
+    env $ep8 timeout -k 10 120 python3 tools/sync_audit.py > "$OUT/relay_async/audit_ep8_rpd4_relay2_async.log" 2>&1
+    echo "audit: rc=$? $(grep -E "synchronising" "$OUT/relay_async/audit_ep8_rpd4_relay2_async.log" | tail -1)"
+  fi
 }
 
 step_fetch_overlap() {  # the forward fetch beside the dispatch (LayerConfig.fetch_overlap): backend cuda's GPU tests
