@@ -385,7 +385,8 @@ step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_sch
   # relayed-vs-direct test (the async runs of fanout 1-3, bit for bit against level by level) and the no-host-sync
   # test first (-x: stop at the first failure), then the rest; part 2: the guard kernel's tests (copy-by-copy pricing,
   # the duty-ordered trees; GUARD_CHUNKS picks the parts of the bit-equality test, default all four), the prefetch
-  # bank with fetch_overlap, and the sync audit. RELAY_ASYNC_PART=1 or 2 runs one part (one device call each).
+  # bank with fetch_overlap, and the sync audit. RELAY_ASYNC_PART=1 or 2 runs one part (one device call each);
+  # ASYNC_REST=0 leaves part 1's other tests out.
   # Correctness only. Whole pytest logs (verbose, slowest tests) into $OUT/relay_async/ as they run, so a run cut
   # short still shows how far it got
   mkdir -p "$OUT/relay_async"
@@ -396,7 +397,7 @@ step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_sch
     echo "$name: rc=$? $(tail -1 "$OUT/relay_async/$name.log")"; }
   if [ "${RELAY_ASYNC_PART:-1}" = 1 ]; then
     _a ep8_rpd4_relay2_async_first 300 "$ep8" -x tests/test_cuda_backend_gpu.py -k "relayed_replicas or no_host_sync"
-    _a ep8_rpd4_relay2_async_rest 260 "$ep8" tests/test_cuda_backend_gpu.py -k "not relayed_replicas and not no_host_sync"
+    [ "${ASYNC_REST:-1}" = 1 ] && _a ep8_rpd4_relay2_async_rest 260 "$ep8" tests/test_cuda_backend_gpu.py -k "not relayed_replicas and not no_host_sync"
   fi
   if [ "${RELAY_ASYNC_PART:-2}" = 2 ]; then
     local chunks="" c
