@@ -36,26 +36,26 @@ KERNELS = {
     "_push_slots_kernel": (dict(slot_expert=I64, source=I64, level=I64, step=I32, chunks=I32, span=I32,
                                 main_ptrs=I64, own_slots="*bf16", pool_bases=I64, me=I32, e_loc=I32, N=I32,
                                 numel=I32),
-                           dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
+                           dict(CHUNK=S.COPY_CHUNK, RELAY=True, ALIGN=16)),
     "_push_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, step=I32, levels=I32, chunks=I32, span=I32,
                                 pool="*bf16", ret_bases=I64, me=I32, e_loc=I32, N=I32, numel=I32),
-                           dict(CHUNK=S.COPY_CHUNK, RELAY=True)),
+                           dict(CHUNK=S.COPY_CHUNK, RELAY=True, ALIGN=16)),
     # the copy-by-copy fetch and return (LayerConfig.relay_schedule "async")
     "_push_slots_async_kernel": (dict(items=I64, count=I64, slot_expert=I64, main_ptrs=I64, own_slots="*bf16",
                                       pool_bases=I64, flags="*i32", flag_bases=I64, flag_row=I32, epoch_ptr="*i32",
                                       me=I32, e_loc=I32, N=I32, numel=I32, n_chunks=I32, chunk0=I32),
-                                 dict(CHUNK=S.COPY_CHUNK)),
+                                 dict(CHUNK=S.COPY_CHUNK, ALIGN=16)),
     "_push_grads_async_kernel": (dict(items=I64, count=I64, slot_expert=I64, source=I64, children=I64, pool="*bf16",
                                       ret="*bf16", ret_bases=I64, flags="*i32", flag_bases=I64, flag_row=I32,
                                       epoch_ptr="*i32", me=I32, N=I32, numel=I32, n_chunks=I32, chunk0=I32,
                                       FANOUT=I32),
-                                 dict(CHUNK=S.COPY_CHUNK)),
+                                 dict(CHUNK=S.COPY_CHUNK, ALIGN=16)),
     "_swiglu_fwd_kernel": (dict(h="*bf16", act="*bf16", n_ptr=I64, cap=I32), dict(F=768, BLOCK_F=1024)),
     "_swiglu_bwd_kernel": (dict(grad_act="*bf16", h="*bf16", grad_h="*bf16", act="*bf16", n_ptr=I64, cap=I32),
                            dict(F=768, BLOCK_F=1024)),
     "_reduce_grads_kernel": (dict(slot_expert=I64, source=I64, level=I64, lv=I32, step=I32, levels=I32, chunks=I32,
                                   span=I32, ret="*bf16", grad="*bf16", me=I32, e_loc=I32, N=I32, RN=I32, numel=I32),
-                             dict(CHUNK=S.COPY_CHUNK, RELAY=True, SLOTS=True)),
+                             dict(CHUNK=S.COPY_CHUNK, RELAY=True, SLOTS=True, ALIGN=16)),
     # layout_triton.py, with Qwen3-30B-A3B's 128 experts at EP 8 and 2 slots
     "_block_counts_kernel": (dict(e_ptr=I64, counts_ptr=I64, ok_ptr="*i1", A=I32, E=I32, nb=I32),
                              dict(B=LT.BLOCK, EB=256, CHECK=True)),
@@ -125,6 +125,10 @@ VARIANTS = [("_weighted_sum_kernel", dict(SAVE=False, WEIGHTED=False)),  # weigh
             ("_push_grads_kernel", dict(RELAY=False)),
             ("_reduce_grads_kernel", dict(RELAY=False, SLOTS=False)),
             ("_reduce_grads_kernel", dict(SLOTS=False))]
+# the replica copies where a weight or a pointer is not 16-byte aligned (symm._aligned: one element per access)
+COPIES = ("_push_slots_kernel", "_push_grads_kernel", "_reduce_grads_kernel", "_push_slots_async_kernel",
+          "_push_grads_async_kernel")
+VARIANTS += [(name, dict(ALIGN=2)) for name in COPIES]
 
 
 @pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)
@@ -151,3 +155,38 @@ def test_copy_by_copy_kernels_signal_across_gpus(name):
                     constexprs={(params.index(k),): v for k, v in const.items()})
     ptx = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "sys.release" in ptx and "sys.acquire" in ptx
+
+
+def _compiled(name, changed=None):
+    fn = _kernel(name)
+    sig, const = KERNELS[name]
+    const = const | (changed or {})
+    params = list(inspect.signature(fn.fn).parameters)
+    src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
+                    constexprs={(params.index(k),): v for k, v in const.items()},
+                    attrs={(params.index("numel"),): [["tt.divisibility", 16]]})
+    return compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("name", COPIES)
+def test_aligned_copies_move_16_bytes_per_access_without_spills(name):
+    """With ALIGN=16 every weight load and store of a replica copy is a 16-byte vector (ld/st .v4.b32 in the PTX,
+    no 2-byte ones), and ptxas keeps the kernel in registers: no stack (spills), at most 128 registers per thread
+    (read from the cubin with the cuobjdump Triton ships)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    kernel = _compiled(name)
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"ld\.global[.a-z0-9]*\.v4\.b32", ptx) and re.search(r"st\.global[.a-z0-9]*\.v4\.b32", ptx)
+    assert not re.search(r"(ld|st)\.global[.a-z0-9]*\.b16", ptx)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    assert stack == 0 and regs <= 128, usage

@@ -141,15 +141,30 @@ if triton is not None:
                 _copy_row(dst + r * H, src + r * H, H, BLOCK_H)
 
     @triton.jit
-    def _copy_range(dst, src, lo, hi, c, CHUNK: tl.constexpr):
+    def _chunk(lo, hi, c, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+        """(start int64, offsets int32 [CHUNK], mask) of elements [lo + c * CHUNK, lo + (c + 1) * CHUNK) below hi: the
+        start a scalar, the offsets from it 32-bit (int64 offsets per element cost a copy kernel twice the registers,
+        and spills). ALIGN: the bytes every copy kernel's weight pointers are multiples of (`_aligned`: 16, or 2 for
+        any bf16 pointer); with 16, lo and hi are multiples of 8 elements, the mask comes in runs of 8, and (the
+        pointers declared so by tl.multiple_of where they are loaded or stored: a hint does not survive a function's
+        return) a thread moves 16 bytes per access instead of 2."""
+        start = lo + tl.cast(c, tl.int64) * CHUNK
+        offs = tl.arange(0, CHUNK)
+        lim = tl.minimum(tl.maximum(hi - start, 0), CHUNK).to(tl.int32)
+        if ALIGN == 16:
+            lim = tl.multiple_of(lim, 8)
+        return start, offs, offs < lim
+
+    @triton.jit
+    def _copy_range(dst, src, lo, hi, c, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
         """Elements [lo + c * CHUNK, lo + (c + 1) * CHUNK) of one expert weight below hi: dst <- src."""
-        offs = lo + c * CHUNK + tl.arange(0, CHUNK)
-        m = offs < hi
-        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+        start, offs, m = _chunk(lo, hi, c, CHUNK, ALIGN)
+        tl.store(tl.multiple_of(dst + start, ALIGN) + offs, tl.load(tl.multiple_of(src + start, ALIGN) + offs, mask=m),
+                 mask=m)
 
     @triton.jit
     def _push_slots_kernel(slot_expert, source, level, step, chunks, span, main_ptrs, own_slots, pool_bases, me,
-                           e_loc, N, numel, CHUNK: tl.constexpr, RELAY: tl.constexpr):
+                           e_loc, N, numel, CHUNK: tl.constexpr, RELAY: tl.constexpr, ALIGN: tl.constexpr):
         """Replica fetch, pushed by the sender: slot (r, j) = rj of expert e gets e's weight in slot j of rank r's
         pool. Without RELAY the sender is e's main rank, sending its main weight (main_ptrs[e - me * e_loc]). With
         RELAY the sender is source[rj], and in fetch step `step` a slot of level l gets chunk k = step - (l - 1) of
@@ -171,12 +186,12 @@ if triton is not None:
             dst = tl.load(pool_bases + rj // N).to(tl.pointer_type(tl.bfloat16)) + (rj % N).to(tl.int64) * numel
             if e // e_loc == me:
                 src = tl.load(main_ptrs + (e - me * e_loc)).to(tl.pointer_type(tl.bfloat16))
-                _copy_range(dst, src, lo, hi, c, CHUNK)
+                _copy_range(dst, src, lo, hi, c, CHUNK, ALIGN)
             else:  # a relay: my slot holding e (one at most: no duplicate instance on a rank)
                 held = 0
                 for j in range(N):
                     held = tl.where(tl.load(slot_expert + me * N + j) == e, j, held)
-                _copy_range(dst, own_slots + held.to(tl.int64) * numel, lo, hi, c, CHUNK)
+                _copy_range(dst, own_slots + held.to(tl.int64) * numel, lo, hi, c, CHUNK, ALIGN)
 
     @triton.jit
     def _wait_flag(flag, epoch):
@@ -196,7 +211,7 @@ if triton is not None:
     @triton.jit
     def _push_slots_async_kernel(items, count, slot_expert, main_ptrs, own_slots, pool_bases, flags, flag_bases,
                                  flag_row, epoch_ptr, me, e_loc, N, numel, n_chunks, chunk0,
-                                 CHUNK: tl.constexpr):
+                                 CHUNK: tl.constexpr, ALIGN: tl.constexpr):
         """Replica fetch copy by copy (LayerConfig.relay_schedule "async"): this rank's sends, items[:count] (slot
         indices r * N + j, in level order), each in chunks of CHUNK elements, chunk c by the program c % programs
         (persistent: every program walks the items in order, so it sends level l's chunks before it waits for any of
@@ -222,18 +237,18 @@ if triton is not None:
             else:
                 src = own_slots + held.to(tl.int64) * numel
             for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
-                offs = tl.arange(0, CHUNK).to(tl.int64) + c * CHUNK
-                m = offs < numel
+                start, offs, m = _chunk(0, numel, c, CHUNK, ALIGN)
                 if not mine:
                     _wait_flag(flags + held.to(tl.int64) * flag_row + chunk0 + c, epoch)
                     tl.debug_barrier()
-                tl.store(dst + offs, tl.load(src + offs, mask=m, cache_modifier=".cg"), mask=m)
+                tl.store(tl.multiple_of(dst + start, ALIGN) + offs,
+                         tl.load(tl.multiple_of(src + start, ALIGN) + offs, mask=m, cache_modifier=".cg"), mask=m)
                 _signal_flag(remote + c, epoch)
 
     @triton.jit
     def _push_grads_async_kernel(items, count, slot_expert, source, children, pool, ret, ret_bases, flags,
                                  flag_bases, flag_row, epoch_ptr, me, N, numel, n_chunks, chunk0, FANOUT,
-                                 CHUNK: tl.constexpr):
+                                 CHUNK: tl.constexpr, ALIGN: tl.constexpr):
         """Gradient return copy by copy: my slots items[:count] (deepest level first), each in chunks of CHUNK
         elements (chunk c by the program c % programs, every program in item order: a copy of level l waits only
         for level l + 1's, which every rank sent first). A slot waits for each child's region of the chunk (its
@@ -251,27 +266,28 @@ if triton is not None:
             remote = tl.load(flag_bases + to).to(tl.pointer_type(tl.int32)) + g.to(tl.int64) * flag_row + chunk0
             own = pool + t.to(tl.int64) * numel
             for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
-                offs = tl.arange(0, CHUNK).to(tl.int64) + c * CHUNK
-                m = offs < numel
+                start, offs, m = _chunk(0, numel, c, CHUNK, ALIGN)
+                mine = tl.multiple_of(own + start, ALIGN) + offs
+                out = tl.multiple_of(dst + start, ALIGN) + offs
                 first = tl.load(children + t * FANOUT)
                 if first >= 0:  # a relay: its subtree's sum
-                    acc = tl.load(own + offs, mask=m).to(tl.float32)
+                    acc = tl.load(mine, mask=m).to(tl.float32)
                     for f in range(FANOUT):
                         sj = tl.load(children + t * FANOUT + f)
                         if sj >= 0:
                             _wait_flag(flags + sj.to(tl.int64) * flag_row + chunk0 + c, epoch)
                             tl.debug_barrier()
-                            acc += tl.load(ret + sj.to(tl.int64) * numel + offs, mask=m,
+                            acc += tl.load(tl.multiple_of(ret + (sj.to(tl.int64) * numel + start), ALIGN) + offs, mask=m,
                                            cache_modifier=".cg").to(tl.float32)
-                    tl.store(own + offs, acc.to(pool.dtype.element_ty), mask=m)
-                    tl.store(dst + offs, acc.to(pool.dtype.element_ty), mask=m)
+                    tl.store(mine, acc.to(pool.dtype.element_ty), mask=m)
+                    tl.store(out, acc.to(pool.dtype.element_ty), mask=m)
                 else:
-                    tl.store(dst + offs, tl.load(own + offs, mask=m), mask=m)
+                    tl.store(out, tl.load(mine, mask=m), mask=m)
                 _signal_flag(remote + c, epoch)
 
     @triton.jit
     def _push_grads_kernel(slot_expert, source, level, step, levels, chunks, span, pool, ret_bases, me, e_loc, N,
-                           numel, CHUNK: tl.constexpr, RELAY: tl.constexpr):
+                           numel, CHUNK: tl.constexpr, RELAY: tl.constexpr, ALIGN: tl.constexpr):
         """Gradient return: my slot j's weight gradient -> region me * N + j of its expert's main rank; with RELAY
         to the rank it fetched from (source, its parent in the relay tree), in return step `step` chunk
         k = step - (levels - l) of a slot of level l, if 0 <= k < chunks (the fetch's steps, levels reversed)."""
@@ -291,11 +307,12 @@ if triton is not None:
             lo = k.to(tl.int64) * span
             hi = tl.minimum(lo + span, numel)
             dst = tl.load(ret_bases + to).to(tl.pointer_type(tl.bfloat16)) + (me * N + j).to(tl.int64) * numel
-            _copy_range(dst, pool + j.to(tl.int64) * numel, lo, hi, c, CHUNK)
+            _copy_range(dst, pool + j.to(tl.int64) * numel, lo, hi, c, CHUNK, ALIGN)
 
     @triton.jit
     def _reduce_grads_kernel(slot_expert, source, level, lv, step, levels, chunks, span, ret, grad, me, e_loc, N, RN,
-                             numel, CHUNK: tl.constexpr, RELAY: tl.constexpr, SLOTS: tl.constexpr):
+                             numel, CHUNK: tl.constexpr, RELAY: tl.constexpr, SLOTS: tl.constexpr,
+                             ALIGN: tl.constexpr):
         """grad[t] += the returned regions of its expert, in (source, slot) order, accumulated in fp32 (a fixed
         order: the result does not depend on timing). Target t is my main expert me * e_loc + t, or with SLOTS my
         slot t (a relay node of level l, expert slot_expert[me * N + t]). Without RELAY every region of the expert
@@ -324,16 +341,16 @@ if triton is not None:
                 hit = hit & (tl.load(level + sj) == child) & (tl.load(source + sj) == me)
             hits += hit.to(tl.int32)
         if (e >= 0) & (hits > 0):
-            offs = lo + c * CHUNK + tl.arange(0, CHUNK)
-            m = offs < hi
-            g = grad + t.to(tl.int64) * numel + offs
+            start, offs, m = _chunk(lo, hi, c, CHUNK, ALIGN)
+            g = tl.multiple_of(grad + (t.to(tl.int64) * numel + start), ALIGN) + offs
             acc = tl.load(g, mask=m).to(tl.float32)
             for sj in range(RN):
                 hit = tl.load(slot_expert + sj) == e
                 if RELAY:
                     hit = hit & (tl.load(level + sj) == child) & (tl.load(source + sj) == me)
                 if hit:
-                    acc += tl.load(ret + tl.cast(sj, tl.int64) * numel + offs, mask=m).to(tl.float32)
+                    acc += tl.load(tl.multiple_of(ret + (tl.cast(sj, tl.int64) * numel + start), ALIGN) + offs,
+                                   mask=m).to(tl.float32)
             tl.store(g, acc.to(grad.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -623,6 +640,14 @@ def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Ten
     return items, occ.sum(), table[:, :fanout].contiguous()
 
 
+def _aligned(numel: int, span: int, *tensors: torch.Tensor) -> int:
+    """The copy kernels' ALIGN: 16 (bytes) where every expert weight of numel elements and every chunk of span starts
+    at a multiple of 8 bf16 elements of tensors that start 16-byte aligned (host metadata, no synchronisation; a
+    peer's symmetric buffer sits as this rank's does), else 2 (a thread then moves one element per access)."""
+    ok = numel % 8 == 0 and span % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+    return 16 if ok else 2
+
+
 def _expert_ptrs(stacked: torch.Tensor) -> torch.Tensor:
     """int64[E_loc] device addresses of each expert of a stacked weight, computed on the device."""
     n = stacked.shape[0]
@@ -726,13 +751,13 @@ class SymmReplicaPool(SlotBanks):
         for step in range(levels + C - 1):
             if step > 0:
                 self._fc2.barrier(channel=2 + bank)
-            for ptrs, buf, bases, own in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2),
-                                             self._bank_ptrs, self._banked):
-                numel = buf.tensor[0].numel()
+            for W, buf, bases, own in zip((W1, W2), (self._fc1, self._fc2), self._bank_ptrs, self._banked):
+                ptrs, numel = _expert_ptrs(W), buf.tensor[0].numel()
                 span = -(-numel // C)  # topoep.relay.chunk_range
                 _push_slots_kernel[(R_N, triton.cdiv(span, COPY_CHUNK))](
                     se, src, lvl, step, C, span, ptrs, own[bank], bases[bank], self.rank, e_loc, self.num_slots,
-                    numel, CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
+                    numel, CHUNK=COPY_CHUNK, RELAY=relay is not None, ALIGN=_aligned(numel, span, W, own, buf.tensor),
+                    num_warps=COPY_WARPS)
 
     def _fetch_async(self, se: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor, e_loc: int, bank: int,
                       relay) -> None:
@@ -745,13 +770,13 @@ class SymmReplicaPool(SlotBanks):
         N, row = self.num_slots, self._flag_row
         own_flags = self._fetch_flags.tensor[bank * N:(bank + 1) * N]
         chunk0 = 0
-        for ptrs, buf, bases, own in zip((_expert_ptrs(W1), _expert_ptrs(W2)), (self._fc1, self._fc2),
-                                         self._bank_ptrs, self._banked):
+        for W, buf, bases, own in zip((W1, W2), (self._fc1, self._fc2), self._bank_ptrs, self._banked):
             numel = buf.tensor[0].numel()
             n_chunks = triton.cdiv(numel, COPY_CHUNK)
             _push_slots_async_kernel[(self._programs,)](
-                items, count, se, ptrs, own[bank], bases[bank], own_flags, self._fetch_flag_ptrs[bank], row, epoch,
-                self.rank, e_loc, N, numel, n_chunks, chunk0, CHUNK=COPY_CHUNK, num_warps=COPY_WARPS)
+                items, count, se, _expert_ptrs(W), own[bank], bases[bank], own_flags, self._fetch_flag_ptrs[bank], row,
+                epoch, self.rank, e_loc, N, numel, n_chunks, chunk0, CHUNK=COPY_CHUNK,
+                ALIGN=_aligned(numel, numel, W, own, buf.tensor), num_warps=COPY_WARPS)
             chunk0 += n_chunks
 
     def _push_grads_async(self, se: torch.Tensor, srcs: tuple, relay) -> None:
@@ -773,7 +798,7 @@ class SymmReplicaPool(SlotBanks):
             _push_grads_async_kernel[(self._programs,)](
                 items, count, se, src, children, s, ret.tensor, ret.ptrs, self._ret_flags.tensor,
                 self._ret_flags.ptrs, self._flag_row, epoch, me, N, numel, n_chunks, chunk0, F, CHUNK=COPY_CHUNK,
-                num_warps=COPY_WARPS)
+                ALIGN=_aligned(numel, numel, s, ret.tensor), num_warps=COPY_WARPS)
             chunk0 += n_chunks
 
     def publish(self) -> None:
@@ -814,11 +839,12 @@ class SymmReplicaPool(SlotBanks):
                 self.ret2.barrier(channel=2)
                 self._reduce(se, src, lvl, 0, srcs, N, e_loc, slots=True, step=step, levels=levels, chunks=C)
             for s, ret in zip(srcs, (self.ret1, self.ret2)):
-                numel = s[0].numel()
+                numel, s = s[0].numel(), s.contiguous()
                 span = -(-numel // C)  # topoep.relay.chunk_range
                 _push_grads_kernel[(N, triton.cdiv(span, COPY_CHUNK))](
-                    se, src, lvl, step, levels, C, span, s.contiguous(), ret.ptrs, self.rank, e_loc, N, numel,
-                    CHUNK=COPY_CHUNK, RELAY=relay is not None, num_warps=COPY_WARPS)
+                    se, src, lvl, step, levels, C, span, s, ret.ptrs, self.rank, e_loc, N, numel,
+                    CHUNK=COPY_CHUNK, RELAY=relay is not None, ALIGN=_aligned(numel, span, s, ret.tensor),
+                    num_warps=COPY_WARPS)
 
     def _reduce(self, se, src, lvl, lv, grads, count, e_loc, slots, step=0, levels=1, chunks=1):
         """grads (fc1's [count, 2F, H], fc2's [count, H, F]) += their returned regions (_reduce_grads_kernel): my
@@ -828,7 +854,8 @@ class SymmReplicaPool(SlotBanks):
             span = -(-numel // chunks) if slots else numel
             _reduce_grads_kernel[(count, triton.cdiv(span, COPY_CHUNK))](
                 se, src, lvl, lv, step, levels, chunks, span, ret.tensor, grad, self.rank, e_loc, self.num_slots,
-                se.numel(), numel, CHUNK=COPY_CHUNK, RELAY=src is not se, SLOTS=slots)
+                se.numel(), numel, CHUNK=COPY_CHUNK, RELAY=src is not se, SLOTS=slots,
+                ALIGN=_aligned(numel, span, grad, ret.tensor))
 
     def reduce_grads(self, slot_expert: torch.Tensor, grad1: torch.Tensor, grad2: torch.Tensor, e_loc: int,
                      relay=None) -> None:
