@@ -382,8 +382,8 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
 
 step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer):
   # part 1: backend cuda's GPU tests at EP 8 as 2 domains of 4 (ranks sharing the GPU) with trees of 2: the
-  # relayed-vs-direct test (the async runs of fanout 1-3, bit for bit against level by level) and the no-host-sync
-  # test first (-x: stop at the first failure), then the rest; part 2: the guard kernel's tests (copy-by-copy pricing,
+  # relayed-vs-direct test (the async runs of fanout 1-3, bit for bit against level by level), the no-host-sync test
+  # and the layer against backend torch first (-x: stop at the first failure), then the rest; part 2: the guard kernel's tests (copy-by-copy pricing,
   # the duty-ordered trees; GUARD_CHUNKS picks the parts of the bit-equality test, default all four), the prefetch
   # bank with fetch_overlap, and the sync audit. RELAY_ASYNC_PART=1 or 2 runs one part (one device call each);
   # ASYNC_REST=0 leaves part 1's other tests out.
@@ -396,8 +396,9 @@ step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_sch
       > "$OUT/relay_async/$name.log" 2>&1
     echo "$name: rc=$? $(tail -1 "$OUT/relay_async/$name.log")"; }
   if [ "${RELAY_ASYNC_PART:-1}" = 1 ]; then
-    _a ep8_rpd4_relay2_async_first 300 "$ep8" -x tests/test_cuda_backend_gpu.py -k "relayed_replicas or no_host_sync or matches_torch"
-    [ "${ASYNC_REST:-1}" = 1 ] && _a ep8_rpd4_relay2_async_rest 260 "$ep8" tests/test_cuda_backend_gpu.py -k "not relayed_replicas and not no_host_sync and not matches_torch"
+    local first="relayed_replicas or no_host_sync or matches_torch"
+    _a ep8_rpd4_relay2_async_first 300 "$ep8" -x tests/test_cuda_backend_gpu.py -k "$first"
+    [ "${ASYNC_REST:-1}" = 1 ] && _a ep8_rpd4_relay2_async_rest 260 "$ep8" tests/test_cuda_backend_gpu.py -k "not ($first)"
   fi
   if [ "${RELAY_ASYNC_PART:-2}" = 2 ]; then
     local chunks="" c
