@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -300,6 +300,11 @@ step_chunks() {  # backend cuda with its tokens in two chunks (dispatch and comb
   TOPOEP_GPU_CHUNKS=2 timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py 2>&1 \
     | tail -15 | tee "$OUT/cuda_backend_chunks2_tests.log"
   ab_layer moe_layer_chunks 8 "--chunks 2" --tokens 4096 16384 --skews 0 -4 --layouts concentrated
+}
+
+step_copy_kernels() {  # the replica copy kernels on one GPU (HBM to HBM), 16-byte and one-element accesses, beside
+  # torch's copy_ (bench/copy_kernels.py -> results/copy_kernels.md)
+  timeout 120 python3 bench/copy_kernels.py --out "$OUT" 2>&1 | grep -v -i warn | grep -E "^\||Error|error|differs" | head -14
 }
 
 step_replica_copy() {  # the replica fetch and gradient push kernels' bandwidth for copy chunk sizes and warps, beside
