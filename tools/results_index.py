@@ -200,6 +200,10 @@ GPU = [
     Entry(("gpu/relay",), GPU_SESSION, "-", "1 GPU", "RELAY_PART=1 bash tools/gpu_session.sh setup relay; "
           "RELAY_PART=2 bash tools/gpu_session.sh relay"),
     Entry(("gpu/fetch_overlap",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup fetch_overlap"),
+    Entry(("gpu/relay_async",), GPU_SESSION, "-", "1 GPU", "the commands in its README (a part of "
+          "bash tools/gpu_session.sh setup relay_async)"),
+    Entry(("gpu/copy_kernels",), "bench/copy_kernels.py", "-", "1 GPU", "bash tools/gpu_session.sh setup copy_kernels "
+          "(python bench/copy_kernels.py)"),
     Entry(("gpu/relay_chunks",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup relay_chunks (its "
           "README names the second run's options)"),
     Entry(("gpu/cuda_backend_tests_*.log", "gpu/sync_audit_*.log"), GPU_SESSION, "-", "2 GPUs",
