@@ -26,7 +26,9 @@ short_log() {  # short_log DIR NAME [VAR=value ...] CMD...: runs CMD (through en
 }
 
 step_setup() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # WHEELS: the folder of wheels carried (default .whl; e.g. a copy without wandb where the carry limit is near)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${WHEELS:-.whl}"/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, megatron.core, hydra, wandb; print("torch", torch.__version__, "mcore", megatron.core.__version__)'
 }
