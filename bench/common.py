@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -92,6 +93,13 @@ def bench_gpu() -> torch.device:
     dev = local_gpu(int(os.environ.get("LOCAL_RANK", 0)), f"torchrun --nproc_per_node={torch.cuda.device_count()}")
     torch.cuda.set_device(dev)
     return dev
+
+
+def median_cuda_ms(fn, runs: int, warmup: int = 2) -> float:
+    """Median ms of fn() on the current CUDA stream over `runs` calls (`cuda_ms`), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(cuda_ms(fn) for _ in range(runs))
 
 
 def cuda_ms(fn) -> float:

@@ -15,7 +15,6 @@ HBM: a kernel at HBM speed here does not slow a fetch; one far below it might. W
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, cuda_ms, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, markdown_table, median_cuda_ms, run_info, without_options, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -42,13 +41,7 @@ def parse_args(argv=None):
     return args
 
 
-def timed(fn, runs: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(cuda_ms(fn) for _ in range(runs))
-
-
-def measure(args, dev: torch.device, timer=timed, programs: int | None = None) -> list[dict]:
+def measure(args, dev: torch.device, timer=median_cuda_ms, programs: int | None = None) -> list[dict]:
     """The table's rows on `dev` (CUDA; the CPU under TRITON_INTERPRET=1 with another `timer` and `programs`, as the
     CPU test runs it)."""
     import triton

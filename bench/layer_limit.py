@@ -72,7 +72,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, bench_gpu, cuda_ms, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import (REPO, bench_gpu, cuda_ms, markdown_table, median_cuda_ms, run_info,  # noqa: E402
+                          without_options, write_json)
 
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
 BF16 = 2  # bytes per element
@@ -98,13 +99,6 @@ def row_bytes(T: int, k: int, H: int, Fd: int) -> int:
     return BF16 * (forward + backward)
 
 
-def _gpu_ms(fn, iters: int) -> float:
-    """Median ms of fn() on the GPU (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    return statistics.median(cuda_ms(fn) for _ in range(iters))
-
-
 def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> dict:
     """The limit's parts on this GPU (module docstring), in ms, and the rates behind them."""
     A = T * k
@@ -114,17 +108,17 @@ def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> d
     for name, M, K, N in gemm_shapes(A, H, Fd):
         a = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
         b = torch.randn(K, N, device=dev, dtype=torch.bfloat16, generator=g)
-        dense[name] = _gpu_ms(lambda: a @ b, iters)
+        dense[name] = median_cuda_ms(lambda: a @ b, iters)
         if name.startswith("wgrad"):  # [M, A] x [A, N] summed per group: the weight gradient's grouped form
             at = torch.randn(K, M, device=dev, dtype=torch.bfloat16, generator=g)
-            grouped[name] = _gpu_ms(lambda: torch._grouped_mm(at.t(), b, offs=offs), iters)
+            grouped[name] = median_cuda_ms(lambda: torch._grouped_mm(at.t(), b, offs=offs), iters)
         else:  # [A, K] x [E, K, N] over even groups of rows
             w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16, generator=g)
-            grouped[name] = _gpu_ms(lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=offs), iters)
+            grouped[name] = median_cuda_ms(lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=offs), iters)
     nbytes = 1 << 30
     src = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = _gpu_ms(lambda: dst.copy_(src), iters)
+    copy_ms = median_cuda_ms(lambda: dst.copy_(src), iters)
     bw = 2 * nbytes / (copy_ms * 1e-3)  # read + written
     flops, moved = gemm_flops(A, H, Fd), row_bytes(T, k, H, Fd)
     gemm_ms, even_ms = sum(dense.values()), sum(grouped.values())

@@ -131,41 +131,31 @@ COPIES = ("_push_slots_kernel", "_push_grads_kernel", "_reduce_grads_kernel", "_
 VARIANTS += [(name, dict(ALIGN=2)) for name in COPIES]
 
 
-@pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)
-def test_kernel_compiles_for_sm90(name, changed):
+def _compiled(name, changed=None, divisible=()):
+    """Kernel `name` compiled for sm_90 with KERNELS' argument types and constexprs (`changed` replacing some), the
+    integer arguments in `divisible` declared multiples of 16 (as Triton's launcher specialises them)."""
     fn = _kernel(name)
     sig, const = KERNELS[name]
-    const = const | changed
+    const = const | (changed or {})
     params = list(inspect.signature(fn.fn).parameters)
     assert set(sig) | set(const) == set(params), "signature out of date"
     src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
-                    constexprs={(params.index(k),): v for k, v in const.items()})
-    kernel = compile(src, target=GPUTarget("cuda", 90, 32))
-    assert kernel.asm["cubin"]  # ptxas produced sm_90 machine code
+                    constexprs={(params.index(k),): v for k, v in const.items()},
+                    attrs={(params.index(p),): [["tt.divisibility", 16]] for p in divisible})
+    return compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("name,changed", [(n, {}) for n in sorted(KERNELS)] + VARIANTS)
+def test_kernel_compiles_for_sm90(name, changed):
+    assert _compiled(name, changed).asm["cubin"]  # ptxas produced sm_90 machine code
 
 
 @pytest.mark.parametrize("name", ["_push_slots_async_kernel", "_push_grads_async_kernel"])
 def test_copy_by_copy_kernels_signal_across_gpus(name):
     """The copy-by-copy kernels' flags: a system-scope release where a chunk is signalled, a system-scope acquire
     where one is awaited (what makes another GPU's stores visible before the flag)."""
-    fn = _kernel(name)
-    sig, const = KERNELS[name]
-    params = list(inspect.signature(fn.fn).parameters)
-    src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
-                    constexprs={(params.index(k),): v for k, v in const.items()})
-    ptx = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = _compiled(name).asm["ptx"]
     assert "sys.release" in ptx and "sys.acquire" in ptx
-
-
-def _compiled(name, changed=None):
-    fn = _kernel(name)
-    sig, const = KERNELS[name]
-    const = const | (changed or {})
-    params = list(inspect.signature(fn.fn).parameters)
-    src = ASTSource(fn=fn, signature={p: sig.get(p, "constexpr") for p in params},
-                    constexprs={(params.index(k),): v for k, v in const.items()},
-                    attrs={(params.index("numel"),): [["tt.divisibility", 16]]})
-    return compile(src, target=GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.parametrize("name", COPIES)
@@ -178,7 +168,7 @@ def test_aligned_copies_move_16_bytes_per_access_without_spills(name):
     import tempfile
     from pathlib import Path
 
-    kernel = _compiled(name)
+    kernel = _compiled(name, divisible=("numel",))
     ptx = kernel.asm["ptx"]
     assert re.search(r"ld\.global[.a-z0-9]*\.v4\.b32", ptx) and re.search(r"st\.global[.a-z0-9]*\.v4\.b32", ptx)
     assert not re.search(r"(ld|st)\.global[.a-z0-9]*\.b16", ptx)

@@ -277,8 +277,8 @@ if triton is not None:
                         if sj >= 0:
                             _wait_flag(flags + sj.to(tl.int64) * flag_row + chunk0 + c, epoch)
                             tl.debug_barrier()
-                            acc += tl.load(tl.multiple_of(ret + (sj.to(tl.int64) * numel + start), ALIGN) + offs, mask=m,
-                                           cache_modifier=".cg").to(tl.float32)
+                            region = tl.multiple_of(ret + (sj.to(tl.int64) * numel + start), ALIGN)
+                            acc += tl.load(region + offs, mask=m, cache_modifier=".cg").to(tl.float32)
                     tl.store(mine, acc.to(pool.dtype.element_ty), mask=m)
                     tl.store(out, acc.to(pool.dtype.element_ty), mask=m)
                 else:
