@@ -27,16 +27,23 @@ TOPOEP_HD i64 heap_depth(i64 index, int fanout) {
 // relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level); with `beyond`,
 // also whether the direct fetch of this copy exceeds a tree's share (relay.direct_beyond_tree): it is the home's
 // (fanout + 1)-th copy of e into its own domain or the second into another. duty[r] (relay.relay_duty): how many of
-// rank r's experts have a copy; a domain's copies are listed by (duty of their rank, slot index)
+// rank r's experts have a copy; a domain's copies are listed by (duty of their rank, slot index). A copy on e's home
+// rank is copied within that rank (level 1) and is no node of a tree: it is not listed
 TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, const int* __restrict__ duty,
                           int N, int rpd, int fanout, int g, i64 e, i64* source, i64* level, bool* beyond = nullptr) {
   const int rank = g / N, dom = rank / rpd;
   const i64 home = main_rank[e];
   const bool local = home / rpd == dom;
+  if (rank == home) {
+    *source = home;
+    *level = 1;
+    if (beyond) *beyond = false;
+    return;
+  }
   const int base = dom * rpd * N, end = base + rpd * N, dg = duty[rank];
   i64 p = 0;  // copies of e listed before g in this domain: the list is [home, copies...] at home, [copies...] elsewhere
   for (int k = base; k < end; ++k) {
-    if (slot[k] != e || k == g) continue;
+    if (slot[k] != e || k == g || k / N == home) continue;
     const int dk = duty[k / N];
     p += dk < dg || (dk == dg && k < g);
   }
@@ -52,7 +59,7 @@ TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ 
   i64 seen = 0;  // the copies in list order: duty 0 first (the parent is listed before g: its duty is at most g's)
   for (int dv = 0; dv <= dg; ++dv) {
     for (int k = base; k < end; ++k) {
-      if (slot[k] != e || duty[k / N] != dv) continue;
+      if (slot[k] != e || duty[k / N] != dv || k / N == home) continue;
       if (seen == parent_pos) {
         *source = k / N;
         return;

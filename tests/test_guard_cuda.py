@@ -148,17 +148,20 @@ def test_guard_kernel_equals_reference(chunk):
 
 
 def random_slots(R: int, E: int, N: int, main_rank: torch.Tensor, rng: random.Random, hot: int) -> torch.Tensor:
-    """A valid slot table: each rank holds distinct experts it is not home to, or nothing; the `hot` first experts
-    are drawn more often (many copies: deep trees)."""
+    """A valid slot table: each rank holds distinct experts, or nothing; the `hot` first experts are drawn more often
+    (many copies: deep trees), and now and then a rank holds one of its own experts in a slot (as the capacity step
+    may place one: copied within the rank, no node of a tree)."""
     slot = torch.full((R, N), -1, dtype=torch.int64)
     for r in range(R):
         choices = [e for e in range(E) if int(main_rank[e]) != r]
+        own = [e for e in range(E) if int(main_rank[e]) == r]
         picked = set()
         for j in range(N):
             if rng.random() < 0.2:
                 continue
-            e = rng.randrange(hot) if rng.random() < 0.7 else rng.choice(choices)
-            if int(main_rank[e]) != r and e not in picked:
+            x = rng.random()
+            e = rng.randrange(hot) if x < 0.7 else rng.choice(own) if x < 0.8 and own else rng.choice(choices)
+            if e not in picked:
                 picked.add(e)
                 slot[r, j] = e
     return slot

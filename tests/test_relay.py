@@ -33,7 +33,9 @@ def _reference(plan, fanout):
     groups = {}
     for r in range(R):
         for n in range(N):
-            if se[r][n] >= 0:
+            if se[r][n] >= 0 and r == int(plan.main_rank[se[r][n]]):  # a copy on its home rank: within the rank
+                source[r][n], level[r][n] = r, 1
+            elif se[r][n] >= 0:
                 groups.setdefault((se[r][n], r // d), []).append((r, n))
     # a rank's duty: how many of its experts have a copy somewhere; a domain's copies in order of (duty, rank, slot)
     duty = [0] * R
@@ -90,6 +92,26 @@ def test_relay_trees_equal_the_rule_and_are_valid(fanout):
         assert all(c <= fanout for c in children.values())
         checked += 1
     assert checked == 32
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_a_copy_on_its_home_rank_is_no_node_of_a_tree(fanout):
+    """The capacity step may give an expert's home rank a slot holding that expert. That copy is made within the rank
+    (level 1, from itself) and is left out of the trees, so a tree never outgrows max_level (the levels a runtime
+    runs) even where every rank of the home's domain holds the expert: a chain of the three other ranks at fanout 1."""
+    from topoep.relay import direct_beyond_tree, relay_fetch_fs, relay_levels
+
+    topo = Topology(num_domains=1, ranks_per_domain=4)
+    base = solve(torch.ones(4, 4, dtype=torch.int64), topo, num_slots=1, policy="static", backend="reference",
+                 expert_bytes=1000, token_bytes=10)
+    plan = dataclasses.replace(base, slot_expert=torch.tensor([[0], [0], [0], [0]]))  # rank 0 is expert 0's home
+    source, level = relay_sources(plan, fanout)
+    assert (int(source[0, 0]), int(level[0, 0])) == (0, 1)
+    assert source.tolist() == _reference(plan, fanout)[0] and level.tolist() == _reference(plan, fanout)[1]
+    assert int(level.max()) <= max_level(topo, fanout) == {1: 3, 2: 2, 3: 1}[fanout]
+    assert int(relay_levels(plan, source, level, max_level(topo, fanout)).sum()) == 4  # every copy in some level
+    relay_fetch_fs(plan, fanout, topo)  # no level beyond max_level
+    assert bool(direct_beyond_tree(plan, fanout)) == (3 > fanout)  # the home sends 3 copies over NVLink directly
 
 
 def test_levels_partition_the_fetch_and_a_wide_fanout_is_the_direct_fetch():
@@ -270,11 +292,11 @@ def test_direct_beyond_tree_equals_a_count_per_home():
     for plan in _plans():
         d = plan.topology.ranks_per_domain
         for fanout in (1, 2, 3):
-            into = {}
+            into = {}  # copies each home sends into each domain (a copy on the home rank crosses no link)
             for r in range(plan.num_ranks):
                 for n in range(plan.num_slots):
                     e = int(plan.slot_expert[r, n])
-                    if e >= 0:
+                    if e >= 0 and r != int(plan.main_rank[e]):
                         into[(e, r // d)] = into.get((e, r // d), 0) + 1
             want = any(n > (fanout if dom == int(plan.main_rank[e]) // d else 1) for (e, dom), n in into.items())
             got = direct_beyond_tree(plan, fanout)

@@ -254,3 +254,42 @@ def test_relay_schedule_is_checked_and_reaches_the_guard():
     fs, steps = async_fetch_fs(plan, 2, topo)
     assert bool(relay) and float(t) == float(fs.double() * SECONDS_PER_FS + steps.double() * 1e-5)
     assert float(t) <= float(dataclasses.replace(guard, relay_schedule="levels").fetch_choice(plan, 1)[0])
+
+
+def _own_copy(rank, world, seed):
+    """A layer whose capacity step gives an expert's home rank a slot holding that expert (1 domain of 4, topoep_plus,
+    1 slot, capacity_factor 1, a steep routing): outputs and gradients per schedule."""
+    E_loc, T, k, H, Fd = 2, 32, 2, 8, 6
+    E = world * E_loc
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(E, generator=g) ** 6 + 1e-3
+    idx = [torch.multinomial(p.expand(T, E), k, generator=g) for _ in range(world)][rank]
+    g = torch.Generator().manual_seed(100 + rank)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    out = {}
+    for name, fanout, schedule in (("direct", None, "levels"), ("levels", 1, "levels"), ("async", 1, "async")):
+        torch.manual_seed(0)
+        layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd,
+                                  topology=Topology(num_domains=1, ranks_per_domain=world),
+                                  config=LayerConfig(policy="topoep_plus", num_slots=1, guard=False,
+                                                     capacity_factor=1.0, relay_fanout=fanout, relay_schedule=schedule))
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = layer(xr, idx, wr)
+        y.sum().backward()
+        plan = layer.last_plan
+        home = plan.main_rank[plan.slot_expert.clamp(min=0)]
+        own = int(((plan.slot_expert >= 0) & (home == torch.arange(world)[:, None])).sum())
+        out[name] = ([y.detach(), xr.grad, wr.grad, layer.fc1.grad.clone(), layer.fc2.grad.clone()], own)
+    return out
+
+
+def test_a_copy_on_its_home_rank_returns_its_gradient_copy_by_copy():
+    """The capacity step placed a copy of an expert on its own home rank: it is copied within that rank, not relayed,
+    so the copy-by-copy return neither waits for it nor drops its gradient; the same sums bit for bit as level by
+    level, and the outputs and gradients of the direct fetch."""
+    for out in run_ranks(_own_copy, 4, 95):
+        assert out["async"][1] > 0  # the plan has such a copy
+        for a, b in zip(out["async"][0], out["levels"][0]):
+            assert torch.equal(a, b)
+        for a, b in zip(out["levels"][0], out["direct"][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -106,8 +106,9 @@ def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tenso
 
 def max_level(topology, fanout: int) -> int:
     """The deepest level any relay tree of `relay_sources` can reach on this topology: a rank holds an expert at most
-    once (the plan's invariants), so a tree's list holds at most ranks_per_domain nodes; a remote domain's tree
-    starts one level down (its root crossed the NIC)."""
+    once beside its own main experts (the plan's invariants), and a copy on the expert's home rank is no node of a
+    tree, so a tree's list holds at most ranks_per_domain nodes; a remote domain's tree starts one level down (its
+    root crossed the NIC)."""
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
         raise ValueError(f"fanout must be an integer >= 1 (copies one node of a relay tree sends), got {fanout!r}")
     d = topology.ranks_per_domain
@@ -142,8 +143,11 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     d = plan.topology.ranks_per_domain
     M = plan.topology.num_domains
     slot_rank = torch.arange(R * N, device=dev) // max(N, 1)
-    occ = se >= 0
     home = plan.main_rank.to(dev)[se.clamp(min=0)]
+    # a copy on its expert's own home rank (the capacity step may place one) is copied within that rank at level 1
+    # and is no node of a tree: a tree's list then holds at most ranks_per_domain nodes (`max_level`)
+    own = (se >= 0) & (slot_rank == home)
+    occ = (se >= 0) & ~own
     dom, home_dom = slot_rank // d, home // d
     # copies sorted by (expert, domain, duty of their rank, slot index), duty = how many replicated experts the rank
     # is home to (`relay_duty`): the ranks with the least of it come first and relay
@@ -174,6 +178,8 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     o_occ = occ[order]
     source[order] = torch.where(o_occ, src, torch.full_like(src, -1))
     level[order] = torch.where(o_occ, lvl, torch.zeros_like(lvl))
+    source = torch.where(own, home, source)
+    level = torch.where(own, torch.ones_like(level), level)
     return source.view(R, N), level.view(R, N)
 
 
@@ -294,8 +300,9 @@ def direct_beyond_tree(plan: Plan, fanout: int) -> torch.Tensor:
     D, E, R = plan.topology.num_domains, plan.num_experts, plan.num_ranks
     dst = torch.arange(R, device=se.device)[:, None].expand_as(se)
     key = (se.clamp(min=0) * D + dom[dst]).reshape(-1)
+    sent = occ & (plan.main_rank.to(se.device)[se.clamp(min=0)] != dst)  # a copy on the home rank crosses no link
     counts = torch.zeros(E * D, dtype=torch.int64, device=se.device).index_add_(
-        0, key, occ.reshape(-1).to(torch.int64)).view(E, D)  # copies of e in domain m
+        0, key, sent.reshape(-1).to(torch.int64)).view(E, D)  # copies of e the home sends into domain m
     home_dom = dom[plan.main_rank.to(se.device)][:, None]
     same = counts.gather(1, home_dom)
     other = counts.scatter(1, home_dom, 0)
@@ -319,7 +326,7 @@ def sender_copies(plan: Plan, source: torch.Tensor | None = None) -> dict[str, i
     src = source.clamp(min=0)
     nic = occ & (dom[src] != dom[dst])
     out = {}
-    for name, mask in (("nvlink", occ & ~nic), ("nic", nic)):
+    for name, mask in (("nvlink", occ & ~nic & (src != dst)), ("nic", nic)):  # a copy within a rank crosses no link
         one = torch.ones_like(src[mask])
         per_rank = torch.zeros(R, dtype=torch.int64, device=se.device).index_add_(0, src[mask], one)
         per_expert = torch.zeros(R * E, dtype=torch.int64, device=se.device).index_add_(0, src[mask] * E + se[mask],
