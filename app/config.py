@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -13,13 +14,29 @@ from topoep.config import LayerConfig
 def _positive(obj, *names):
     for n in names:
         v = getattr(obj, n)
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{type(obj).__name__}.{n} must be an integer >= 1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{obj.group}.{n} must be an integer >= 1, got {v!r}")
+
+
+def _number(obj, name: str, low: float, *, above: bool = False) -> None:
+    """obj.<name> must be a finite number >= low (> low with `above`); ints become floats (YAML gives 1 for 1.0)."""
+    v = getattr(obj, name)
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+        setattr(obj, name, v)
+    if not isinstance(v, float) or not math.isfinite(v) or v < low or (above and v == low):
+        raise ValueError(f"{obj.group}.{name} must be a finite number {'>' if above else '>='} {low:g}, got {v!r}")
+
+
+# megatron-core's moe_router_load_balancing_type values (TransformerConfig's docstring)
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     """A megatron-core GPT MoE model (the paper's reduced-depth models, or tiny shapes for CPU)."""
+
+    group: ClassVar[str] = "model"  # how errors name a field: model.<field>
 
     name: str
     num_layers: int
@@ -72,6 +89,21 @@ class ModelConfig:
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_router_score_function must be softmax or sigmoid, got "
                              f"{self.moe_router_score_function!r}")
+        if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"model.moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} is unknown "
+                             f"to megatron-core; choose one of {', '.join(LOAD_BALANCING_TYPES)}")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"model.moe_router_dtype must be fp32, fp64 or null (the input's dtype), got "
+                             f"{self.moe_router_dtype!r}")
+        _number(self, "moe_aux_loss_coeff", 0.0)
+        if self.num_query_groups is not None:
+            _positive(self, "num_query_groups")
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(f"model.num_query_groups={self.num_query_groups} must divide "
+                                 f"model.num_attention_heads={self.num_attention_heads}")
+        if self.mla and not self.multi_latent_attention:
+            raise ValueError(f"model.mla sets {', '.join(sorted(self.mla))} but model.multi_latent_attention is false: "
+                             f"set model.multi_latent_attention=true or remove model.mla")
 
 
 @dataclass(kw_only=True)
@@ -87,7 +119,12 @@ class EplbConfig(LayerConfig):
     """Planner policy; defaults to `name` (static, topoep, topoep_plus, deepseek, fastermoe, flexmoe)."""
 
     def __post_init__(self):
-        if self.name == "none":  # megatron's baseline: the layer's fields are not used
+        if self.name == "none":  # megatron's baseline: the layer's fields are not used, yet each must be one a layer
+            # could take (the same overrides serve every eplb of a comparison, e.g. bench/paper_eval.py's)
+            if self.policy is not None:
+                raise ValueError(f"eplb.policy={self.policy} has no effect with eplb=none (megatron's own MoE layer): "
+                                 f"choose eplb={self.policy} instead, or leave eplb.policy out")
+            self._check_values(policy=False)
             return
         self.policy = self.policy or self.name
         super().__post_init__()
@@ -99,7 +136,7 @@ class EplbConfig(LayerConfig):
     def layer_config(self, **changes) -> LayerConfig:
         """The layer's config: these fields without `name`, with `changes` (e.g. t_ffn from the model's shape)."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerConfig)}
-        return LayerConfig(**{**own, **changes})
+        return LayerConfig(**own).replace(**changes)
 
 
 @dataclass(kw_only=True)
@@ -115,6 +152,8 @@ class RouterConfig:
     bias drawn by us, e.g. `concentrated` gives rank 0's experts the largest biases (large rank imbalance
     even at EP 2). Those need router_skew < 0 (megatron's fixed-bias mode) or 0 (no bias)."""
 
+    group: ClassVar[str] = "router"  # how errors name a field: router.<field>
+
     name: str = "natural"
     router_skew: float | None = None
     layout: str = "megatron"
@@ -125,6 +164,9 @@ class RouterConfig:
 
         if self.name not in ("natural", "synthetic", "balanced"):
             raise ValueError(f"router.name must be natural, synthetic or balanced, got {self.name!r}")
+        if self.name != "synthetic" and self.router_skew is not None:
+            raise ValueError(f"router.router_skew={self.router_skew} biases router=synthetic only (router={self.name} "
+                             f"would ignore it): set router=synthetic or remove router.router_skew")
         if self.name == "synthetic" and self.router_skew is None:
             raise ValueError("router=synthetic needs router.router_skew (e.g. -4: stationary bias of std 4)")
         if self.layout != "megatron" and self.layout not in LAYOUTS:
@@ -141,6 +183,8 @@ class RouterConfig:
 class TopologyConfig:
     """NVLink domains of the expert-parallel group."""
 
+    group: ClassVar[str] = "topology"  # how errors name a field: topology.<field>
+
     name: str = "node"
     ranks_per_domain: int | None = None
     """None: a node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE ranks) is a domain. A number makes
@@ -149,14 +193,16 @@ class TopologyConfig:
     inter_gbytes_per_s: float = 50.0
 
     def __post_init__(self):
-        if self.ranks_per_domain is not None and self.ranks_per_domain < 1:
-            raise ValueError(f"topology.ranks_per_domain must be >= 1 or null, got {self.ranks_per_domain}")
-        if self.intra_gbytes_per_s <= 0 or self.inter_gbytes_per_s <= 0:
-            raise ValueError("topology bandwidths must be > 0 GB/s")
+        if self.ranks_per_domain is not None:
+            _positive(self, "ranks_per_domain")
+        _number(self, "intra_gbytes_per_s", 0.0, above=True)
+        _number(self, "inter_gbytes_per_s", 0.0, above=True)
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    group: ClassVar[str] = "parallel"  # how errors name a field: parallel.<field>
+
     tp: int = 1
     pp: int = 1
     ep: int | None = None
@@ -173,6 +219,8 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
+    group: ClassVar[str] = "trainer"  # how errors name a field: trainer.<field>
+
     steps: int = 50
     lr: float = 3e-4
     min_lr: float = 3e-5
@@ -201,8 +249,17 @@ class TrainerConfig:
         _positive(self, "steps", "micro_batch_size", "seq_length", "log_interval")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"trainer.device must be cuda or cpu, got {self.device!r}")
-        if self.save_interval < 0 or self.heatmap_interval < 0:
-            raise ValueError("trainer.save_interval and trainer.heatmap_interval must be >= 0")
+        for name in ("save_interval", "heatmap_interval", "warmup_steps", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"trainer.{name} must be an integer >= 0, got {v!r}")
+        _number(self, "lr", 0.0, above=True)
+        _number(self, "min_lr", 0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"trainer.min_lr={self.min_lr} exceeds trainer.lr={self.lr}: the schedule decays from lr "
+                             f"to min_lr; set min_lr <= lr")
+        _number(self, "weight_decay", 0.0)
+        _number(self, "clip_grad", 0.0)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"trainer.warmup_steps={self.warmup_steps} must be in [0, trainer.steps={self.steps})")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
@@ -211,6 +268,8 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class LoggerConfig:
+    group: ClassVar[str] = "logger"  # how errors name a field: logger.<field>
+
     name: str = "wandb"
     """wandb or none (console only)."""
     mode: str = "offline"

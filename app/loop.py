@@ -114,8 +114,25 @@ def job_from_config(cfg) -> tuple[Job, dict]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     for g, obj in parts.items():  # the values as checked (e.g. eplb.policy filled in from eplb.name)
         resolved[g] = dataclasses.asdict(obj)
-    resolved["_yaml"] = OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in resolved.items() if k != "_yaml"}))
+    resolved["_yaml"] = _yaml_of(resolved)
     return Job(**parts, data=to_data_config(cfg.data)), resolved
+
+
+def _yaml_of(resolved: dict) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in resolved.items() if k != "_yaml"}))
+
+
+def effective_config(resolved: dict, par, topology, t_ffn: float | None) -> dict:
+    """`resolved` with the values the run derived where the config left them to it: parallel.ep (and the rest of
+    the layout as resolved), topology.ranks_per_domain (a node, unless set) and eplb.t_ffn (from the model's shape,
+    unless set; None with eplb=none), so config.yaml and the logger record what ran."""
+    out = {**resolved, "parallel": dataclasses.asdict(par),
+           "topology": {**resolved["topology"], "ranks_per_domain": topology.ranks_per_domain},
+           "eplb": {**resolved["eplb"], "t_ffn": t_ffn}}
+    out["_yaml"] = _yaml_of(out)
+    return out
 
 
 def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_harness: bool = False) -> list[dict]:
@@ -144,8 +161,14 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
     tr, mc, ec = job.trainer, job.model, job.eplb
     d = setup.init_distributed(tr)
     with config_errors():
+        if ec.enabled and ec.backend == "cuda" and not cpu_harness and (tr.device != "cuda" or not tr.bf16):
+            raise ValueError(f"eplb.backend=cuda runs bf16 on GPUs (got trainer.device={tr.device}, trainer.bf16="
+                             f"{str(tr.bf16).lower()}): set trainer.device=cuda and trainer.bf16=true, or "
+                             f"eplb.backend=torch")
         par = setup.resolve_parallel(job.parallel, mc, d.world_size)
         topology = setup.build_topology(job.topology, par.ep, d.local_world_size)
+    resolved_config = effective_config(resolved_config, par, topology,
+                                       setup.default_t_ffn(mc, ec) if ec.enabled else None)
     setup.init_model_parallel(par)
     torch.manual_seed(tr.seed)
     model_parallel_cuda_manual_seed(tr.seed)  # on CPU the compatibility layer keeps its streams on the CPU

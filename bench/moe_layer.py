@@ -429,7 +429,8 @@ def build_layers(args, topo, dev, dtype, cuda, max_tokens: int, with_megatron: b
         factor = default if cf == "default" else None if cf == "none" else float(cf)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo,
                                   num_slots=args.slots, policy=policy, backend=be, dtype=dtype, device=dev,
-                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard, max_tokens=max_tokens,
+                                  t_ffn=ffn_time_per_assignment(H, Fd), guard=guard,
+                                  max_tokens=max_tokens if be == "cuda" else None,
                                   transport=args.transport if be == "cuda" else "peer", capacity_factor=factor,
                                   num_chunks=args.chunks, prefetch=args.prefetch and be == "cuda",
                                   combine_side_stream=args.combine_side_stream and be == "cuda",

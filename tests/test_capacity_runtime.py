@@ -59,13 +59,13 @@ def _experts(world, g=None):
 
 
 def _layer(rank, world, rpd, fc1, fc2, **kw):
-    """This rank's ExpertParallelMoE (bf16 on the CPU, max_tokens T) with its experts of fc1, fc2."""
+    """This rank's ExpertParallelMoE (bf16 on the CPU; backend cuda's max_tokens T) with its experts of fc1, fc2."""
     from topoep import ExpertParallelMoE, Topology
 
     lo, hi = rank * E_LOC, (rank + 1) * E_LOC
     layer = ExpertParallelMoE(num_experts=world * E_LOC, hidden_size=H, ffn_hidden_size=FD,
                               topology=Topology(num_domains=world // rpd, ranks_per_domain=rpd), dtype=torch.bfloat16,
-                              device="cpu", max_tokens=T, **kw)
+                              device="cpu", max_tokens=T if kw.get("backend") == "cuda" else None, **kw)
     with torch.no_grad():
         layer.fc1.copy_(fc1[lo:hi])
         layer.fc2.copy_(fc2[lo:hi])

@@ -70,6 +70,15 @@ def test_combinations_are_checked():
                                              r"LayerConfig.backend=cuda and LayerConfig.transport=peer"):
             LayerConfig(fetch_overlap=True, **bad)
     assert LayerConfig(backend="cuda", fetch_overlap=True).fetch_overlap
+    for name, value, shown in (("prefetch", True, "true"), ("combine_side_stream", True, "true"), ("max_tokens", 8, "8")):
+        with pytest.raises(ValueError, match=rf"LayerConfig.{name}={shown} applies to LayerConfig.backend=cuda \(backend "
+                                             rf"torch would ignore it\)"):
+            LayerConfig(**{name: value})
+        assert getattr(LayerConfig(backend="cuda", **{name: value}), name) == value
+    for transport in ("a2a", "deepep"):
+        with pytest.raises(ValueError, match=rf"combine_side_stream=true runs the peer-pointer combine.*transport "
+                                             rf"{transport} combines.*set LayerConfig.transport=peer"):
+            LayerConfig(backend="cuda", transport=transport, capacity_factor=None, combine_side_stream=True)
     assert LayerConfig(num_chunks=4).chunks == 4  # backend torch: any number
     assert (LayerConfig().chunks, LayerConfig(backend="cuda").chunks) == (2, 1)  # the backends' defaults
     assert LayerConfig(capacity_factor=2).capacity_factor == 2.0 and LayerConfig(t_ffn=1).t_ffn == 1.0

@@ -79,9 +79,15 @@ def test_quickstart_trains_and_logs(runs):
 
     from topoep import LayerConfig
 
-    eplb = yaml.safe_load((root / "config.yaml").read_text())["eplb"]  # every option of the layers is recorded
+    config = yaml.safe_load((root / "config.yaml").read_text())
+    eplb = config["eplb"]  # every option of the layers is recorded
     assert set(eplb) == {f.name for f in dataclasses.fields(LayerConfig)} | {"name"}
     assert (eplb["policy"], eplb["num_chunks"], eplb["prefetch"], eplb["guard"]) == ("topoep", None, False, False)
+    # the values the run derived where the config left them to it (4 processes, trainer=cpu's virtual domains of 2)
+    assert (config["parallel"]["ep"], config["topology"]["ranks_per_domain"]) == (4, 2)
+    assert eplb["t_ffn"] > 0  # from the model's shape
+    none = yaml.safe_load((runs["root"] / "none" / "config.yaml").read_text())
+    assert none["parallel"]["ep"] == 4 and none["eplb"]["t_ffn"] is None  # megatron's layer uses no t_ffn
     assert list((root / "heatmaps").glob("expert_load_step*.png"))
     assert list((root / "wandb").glob("offline-run-*"))  # W&B offline run directory
 
@@ -168,6 +174,21 @@ def compose(*overrides):
     (["trainer.device=tpu"], "trainer.device must be cuda or cpu"),
     (["trainer.steps=2", "trainer.warmup_steps=2"], "trainer.warmup_steps=2 must be in"),
     (["model.moe_router_topk=9"], "model.moe_router_topk=9 exceeds model.num_moe_experts=8"),
+    (["model.moe_router_load_balancing_type=bogus"], "model.moe_router_load_balancing_type='bogus' is unknown"),
+    (["model.moe_router_dtype=fp8"], "model.moe_router_dtype must be fp32, fp64 or null"),
+    (["model.num_query_groups=3"], "model.num_query_groups=3 must divide model.num_attention_heads=4"),
+    (["+model.mla={q_lora_rank: 8}"], "model.mla sets q_lora_rank but model.multi_latent_attention is false"),
+    (["eplb=none", "eplb.num_slots=-3"], "eplb.num_slots must be an integer >= 0, got -3"),
+    (["eplb=none", "eplb.backend=gpu"], "eplb.backend='gpu' is unknown"),
+    (["eplb=none", "eplb.policy=topoep"], "eplb.policy=topoep has no effect with eplb=none"),
+    (["eplb.prefetch=true"], "eplb.prefetch=true applies to eplb.backend=cuda"),
+    (["router.router_skew=-4"], "router.router_skew=-4.0 biases router=synthetic only"),
+    (["topology.inter_gbytes_per_s=0"], "topology.inter_gbytes_per_s must be a finite number > 0, got 0.0"),
+    (["trainer.lr=-1"], "trainer.lr must be a finite number > 0, got -1.0"),
+    (["trainer.lr=nan"], "trainer.lr must be a finite number > 0, got nan"),
+    (["trainer.min_lr=1"], "trainer.min_lr=1.0 exceeds trainer.lr"),
+    (["trainer.clip_grad=-1"], "trainer.clip_grad must be a finite number >= 0"),
+    (["trainer.heatmap_interval=-1"], "trainer.heatmap_interval must be an integer >= 0, got -1"),
 ])
 def test_bad_config_values_name_the_field(overrides, message):
     from omegaconf import OmegaConf

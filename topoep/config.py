@@ -34,9 +34,9 @@ class LayerConfig:
     domains and its own-rank-first route; with the guard, the layer also plans topoep_plus_local at the same time and
     keeps whichever the per-link model predicts faster), topoep_plus_local (topoep_plus without the paper's
     inter-domain replicas: every replica in its main's domain), topoep_plus_spread (load moved across the whole EP
-    group, priced on the busiest link; host planner, like the peers), topoep_plus_spread_tree (the same, its remote
-    copies priced as relay trees fetch them: for relay_fanout; host planner), deepseek, fastermoe, flexmoe (peer
-    policies on the same runtime)."""
+    group, priced on the busiest link; a GPU planner, csrc/spread.cu), topoep_plus_spread_tree (the same, its remote
+    copies priced as relay trees fetch them: for relay_fanout), deepseek, fastermoe, flexmoe (peer policies on the
+    same runtime; fastermoe plans on the host, the others on the GPU for CUDA tensors)."""
     num_slots: int = 2
     """Replica slots per rank (shared by all layers of a process through one replica pool)."""
     backend: str = "torch"
@@ -142,27 +142,29 @@ class LayerConfig:
     up to the order in which each expert's rows are summed."""
 
     def __post_init__(self):
+        self._check_values()
+        self._check_combinations()
+
+    def _check_values(self, policy: bool = True) -> None:
+        """Every field on its own: its type, range or choice (an error names the field and what to set); `policy`
+        False leaves the policy out (the trainer's eplb=none has none)."""
         from topoep.planners import OFFLINE_POLICIES, POLICIES
         from topoep.relay import RELAY_SCHEDULES
 
         p = self.prefix
-        if self.policy in OFFLINE_POLICIES:
+        if not policy:
+            pass
+        elif self.policy in OFFLINE_POLICIES:
             raise ValueError(f"{p}.policy={self.policy!r} is an offline planner (seconds per plan), not for the runtime; "
                              f"use it through topoep.solve or bench/plan_quality.py, and choose one of "
                              f"{', '.join(POLICIES)} here")
-        if self.policy not in POLICIES:
+        elif self.policy not in POLICIES:
             raise ValueError(f"{p}.policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         _check_int(self, "num_slots", 0)
         _check_choice(self, "backend", BACKENDS)
         _check_choice(self, "transport", TRANSPORTS)
-        if self.transport != "peer" and self.backend != "cuda":
-            raise ValueError(f"{p}.transport={self.transport} applies to {p}.backend=cuda (got backend "
-                             f"{self.backend}): set {p}.backend=cuda, or leave {p}.transport=peer")
         if self.num_chunks is not None:
             _check_int(self, "num_chunks", 1)
-            if self.backend == "cuda" and self.num_chunks > CUDA_MAX_CHUNKS:
-                raise ValueError(f"{p}.num_chunks={self.num_chunks}: backend cuda runs 1 or 2 token chunks; set "
-                                 f"{p}.num_chunks to 1 or 2 (or null for its default, 1)")
         if isinstance(self.capacity_factor, int) and not isinstance(self.capacity_factor, bool):
             self.capacity_factor = float(self.capacity_factor)  # YAML gives 2 for 2.0
         if self.capacity_factor is not None and (not isinstance(self.capacity_factor, float)
@@ -170,13 +172,50 @@ class LayerConfig:
             raise ValueError(f"{p}.capacity_factor must be a number >= 1 (receive rows per region, in units of the "
                              f"rows a rank sends: T x top_k) or null (buffers for the worst case, R x T x top_k), got "
                              f"{self.capacity_factor!r}")
-        if self.capacity_factor is not None and self.transport == "a2a":
-            raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
-                             f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
         for name in ("guard", "prefetch", "combine_side_stream", "fetch_overlap", "cuda_graphs", "layer_graphs",
                      "plus_spread", "plus_peers", "spread_gate", "relay_share", "deepep_deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens", 1)
+        if not isinstance(self.spread_probe, int) or isinstance(self.spread_probe, bool) or self.spread_probe < 2:
+            raise ValueError(f"{p}.spread_probe must be an integer >= 2 (calls between the spread gate's probes), got "
+                             f"{self.spread_probe!r}")
+        if isinstance(self.t_ffn, int) and not isinstance(self.t_ffn, bool):
+            self.t_ffn = float(self.t_ffn)
+        if self.t_ffn is not None and (not isinstance(self.t_ffn, float) or not 0 < self.t_ffn < math.inf):
+            raise ValueError(f"{p}.t_ffn must be a positive number of seconds per assignment or null, got "
+                             f"{self.t_ffn!r}")
+        _check_int(self, "planner_blocks", 0)
+        if self.relay_fanout is not None:
+            _check_int(self, "relay_fanout", 1)
+        _check_int(self, "relay_chunks", 1)
+        if self.relay_chunks > 64:
+            raise ValueError(f"{p}.relay_chunks={self.relay_chunks}: at most 64 chunks per relayed copy (the guard "
+                             f"kernel's bound); 2-8 already overlap the levels")
+        _check_choice(self, "relay_schedule", RELAY_SCHEDULES)
+
+    def _check_combinations(self) -> None:
+        """The fields that only work together (an error names them and what to set)."""
+        p = self.prefix
+        if self.transport != "peer" and self.backend != "cuda":
+            raise ValueError(f"{p}.transport={self.transport} applies to {p}.backend=cuda (got backend "
+                             f"{self.backend}): set {p}.backend=cuda, or leave {p}.transport=peer")
+        if self.num_chunks is not None and self.backend == "cuda" and self.num_chunks > CUDA_MAX_CHUNKS:
+            raise ValueError(f"{p}.num_chunks={self.num_chunks}: backend cuda runs 1 or 2 token chunks; set "
+                             f"{p}.num_chunks to 1 or 2 (or null for its default, 1)")
+        if self.capacity_factor is not None and self.transport == "a2a":
+            raise ValueError(f"{p}.transport=a2a sizes its buffers for the worst case and has no spill path: set "
+                             f"{p}.capacity_factor=null with it (or use {p}.transport=peer on one host)")
+        for name, default in (("prefetch", False), ("combine_side_stream", False), ("max_tokens", None)):
+            if getattr(self, name) != default and self.backend != "cuda":
+                raise ValueError(f"{p}.{name}={_yaml_value(getattr(self, name))} applies to {p}.backend=cuda (backend "
+                                 f"{self.backend} would ignore it): set {p}.backend=cuda or {p}.{name}="
+                                 f"{_yaml_value(default)}")
+        if self.combine_side_stream and self.transport != "peer":
+            raise ValueError(f"{p}.combine_side_stream=true runs the peer-pointer combine on a side stream (transport "
+                             f"{self.transport} combines through its own collectives, which would ignore it): set "
+                             f"{p}.transport=peer or {p}.combine_side_stream=false")
         if self.layer_graphs and self.backend != "cuda":
             raise ValueError(f"{p}.layer_graphs=true captures backend cuda's calls (backend {self.backend} reads the "
                              f"routing's sizes on the host): set {p}.backend=cuda or {p}.layer_graphs=false")
@@ -188,9 +227,6 @@ class LayerConfig:
                              f"backend {self.backend}, transport {self.transport}, whose fetch keeps its place in the "
                              f"layer's stream): set {p}.backend=cuda and {p}.transport=peer, or "
                              f"{p}.fetch_overlap=false")
-        if not isinstance(self.spread_probe, int) or isinstance(self.spread_probe, bool) or self.spread_probe < 2:
-            raise ValueError(f"{p}.spread_probe must be an integer >= 2 (calls between the spread gate's probes), got "
-                             f"{self.spread_probe!r}")
         if self.plus_spread and (self.policy != "topoep_plus" or not self.guard or self.num_slots == 0):
             raise ValueError(f"{p}.plus_spread=true adds candidates to the guarded topoep_plus layer (got policy "
                              f"{self.policy}, guard {str(self.guard).lower()}, num_slots {self.num_slots}): set "
@@ -214,22 +250,9 @@ class LayerConfig:
             if self.layer_graphs:
                 raise ValueError(f"{p}.transport=deepep cannot be captured whole (DeepEP allocates its outputs at "
                                  f"every call): set {p}.layer_graphs=false")
-        if isinstance(self.t_ffn, int) and not isinstance(self.t_ffn, bool):
-            self.t_ffn = float(self.t_ffn)
-        if self.t_ffn is not None and (not isinstance(self.t_ffn, float) or not 0 < self.t_ffn < math.inf):
-            raise ValueError(f"{p}.t_ffn must be a positive number of seconds per assignment or null, got "
-                             f"{self.t_ffn!r}")
-        _check_int(self, "planner_blocks", 0)
-        if self.relay_fanout is not None:
-            _check_int(self, "relay_fanout", 1)
-        _check_int(self, "relay_chunks", 1)
-        if self.relay_chunks > 64:
-            raise ValueError(f"{p}.relay_chunks={self.relay_chunks}: at most 64 chunks per relayed copy (the guard "
-                             f"kernel's bound); 2-8 already overlap the levels")
         if self.relay_share and self.relay_fanout is None:
             raise ValueError(f"{p}.relay_share=true bounds the senders of relay trees, but {p}.relay_fanout is null "
                              f"(nothing relayed): set {p}.relay_fanout (e.g. 2) or {p}.relay_share=false")
-        _check_choice(self, "relay_schedule", RELAY_SCHEDULES)
         if self.relay_schedule == "async":
             if self.relay_fanout is None:
                 raise ValueError(f"{p}.relay_schedule=async runs the relay trees copy by copy, but {p}.relay_fanout is "
@@ -245,8 +268,6 @@ class LayerConfig:
             raise ValueError(f"{p}.relay_chunks={self.relay_chunks} chunks the relayed replica fetch, but "
                              f"{p}.relay_fanout is null (every copy from its home, nothing relayed): set "
                              f"{p}.relay_fanout (e.g. 2) or {p}.relay_chunks=1")
-        if self.max_tokens is not None:
-            _check_int(self, "max_tokens", 1)
 
     @property
     def chunks(self) -> int:
@@ -263,6 +284,11 @@ class LayerConfig:
             raise ValueError(f"unknown {self.prefix} field(s) {', '.join(unknown)}; the fields are "
                              f"{', '.join(sorted(known))}")
         return dataclasses.replace(self, **changes)
+
+
+def _yaml_value(v) -> str:
+    """A field's value as the config.yaml / command line spells it (true, false, null, 3)."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _check_int(cfg, name: str, low: int) -> None:
