@@ -159,6 +159,18 @@ def test_counts_beyond_the_integer_range_are_refused(policy):
         solve(om, topo, policy=policy)
 
 
+def test_the_range_holds_the_stage_1_sort_key():
+    """topoep's stage 1 sorts a domain's experts by demand, then expert index, in one int64 key (demand x E): counts
+    whose key would wrap around are refused, where they used to put a replica on its own main rank."""
+    topo = Topology(num_domains=2, ranks_per_domain=1)
+    om = torch.zeros(2, 16, dtype=torch.int64)
+    om[0, 8] = 2**59 + 2**58
+    with pytest.raises(ValueError, match="int64 arithmetic"):
+        solve(om, topo, num_slots=1, policy="topoep", token_bytes=1, expert_bytes=1)
+    om[0, 8] = 2**58
+    assert int(solve(om, topo, num_slots=1, policy="topoep", token_bytes=1, expert_bytes=1).slot_expert[0, 0]) == 8
+
+
 def test_the_cost_comparing_policies_have_the_smallest_range():
     topo = Topology(num_domains=2, ranks_per_domain=2)
     limits = {p: max_assignments(topo, 4096, 9_437_184, 2, p) for p in ("static", "topoep", "topoep_plus")}

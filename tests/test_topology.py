@@ -75,6 +75,29 @@ def test_from_env_torchrun_and_slurm(monkeypatch):
     assert (t.num_domains, t.ranks_per_domain) == (2, 8)
     with pytest.raises(ValueError, match="ranks_per_domain"):
         Topology.from_env(ep_size=12)
+    with pytest.raises(ValueError, match="ranks_per_domain must be an integer >= 1 or None, got 0"):
+        Topology.from_env(ranks_per_domain=0)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "eight")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE must be a positive integer"):
+        Topology.from_env()
+
+
+def test_costs_are_seconds_per_byte():
+    """A bandwidth passed for a cost (200e9 for 200 GB/s) is refused, not wrapped around in the integer costs."""
+    with pytest.raises(ValueError, match=r"seconds per byte \(e.g. 1 / 200e9 for 200 GB/s\)"):
+        Topology(num_domains=2, ranks_per_domain=2, intra_cost=200e9, inter_cost=50e9)
+    with pytest.raises(ValueError, match="seconds per byte"):
+        Topology.from_cost_matrix(torch.full((2, 2), 1e3).fill_diagonal_(0))
+
+
+def test_from_cost_matrix_needs_contiguous_domains():
+    c = torch.tensor([[0, 2, 1, 2], [2, 0, 2, 1], [1, 2, 0, 2], [2, 1, 2, 0]], dtype=torch.float64) * 1e-12
+    with pytest.raises(ValueError, match=r"rank 0's cheapest links go to ranks \[2\]"):
+        Topology.from_cost_matrix(c)
+    with pytest.raises(ValueError, match="does not have domains of 2 contiguous ranks"):
+        Topology.from_cost_matrix(c, ranks_per_domain=2)
+    order = [0, 2, 1, 3]  # the same machine, its ranks numbered domain by domain
+    assert Topology.from_cost_matrix(c[order][:, order]).ranks_per_domain == 2
 
 
 def test_device_copies_are_made_once():

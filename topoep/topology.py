@@ -24,6 +24,7 @@ RDMA_BYTES_PER_S = 50e9
 DEFAULT_INTRA_COST = 1.0 / NVLINK_BYTES_PER_S  # s/byte
 DEFAULT_INTER_COST = 1.0 / RDMA_BYTES_PER_S  # s/byte
 FEMTO = 1e15  # integer cost scale: femtoseconds per byte
+MAX_COST_FS = 2**40  # the slowest link the planners' int64 products take (about 1.1 ms per byte, 0.9 kB/s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,9 @@ class Topology:
             if (c.diagonal() != 0).any():
                 raise ValueError("Topology.cost must have a zero diagonal (cost[r, r] == 0)")
             c = c.clone()
+        if float(c.max()) * FEMTO >= MAX_COST_FS:
+            raise ValueError(f"Topology costs are seconds per byte (e.g. 1 / 200e9 for 200 GB/s), got {float(c.max())!r}: "
+                             f"a link this slow does not fit the planners' integer femtoseconds; pass 1 / bandwidth")
         object.__setattr__(self, "cost", c)
         object.__setattr__(self, "cost_fs", torch.round(c * FEMTO).to(torch.int64))
         object.__setattr__(self, "domain_of", torch.arange(R, dtype=torch.int64) // self.ranks_per_domain)
@@ -150,11 +154,26 @@ class Topology:
                 row = c[0, 1:]
                 near = (row == row.min()).tolist()
                 ranks_per_domain = 1 + (near.index(False) if False in near else len(near))
+                if sum(near) != ranks_per_domain - 1:
+                    raise ValueError(f"cannot infer the domains: rank 0's cheapest links go to ranks "
+                                     f"{[j + 1 for j, n in enumerate(near) if n]}, not to the ranks right after it; "
+                                     f"order the ranks so each domain is contiguous, or pass ranks_per_domain")
+        if isinstance(ranks_per_domain, bool) or not isinstance(ranks_per_domain, int):
+            raise ValueError(f"ranks_per_domain must be an integer (ranks per NVLink domain) or None, got "
+                             f"{ranks_per_domain!r}")
         if ranks_per_domain < 1 or R % ranks_per_domain != 0:
             raise ValueError(
                 f"ranks_per_domain={ranks_per_domain} does not divide the {R} ranks of the cost matrix; "
                 "domains must be contiguous and of equal size"
             )
+        dom = torch.arange(R) // ranks_per_domain
+        same = dom[:, None] == dom[None, :]
+        off = ~torch.eye(R, dtype=torch.bool)
+        if (same & off).any() and (~same).any() and float(c[same & off].max()) > float(c[~same].min()):
+            raise ValueError(f"the cost matrix does not have domains of {ranks_per_domain} contiguous ranks: a link "
+                             f"inside one costs {float(c[same & off].max()):.3g} s/byte, more than a link between two "
+                             f"({float(c[~same].min()):.3g}); order the ranks so each domain is contiguous, or pass "
+                             f"ranks_per_domain")
         return cls(num_domains=R // ranks_per_domain, ranks_per_domain=ranks_per_domain, cost=c)
 
     @classmethod
@@ -169,8 +188,15 @@ class Topology:
         env = os.environ
         world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
         local = env.get("LOCAL_WORLD_SIZE") or slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"))
+        for name, v in (("WORLD_SIZE / SLURM_NTASKS", world), ("LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE", local)):
+            if v and not str(v).isdigit():
+                raise ValueError(f"{name} must be a positive integer (set by the launcher), got {v!r}")
         world = int(world) if world else 1
         local = int(local) if local else world
+        for name, v in (("ep_size", ep_size), ("ranks_per_domain", ranks_per_domain)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+
         R = ep_size if ep_size is not None else world
         rpd = ranks_per_domain or min(local, R)
         if R < 1 or rpd < 1 or R % rpd != 0:

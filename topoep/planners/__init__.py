@@ -262,19 +262,19 @@ COST_POLICIES = ("topoep_plus", "topoep_plus_local", "joint", "fastermoe")  # co
 
 
 def max_assignments(topology: Topology, token_bytes: int, expert_bytes: int, num_slots: int,
-                    policy: str = "topoep") -> int:
+                    policy: str = "topoep", num_experts: int = 1) -> int:
     """The most assignments (sum of omega) the planners' int64 arithmetic holds, kept below 2^62 with its largest
-    products: static sums loads only; the other policies multiply a domain's demand by 2 S_tok (stage 1's benefit)
-    or an expert's load by the EP size (deepseek, flexmoe); the cost-comparing ones (COST_POLICIES) multiply
-    assignments by 2 S_tok and femtoseconds per byte (the routing cost of eq. 6) beside expert bytes times
-    femtoseconds per byte over the replicas (eq. 7)."""
+    products: static sums loads only; the other policies multiply a domain's demand by 2 S_tok (stage 1's benefit),
+    by the number of experts (stage 1's sort key, demand then expert) or an expert's load by the EP size (deepseek,
+    flexmoe); the cost-comparing ones (COST_POLICIES) multiply assignments by 2 S_tok and femtoseconds per byte (the
+    routing cost of eq. 6) beside expert bytes times femtoseconds per byte over the replicas (eq. 7)."""
     if policy == "static":
         return 2**62
     if policy not in COST_POLICIES:
-        return 2**62 // max(2 * token_bytes, topology.num_ranks)
+        return 2**62 // max(2 * token_bytes, topology.num_ranks, num_experts)
     c = max(1, int(topology.cost_fs.max()))
     replicas = expert_bytes * c * topology.num_ranks * max(num_slots, 1)
-    return max(0, (2**62 - replicas) // (2 * token_bytes * c))
+    return max(0, min((2**62 - replicas) // (2 * token_bytes * c), 2**62 // max(num_experts, 1)))
 
 
 def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main_rank, check_values=True):
@@ -305,7 +305,7 @@ def validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, main
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer number of bytes, got {v!r}")
     if check_values and policy in POLICIES + OFFLINE_POLICIES:
-        limit = max_assignments(topology, token_bytes, expert_bytes, num_slots, policy)
+        limit = max_assignments(topology, token_bytes, expert_bytes, num_slots, policy, omega.shape[1])
         # an int64 sum of huge entries may itself wrap around: a float64 sum first, exact Python ints near the limit
         total = float(omega.sum(dtype=torch.float64))
         if total > 0.999 * limit:
