@@ -231,3 +231,50 @@ def test_a_call_the_slot_hint_left_out_plans_nothing():
             assert (skipped, wanted, plan_skipped, replicas) == (1.0, 1.0, 0.0, 0.0)
         for skipped, wanted, plan_skipped, saved, cost, replicas in stats[6:]:
             assert skipped == 0.0 and plan_skipped == 0.0 and saved > cost and wanted == 1.0 and replicas > 0
+
+
+def _hint_returns(rank, world):
+    """The static layer with the slot hint (lag 2): 4 calls of routing that fits the regions (the hint leaves the
+    slots out from call 3 on), then 4 that overflow them. Per call: capacity_overflow, capacity_moves, slot_skipped."""
+    E = world * E_LOC
+    g = torch.Generator().manual_seed(5)
+    fc1, fc2 = _experts(world, g)
+    layer = _layer(rank, world, world, fc1, fc2, num_slots=2, policy="static", backend="cuda", guard=False,
+                   _cpu_harness=True)
+    out = []
+    for call in range(8):
+        if call < 4:
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        else:
+            idx = _routing(world, 1, "one_rank", 30 + call)[rank][1]
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        w = torch.softmax(torch.randn(T, K, generator=g), 1).to(torch.bfloat16)
+        layer(x, idx, w)
+        s = layer.stats_dict()
+        out.append((s["capacity_overflow"], s["capacity_moves"], s["slot_skipped"]))
+    return out
+
+
+def test_the_slot_hint_brings_the_slots_back_when_rows_spill():
+    """Rows spilled while the slot hint had left the slots out ask for them again: lag calls later the capacity step
+    places replicas and nothing spills (they used to stay out, every later call spilling)."""
+    for out in run_ranks(_hint_returns, 2):
+        overflow, moves, skipped = zip(*out)
+        assert skipped[2:6] == (1.0,) * 4 and overflow[4] > 0 and overflow[5] > 0, out  # the hint of calls 2-3
+        assert skipped[6:] == (0.0, 0.0) and overflow[6:] == (0.0, 0.0) and min(moves[6:]) > 0, out
+
+
+def test_a_huge_capacity_factor_is_the_worst_case():
+    """capacity_rows never exceeds what a region can receive (R x T x top_k), so any finite capacity_factor keeps the
+    capacity step in its integer range: 1e17 plans as no capacity would."""
+    from topoep import Topology, solve
+    from topoep.runtime.backend import capacity_rows, receive_regions
+
+    assert capacity_rows(1024, 1e17, 8) == 8 * 1024 and capacity_rows(1024, 1.25, 8) == 1280
+    assert receive_regions(8, 1024, 8, 1, 1e17) == ([8 * 1024], False)
+    omega = torch.zeros(4, 8, dtype=torch.int64)
+    omega[:, 0] = 64
+    plain = solve(omega, Topology(num_domains=1, ranks_per_domain=4), num_slots=2, policy="topoep")
+    fitted = solve(omega, Topology(num_domains=1, ranks_per_domain=4), num_slots=2, policy="topoep",
+                   capacity=capacity_rows(64, 1e17, 4))
+    assert fitted.info["capacity"]["overflow"] == 0 and torch.equal(fitted.route, plain.route)

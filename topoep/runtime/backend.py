@@ -421,10 +421,11 @@ def e_main(e: int, experts_per_rank: int) -> int:
     return e // experts_per_rank
 
 
-def capacity_rows(max_rows: int, capacity_factor: float) -> int:
+def capacity_rows(max_rows: int, capacity_factor: float, num_ranks: int) -> int:
     """Rows of one receive region under a capacity: ceil(capacity_factor x max_rows), max_rows = T x top_k of the
-    largest call (the same on every rank)."""
-    return math.ceil(capacity_factor * max_rows)
+    largest call (the same on every rank), never above num_ranks x max_rows, which no region can receive (so a huge
+    capacity_factor stays in the planners' integer range)."""
+    return min(math.ceil(capacity_factor * max_rows), num_ranks * max_rows)
 
 
 def receive_regions(num_ranks: int, max_rows: int, top_k: int, chunks: int,
@@ -438,7 +439,7 @@ def receive_regions(num_ranks: int, max_rows: int, top_k: int, chunks: int,
     worst = [num_ranks * r for r in per_rank]
     if capacity_factor is None:
         return worst, False
-    cap = capacity_rows(max_rows, capacity_factor)
+    cap = capacity_rows(max_rows, capacity_factor, num_ranks)
     return [min(cap, w) for w in worst], cap < max(worst)
 
 

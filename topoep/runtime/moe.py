@@ -61,7 +61,8 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "spread_planned",  # 1 if the gated planners ran (plus_spread, plus_peers: the pre-plan bound and the spread gate let them)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
     "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
-    "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks (backend cuda spills them)
+    "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks, against one region per rank
+    # (backend cuda spills the rows beyond each chunk's own region: with 2 chunks, fewer or more than this)
     "capacity_moves",  # moves of the capacity step (0: the plan fitted as the policy and the guard made it)
 )
 
@@ -234,7 +235,7 @@ class ExpertParallelMoE(nn.Module):
         host: backend torch synchronises anyway)."""
         cap = None
         if self.capacity_factor is not None:
-            cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor)
+            cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor, omega.shape[0])
         plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
         # slot_skipped, slot_skip_missed: backend cuda's
         no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)
@@ -472,12 +473,13 @@ class ExpertParallelMoE(nn.Module):
         omega = ws.all_gather(counts, 0)
         cap = None
         if self.capacity_factor is not None:
-            cap = capacity_rows(ws.a_cap, self.capacity_factor)
+            cap = capacity_rows(ws.a_cap, self.capacity_factor, omega.shape[0])
         plan, guard_stats, wanted, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap, planning)
         if wanted is None:
             wanted = torch.zeros((), dtype=torch.bool, device=omega.device)
-        if cap is not None:  # the slots are needed again when the capacity step placed a replica
-            wanted = wanted | (plan.slot_expert >= 0).any()
+        if cap is not None:  # the slots are needed again when the capacity step placed a replica, or would have
+            # placed one but for the slot hint (rows spilled while the slots were left out)
+            wanted = wanted | (plan.slot_expert >= 0).any() | ((fit_stats[0] > 0) & ~allow)
         # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
         # (into a buffer of this stream, so the allocator needs no record_stream)
         stats = torch.empty(len(LAYER_STAT_NAMES) - 1, dtype=torch.float64, device=omega.device)

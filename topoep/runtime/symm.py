@@ -104,7 +104,7 @@ if triton is not None:
                     _copy_row(rows + row * H, src + (a // row_div) * H, H, BLOCK_H)
                 tl.store(metas + p, meta_base + a)
             elif SPILL:
-                ii = stage_base + i
+                ii = (stage_base + i).to(tl.int64)  # stage + ii * H passes 2^31 elements at ~300k rows of H 7168
                 if HAS_SCALE:
                     _copy_row_scaled(stage + ii * H, src + (a // row_div) * H, tl.load(scale + a).to(tl.float32), H,
                                      BLOCK_H)
