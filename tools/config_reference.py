@@ -81,7 +81,8 @@ def render() -> str:
         "## The trainer's Hydra groups (`train.py`, `configs/<group>/*.yaml`)",
         "",
         "Override any field on the command line as `<group>.<field>=<value>`, e.g. `eplb.num_slots=4`. Every run",
-        "writes the resolved values to `<run_dir>/config.yaml`.",
+        "writes the resolved values to `<run_dir>/config.yaml`, with those the run derived where a field was left to it",
+        "(`parallel.ep`, `topology.ranks_per_domain`, `eplb.t_ffn`).",
     ]
     for group, cls in GROUPS.items():
         doc = " ".join((cls.__doc__ or "").split()) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__) else ""
