@@ -656,3 +656,27 @@ def test_spread_gate_kernel_equals_its_reference_in_the_interpreter():
     cases = interpreted_cases("gate_check.py")
     assert len(cases) == 4 and all("60 calls equal" in c for c in cases), cases
     assert all(" on after 0," not in c and " runs 0" not in c for c in cases), cases  # both states exercised
+
+
+def test_the_pre_plan_bound_prices_the_fetch_as_the_guard_does():
+    """worth_planning's threshold takes the cheapest link in the guard's integer femtoseconds (300 GB/s: 3333 fs per
+    byte, not 3333.33), so a plan the guard would keep is never left unplanned: here the bound is 3e-5 below the
+    fetch's float cost, and the guard keeps the plan."""
+    from topoep.plan import default_main_rank
+
+    topo = Topology(num_domains=1, ranks_per_domain=2, intra_cost=1 / 300e9)
+    assert int(topo.cost_fs[0, 1]) == 3333
+    omega = torch.tensor([[40, 0, 0, 0], [0, 0, 0, 0]])
+    W = 2**30
+    g = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, token_transfers=0)
+    t_ffn = W / 300e9 / 20 * (1 - 3e-5)  # the bound t_ffn x (40 - 20) just under W x the float cost
+    plan = solve(omega, topo, num_slots=1, policy="topoep", expert_bytes=W, token_bytes=10)
+    fired = g.select(plan, t_ffn, 1)[1]
+    assert not bool(fired)  # the guard keeps the plan ...
+    assert bool(g.worth_planning(omega, topo, default_main_rank(4, 2, omega.device), t_ffn, W, 1))  # ... so it plans
+
+
+def test_a_bandwidth_too_slow_for_the_integer_costs_is_refused():
+    with pytest.raises(ValueError, match="NetBenefitGuard.bytes_per_s must be a number of bytes/s above 0.11"):
+        NetBenefitGuard(bytes_per_s=0.1)
+    NetBenefitGuard(bytes_per_s=10.0)

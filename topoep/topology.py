@@ -24,7 +24,8 @@ RDMA_BYTES_PER_S = 50e9
 DEFAULT_INTRA_COST = 1.0 / NVLINK_BYTES_PER_S  # s/byte
 DEFAULT_INTER_COST = 1.0 / RDMA_BYTES_PER_S  # s/byte
 FEMTO = 1e15  # integer cost scale: femtoseconds per byte
-MAX_COST_FS = 2**40  # the slowest link the planners' int64 products take (about 1.1 ms per byte, 0.9 kB/s)
+MAX_COST_FS = 2**53  # the slowest link's femtoseconds per byte (about 9 s per byte), exact in float64; products
+# with bytes and assignments are bounded where they are made (topoep.planners.max_assignments)
 
 
 @dataclass(frozen=True, kw_only=True)

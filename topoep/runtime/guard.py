@@ -75,7 +75,7 @@ from topoep.relay import async_fetch_fs, check_chunks, check_schedule, direct_be
 from topoep.runtime import worth_triton
 from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
 from topoep.planners.common import static_rank_load
-from topoep.topology import Topology
+from topoep.topology import FEMTO, MAX_COST_FS, Topology
 
 SECONDS_PER_FS = 1e-15  # link femtoseconds to seconds: one multiplication, the same on every device (csrc/guard.cu)
 
@@ -181,9 +181,10 @@ class NetBenefitGuard:
             raise ValueError(f"NetBenefitGuard.spread_plan_s must be None (the measured spread planner) or a finite "
                              f"number of seconds >= 0, got {v!r}")
         b = self.bytes_per_s
-        if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")):
-            raise ValueError(f"NetBenefitGuard.bytes_per_s must be a positive number of bytes/s or None (the "
-                             f"topology's costs), got {b!r}")
+        if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool)
+                                  and FEMTO / MAX_COST_FS < b < float("inf")):
+            raise ValueError(f"NetBenefitGuard.bytes_per_s must be a number of bytes/s above {FEMTO / MAX_COST_FS:.2g} "
+                             f"(the slowest link the integer costs hold) or None (the topology's costs), got {b!r}")
         m = self.token_transfers
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"NetBenefitGuard.token_transfers must be an integer >= 0, got {m!r}")
@@ -342,9 +343,12 @@ class NetBenefitGuard:
         R = topology.num_ranks
         if R < 2:
             return torch.zeros((), dtype=torch.bool, device=omega.device)
-        cost = self._cost_topology(topology).cost
-        cheapest = float(cost.masked_fill(torch.eye(R, dtype=torch.bool), float("inf")).min())  # host constants
-        threshold = self.plan_s + exposed_transfers * (expert_bytes * cheapest + self.transfer_latency_s)
+        # host constants, in the guard's own arithmetic (`_fetch_choices`: integer femtoseconds, one multiplication),
+        # so that no plan's replica fetch is priced below the cheapest one assumed here
+        cost_fs = self._cost_topology(topology).cost_fs
+        cheapest = int(cost_fs.masked_fill(torch.eye(R, dtype=torch.bool), torch.iinfo(torch.int64).max).min())
+        fetch = float(expert_bytes * cheapest) * SECONDS_PER_FS + self.transfer_latency_s
+        threshold = self.plan_s + exposed_transfers * fetch
         if omega.is_cuda and worth_triton.usable(omega, main_rank):  # one kernel, the same decision
             return worth_triton.worth_planning_triton(omega, t_ffn, threshold)
         load = static_rank_load(omega, main_rank.to(omega.device), R)
