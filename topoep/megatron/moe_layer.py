@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -65,6 +66,19 @@ class TopoEPMoELayer(MoELayer):
             raise ValueError("TopoEP never drops tokens: unset moe_expert_capacity_factor")
         if config.moe_latent_size:
             raise ValueError("TopoEP does not support moe_latent_size (MoE latent projections)")
+        # the layer computes SwiGLU experts without biases, each expert whole on its rank: refuse what it would
+        # silently compute otherwise
+        if getattr(config, "expert_tensor_parallel_size", 1) > 1:
+            raise ValueError(f"TopoEP computes each expert whole on one rank: expert_tensor_parallel_size="
+                             f"{config.expert_tensor_parallel_size} is not supported (in training: parallel.expert_tp=1)")
+        if getattr(config, "moe_shared_expert_overlap", False):
+            raise ValueError("TopoEP runs the shared experts beside its own dispatch: unset moe_shared_expert_overlap")
+        if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
+            raise ValueError("TopoEP's experts are SwiGLU without biases: set gated_linear_unit=True, "
+                             "activation_func=F.silu and add_bias_linear=False")
+        if getattr(config, "moe_apply_probs_on_input", False):
+            raise ValueError("TopoEP weights the expert outputs by the routing probabilities: unset "
+                             "moe_apply_probs_on_input")
         if self.ep_group.size() != topoep.topology.num_ranks:
             raise ValueError(f"topology covers {topoep.topology.num_ranks} ranks but the expert-parallel group has "
                              f"{self.ep_group.size()}: set the topology for the EP group")
