@@ -1,6 +1,9 @@
 """Checkpoints with megatron distributed checkpointing: model and optimizer as sharded tensors (so a
 checkpoint loads with another policy, eplb=none included), plus the step, LR scheduler, data position
-and per-rank RNG states. Layout: <dir>/iter_0000010/ (+ rng_<rank>.pt) and <dir>/latest."""
+and per-rank RNG states: Python's, numpy's, torch's, megatron's per-stream tracker (the synthetic and balanced
+routers draw their logits from it) and megatron's cached router biases. Layout: <dir>/iter_0000010/
+(+ rng_<rank>.pt) and <dir>/latest. A resumed run continues the checkpoint's LR schedule (megatron's rule; the
+trainer says where its config's differs)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,12 @@ def _state(ddp, optimizer, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict:
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import RandomSTEShared
+
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "tracker": get_cuda_rng_tracker().get_states(),
+           "router_bias": {k: v.detach().cpu() for k, v in RandomSTEShared._cache.items()}}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
@@ -58,7 +66,14 @@ def load_checkpoint(path: Path, ddp, optimizer, scheduler, loader) -> int:
     state = _state(ddp, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, str(path))
     _unwrap(ddp).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    try:
+        optimizer.load_state_dict(loaded["optimizer"])
+    except ValueError as err:
+        if "parameter group" not in str(err):
+            raise
+        raise ValueError(f"{path}'s optimizer was saved with other trainer.lr, trainer.min_lr or "
+                         f"trainer.weight_decay ({err}): resume with its values, or set trainer.resume=false to "
+                         f"start anew") from err
     scheduler.load_state_dict(loaded["scheduler"])
     loader.load_state_dict(loaded["loader"])
     rng_file = path / f"rng_{dist.get_rank()}.pt"
@@ -69,4 +84,12 @@ def load_checkpoint(path: Path, ddp, optimizer, scheduler, loader) -> int:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+        if "tracker" in rng:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+            from megatron.core.transformer.moe.moe_utils import RandomSTEShared
+
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            for k, v in rng["router_bias"].items():  # megatron's own biases (layout megatron) as drawn
+                RandomSTEShared._cache.setdefault(k, v.to(device))
     return int(loaded["step"])

@@ -238,7 +238,7 @@ class TrainerConfig:
     checkpoint_dir: str | None = None
     """None: <run_dir>/checkpoints."""
     save_interval: int = 0
-    """Save every N steps (0: only at the end when checkpoint_dir is set)."""
+    """Save every N steps and at the last (0: only at the last step, when checkpoint_dir is set)."""
     resume: bool = True
     """Continue from the latest checkpoint in checkpoint_dir when there is one."""
     log_interval: int = 1
@@ -247,6 +247,9 @@ class TrainerConfig:
 
     def __post_init__(self):
         _positive(self, "steps", "micro_batch_size", "seq_length", "log_interval")
+        if not isinstance(self.run_dir, str) or not self.run_dir.strip():
+            raise ValueError(f"trainer.run_dir must name a directory (the run's config, metrics and checkpoints), got "
+                             f"{self.run_dir!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"trainer.device must be cuda or cpu, got {self.device!r}")
         for name in ("save_interval", "heatmap_interval", "warmup_steps", "seed"):

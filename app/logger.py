@@ -30,6 +30,17 @@ class Logger:
                                     config=config, name=run_dir.name)
             print(f"W&B run ({cfg.mode}): {self.wandb.dir}", flush=True)
 
+    def resume_at(self, step: int) -> None:
+        """A run resumed from the checkpoint of `step`: the metrics file keeps only its rows up to that step (the
+        steps after it run again and are logged anew, so no step appears twice)."""
+        if not self.enabled:
+            return
+        self.metrics_file.close()
+        path = self.run_dir / "metrics.jsonl"
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(f"{line}\n" for line in rows))
+        self.metrics_file = open(path, "a", buffering=1)
+
     def log(self, step: int, metrics: dict, line: str | None = None) -> None:
         if not self.enabled:
             return

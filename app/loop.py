@@ -17,7 +17,7 @@ import torch.distributed as dist
 from app import setup
 from app.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from app.logger import Logger
-from app.moe_stats import COLUMNS, MoEStats
+from app.moe_stats import COLUMNS, COUNTS, SUMMED, MoEStats
 from app.plots import expert_load_heatmap
 from topoep.runtime.deepep import release_buffers
 
@@ -106,6 +106,9 @@ def job_from_config(cfg) -> tuple[Job, dict]:
         raise ValueError(f"eplb.transport=a2a with parallel.pp={parts['parallel'].pp}: its NVSHMEM buffers are "
                          "collective allocations made at a stage's first forward, which the other stages do not "
                          "reach in step; use parallel.pp=1 or eplb.transport=peer")
+    if parts["eplb"].enabled and parts["parallel"].expert_tp > 1:
+        raise ValueError(f"parallel.expert_tp={parts['parallel'].expert_tp} with eplb={parts['eplb'].name}: the TopoEP "
+                         "layer computes each expert whole on one rank; use parallel.expert_tp=1 (or eplb=none)")
     if parts["eplb"].enabled and parts["eplb"].layer_graphs and parts["parallel"].pp > 1:
         raise ValueError(f"eplb.layer_graphs=true with parallel.pp={parts['parallel'].pp}: a captured layer keeps "
                          "one call's tensors for backward in its graphs' buffers, and a pipeline schedule runs "
@@ -155,12 +158,15 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
     from megatron.core.transformer.module import Float16Module
 
     from data.loader import build_loader
-    from topoep.megatron.model import build_gpt_model, moe_layers
+    from topoep.megatron.model import build_gpt_model, moe_layers, transformer_engine_available
     from topoep.megatron.moe_layer import TopoEPSpec
 
     tr, mc, ec = job.trainer, job.model, job.eplb
     d = setup.init_distributed(tr)
     with config_errors():
+        if job.parallel.tp > 1 and not transformer_engine_available():
+            raise ValueError(f"parallel.tp={job.parallel.tp} runs sequence parallelism, whose LayerNorm needs Transformer "
+                             "Engine (not installed): use parallel.tp=1, or install transformer_engine")
         if ec.enabled and ec.backend == "cuda" and not cpu_harness and (tr.device != "cuda" or not tr.bf16):
             raise ValueError(f"eplb.backend=cuda runs bf16 on GPUs (got trainer.device={tr.device}, trainer.bf16="
                              f"{str(tr.bf16).lower()}): set trainer.device=cuda and trainer.bf16=true, or "
@@ -215,19 +221,29 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
         start_wd=tr.weight_decay, end_wd=tr.weight_decay, wd_incr_steps=tr.steps, wd_incr_style="constant")
     layers = moe_layers(model)
     stats = MoEStats(layers, topology, mc.num_layers - mc.first_k_dense, mc.num_moe_experts, mc.first_k_dense,
-                     d.device)
+                     d.device, par.num_microbatches, mc.hidden_size * (2 if tr.bf16 else 4))
 
     start = 0
     if latest is not None:
-        start = load_checkpoint(latest, ddp, optimizer, scheduler, loader)
+        config_schedule = scheduler.state_dict()
+        with config_errors():
+            start = load_checkpoint(latest, ddp, optimizer, scheduler, loader)
+            if start > tr.steps:
+                raise ValueError(f"{latest} is at step {start}, past trainer.steps={tr.steps}: raise trainer.steps, or "
+                                 f"set trainer.resume=false to start anew")
+        logger.resume_at(start)
         if is_logger:
             print(f"resumed from {latest} at step {start}", flush=True)
+            kept = schedule_kept(config_schedule, scheduler.state_dict())
+            if kept:  # megatron's rule: a resumed run continues its checkpoint's schedule
+                print(f"the LR schedule continues the checkpoint's: {kept}", flush=True)
 
     fwd_bwd = get_forward_backward_func()
     dp = ps.get_data_parallel_world_size()
     tokens_per_step = tr.micro_batch_size * tr.seq_length * par.num_microbatches * dp
     history = []
     step_times = []  # seconds of every step of this run (the ETA leaves the first, which compiles and warms up, out)
+    unlogged: dict[str, float] = {}  # counts of the steps since the last logged one (trainer.log_interval)
     for step in range(start + 1, tr.steps + 1):
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
@@ -242,29 +258,37 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
         step_s = time.perf_counter() - t0
         step_times.append(step_s)
         loss = _mean_loss(losses, d.device)
-        moe, loads = stats.collect()
+        moe, loads, pool_counts = stats.collect()
         metrics = {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
                    "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s, "skipped": not ok}
         if stats.num_moe_layers:
             m = moe.cpu()
             for j, c in enumerate(COLUMNS):
-                summed = ("planner_ms", "slot_waits", "capacity_overflow")
-                metrics[f"moe/{c}"] = m[:, j].sum().item() if c in summed else m[:, j].mean().item()
+                metrics[f"moe/{c}"] = m[:, j].sum().item() if c in SUMMED else m[:, j].mean().item()
                 for li in range(m.shape[0]):
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
-            metrics.update({f"moe/{k}": v for k, v in stats.pool_counts().items()})
-        if is_logger and step % tr.log_interval == 0:
-            later = step_times[1:] or step_times
-            eta_s = (tr.steps - step) * sum(later) / len(later)
-            logger.log(step, metrics, _line(step, tr.steps, metrics, ec.enabled, eta_s))
+            metrics.update({f"moe/{k}": v for k, v in pool_counts.items()})
         history.append(metrics)
+        if step % tr.log_interval == 0 or step == tr.steps:
+            # a logged step's counts include those of the steps since the last logged one
+            logged = {k: v + unlogged.get(k, 0.0) if _is_count(k) else v for k, v in metrics.items()}
+            unlogged.clear()
+            if is_logger:
+                later = step_times[1:] or step_times
+                eta_s = (tr.steps - step) * sum(later) / len(later)
+                logger.log(step, logged, _line(step, tr.steps, logged, ec.enabled, eta_s))
+        else:
+            for k, v in metrics.items():
+                if _is_count(k):
+                    unlogged[k] = unlogged.get(k, 0.0) + v
         if tr.heatmap_interval and (step % tr.heatmap_interval == 0 or step == tr.steps) and is_logger:
             png = expert_load_heatmap(loads, run_dir / "heatmaps" / f"expert_load_step{step:06d}.png",
                                       f"expert load per MoE layer, step {step} ({mc.name}, eplb {ec.name})")
             logger.log_image(step, "moe/expert_load_heatmap", png)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
-        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and tr.checkpoint_dir):
+        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and (tr.checkpoint_dir
+                                                                                      or tr.save_interval)):
             path = save_checkpoint(ckpt_dir, step, ddp, optimizer, scheduler, loader)
             if is_logger:
                 print(f"saved {path}", flush=True)
@@ -276,6 +300,23 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
         release_buffers()  # transport deepep's buffers, while their process group lives
         dist.destroy_process_group()
     return history if is_logger else []
+
+
+SCHEDULE_FIELDS = {"lr_decay_steps": "trainer.steps", "lr_warmup_steps": "trainer.warmup_steps",
+                   "lr_decay_style": "trainer.lr_decay_style"}
+
+
+def schedule_kept(config: dict, loaded: dict) -> str:
+    """The LR scheduler's fields where the checkpoint's (which a resumed run keeps) differ from the trainer config's,
+    as "lr_decay_steps 50 (trainer.steps=30), ..."; empty where they agree."""
+    return ", ".join(f"{k} {loaded[k]} ({field}={config[k]})" for k, field in SCHEDULE_FIELDS.items()
+                     if loaded[k] != config[k])
+
+
+def _is_count(key: str) -> bool:
+    """A metric that counts events of its step (slot waits, spilled rows, replica fetches): with trainer.log_interval
+    > 1 a logged step carries those of the steps since the last logged one."""
+    return key.rsplit("/", 1)[-1] in COUNTS
 
 
 def _release_ddp_hooks(ddp) -> None:

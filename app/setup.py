@@ -65,7 +65,7 @@ def resolve_parallel(par: ParallelConfig, model: ModelConfig, world: int) -> Par
     """Fill ep and check the layout against the world size; errors name the field and the fix."""
     if world % (par.tp * par.pp):
         raise ValueError(f"world size {world} is not divisible by parallel.tp * parallel.pp = {par.tp * par.pp}")
-    ep = par.ep if par.ep is not None else world // (par.tp * par.pp)
+    ep = par.ep if par.ep is not None else max(1, world // (par.tp * par.pp * par.expert_tp))
     if (world // par.pp) % (ep * par.expert_tp):
         raise ValueError(f"parallel.ep={ep} x parallel.expert_tp={par.expert_tp} must divide the ranks of a pipeline "
                          f"stage ({world // par.pp}); pick ep among the divisors")

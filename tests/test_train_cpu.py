@@ -224,14 +224,18 @@ def test_bad_config_fails_fast_from_the_command_line(tmp_path):
     assert proc.returncode != 0
     assert out.count("config error: parallel.ep=3 does not divide model.num_moe_experts=8") == 1, out[-3000:]
     assert "ValueError" not in out  # no rank's traceback (torchrun still reports the failed children its own way)
-    for bad, says in (("eplb.num_slots=-1", "config error: eplb.num_slots must be an integer >= 0, got -1"),
-                      ("eplb.num_chunks=3", "config error: eplb.num_chunks=3: backend cuda runs 1 or 2"),
-                      ("eplb.num_slots=two", "config error:")):
+    for bad, says, field in (
+            ("eplb.num_slots=-1", "config error: eplb.num_slots must be an integer >= 0, got -1", "eplb.num_slots"),
+            ("eplb.num_chunks=3", "config error: eplb.num_chunks=3: backend cuda runs 1 or 2", "eplb.num_chunks"),
+            ("eplb.num_slots=two", "config error:", "eplb.num_slots"),
+            ("eplb.backend=cuda", "config error: eplb.backend=cuda runs bf16 on GPUs", "trainer.device=cuda"),
+            ("parallel.expert_tp=2", "config error: parallel.expert_tp=2 with eplb=topoep", "parallel.expert_tp=1"),
+            ("parallel.tp=2", "config error: parallel.tp=2 runs sequence parallelism", "parallel.tp=1")):
         extra = ("eplb.backend=cuda",) if "num_chunks" in bad else ()
         proc = train(tmp_path / "bad", bad, *extra, "logger=none", nproc=2, check=False)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and out.count(says) == 1 and "ValueError" not in out and "ValidationError" not in out, (bad, out[-3000:])
-        assert "eplb.num_slots" in out or "num_chunks" in bad
+        assert field in out, (bad, out[-3000:])
     proc = train(tmp_path / "bad", "model=llama", nproc=1, check=False)
     assert proc.returncode != 0 and "model/llama" in proc.stdout + proc.stderr
 
@@ -266,3 +270,52 @@ def test_synthetic_router_skews_and_topoep_balances(tmp_path):
         assert r["moe/imbalance_before"] > 1.5
         assert r["moe/imbalance_after"] < r["moe/imbalance_before"] - 0.3
         assert r["moe/replica_fraction"] > 0.2
+
+
+def test_microbatches_log_interval_and_resume(tmp_path):
+    """With 4 micro-batches the imbalance before balancing is averaged per micro-batch as the layers' plans are (the
+    static plan's "after" equals it); trainer.log_interval logs every 2nd step and the last; the token bytes of both
+    layers reach the logs; a resumed run logs each step once; save_interval also saves the last step."""
+    run = tmp_path / "static"
+    common = ("parallel.num_microbatches=4", "trainer.log_interval=2", "trainer.warmup_steps=0", "logger=none")
+    train(run, "eplb=static", "trainer.steps=3", "trainer.save_interval=2", *common)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [2, 3]
+    for r in rows:
+        assert r["moe/imbalance_before"] == pytest.approx(r["moe/imbalance_after"], rel=1e-9, abs=0)
+        assert r["moe/token_bytes_inter"] > 0 and r["moe/token_bytes_intra"] > 0  # 2 domains of 2 ranks
+        assert r["moe/replica_bytes_inter"] == r["moe/replica_bytes_intra"] == 0  # static: no replicas
+    # saved at steps 2 and 3 (the last); as if the run had stopped after logging step 3 but before saving it:
+    (run / "checkpoints" / "latest").write_text("iter_0000002\n")
+    train(run, "eplb=static", "trainer.steps=4", "trainer.save_interval=2", *common)  # resumes at step 2
+    assert [r["step"] for r in metrics(run)] == [2, 4]  # step 3's row went with the step it was made in
+    base = tmp_path / "none"
+    train(base, "eplb=none", "trainer.steps=2", *common)
+    row = metrics(base)[0]
+    assert row["step"] == 2 and row["moe/token_bytes_inter"] > 0 and row["moe/replica_bytes_inter"] == 0
+    assert row["moe/token_bytes_inter"] == pytest.approx(rows[0]["moe/token_bytes_inter"], rel=0.05)
+
+
+def test_resume_keeps_the_synthetic_routing_and_says_which_schedule_it_keeps(tmp_path):
+    """The synthetic router draws its logits from megatron's RNG tracker, which the checkpoint keeps: a run resumed at
+    step 2 routes steps 3-4 as the uninterrupted run does (not steps 1-2 again). Resumed with more trainer.steps, it
+    keeps the checkpoint's LR schedule and says so; another trainer.lr is a config error."""
+    common = ("eplb=none", "router=synthetic", "trainer.warmup_steps=0", "trainer.lr_decay_style=constant",
+              "logger=none")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(whole, *common, "trainer.steps=4", nproc=2)
+    train(part, *common, "trainer.steps=2", "trainer.save_interval=2", nproc=2)
+    assert (part / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
+    proc = train(part, *common, "trainer.steps=4", nproc=2)
+    assert "the LR schedule continues the checkpoint's: lr_decay_steps 2 (trainer.steps=4)" in proc.stdout
+    a, b = metrics(whole), metrics(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for step in (3, 4):
+        ra, rb = a[step - 1], b[step - 1]
+        assert rb["lr"] == ra["lr"] and rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        layers = [k for k in ra if k.startswith("moe/layer") and k.endswith("imbalance_before")]
+        assert layers and all(rb[k] == ra[k] for k in layers), step  # the same random routing
+    assert b[2]["moe/imbalance_before"] != b[0]["moe/imbalance_before"]  # not step 1's routing again
+    proc = train(part, *common, "trainer.steps=6", "trainer.lr=1e-2", nproc=2, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "config error:" in out and "saved with other trainer.lr" in out, out[-3000:]

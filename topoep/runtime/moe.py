@@ -60,7 +60,8 @@ LAYER_STAT_NAMES = STAT_NAMES + (
     "plan_peer",  # 1 if it was a peer's plan (flexmoe or deepseek: LayerConfig.plus_peers)
     "spread_planned",  # 1 if the gated planners ran (plus_spread, plus_peers: the pre-plan bound and the spread gate let them)
     "slot_skipped",  # 1 if backend cuda left the call's replica machinery out (the guard had fired: skip_lag)
-    "slot_skip_missed",  # 1 if it did although this call's guard wanted the balanced plan (the cost of the lag)
+    "slot_skip_missed",  # 1 if it did although this call's pre-plan bound let a plan pay (the guard, which did not
+    # run, might not have wanted it either: an upper bound of the cost of the lag)
     "capacity_overflow",  # rows beyond the capacity after the capacity step, all ranks, against one region per rank
     # (backend cuda spills the rows beyond each chunk's own region: with 2 chunks, fewer or more than this)
     "capacity_moves",  # moves of the capacity step (0: the plan fitted as the policy and the guard made it)
@@ -244,9 +245,9 @@ class ExpertParallelMoE(nn.Module):
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
                       capacity: int | None = None,
                       planning: bool = True) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the plan after the net-benefit guard and the capacity step, float64[6] guard statistics, the guard's own
-        decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard, float64[2] capacity
-        statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
+        """(the plan after the net-benefit guard and the capacity step, float64[GUARD_STATS] guard statistics, the
+        guard's own decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard,
+        float64[2] capacity statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
         plan and keeps the capacity step off the slots: the host left this call's replica machinery out. `planning`
         False (host; backend cuda, where the slot hint left the replica machinery out, so the static plan runs
         anyway): no planner and no guard run, only the pre-plan bound, whose verdict stands in for the guard's
@@ -347,7 +348,7 @@ class ExpertParallelMoE(nn.Module):
 
     def _record(self, plan: Plan, stats: torch.Tensor, planner_ms: float) -> None:
         """Keep the call's plan and statistics for pop_stats / stats_dict: stats is LAYER_STAT_NAMES without
-        planner_ms (the plan's STAT_NAMES, the guard's 6: fired, saved, cost, wanted, plan skipped, local plan; the
+        planner_ms (the plan's STAT_NAMES, the guard's GUARD_STATS: guard_fired .. spread_planned; the
         slot hint's 2: skipped, skipped and wanted; the capacity step's 2), on the device; planner_ms stays on the host
         until it is read (two device operations per call: the sums and the count)."""
         self.last_plan = plan
