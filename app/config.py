@@ -77,6 +77,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     vocab_size: int | None = None
     """None: the tokenizer's vocabulary (padded to a multiple of 128)."""
+    tokenizer: str = "Qwen/Qwen3-30B-A3B"
+    """The model's tokenizer on the Hugging Face Hub: data=paper tokenizes its corpus with it (one corpus per
+    tokenizer); data=offline uses its own byte tokenizer."""
 
     def __post_init__(self):
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_moe_experts",
@@ -256,6 +259,8 @@ class TrainerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"trainer.{name} must be an integer >= 0, got {v!r}")
+        if self.seed >= 2**32:
+            raise ValueError(f"trainer.seed must be below 2^32 (numpy's seeds, the data order), got {self.seed}")
         _number(self, "lr", 0.0, above=True)
         _number(self, "min_lr", 0.0)
         if self.min_lr > self.lr:

@@ -191,9 +191,10 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
                  f"guard {'on' if ec.guard else 'off'}, capacity {ec.capacity_factor or 'worst case'})"
                  if ec.enabled else ""), flush=True)
 
-    loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
-                          dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                          seed=tr.seed, progress=is_logger)
+    with config_errors():  # a corpus too small or not the checkpoint's: one line, every rank exits
+        loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
+                              dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                              seed=tr.seed, progress=is_logger)
     vocab = mc.vocab_size or setup.padded_vocab(loader.vocab_size, par.tp)
     tc = setup.transformer_config(mc, par, tr, job.router)
     topoep_cfg = (TopoEPSpec(topology, ec.layer_config(t_ffn=setup.default_t_ffn(mc, ec)), cpu_harness=cpu_harness)
@@ -244,6 +245,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
     history = []
     step_times = []  # seconds of every step of this run (the ETA leaves the first, which compiles and warms up, out)
     unlogged: dict[str, float] = {}  # counts of the steps since the last logged one (trainer.log_interval)
+    epoch = loader.consumed_samples // loader.sequences.samples_per_epoch  # of the corpus, on this rank's view
     for step in range(start + 1, tr.steps + 1):
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
@@ -261,6 +263,11 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
         moe, loads, pool_counts = stats.collect()
         metrics = {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
                    "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s, "skipped": not ok}
+        now = loader.consumed_samples // loader.sequences.samples_per_epoch
+        if now > epoch and is_logger:  # every rank's samples come from one global order: the same epoch on each
+            print(f"data: step {step} began epoch {now} of the corpus ({loader.sequences.samples_per_epoch} samples "
+                  f"each): its samples repeat, in a new order", flush=True)
+        epoch = metrics["data/epoch"] = now
         if stats.num_moe_layers:
             m = moe.cpu()
             for j, c in enumerate(COLUMNS):

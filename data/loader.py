@@ -14,6 +14,7 @@ checkpoint stores one number and a restart (even with another D) continues where
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ class PackedSequences:
         self.samples_per_epoch = samples_per_epoch(corpus.num_tokens, seq_length)
         if self.samples_per_epoch == 0:
             raise ValueError(f"corpus {corpus.dir} has {corpus.num_tokens} tokens, fewer than seq_length + 1 = "
-                             f"{seq_length + 1}: lower seq_length or build a larger corpus (data.num_tokens)")
+                             f"{seq_length + 1}: lower the sequence length (trainer.seq_length) or build a larger corpus "
+                             f"(data.num_tokens)")
         self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -171,7 +173,14 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a stored position; the corpus, seed and seq_length must be the ones it came from."""
+        fields = {f.name for f in dataclasses.fields(LoaderState)}
+        if not isinstance(state, dict) or set(state) != fields:
+            raise ValueError(f"a loader state has the keys {', '.join(sorted(fields))}, got "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: not a checkpoint "
+                             "of this loader")
         st = LoaderState(**state)
+        if isinstance(st.consumed_samples, bool) or not isinstance(st.consumed_samples, int) or st.consumed_samples < 0:
+            raise ValueError(f"a loader state's consumed_samples must be an integer >= 0, got {st.consumed_samples!r}")
         seq = self.sequences
         for key, mine in (("seed", seq.seed), ("seq_length", seq.seq_length),
                           ("content_hash", seq.corpus.manifest.content_hash)):

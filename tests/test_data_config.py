@@ -3,6 +3,8 @@ group `configs/data/` composes into them (offline default and the paper's six so
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from data.config import DataConfig, DedupConfig, SourceConfig, TokenizerConfig
@@ -93,6 +95,20 @@ def test_paper_config_has_the_six_sources_with_their_hub_ids_and_fields():
     # composed beside a model config that names its tokenizer, the corpus follows the model
     dsv2 = compose_data_config("paper", ["+model.tokenizer=deepseek-ai/DeepSeek-V2"])
     assert dsv2.tokenizer.name == "deepseek-ai/DeepSeek-V2" and dsv2.output_dir.endswith("DeepSeek-V2")
+
+
+@pytest.mark.parametrize("model, tokenizer", [("qwen3", "Qwen/Qwen3-30B-A3B"), ("glm45air", "zai-org/GLM-4.5-Air"),
+                                              ("deepseekv2", "deepseek-ai/DeepSeek-V2")])
+def test_the_trainer_tokenizes_data_paper_with_the_models_tokenizer(model, tokenizer):
+    from hydra import compose, initialize_config_dir
+
+    from app.config import register_configs
+    from data.store import to_data_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"model={model}", "data=paper"])
+    assert to_data_config(cfg.data).tokenizer.name == tokenizer
 
 
 def test_bad_override_fails_at_composition_with_the_field_named():

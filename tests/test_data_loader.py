@@ -107,10 +107,14 @@ def test_state_from_another_run_is_refused(cfg):
         _loader(cfg, seed=99).load_state_dict(state)
     with pytest.raises(ValueError, match="seq_length"):
         _loader(cfg, seq_length=SEQ * 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="a loader state has the keys consumed_samples, content_hash"):
+        _loader(cfg).load_state_dict({k: v for k, v in state.items() if k != "content_hash"})
+    with pytest.raises(ValueError, match="consumed_samples must be an integer >= 0, got -5"):
+        _loader(cfg).load_state_dict({**state, "consumed_samples": -5})
 
 
 def test_bad_arguments_are_refused(cfg):
     with pytest.raises(ValueError, match="dp_rank"):
         _loader(cfg, dp_rank=2, dp_size=2)
-    with pytest.raises(ValueError, match="fewer than seq_length"):
+    with pytest.raises(ValueError, match=r"fewer than seq_length \+ 1 = .*trainer.seq_length"):
         _loader(cfg, seq_length=10**7)

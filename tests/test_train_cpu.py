@@ -72,6 +72,7 @@ def test_quickstart_trains_and_logs(runs):
     assert "moe/layer2/imbalance_after" in m[0] and m[0]["moe/planner_ms"] > 0
     assert all(r["moe/guard_fired"] == 0.0 for r in m) and "guard 0 %" in stdout  # trainer=cpu: guard off
     assert all(r["moe/slot_skip"] == 0.0 for r in m)  # backend torch never leaves the replica machinery out
+    assert all(r["data/epoch"] == 0 for r in m)  # 50 steps of 16 samples: the corpus's first epoch
     assert (root / "config.yaml").read_text().count("eplb:") == 1
     import dataclasses
 
@@ -189,6 +190,8 @@ def compose(*overrides):
     (["trainer.min_lr=1"], "trainer.min_lr=1.0 exceeds trainer.lr"),
     (["trainer.clip_grad=-1"], "trainer.clip_grad must be a finite number >= 0"),
     (["trainer.heatmap_interval=-1"], "trainer.heatmap_interval must be an integer >= 0, got -1"),
+    (["trainer.seed=4294967296"], "trainer.seed must be below 2^32"),
+    (["trainer.run_dir=' '"], "trainer.run_dir must name a directory"),
 ])
 def test_bad_config_values_name_the_field(overrides, message):
     from omegaconf import OmegaConf
@@ -230,7 +233,8 @@ def test_bad_config_fails_fast_from_the_command_line(tmp_path):
             ("eplb.num_slots=two", "config error:", "eplb.num_slots"),
             ("eplb.backend=cuda", "config error: eplb.backend=cuda runs bf16 on GPUs", "trainer.device=cuda"),
             ("parallel.expert_tp=2", "config error: parallel.expert_tp=2 with eplb=topoep", "parallel.expert_tp=1"),
-            ("parallel.tp=2", "config error: parallel.tp=2 runs sequence parallelism", "parallel.tp=1")):
+            ("parallel.tp=2", "config error: parallel.tp=2 runs sequence parallelism", "parallel.tp=1"),
+            ("trainer.seq_length=100000000", "config error: corpus", "trainer.seq_length")):
         extra = ("eplb.backend=cuda",) if "num_chunks" in bad else ()
         proc = train(tmp_path / "bad", bad, *extra, "logger=none", nproc=2, check=False)
         out = proc.stdout + proc.stderr
