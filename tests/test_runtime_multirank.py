@@ -207,6 +207,37 @@ def test_pool_allocated_once_and_memory_does_not_grow():
         assert live_at_end == live_at_15, f"live tensors went from {live_at_15} to {live_at_end} over 32 steps"
 
 
+def _cast(rank, world):
+    """Two layers built in fp32 and cast to bf16 after construction (as megatron's Float16Module does), then called."""
+    ReplicaPool._shared.clear()
+    topo = Topology(num_domains=2, ranks_per_domain=1)
+    E, H, Fd, T, k = 8, 16, 8, 32, 2
+    layers = [ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
+                                policy="topoep", guard=False).to(torch.bfloat16) for _ in range(2)]
+    x, idx, w, *_ = make_inputs(world, E, T, k, H, Fd, 4.0, seed=3)
+    before = ReplicaPool.allocations
+    for layer in layers:
+        layer(x[rank].to(torch.bfloat16), idx[rank], w[rank].to(torch.bfloat16)).sum().backward()
+    gc.collect()
+    allocated, dtypes = ReplicaPool.allocations - before, [key[3] for key in ReplicaPool._shared.keys()]
+    bad = None
+    try:
+        ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=Fd, topology=topo, num_slots=2,
+                          pool=ReplicaPool(1, H, Fd))
+    except ValueError as err:
+        bad = str(err)
+    return allocated, layers[0].pool is layers[1].pool, layers[0].pool.fc1.dtype, dtypes, layers[0].expert_bytes, bad
+
+
+def test_a_layer_cast_after_construction_moves_to_one_pool_and_frees_the_old():
+    """The first call after a cast swaps every layer to one pool of the new dtype (priced at its bytes), and the
+    fp32 pool no layer holds any more is freed; a pool that does not fit the layer is refused."""
+    for allocations, same, dtype, dtypes, expert_bytes, bad in run_ranks(_cast, 2):
+        assert allocations == 1 and same and dtype == torch.bfloat16 and dtypes == [torch.bfloat16]
+        assert expert_bytes == 3 * 16 * 8 * 2
+        assert bad is not None and "pool has 1 slots" in bad and "needs 2 of [16, 16]" in bad
+
+
 def test_single_process_layer_and_bad_input():
     topo = Topology(num_domains=1, ranks_per_domain=1)
     layer = ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, num_slots=1)

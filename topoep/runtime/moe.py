@@ -144,6 +144,11 @@ class ExpertParallelMoE(nn.Module):
             self.fc1 = nn.Parameter(torch.empty(E_loc, 2 * F, H, dtype=dtype, device=device))
             self.fc2 = nn.Parameter(torch.empty(E_loc, H, F, dtype=dtype, device=device))
             self.reset_parameters()
+        if pool is not None and (pool.num_slots != num_slots or tuple(pool.fc1.shape[1:]) != (2 * ffn_hidden_size,
+                                                                                           hidden_size)):
+            raise ValueError(f"pool has {pool.num_slots} slots of fc1 {list(pool.fc1.shape[1:])}, but the layer needs "
+                             f"{num_slots} of [{2 * ffn_hidden_size}, {hidden_size}]: pass a matching ReplicaPool (or "
+                             f"none: the layers of a process share one)")
         self.pool = pool or ReplicaPool.shared(num_slots, hidden_size, ffn_hidden_size, dtype, device)
         self.last_plan = None
         self.workspace = None  # backend cuda: the (shared) workspace of the last call
@@ -384,6 +389,10 @@ class ExpertParallelMoE(nn.Module):
         T, k = topk_idx.shape
         R, E, N = self.topology.num_ranks, self.num_experts, self.num_slots
         be, tm = self.backend, self.timer
+        if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
+            # the model was cast or moved after construction (e.g. megatron's Float16Module): the slots follow it,
+            # before planning (the plan prices the replicas at the slots' dtype); the old pool goes with its last layer
+            self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         with phase(tm, "plan", collective=True):
             omega = be.all_gather_counts(count_keys(topk_idx, E))
             t0 = time.perf_counter()
@@ -397,9 +406,6 @@ class ExpertParallelMoE(nn.Module):
                 ch.set_received(be.exchange_counts(ch.send_group_counts))
             if be.host_splits:
                 copy_splits_to_host(chunks)  # one device-to-host copy for every collective and GEMM below
-        if self.pool.fc1.dtype != x.dtype or self.pool.fc1.device != x.device:
-            # the model was cast or moved after construction (e.g. megatron's Float16Module)
-            self.pool = ReplicaPool.shared(N, self.hidden_size, self.ffn_hidden_size, x.dtype, x.device)
         call = LayerCall(plan=plan, chunks=chunks, backend=be, pool=self.pool, num_tokens=T, top_k=k, timer=tm,
                          relay_fanout=self.config.relay_fanout, relay_chunks=self.config.relay_chunks,
                          relay_schedule=self.config.relay_schedule)

@@ -6,15 +6,28 @@ ranks. Only compute-dtype weights live here (BF16 on GPU): optimizer state never
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+
+def _device_key(device) -> torch.device | None:
+    """One key per device: "cuda" and "cuda:0" on a process whose current device is 0 are the same pool."""
+    if device is None:
+        return None
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class ReplicaPool:
     """fc1: [N, 2F, H] and fc2: [N, H, F] slot buffers. `ReplicaPool.shared(...)` returns the one pool of
-    a given shape, dtype and device, so that all layers of a model reuse the same memory."""
+    a given shape, dtype and device, so that all layers of a model reuse the same memory; it lives as long as a layer
+    holds it (a model cast to another dtype after construction leaves the old pool to be freed)."""
 
     allocations = 0  # number of pools ever allocated in this process (tests check it stays 1)
-    _shared: dict = {}
+    _shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __init__(self, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype=torch.float32, device=None):
         if num_slots < 0:
@@ -26,10 +39,11 @@ class ReplicaPool:
 
     @classmethod
     def shared(cls, num_slots: int, hidden_size: int, ffn_hidden_size: int, dtype=torch.float32, device=None):
-        key = (num_slots, hidden_size, ffn_hidden_size, dtype, torch.device(device) if device is not None else None)
+        key = (num_slots, hidden_size, ffn_hidden_size, dtype, _device_key(device))
         pool = cls._shared.get(key)
         if pool is None:
-            pool = cls._shared[key] = cls(num_slots, hidden_size, ffn_hidden_size, dtype, device)
+            pool = cls(num_slots, hidden_size, ffn_hidden_size, dtype, device)
+            cls._shared[key] = pool
         return pool
 
     def slot_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
