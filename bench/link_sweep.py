@@ -82,6 +82,10 @@ def parse_args(argv=None):
     ap.add_argument("--peer-planner", default="plus", choices=list(sim.SPREAD_PLANNERS),
                     help="with --peer-candidates: time the peers' candidates as topoep_plus's CUDA planner (plus: the "
                          "what-if) or as csrc/peers.cu measured on one H200 (measured; sim.Execution.peer_planner)")
+    ap.add_argument("--peers-on-gpu", action="store_true",
+                    help="the peers' own layers (deepseek, flexmoe) plan with their CUDA planners as this runtime runs "
+                         "them (sim.Execution.peers_on_gpu: measured alone, no host round trip); default: on the host, "
+                         "as their own systems plan")
     ap.add_argument("--execution", default="topoep", choices=list(sim.EXECUTIONS),
                     help="the simulated software (sim.EXECUTIONS): topoep, paper 3.3's overlapped two-chunk pipeline; "
                          "cuda and torch, the runtime backends as fitted on the GPU machine (serial)")
@@ -182,7 +186,7 @@ def run(args) -> list[dict]:
             ex = dataclasses.replace(sim.EXECUTIONS[args.execution], fetch_overlap=args.fetch_overlap,
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
                                      spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe,
-                                     peer_planner=args.peer_planner)
+                                     peer_planner=args.peer_planner, peers_on_gpu=args.peers_on_gpu)
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share, relay_schedule=args.relay_schedule)
@@ -314,6 +318,12 @@ def report(args, rows: list[dict]) -> str:
             "cuda's `fetch_overlap`: first on the links it shares with the dispatch; every rank's slot GEMMs wait for "
             "it); the guard still prices it as exposed" if args.fetch_overlap else
             "before the dispatch, exposed (`--fetch-overlap`: beside it)"),
+        "- the peers' own layers: " + (
+            "deepseek and flexmoe plan with their CUDA planners (csrc/peers.cu) as this runtime runs them, timed alone "
+            "as measured on one H200 (`sim.Execution.peers_on_gpu`, `baselines.peer_solo_s`: results/peer_latency.md), "
+            "no host round trip; fastermoe on the host" if args.peers_on_gpu else
+            "every peer plans on the host as its own system does: a host round trip, the counts' copy and a planner as "
+            "fast as topoep's CUDA one (`--peers-on-gpu`: deepseek and flexmoe with their measured CUDA planners)"),
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]

@@ -715,3 +715,22 @@ def test_relay_schedule_is_checked():
         replace(sim.EXECUTIONS["topoep"], relay_schedule="tree")
     with pytest.raises(ValueError, match="relay_chunks must be 1"):
         replace(sim.EXECUTIONS["topoep"], relay_fanout=2, relay_chunks=2, relay_schedule="async")
+
+
+@pytest.mark.parametrize("policy", ["deepseek", "flexmoe"])
+def test_peers_on_the_gpu_pay_their_measured_planner_instead_of_the_host_path(policy):
+    """Execution.peers_on_gpu: a peer with a CUDA planner (csrc/peers.cu) is charged its measured time alone instead of
+    the host round trip, the counts' copy and a planner as fast as ours; everything else of the call is the same."""
+    from topoep.planners.baselines import peer_solo_s
+
+    cl = sim.CLUSTERS["h200"]
+    model = sim.MODELS["qwen3"].with_experts(32 * 8)
+    omega = workloads.scenario("natural", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=8, seed=0)
+    from topoep.runtime import NetBenefitGuard
+
+    host, gpu = (sim.simulate(omega, cl, model=model, policy=policy, num_slots=2, guard=NetBenefitGuard(),
+                              execution=replace(sim.EXECUTIONS["topoep"], peers_on_gpu=on)) for on in (False, True))
+    ex = sim.EXECUTIONS["topoep"]
+    host_solve = ex.host_round_trip_s + 32 * model.num_experts * 8 / cl.host_bytes_per_s + sim.gpu_planner_s(32)
+    assert gpu.terms["plan"] - host.terms["plan"] == pytest.approx(peer_solo_s(policy, 32, 2) - host_solve, abs=1e-12)
+    assert gpu.terms["fetch"] == host.terms["fetch"] and gpu.stats["imbalance"] == host.stats["imbalance"]

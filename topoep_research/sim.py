@@ -95,6 +95,7 @@ from topoep.plan import Plan, default_main_rank
 from topoep.relay import copy_arrival, executed_sources, relay_levels, relay_steps, sender_copies
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
+from topoep.planners.baselines import peer_solo_s
 from topoep.planners.cuda import CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES
 from topoep.topology import Topology
 
@@ -290,6 +291,11 @@ class Execution:
     """How a guarded topoep_plus layer's peer candidates (flexmoe, deepseek: LayerConfig.plus_peers) are timed:
     "plus", as fast as topoep_plus's CUDA planner (the what-if: the candidates cost no time beyond the pair's);
     "measured", the four plans at once as csrc/peers.cu runs them on one H200 (`baselines.peer_set_s`)."""
+    peers_on_gpu: bool = False
+    """The peers' own layers (policies deepseek and flexmoe, which have CUDA planners in csrc/peers.cu) plan on the GPU
+    as this runtime runs them: their measured planner alone (`baselines.peer_solo_s`), no host round trip. False:
+    as their own systems plan them, on the host (host_round_trip_s, the counts' copy, a planner as fast as ours).
+    fastermoe plans on the host either way."""
     spread_speedup: float = 1.0
     """With spread_planner="measured": the measured spread planner's time divided by this (what a planner this many
     times faster would give; 1: as measured)."""
@@ -318,6 +324,8 @@ class Execution:
         if self.relay_schedule == "async" and self.relay_chunks != 1:
             raise ValueError("Execution.relay_schedule='async' moves whole copies: relay_chunks must be 1")
         _check(self, "spread_probe", "int", 2)
+        if not isinstance(self.peers_on_gpu, bool):
+            raise ValueError(f"Execution.peers_on_gpu must be True or False, got {self.peers_on_gpu!r}")
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
                      "replica_latency_s", "static_plan_s", "host_round_trip_s"):
             _check(self, name, "float", 0.0)
@@ -1031,6 +1039,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         elif ((spread and execution.spread_planner == "measured")
               or (peers and execution.peer_planner == "measured")):  # csrc/spread.cu, csrc/peers.cu beside the pair
             solve_s = gated_planner_s(execution, R, N, spread | peers, spread_moves)
+        elif execution.peers_on_gpu and plan.policy in PEER_POLICIES and not candidates:
+            solve_s = peer_solo_s(plan.policy, R, N)  # csrc/peers.cu, as this runtime runs a peer's layer
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES + PEER_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
             solve_s = gpu_planner_s(R, name if candidates else plan.policy)

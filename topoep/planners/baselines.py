@@ -28,6 +28,25 @@ PEER_SET_LATENCY_US = {2: ((16, 155.6), (32, 133.0), (64, 222.1), (128, 494.0), 
                        4: ((16, 179.9), (32, 228.4), (64, 240.3), (128, 648.2), (256, 1154.7))}
 
 
+# each peer's CUDA planner alone (csrc/peers.cu), us, on the hot_domain workload of results/peer_latency.md (one H200):
+# the time a layer that plans that policy on the GPU spends planning, per EP size, for 2 and 4 slots
+PEER_SOLO_LATENCY_US = {
+    "deepseek": {2: ((16, 39.1), (32, 40.0), (64, 41.4), (128, 44.5), (256, 53.7)),
+                 4: ((16, 73.2), (32, 73.9), (64, 75.3), (128, 78.7), (256, 88.8))},
+    "flexmoe": {2: ((16, 153.5), (32, 131.0), (64, 217.0), (128, 486.9), (256, 1065.0)),
+                4: ((16, 178.1), (32, 226.5), (64, 235.2), (128, 644.7), (256, 1127.0))}}
+
+
+def peer_solo_s(policy: str, num_ranks: int, num_slots: int) -> float:
+    """PEER_SOLO_LATENCY_US of `policy` (deepseek or flexmoe) at num_ranks (seconds): the 2-slot points for up to 2
+    slots, else the 4-slot points."""
+    from topoep.planners.spread import interpolated_s
+
+    if policy not in PEER_SOLO_LATENCY_US:
+        raise ValueError(f"no measured GPU planner for policy {policy!r}; one of {', '.join(PEER_SOLO_LATENCY_US)}")
+    return interpolated_s(PEER_SOLO_LATENCY_US[policy][2 if num_slots <= 2 else 4], num_ranks)
+
+
 def peer_set_s(num_ranks: int, num_slots: int) -> float:
     """PEER_SET_LATENCY_US at num_ranks (seconds): the 2-slot points for up to 2 slots, else the 4-slot points."""
     from topoep.planners.spread import interpolated_s
