@@ -142,3 +142,24 @@ def test_link_stats_read_no_tensor_values():
                 main_rank=plan.main_rank.to("meta"), slot_expert=plan.slot_expert.to("meta"),
                 route=plan.route.to("meta"), policy=plan.policy, expert_bytes=10, token_bytes=1)
     assert links.link_stats(meta).is_meta and links.replica_matrix(meta).is_meta
+
+
+def test_dedup_counts_an_experts_instances_in_one_domain_as_one_choice():
+    """DeepEP's NIC traffic depends on which domains a token reaches: copies of an expert inside its home domain
+    (DeepSeek EPLB's placement) change none, so the NIC loads equal the static plan's. A token selects an expert once,
+    so its instances in a domain exclude each other (their shares add; taken as independent, they read low)."""
+    import dataclasses
+
+    from topoep import Topology, solve, workloads
+    from topoep.links import token_loads
+
+    topo = Topology(num_domains=4, ranks_per_domain=4)
+    omega = workloads.scenario("natural", 16, 64, 1024, 8, ranks_per_domain=4, seed=0)
+    static = solve(omega, topo, num_slots=2, policy="static")
+    local = solve(omega, topo, num_slots=2, policy="deepseek")  # every copy in its main's domain
+    assert int((local.slot_expert >= 0).sum()) > 0
+    home_dom = topo.domain_of[local.main_rank[local.slot_expert.clamp(min=0)]]
+    assert bool(((home_dom == topo.domain_of[:, None]) | (local.slot_expert < 0)).all())
+    a, b = token_loads(static, 8), token_loads(local, 8)
+    torch.testing.assert_close(b.nic_out, a.nic_out, rtol=1e-12, atol=1e-6)
+    torch.testing.assert_close(b.nic_in, a.nic_in, rtol=1e-12, atol=1e-6)

@@ -134,22 +134,34 @@ def token_loads(plan: Plan, top_k: int | None = None, token_bytes: float | None 
     top_k None: one row per assignment, rank to rank (`token_matrix`; an all-to-all of permuted rows). An integer:
     DeepEP-style deduplication, estimated from the route: a token crosses to rank r once whatever number of its
     assignments r executes. A token of s selects instance p with probability route[s, p] / T_s (T_s = omega[s].sum()
-    / top_k tokens; a token selects an expert at most once, each assignment runs on one instance); taking instances
-    as independent, T_s (1 - prod_p (1 - route[s, p] / T_s)) tokens go to rank r (product over r's instances). Across
-    domains a token crosses the NIC once per destination domain (the same product over the domain's instances), into
-    the GPU of s's local index there, which forwards it over NVLink to every other destination rank of that domain.
-    Domains are contiguous blocks of ranks (`Topology`)."""
+    / top_k tokens; a token selects an expert at most once, each assignment runs on one instance), so it selects
+    expert e on rank r with the sum of those of e's instances on r (they exclude each other: a main and a copy on its
+    home rank); taking experts as independent, T_s (1 - prod_e (1 - q[s, e, r])) tokens go to rank r. Across domains
+    a token crosses the NIC once per destination domain (the same product with q summed over e's instances in the
+    domain: a main and its copies there, or several copies), into the GPU of s's local index there, which forwards it
+    over NVLink to every other destination rank of that domain. Domains are contiguous blocks of ranks
+    (`Topology`)."""
     S = float(plan.token_bytes if token_bytes is None else token_bytes)
     dom = plan.topology.domain_of.to(plan.route.device)
     if top_k is None:
         return link_loads(token_matrix(plan).double() * S, dom)
     R, M, d = plan.num_ranks, plan.topology.num_domains, plan.topology.ranks_per_domain
     T = (plan.omega.sum(1).double() / top_k).clamp(min=1e-9)
-    miss = torch.log1p(-(plan.route.double() / T[:, None]).clamp(max=1 - 1e-12))  # [R, P] log P(token skips p)
-    miss_rank = torch.zeros(R, R, dtype=torch.float64, device=miss.device).index_add_(1, plan.instance_rank, miss)
+    q = plan.route.double() / T[:, None]  # [R, P] P(a token of s selects instance p)
+    inst_r, P, dev = plan.instance_rank, q.shape[1], q.device
+    inst_e = plan.instance_expert.clamp(min=0)  # an empty slot (-1) routes nothing: any group
+    # per (expert, rank): a copy on its expert's home rank joins the main instance (index e, on that rank)
+    group = torch.where(plan.main_rank.to(dev)[inst_e] == inst_r, inst_e, torch.arange(P, device=dev))
+    q_rank = torch.zeros(R, P, dtype=torch.float64, device=dev).index_add_(1, group, q)
+    miss = torch.log1p(-q_rank.clamp(max=1 - 1e-12))  # [R, groups] log P(a token skips e on r); 0 for no group
+    miss_rank = torch.zeros(R, R, dtype=torch.float64, device=dev).index_add_(1, inst_r, miss)
     rows = T[:, None] * -torch.expm1(miss_rank)  # distinct tokens s -> r
-    rows = rows * (1 - torch.eye(R, dtype=torch.float64, device=miss.device))
-    rows_dom = T[:, None] * -torch.expm1(miss_rank.view(R, M, d).sum(2))  # [R, M]
+    rows = rows * (1 - torch.eye(R, dtype=torch.float64, device=dev))
+    # per (expert, domain): e's instances in domain m together
+    E = plan.num_experts
+    q_dom = torch.zeros(R, E * M, dtype=torch.float64, device=dev).index_add_(1, inst_e * M + dom[inst_r], q)
+    miss_dom = torch.log1p(-q_dom.clamp(max=1 - 1e-12)).view(R, E, M).sum(1)  # [R, M]
+    rows_dom = T[:, None] * -torch.expm1(miss_dom)  # [R, M]
     rows_dom = rows_dom * (torch.arange(M, device=miss.device)[None, :] != dom[:, None])
     same = dom[:, None] == dom[None, :]
     local = torch.arange(R, device=miss.device) % d
