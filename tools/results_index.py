@@ -87,6 +87,8 @@ REPORTS = [
            "--fetch-overlap --relay-share --relay-fanout 3 --spread-planner measured --oracle"),
     _sweep("link_sweep_oracle_overlap_share_async",
            "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async"),
+    _sweep("link_sweep_oracle_overlap_share_async_peers_gpu",
+           "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async --peers-on-gpu"),
     _sweep("link_sweep_overlap_share_measured", "--fetch-overlap --relay-share --spread-planner measured"),
     _sweep("link_sweep_cuda", "--execution cuda"),
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
