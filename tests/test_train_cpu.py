@@ -190,7 +190,7 @@ def compose(*overrides):
     (["trainer.min_lr=1"], "trainer.min_lr=1.0 exceeds trainer.lr"),
     (["trainer.clip_grad=-1"], "trainer.clip_grad must be a finite number >= 0"),
     (["trainer.heatmap_interval=-1"], "trainer.heatmap_interval must be an integer >= 0, got -1"),
-    (["trainer.seed=4294967296"], "trainer.seed must be below 2^32"),
+    (["trainer.seed=4294967296"], "trainer.seed must be below 2.32 .numpy.s seeds"),
     (["trainer.run_dir=' '"], "trainer.run_dir must name a directory"),
 ])
 def test_bad_config_values_name_the_field(overrides, message):
