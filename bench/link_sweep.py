@@ -86,6 +86,11 @@ def parse_args(argv=None):
                     help="the peers' own layers (deepseek, flexmoe) plan with their CUDA planners as this runtime runs "
                          "them (sim.Execution.peers_on_gpu: measured alone, no host round trip); default: on the host, "
                          "as their own systems plan")
+    ap.add_argument("--peer-relays", action="store_true",
+                    help="the peers' own layers (topoep, deepseek, fastermoe, flexmoe) fetch their replicas as the "
+                         "relay layers do (--relay-fanout, --relay-share, --relay-schedule, the guard choosing relayed "
+                         "or direct and paying the relay guard's time): a stricter comparison, since none of their "
+                         "systems relays (FasterMoE's shadowing broadcasts); default: every copy from its home")
     ap.add_argument("--execution", default="topoep", choices=list(sim.EXECUTIONS),
                     help="the simulated software (sim.EXECUTIONS): topoep, paper 3.3's overlapped two-chunk pipeline; "
                          "cuda and torch, the runtime backends as fitted on the GPU machine (serial)")
@@ -187,6 +192,8 @@ def run(args) -> list[dict]:
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
                                      spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe,
                                      peer_planner=args.peer_planner, peers_on_gpu=args.peers_on_gpu)
+            if args.peer_relays and policy in PEERS:
+                fanout = args.relay_fanout
             if fanout:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share, relay_schedule=args.relay_schedule)
@@ -323,7 +330,10 @@ def report(args, rows: list[dict]) -> str:
             "as measured on one H200 (`sim.Execution.peers_on_gpu`, `baselines.peer_solo_s`: results/peer_latency.md), "
             "no host round trip; fastermoe on the host" if args.peers_on_gpu else
             "every peer plans on the host as its own system does: a host round trip, the counts' copy and a planner as "
-            "fast as topoep's CUDA one (`--peers-on-gpu`: deepseek and flexmoe with their measured CUDA planners)"),
+            "fast as topoep's CUDA one (`--peers-on-gpu`: deepseek and flexmoe with their measured CUDA planners)")
+        + ("; they fetch their replicas as the relay layers do (`--peer-relays`: relay trees of "
+           f"{args.relay_fanout}, the guard choosing relayed or direct, the relay guard's time paid)"
+           if args.peer_relays else "; every copy from its home (`--peer-relays`: down relay trees as ours)"),
         "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
         "",
     ]

@@ -143,3 +143,24 @@ def test_relay_fanout_sets_the_relay_layers_trees(tmp_path):
         assert r[f"{link_sweep.SPREAD_RELAY}_sends_nvlink_expert"] <= 3
     with pytest.raises(SystemExit, match="--relay-fanout must be >= 2"):
         link_sweep.parse_args(["--relay-fanout", "1"])
+
+
+def test_peer_relays_fetch_the_peers_replicas_down_relay_trees(tmp_path):
+    """--peer-relays: the peers' layers fetch as the relay layers do; with --relay-share no peer's rank then sends more
+    copies of one expert than a tree's share (paper_h800, EP 16 as 2 domains, hot domain: topoep's and deepseek's
+    homes send 4 copies over NVLink and topoep's 6 over its NIC when they fetch directly); ours are unchanged."""
+    base = ["--presets", "paper_h800", "--eps", "16", "--slots", "2", "--scenarios", "hot_domain", "--relay-share",
+            "--relay-schedule", "async", "--out", str(tmp_path)]
+    link_sweep.main(base + ["--name", "direct"])
+    link_sweep.main(base + ["--name", "relayed", "--peer-relays"])
+    (direct,) = json.loads((tmp_path / "direct.json").read_text())["rows"]
+    (relayed,) = json.loads((tmp_path / "relayed.json").read_text())["rows"]
+    assert max(direct[f"{p}_sends_nvlink_expert"] for p in link_sweep.PEERS) > 2
+    assert max(direct[f"{p}_sends_nic_expert"] for p in link_sweep.PEERS) > 1
+    for p in link_sweep.PEERS:
+        assert relayed[f"{p}_sends_nvlink_expert"] <= 2 and relayed[f"{p}_sends_nic_expert"] <= 1
+    assert relayed["topoep_ms"] < direct["topoep_ms"]  # its homes' fan-out was its busiest link
+    for o in link_sweep.OURS:
+        assert relayed[f"{o}_ms"] == direct[f"{o}_ms"]
+    assert "(`--peer-relays`: relay trees of 2" in (tmp_path / "relayed.md").read_text()
+    assert "every copy from its home (`--peer-relays`" in (tmp_path / "direct.md").read_text()

@@ -182,6 +182,29 @@ def test_fetch_overlap_hand_computed():
         replace(SERIAL, fetch_overlap=True)
 
 
+def test_fetch_overlap_stretches_the_dispatches_by_the_shared_links_bandwidth_not_their_latency():
+    """One domain of 4 (1 s latency per transfer): the dispatch (60 B, 0 -> 1, in 2 chunks of 1.03 s) and the fetch
+    (1500 B, 2 -> 1) share rank 1's NVLink port. The fetch's bytes delay the dispatches by 1.5 s (1560 B against 60 B
+    on the busiest link); each chunk keeps its own latency: the dispatches end at 2.06 + 1.5 s, then the two combines
+    (no compute here)."""
+    topo = Topology(num_domains=1, ranks_per_domain=4)
+    om = torch.tensor([[2, 0, 6, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    x = torch.zeros(4, 4, dtype=torch.bool)
+    x[torch.arange(4), torch.arange(4)] = True
+    x[2, 1] = True
+    q = torch.zeros(4, 4, 4, dtype=torch.int64)
+    q[0, 0, 0], q[0, 2, 1] = 2, 6
+    plan = Plan.from_dense(x, q, om, topo, num_slots=1, expert_bytes=W, token_bytes=S).check()
+    cl = replace(TOY, gpus_per_domain=4, nvlink_latency_s=1.0, rdma_latency_s=1.0)
+    tok = sim.token_link_loads(plan, S, 2, dedup=False)
+    rep = sim.link_loads(sim.replica_matrix(plan).double() * W, topo.domain_of)
+    t_chunk = sim.transfer_time({k: v / 2 for k, v in tok.items()}, cl)[0]
+    assert t_chunk == pytest.approx(1.03)
+    t_rep = sim.transfer_time(rep, cl)[0]
+    fwd = sim.overlapped_forward(plan, tok, rep, t_rep, t_chunk, cl, 2, 0.0, 0.0)
+    assert fwd == pytest.approx(2.06 + 1.5 + 2 * 1.03)
+
+
 @pytest.mark.parametrize("scenario", ["random_bias", "hot_domain", "warm_domain"])
 def test_fetch_overlap_lies_between_no_fetch_and_the_fetch_first(scenario):
     """On plans with replicas whose fetch shares links with the dispatch (EP 16 as 2 domains): the overlapped
@@ -609,12 +632,18 @@ def test_spread_gate_in_steady_state(scen, slots, on):
     if on:
         assert ungated.stats["guard_choice"] == 2.0 and gated.stats["guard_choice"] == 2.0
         assert gated.layer_s == pytest.approx((15 * (ungated.layer_s + gate_s) + plain.layer_s) / 16)
+        # the breakdown is averaged the same way: it sums to the layer, the probe's plan time in its share
+        assert gated.exposed["plan"] == pytest.approx((15 * (ungated.exposed["plan"] + gate_s)
+                                                       + plain.exposed["plan"]) / 16)
+        assert gated.exposed["replica"] == pytest.approx((15 * ungated.exposed["replica"]
+                                                          + plain.exposed["replica"]) / 16)
     else:
         extra = (sim.gpu_spread_s(32, moves=_spread_moves(om, cl, model, slots, cands))
                  - sim.gpu_planner_s(32, "topoep_plus")) / 16
         assert gated.stats["guard_choice"] == plain.stats["guard_choice"]
         assert gated.layer_s == pytest.approx(plain.layer_s + gate_s + extra)
         assert gated.layer_s < ungated.layer_s
+    assert sum(gated.exposed.values()) == pytest.approx(gated.layer_s)
     with pytest.raises(ValueError, match="spread_probe"):
         replace(ex, spread_probe=1)
 
@@ -695,7 +724,7 @@ def test_async_relay_fetch_is_the_longer_of_busiest_link_and_chain():
     dom = topo.domain_of
     flows = relay_levels(plan, src, lvl)
     loads = {k: v for k, v in link_loads(flows.sum(0).double() * W, dom).as_dict().items()}
-    chain = W / cl.rdma_bytes_per_s + W / cl.nvlink_bytes_per_s
+    chain = W / cl.rdma_bytes_per_s + cl.rdma_latency_s + W / cl.nvlink_bytes_per_s + cl.nvlink_latency_s
     busiest = sim.transfer_time(loads, cl)[0]
     assert sim.async_fetch_s(plan, src, lvl, loads, cl, W) == pytest.approx(max(chain, busiest))
     levels = sum(sim.transfer_time(link_loads(f.double() * W, dom).as_dict(), cl)[0] for f in flows)

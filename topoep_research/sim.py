@@ -573,7 +573,8 @@ def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: floa
     link it shares with the n dispatches (t_chunk each, loads tok_loads): the runtime issues it first, on a
     high-priority stream. So the fetch ends at t_rep, and the dispatches end no earlier than the busiest of their own
     links carrying both transfers' bytes (`transfer_time` of the summed loads on the links the dispatch uses); they
-    are stretched evenly to that end.
+    are stretched evenly to that end: by the time the fetch's bytes add to the busiest link beyond the dispatches'
+    own busiest link (n chunks pay n latencies either way).
     Compute, per rank: chunk i's main-expert rows (1/n of the rank's main load) start once dispatch i and the rank's
     previous chunk are done; its slot rows then wait for the fetch, which ends with a barrier of the group (every
     rank waits, slot rows or not: the host does not know). A combine waits for every rank's chunk (a collective)."""
@@ -581,8 +582,11 @@ def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: floa
     il = plan.instance_load.double()
     main = torch.zeros(R, dtype=torch.float64).index_add_(0, plan.main_rank, il[:E])
     slot = il[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.float64)
+    # the fetch's bytes delay the dispatches by what the busiest shared link carries beyond the dispatches' own
+    # busiest link (both `transfer_time`s pay one latency, so the difference is bandwidth only; each chunk keeps its own)
     shared, _ = transfer_time({k: (tok_loads[k] + rep_loads[k]) * (tok_loads[k] > 0) for k in tok_loads}, cluster)
-    stretch = max(1.0, shared / (n * t_chunk)) if t_chunk > 0 else 1.0
+    alone, _ = transfer_time(tok_loads, cluster)
+    stretch = 1.0 + max(0.0, shared - alone) / (n * t_chunk) if t_chunk > 0 else 1.0
     comp = torch.zeros(R, dtype=torch.float64)
     t = n * t_chunk * stretch
     for i in range(n):
@@ -636,12 +640,14 @@ def async_fetch_s(plan: Plan, source: torch.Tensor, level: torch.Tensor, loads: 
     """Execution.relay_schedule "async": seconds of a relayed fetch whose copies each leave as soon as their source
     holds them: the longer of its busiest link over the whole fetch (`loads`: every level's bytes per link, summed)
     and its longest chain of hops (`topoep.relay.copy_arrival`, each hop one copy of `copy_bytes` at that link's
-    bandwidth: NVLink inside a domain, the NIC across), the model of `topoep.relay.async_fetch_fs` at the cluster's
-    bandwidths. Optimistic: a real schedule also waits where a chain's hop finds its link busy."""
+    bandwidth plus its latency: NVLink inside a domain, the NIC across), the model of `topoep.relay.async_fetch_fs` at
+    the cluster's bandwidths and latencies. Optimistic: a real schedule also waits where a chain's hop finds its link
+    busy."""
     busiest = transfer_time(loads, cluster)[0]
     dom = plan.topology.domain_of
     same = dom[:, None] == dom[None, :]
-    hop = torch.where(same, copy_bytes / cluster.nvlink_bytes_per_s, copy_bytes / cluster.rdma_bytes_per_s).double()
+    hop = torch.where(same, copy_bytes / cluster.nvlink_bytes_per_s + cluster.nvlink_latency_s,
+                      copy_bytes / cluster.rdma_bytes_per_s + cluster.rdma_latency_s).double()
     chain = copy_arrival(plan, source, level, hop).max().item() if source.numel() else 0.0
     return max(busiest, chain)
 
@@ -1134,6 +1140,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         layer = ((p - 1) * layer + gate_cheap.layer_s) / p
         forward = ((p - 1) * forward + gate_cheap.forward_s) / p
         bwd_pipe = ((p - 1) * bwd_pipe + gate_cheap.backward_s) / p
+        exposed = {k: ((p - 1) * v + gate_cheap.exposed[k]) / p for k, v in exposed.items()}  # still sums to layer
     stats["spread_gate"] = float(gate) if gate is not None else -1.0  # 1 on, 0 off, -1 no gate
     return SimResult(policy=plan.policy, num_ranks=R, num_domains=plan.topology.num_domains, num_slots=plan.num_slots,
                      layer_s=layer, forward_s=forward, backward_s=bwd_pipe,
