@@ -30,7 +30,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.planners.capacity import fit_capacity, overflow_rows  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     rows = run(args)
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         f"- EP {', '.join(map(str, args.eps))} (domains of {args.domain}), {args.experts} experts, top-{args.topk}, "
         f"{args.tokens} tokens per rank, policies {', '.join(args.policies)}; routing: uniform, megatron's skew "
         "-1 / -2 / -4 (random and clustered layouts), natural-like Zipf",
-        f"- reproduce: `python bench/capacity.py` ({time.perf_counter() - t0:.0f} s here)\n",
+        f"- reproduce: `{command('capacity.py', args.argv, '--quiet')}` ({time.perf_counter() - t0:.0f} s here)\n",
         "Capacity = ceil(factor x T x k) rows per receive region (a rank's main experts', its replica slots'). "
         "`changed`: plans over the capacity that the step changed; `spill`: plans with rows left beyond it "
         "(backend cuda computes them on the spill path); imbalance: the mean over the plans, of the rank loads "

@@ -6,8 +6,10 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +23,11 @@ def git_commit(repo: Path = REPO) -> str:
     overrides it where the copy's git metadata is stale (the device machine gets a copy of the working tree whose
     .git may lag behind)."""
     if os.environ.get("TOPOEP_COMMIT"):
-        return os.environ["TOPOEP_COMMIT"]
+        given = os.environ["TOPOEP_COMMIT"]
+        if not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given):
+            raise SystemExit(f"TOPOEP_COMMIT={given!r}: a commit hash (7-40 hex digits), '-dirty' appended where "
+                             "the working tree differs from it; unset it to read the checkout's")
+        return given
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -49,8 +55,8 @@ def hardware() -> str:
 
 def run_info(config: dict) -> dict:
     """Provenance of a result: date, commit, hardware and the configuration (without output paths, which
-    are this machine's, not the result's)."""
-    config = {k: v for k, v in config.items() if k != "out"}
+    are this machine's, not the result's, nor `argv`, the command line the report's reproduce line gives)."""
+    config = {k: v for k, v in config.items() if k not in ("out", "argv")}
     return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
             "hardware": hardware(), "config": config}
 
@@ -64,6 +70,14 @@ def without_options(argv: list[str], *names: str) -> list[str]:
             i = out.index(name)
             del out[i:i + 2]
     return out
+
+
+def command(script: str, argv: list[str] | None, *drop: str) -> str:
+    """A report's reproduce command: `python bench/<script>` with the options this run was given (`argv`, what
+    main() parsed; None: the process's command line), less --out and `drop` (options that only say where a run
+    writes or how it prints, not what it measures)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", f"bench/{script}", *without_options(list(argv), "--out", *drop)])
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

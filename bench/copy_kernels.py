@@ -23,7 +23,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, median_cuda_ms, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, median_cuda_ms, run_info, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -36,6 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--name", default="copy_kernels")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.slots < 1 or args.hidden < 1 or args.ffn < 1 or args.runs < 1:
         ap.error("--slots, --hidden, --ffn and --runs must be >= 1")
     return args
@@ -125,7 +126,7 @@ def report(args, rows: list[dict], info: dict) -> str:
         f"- {args.slots} experts of fc1 (2 x {args.ffn} x {args.hidden} bf16, "
         f"{2 * args.ffn * args.hidden * 2 / 2**20:.1f} MiB each) per call, HBM to HBM on one GPU; median of "
         f"{args.runs} runs; GB/s: bytes written (the sum: its regions' bytes read)",
-        "- reproduce: `python bench/copy_kernels.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
+        f"- reproduce: `{command('copy_kernels.py', args.argv)}`",
         "", table, ""])
 
 

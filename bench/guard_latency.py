@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
 from bench.planner_latency import _events_median, workload  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="guard_latency")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/guard_latency.py times CUDA graphs: run it on a machine with a GPU "
                          "(tools/gpu_session.sh planner)")
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
         f"results bit for bit). CUDA graph replay on a busy stream, median of {args.runs}; workload of "
         f"bench/planner_latency.py, {args.slots} slots; one-kernel graph: a graph of one tiny kernel timed the same way "
         "(what replaying any graph costs; the guard runs inside the metadata graph a layer replays anyway)",
-        "- reproduce: `python bench/guard_latency.py`",
+        f"- reproduce: `{command('guard_latency.py', args.argv)}`",
         "",
         table(rows),
         "",

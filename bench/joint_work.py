@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 import topoep_research.joint as joint_mod  # noqa: E402
 import topoep_research.joint_search as search_mod  # noqa: E402
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_json  # noqa: E402
 from bench.planner_latency import workload  # noqa: E402
 from topoep import solve  # noqa: E402
 
@@ -62,13 +62,14 @@ def count_work(ep: int, experts: int, slots: int = 2, rpd: int = 8) -> dict:
                 fallback=plan.info.get("fallback", ""), **c)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--eps", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--experts", type=int, default=640)
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="GPU memory bandwidth, bytes/s (H200: 4.8e12)")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     torch.set_num_threads(1)
     rows = []
     for ep in args.eps:
@@ -84,7 +85,7 @@ def main() -> None:
           r["work_left"], f"{r['read_once_us']:.0f}", f"{r['seconds']:.1f}", r["fallback"] or "search"] for r in rows])
     md = (f"# Work of the `joint` reference per plan\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: "
           f"{info['hardware']}\n- workload: biased router, router_skew -2.5, top-8, 1024 tokens per rank, "
-          f"8 ranks per domain, 2 slots; bandwidth {args.bandwidth:.3g} B/s\n- reproduce: `python bench/joint_work.py`\n\n"
+          f"8 ranks per domain, 2 slots; bandwidth {args.bandwidth:.3g} B/s\n- reproduce: `{command('joint_work.py', args.argv)}`\n\n"
           + table + "\n\nEach search step depends on the previous one (its moves change the plans the next step "
           "scores); the elements are the batched tensors of every step (plans x (R^2 (Q + R) + 4 E R)). "
           "\"winner\": the candidate `joint` returned (the search's plan, or a fallback).\n")

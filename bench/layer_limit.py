@@ -373,6 +373,7 @@ def parse_args(argv):
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.cutlass:
         from topoep_research.cutlass_wgrad import MM_CONFIGS, check_config
 
@@ -478,7 +479,7 @@ def layers_table(rows: list[dict]) -> str:
 def report(args, rows: list[dict], limits: dict) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     cmd = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py",
-                    *without_options(sys.argv[1:], "--out")])
+                    *without_options(args.argv, "--out")])
     text = ["# One MoE layer on one GPU against its physical limit\n",
             f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
             f"- shape: {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn} (SwiGLU), top-{args.topk}, "

@@ -162,7 +162,16 @@ def model_scaling(config: dict, tokens: list[int]) -> list[list]:
     return table
 
 
-def report_md(records: list[dict], infos: list[dict]) -> str:
+def _repo_relative(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it (a reproduce line names committed files)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def report_md(records: list[dict], infos: list[dict], info: dict, cmd: str) -> str:
+    """The report of the raw runs `infos` (their records joined), written under `info` (run_info) by `cmd`."""
     eps = sorted({r["ep"] for r in records})
     groups = sorted({(r["tokens"], r["routing"]) for r in records})
     by = {(r["backend"], r["ep"], r["tokens"], r["routing"]): r for r in records}
@@ -180,7 +189,9 @@ def report_md(records: list[dict], infos: list[dict]) -> str:
                     cell += f" (model {r['model_peak_mib']:.0f}; +{r['symmetric_mib']:.0f} symm.)"
                 cells.append(cell)
             table.append([f"{tokens}, {routing}", name, *cells])
-    text = ["# One MoE layer: per-rank memory by EP size (forward + backward)", ""]
+    text = ["# One MoE layer: per-rank memory by EP size (forward + backward)", "",
+            f"- report: date {info['date']}; commit `{info['commit']}` (joins the raw runs below, recomputing the "
+            "memory model)", f"- reproduce: `{cmd}`"]
     for info in infos:
         text.append(f"- EP {info['config']['world']}: date {info['date']}; commit `{info['commit']}`; "
                     f"hardware {info['hardware']}; config {json.dumps(info['config'], sort_keys=True)}")
@@ -251,19 +262,27 @@ def main(argv=None) -> int:
                                                           "on the second; the guard's hint acts from the third)")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--share-gpu", action="store_true", help="let the ranks share the visible GPUs (memory only)")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "gpu" / "layer_memory")
-    ap.add_argument("--report", type=Path, nargs="+", help="join these runs' json into results/layer_memory.{md,json}")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where to write: a run's layer_memory_ep<R>.json (default results/gpu/layer_memory), "
+                         "--report's layer_memory.{md,json} (default results)")
+    ap.add_argument("--report", type=Path, nargs="+", help="join these runs' json into <out>/layer_memory.{md,json}")
     args = ap.parse_args(argv)
     if args.report:
+        out = args.out or REPO / "results"
         runs = [json.loads(p.read_text()) for p in args.report]
         # the model is recomputed here, so a report always shows topoep/memory.py as it is
         records = summary([r for run in runs for r in with_model(run["rows"], run["config"])])
-        infos = [{k: v for k, v in run.items() if k != "rows"} for run in runs]
-        (REPO / "results" / "layer_memory.json").write_text(json.dumps(records, indent=1) + "\n")
-        md = report_md(records, sorted(infos, key=lambda i: i["config"]["world"]))
-        (REPO / "results" / "layer_memory.md").write_text(md)
+        infos = sorted(({k: v for k, v in run.items() if k != "rows"} for run in runs),
+                       key=lambda i: i["config"]["world"])
+        named = [_repo_relative(p) for p in args.report]
+        info = run_info({"report": named})
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layer_memory.json").write_text(json.dumps({**info, "runs": infos, "rows": records}, indent=1) + "\n")
+        md = report_md(records, infos, info, "python bench/layer_memory.py --report " + " ".join(named))
+        (out / "layer_memory.md").write_text(md)
         print(md)
         return 0
+    args.out = args.out or REPO / "results" / "gpu" / "layer_memory"
     dev = _setup(args.share_gpu)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = measure(args, dev, world, rank)

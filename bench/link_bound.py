@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
 from topoep import Topology, solve, workloads  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
@@ -79,7 +79,7 @@ def report(args, rows: list[dict]) -> str:
         "the LP lower bound (`link_lower_bound`, C1-C3, valid for every plan); guarded_plus: the plan a guarded "
         "topoep_plus layer executes (topoep_plus, its local plan, or static); guarded_spread: the same with "
         "topoep_plus_spread as a third candidate",
-        "- reproduce: `python bench/link_bound.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
+        f"- reproduce: `{command('link_bound.py', args.argv)}`",
         "",
         "## Over all cells",
         "",
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="link_bound")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.domains < 1 or any(ep < args.domains or ep % args.domains for ep in args.eps):
         raise SystemExit(f"--eps must be multiples of --domains {args.domains}, got {args.eps}")
     if any(s < 0 for s in args.slots) or args.experts_per_rank < 1 or args.tokens < 1:

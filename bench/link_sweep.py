@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
 from topoep import workloads  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research import sim  # noqa: E402
@@ -108,6 +109,7 @@ def parse_args(argv=None):
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     for name in ("eps", "slots"):
         if any(v < (1 if name == "eps" else 0) for v in getattr(args, name)):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")
@@ -334,7 +336,7 @@ def report(args, rows: list[dict]) -> str:
         + ("; they fetch their replicas as the relay layers do (`--peer-relays`: relay trees of "
            f"{args.relay_fanout}, the guard choosing relayed or direct, the relay guard's time paid)"
            if args.peer_relays else "; every copy from its home (`--peer-relays`: down relay trees as ours)"),
-        "- reproduce: `python bench/link_sweep.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
+        f"- reproduce: `{command('link_sweep.py', args.argv)}`",
         "",
     ]
     ours = layers(args)
@@ -349,7 +351,7 @@ def report(args, rows: list[dict]) -> str:
                              [[o, ours[o][0] or "-", ", ".join(("topoep_plus",) + ours[o][1]),
                                f"{len(misses[o])} of {len(rows)}",
                                f"{max(v['vs_best'] for v in verdicts[o]):.2f}",
-                               f"{sorted(v['vs_bound'] for v in verdicts[o])[len(rows) // 2]:.2f}", _sends(rows, o),
+                               f"{statistics.median(v['vs_bound'] for v in verdicts[o]):.2f}", _sends(rows, o),
                                _beyond(rows, o, args.relay_fanout)]
                               for o in ours]),
               "",

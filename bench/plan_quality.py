@@ -29,7 +29,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, without_options, write_json  # noqa: E402
 from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.planners import QWEN3_EXPERT_BYTES, QWEN3_TOKEN_BYTES  # noqa: E402
@@ -482,7 +482,7 @@ def small_report(small) -> str:
              f"{100 * dist['joint_unguarded_gap_pct']['within_2pct']:.1f} % "
              f"({sum(r['joint_unguarded_gap_pct'] <= 2 for r in small)}/{len(small)}, "
              f"{'met' if dist['joint_unguarded_gap_pct']['within_2pct'] >= 0.95 else 'not met'}).",
-             f"- joint's solve time on the CPU reference: median {1e3 * t[len(t) // 2]:.0f} ms, max {t[-1]:.2f} s.",
+             f"- joint's solve time on the CPU reference: median {1e3 * statistics.median(t):.0f} ms, max {t[-1]:.2f} s.",
              f"- The Pareto guard (never worse than topoep in both max load and inter-node share): guarded plans are "
              f"worse than the unguarded ones on {worse} instances and better on {better} (the search differs); "
              f"on {dom} of the {two} two-domain instances the exact optimum of eq. 8 is itself worse than topoep in "
@@ -517,7 +517,7 @@ def one_domain_report(od) -> str:
              f"{within}/{len(od)} instances (max gap {max(gb):.2f} %; "
              f"{'met on every instance' if within == len(od) else f'not met on {len(od) - within}'}); joint at the default t_ffn, which optimises eq. 8 and not the imbalance, is within "
              f"2 % on {sum(g <= 2 for g in gd)}/{len(od)} (max gap {max(gd):.2f} %, median "
-             f"{sorted(gd)[len(gd) // 2]:.2f} %)."]
+             f"{statistics.median(gd):.2f} %)."]
     bad = [r for r in od if r["joint_balance_gap_pct"] > 2]
     for r in bad:
         who = ("the plan (the MILP found " + f"{r['milp_imbalance']:.4f})") if r["milp_imbalance"] < r["joint_balance_imbalance"] - 1e-9 \
@@ -548,6 +548,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
 
     torch.set_num_threads(1)
     rows = evaluate(args)
@@ -565,7 +566,8 @@ def main(argv=None) -> int:
           f"{FIG10['tokens_per_rank']} tokens per rank; router_skew {FIG10_ROUTER_SKEW}, seed {FIG10_SEED}",
           f"- expert {args.expert_bytes} B, token {args.token_bytes} B, t_ffn {args.t_ffn * 1e9:.1f} ns; "
           "default topology costs (NVLink 200 GB/s, RDMA 50 GB/s per direction)",
-          "- reproduce: `python bench/plan_quality.py` (or `make plan-quality`)"]
+          f"- reproduce: `{command('plan_quality.py', args.argv, '--quiet')}`"
+          + (" (or `make plan-quality`)" if not without_options(args.argv, "--out", "--quiet") else "")]
     if calib:
         md.append(f"- t_ffn calibration (`topoep.metrics.fit_t_ffn` on results/moe_layer.json, {calib['points']} "
                   f"measurements, {calib['hardware']}): {calib['t_ffn'] * 1e9:.1f} ns per assignment + "

@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
 from topoep.planners.cuda import CudaPlanner  # noqa: E402
@@ -411,6 +411,7 @@ def main(argv=None) -> int:
                     "alone and with topoep_plus's pair, EP 8-128 at E 640 and EP 16-256 at 8 experts per rank: writes "
                     "peer_latency.{md,json}")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if not torch.cuda.is_available():
         raise SystemExit("planner_latency needs a GPU")
     torch.set_num_threads(4)
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
           "replayed from a CUDA graph. Idle stream: events around one call on an idle GPU (the host's launch latency "
           "counts); busy stream: a GPU spin is queued ahead, so only the time on the GPU counts, as in a training "
           "step whose host runs ahead. Every measured plan equals the CPU reference plan.\n- reproduce: "
-          "`python bench/planner_latency.py`\n\n" + table + "\n" + breakdown)
+          f"`{command('planner_latency.py', args.argv)}`\n\n" + table + "\n" + breakdown)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner_latency.md").write_text(md)
     write_json(args.out / "planner_latency.json", info, rows)
@@ -466,7 +467,8 @@ def spread_main(args) -> int:
     md = (f"# Spread planner latency\n\n- date: {info['date']}; commit: `{info['commit']}`; hardware: "
           f"{info['hardware']}\n- workload: Fig. 11's (biased router, router_skew -2.5, top-8, {args.tokens} tokens "
           f"per rank, 8 ranks per domain, E 640), {args.slots} slots; median of {args.runs} runs after {args.warmup} "
-          "warm-ups (CUDA events)\n- reproduce: `python bench/planner_latency.py --spread`" + spread_table(rows) + "\n")
+          "warm-ups (CUDA events)\n- reproduce: "
+          f"`{command('planner_latency.py', args.argv)}`" + spread_table(rows) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spread_latency.md").write_text(md)
     write_json(args.out / "spread_latency.json", info, rows)
@@ -520,7 +522,7 @@ def peers_main(args) -> int:
           f"after {args.warmup} warm-ups (CUDA events), every plan equal to the reference's\n- flexmoe, deepseek: "
           "csrc/peers.cu alone; all four at once: topoep_plus, topoep_plus_local, flexmoe and deepseek on four "
           "streams (`plan_concurrently`: what a guarded topoep_plus layer with LayerConfig.plus_peers plans)\n"
-          "- reproduce: `python bench/planner_latency.py --peers`\n\n" + table + "\n")
+          f"- reproduce: `{command('planner_latency.py', args.argv)}`\n\n" + table + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peer_latency.md").write_text(md)
     write_json(args.out / "peer_latency.json", info, rows)

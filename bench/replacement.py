@@ -31,7 +31,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info, without_options, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
 from topoep import links, solve, workloads  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--name", default="replacement")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if min(args.eps) < 2 or min(args.every) < 1 or args.microbatches < 1 or args.state_factor < 0:
         raise SystemExit("--eps must be >= 2, --every and --microbatches >= 1, --state-factor >= 0")
     return args
@@ -168,7 +169,7 @@ def report(args, rows: list[dict]) -> str:
         "of weights and optimizer state amortised over N steps; best peer: guarded deepseek or flexmoe on megatron's "
         "homes (both re-place nothing here); plus+spread: guarded topoep_plus with topoep_plus_spread as a third "
         "candidate (`topoep.planners.spread`), on megatron's homes and re-placed",
-        "- reproduce: `python bench/replacement.py " + " ".join(without_options(sys.argv[1:], "--out")) + "`",
+        f"- reproduce: `{command('replacement.py', args.argv)}`",
         "",
         markdown_table(header, body),
         "",

@@ -54,3 +54,49 @@ def test_rerun_results_reads_the_reproduce_command(tmp_path):
         "link_sweep_oracle", "link_sweep"]
     with pytest.raises(SystemExit, match="no report"):
         rerun_results.reports(["no_such_report"], [], exact=True)
+
+
+def test_topoep_commit_must_be_a_commit(monkeypatch):
+    """TOPOEP_COMMIT names a commit (hex, '-dirty' allowed); anything else is refused with the value named."""
+    for ok in ("abc1234", "0123456789abcdef0123456789abcdef01234567", "abc1234-dirty"):
+        monkeypatch.setenv("TOPOEP_COMMIT", ok)
+        assert git_commit() == ok
+    for bad in ("64cc4b5-fast", "HEAD", "abc"):
+        monkeypatch.setenv("TOPOEP_COMMIT", bad)
+        with pytest.raises(SystemExit, match=f"TOPOEP_COMMIT='{bad}'"):
+            git_commit()
+
+
+def test_reproduce_command_is_the_runs_own_options():
+    """bench.common.command: the options main() was given (not the process's command line), less --out and the
+    options named; None: the process's command line."""
+    from bench.common import command
+
+    argv = ["--eps", "16", "--out", "/tmp/x", "--quiet", "--name", "n"]
+    assert command("link_sweep.py", argv) == "python bench/link_sweep.py --eps 16 --quiet --name n"
+    assert command("capacity.py", ["--quiet"], "--quiet") == "python bench/capacity.py"
+
+
+def test_link_sweep_writes_the_options_it_was_given(tmp_path, monkeypatch):
+    """A report written from main(argv) names argv in its reproduce line, whatever the process's command line."""
+    from bench import link_sweep
+
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    link_sweep.main(["--presets", "h200", "--eps", "16", "--slots", "1", "--scenarios", "uniform", "--nic-scale", "0.5",
+                     "--out", str(tmp_path), "--name", "x"])
+    text = (tmp_path / "x.md").read_text()
+    assert ("- reproduce: `python bench/link_sweep.py --presets h200 --eps 16 --slots 1 --scenarios uniform "
+            "--nic-scale 0.5 --name x`") in text
+
+
+def test_rerun_results_leaves_out_gpu_reports_and_reports_without_a_command(tmp_path, capsys):
+    """GPU reports (by results_index's `runs on`) and reports without a reproduce line are left out with the reason,
+    and the others still run (here: listed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import rerun_results
+
+    with pytest.raises(ValueError, match="planner_latency.md runs on 1 GPU"):
+        rerun_results.reproduce_command(rerun_results.RESULTS / "planner_latency.md")
+    assert rerun_results.main(["--list", "--exact", "planner_latency", "capacity"]) == 0
+    out = capsys.readouterr().out
+    assert "left out: planner_latency.md runs on 1 GPU" in out and "capacity: python bench/capacity.py" in out

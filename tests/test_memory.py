@@ -2,10 +2,14 @@
 bench/layer_memory.py and bench/simulate.py's memory section. The model is checked against GPU measurements in
 results/layer_memory.md (bench/layer_memory.py on the GPU machine)."""
 
+from pathlib import Path
+
 import pytest
 
 from topoep.memory import layer_memory
 from topoep_research import sim
+
+REPO = Path(__file__).resolve().parent.parent
 
 QWEN3 = dict(num_experts=128, hidden=2048, ffn_hidden=768, top_k=8, tokens=4096, num_slots=2)
 MIB = 2 ** 20
@@ -89,7 +93,8 @@ def test_layer_memory_report_joins_the_ranks_and_the_ep_sizes():
     cap8 = next(r for r in records if r["ep"] == 8 and r["backend"] == "cuda-capacity")
     assert cap8["model_peak_mib"] == layer_memory(num_ranks=8, **QWEN3, slots_used=False,
                                                    topk_weights_grad=False).peak / MIB
-    md = report_md(records, infos)
+    md = report_md(records, infos, dict(date="today", commit="abc1234"), "python bench/layer_memory.py --report x")
+    assert "- report: date today; commit `abc1234`" in md and "- reproduce: `python bench/layer_memory.py --report x`" in md
     assert "| 4096, uniform | torch | 901 | 907 |" in md
     assert "| 4096, uniform | 8 | 1.00 | 1.01 |" in md  # cuda-capacity / torch, and with its symmetric buffers
     assert "| 4096, uniform | cuda-worst | EP 2 -> 8 | +12 % | +12 % |" in md
@@ -114,3 +119,24 @@ def test_the_model_follows_the_allocation_order():
     assert used.peak == wq + 2 * (xm + h) + y + 2 * (gh + r * H * 2)
     # two chunks on the comm stream: every chunk's outputs stay until the join
     assert layer_memory(num_ranks=8, **QWEN3, chunks=2).peak > layer_memory(num_ranks=8, **QWEN3, chunks=1).peak
+
+
+def test_layer_memory_report_writes_where_it_is_told_with_its_provenance(tmp_path):
+    """bench/layer_memory.py --report: the committed raw runs joined into <out>/layer_memory.{md,json} (--out
+    honoured: results/ untouched), the json with the report's date and commit, each raw run's provenance and the
+    rows; the md's reproduce line names the raw runs relative to the repository."""
+    import json
+
+    from bench import layer_memory as lm
+
+    raw = sorted((REPO / "results" / "gpu" / "layer_memory").glob("layer_memory_ep*.json"))
+    assert raw
+    before = (REPO / "results" / "layer_memory.md").stat().st_mtime_ns
+    assert lm.main(["--report", *map(str, raw), "--out", str(tmp_path)]) == 0
+    assert (REPO / "results" / "layer_memory.md").stat().st_mtime_ns == before
+    data = json.loads((tmp_path / "layer_memory.json").read_text())
+    assert {"date", "commit", "hardware", "config", "runs", "rows"} <= set(data)
+    assert [r["config"]["world"] for r in data["runs"]] == sorted(r["config"]["world"] for r in data["runs"])
+    assert data["rows"] and all("peak_mib" in r for r in data["rows"])
+    md = (tmp_path / "layer_memory.md").read_text()
+    assert "- reproduce: `python bench/layer_memory.py --report results/gpu/layer_memory/layer_memory_ep" in md

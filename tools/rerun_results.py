@@ -7,8 +7,9 @@
 
 After a change to a planner or to the simulator, the CPU reports it feeds (the link sweeps, the bound, plan quality)
 are stale: this reruns them exactly as they were written (their `- reproduce:` line names the command and every
-option). A report whose command does not start with `python` (torchrun, GPU scripts) is refused: run those on the GPU
-machine (tools/gpu_session.sh). Prints a table of each command's time and exit status; exits 1 if any failed.
+option). A report that runs on a GPU (its `runs on` in tools/results_index.py's REPORTS) or whose command does not
+start with `python` (torchrun) is left out and listed with the reason: run those on the GPU machine
+(tools/gpu_session.sh). Prints a table of each command's time and exit status; exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -26,9 +27,22 @@ RESULTS = REPO / "results"
 _REPRODUCE = re.compile(r"^- reproduce: `([^`]+)`", re.M)
 
 
+def runs_on(report: Path) -> str:
+    """What a report runs on by tools/results_index.py's REPORTS ("CPU", "1 GPU", ...); "" where it is not listed."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from results_index import REPORTS
+    finally:
+        sys.path.pop(0)
+    return next((e.where for e in REPORTS if f"{report.stem}.md" in e.files), "")
+
+
 def reproduce_command(report: Path) -> list[str]:
-    """The argv of a report's `- reproduce:` command, with this interpreter for `python`; ValueError if it has none
-    or it is not a python command."""
+    """The argv of a report's `- reproduce:` command, with this interpreter for `python`; ValueError (naming why) if
+    it has none, runs on a GPU or is not a python command."""
+    where = runs_on(report)
+    if where and not where.startswith("CPU"):
+        raise ValueError(f"{report.name} runs on {where}: run it on the GPU machine (tools/gpu_session.sh)")
     m = _REPRODUCE.search(report.read_text())
     if m is None:
         raise ValueError(f"{report.name} has no '- reproduce: `...`' line")
@@ -56,11 +70,19 @@ def reports(prefixes: list[str], exclude: list[str], exact: bool = False) -> lis
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefixes", nargs="+", help="report names (results/<name>.md) starting with these")
-    ap.add_argument("--exclude", nargs="*", default=[], help="leave out the reports starting with these")
+    ap.add_argument("--exclude", nargs="*", default=[],
+                    help="leave out the reports starting with these (with --exact: these whole names)")
     ap.add_argument("--exact", action="store_true", help="the names are whole report names, run in the order given")
     ap.add_argument("--list", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
-    todo = [(p, reproduce_command(p)) for p in reports(args.prefixes, args.exclude, args.exact)]
+    todo, left_out = [], []
+    for p in reports(args.prefixes, args.exclude, args.exact):
+        try:
+            todo.append((p, reproduce_command(p)))
+        except ValueError as err:
+            left_out.append(str(err))
+    for why in left_out:
+        print(f"left out: {why}")
     if args.list:
         for p, cmd in todo:
             print(f"{p.stem}: {shlex.join(['python', *cmd[1:]])}")
