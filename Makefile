@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed-stamp
 
 # --no-cache-dir: torch's CUDA wheels are ~3.5 GB; caching them would need that much disk again.
 $(STAMP): pyproject.toml
-	@if [ ! -x $(PY) ]; then py=$$(tools/find-python.sh) || exit 1; echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV) || exit 1; fi
+	@if [ -x $(PY) ] && ! $(PY) -m pip --version >/dev/null 2>&1; then echo "$(VENV) has no pip (made without ensurepip): making it anew"; rm -rf $(VENV); fi
+	@if [ ! -x $(PY) ]; then py=$$(tools/find-python.sh) || exit 1; echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV) || { echo "error: $$py -m venv failed (Debian: apt install python3.12-venv)"; rm -rf $(VENV); exit 1; }; fi
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir -e '.[test]'
 	@touch $(STAMP)

@@ -71,9 +71,11 @@ def load_checkpoint(path: Path, ddp, optimizer, scheduler, loader) -> int:
     except ValueError as err:
         if "parameter group" not in str(err):
             raise
-        raise ValueError(f"{path}'s optimizer was saved with other trainer.lr, trainer.min_lr or "
-                         f"trainer.weight_decay ({err}): resume with its values, or set trainer.resume=false to "
-                         f"start anew") from err
+        saved = loaded["scheduler"]
+        raise ValueError(f"{path}'s optimizer was saved with other trainer.lr, trainer.min_lr or trainer.weight_decay "
+                         f"(its schedule: max_lr {saved.get('max_lr')}, min_lr {saved.get('min_lr')}, weight decay "
+                         f"{saved.get('end_wd')}): resume with its values, or set trainer.resume=false to start "
+                         "anew") from None
     scheduler.load_state_dict(loaded["scheduler"])
     loader.load_state_dict(loaded["loader"])
     rng_file = path / f"rng_{dist.get_rank()}.pt"

@@ -136,6 +136,15 @@ class EplbConfig(LayerConfig):
     def enabled(self) -> bool:
         return self.name != "none"
 
+    def unused(self) -> list[str]:
+        """With eplb=none: the layer's fields set away from their defaults ("eplb.<field>=<value>"), which megatron's
+        layer does not use (accepted so one set of overrides serves every eplb of a comparison; the trainer names
+        them). Empty otherwise."""
+        if self.enabled:
+            return []
+        return [f"eplb.{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(LayerConfig)
+                if f.name != "policy" and getattr(self, f.name) != getattr(LayerConfig(), f.name)]
+
     def layer_config(self, **changes) -> LayerConfig:
         """The layer's config: these fields without `name`, with `changes` (e.g. t_ffn from the model's shape)."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerConfig)}
@@ -161,6 +170,7 @@ class RouterConfig:
     router_skew: float | None = None
     layout: str = "megatron"
     seed: int = 0
+    """With a layout of ours: the seed of its bias (+ the layer number)."""
 
     def __post_init__(self):
         from topoep.workloads import LAYOUTS
@@ -174,6 +184,10 @@ class RouterConfig:
             raise ValueError("router=synthetic needs router.router_skew (e.g. -4: stationary bias of std 4)")
         if self.layout != "megatron" and self.layout not in LAYOUTS:
             raise ValueError(f"router.layout must be megatron or one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == "megatron" and self.seed != 0:
+            raise ValueError(f"router.seed={self.seed} seeds the bias of our layouts (router.layout random, clustered, "
+                             "scattered, concentrated); megatron's layout draws its bias from trainer.seed: set "
+                             "router.layout, or trainer.seed instead")
         if self.layout != "megatron":
             if self.name != "synthetic":
                 raise ValueError(f"router.layout={self.layout} needs router=synthetic (it places the synthetic bias)")
@@ -269,7 +283,8 @@ class TrainerConfig:
         _number(self, "weight_decay", 0.0)
         _number(self, "clip_grad", 0.0)
         if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} must be in [0, trainer.steps={self.steps})")
+            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} must be in [0, trainer.steps={self.steps}): "
+                             "raise trainer.steps, or set trainer.warmup_steps below it (0: no warm-up)")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ValueError(f"trainer.lr_decay_style must be cosine, linear or constant, got {self.lr_decay_style!r}")
 

@@ -60,12 +60,18 @@ def _mean_loss(losses: list[dict], device) -> float:
     return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
 
 
+def _not_async_save_notice(record) -> bool:
+    return "async save is deprecated" not in record.getMessage()
+
+
 def _quiet_megatron() -> None:
     """megatron-core logs every gradient bucket and its whole optimizer config at INFO level."""
     import logging
     import warnings
 
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # every rank's first checkpoint save warns that the async save, which the trainer does not use, is deprecated
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_not_async_save_notice)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl\.logging).*")
 
@@ -127,6 +133,39 @@ def _yaml_of(resolved: dict) -> str:
     return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in resolved.items() if k != "_yaml"}))
 
 
+# what a resumed run may change: how long it trains and what it writes, the LR schedule's length and shape (the
+# checkpoint's schedule is kept, and the run says so), and the balancer and its topology (which do not change the
+# model's math); any other field of the checkpoint's config.yaml must stay as it was
+RESUME_MAY_CHANGE = ("trainer.steps", "trainer.warmup_steps", "trainer.lr_decay_style", "trainer.log_interval",
+                     "trainer.save_interval", "trainer.heatmap_interval", "trainer.resume", "trainer.run_dir",
+                     "trainer.checkpoint_dir", "logger.", "eplb.", "topology.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_changes(previous_yaml: str, resolved: dict) -> tuple[list[str], list[str]]:
+    """(conflicts, changes) between the config.yaml a checkpoint's run wrote and this run's resolved config, each
+    "field: old -> new": conflicts change what is trained (the model, data, router, parallel layout, optimizer and
+    schedule, seed: a resumed run may not), changes are the fields of RESUME_MAY_CHANGE that differ."""
+    from omegaconf import OmegaConf
+
+    old, new = (_flat(OmegaConf.to_container(OmegaConf.create(text))) for text in (previous_yaml, resolved["_yaml"]))
+    conflicts, changes = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if a != b:
+            (changes if key.startswith(RESUME_MAY_CHANGE) else conflicts).append(f"{key}: {a} -> {b}")
+    return conflicts, changes
+
+
 def effective_config(resolved: dict, par, topology, t_ffn: float | None) -> dict:
     """`resolved` with the values the run derived where the config left them to it: parallel.ep (and the rest of
     the layout as resolved), topology.ranks_per_domain (a node, unless set) and eplb.t_ffn (from the model's shape,
@@ -182,14 +221,33 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
     run_dir = Path(tr.run_dir)
     ckpt_dir = Path(tr.checkpoint_dir) if tr.checkpoint_dir else run_dir / "checkpoints"
     latest = latest_checkpoint(ckpt_dir) if tr.resume else None
+    previous = run_dir / "config.yaml"
+    if latest is not None and previous.is_file():  # every rank reads it: every rank stops on a conflict
+        conflicts, changes = resume_changes(previous.read_text(), resolved_config)
+        with config_errors():
+            if conflicts:
+                raise ValueError(f"{run_dir} holds a checkpoint ({latest}) of a run configured otherwise: "
+                                 + "; ".join(conflicts) + ". Resume with those values, set trainer.run_dir to "
+                                 "another directory, or trainer.resume=false to start anew in this one")
+        if changes and is_logger:
+            print(f"resuming {latest} with: " + "; ".join(changes), flush=True)
+    if is_logger and latest is None and previous.is_file():
+        stale = sorted((run_dir / "heatmaps").glob("expert_load_step*.png"))
+        for png in stale:  # an earlier run's heatmaps would read as this run's
+            png.unlink()
+        print(f"starting anew in {run_dir}: the earlier run's metrics.jsonl, config.yaml and {len(stale)} heatmaps "
+              "there are replaced" + (" (trainer.resume=false)" if not tr.resume else ""), flush=True)
     logger = Logger(job.logger, run_dir, resolved_config, enabled=is_logger, fresh=latest is None)
     if is_logger:
-        (run_dir / "config.yaml").write_text(resolved_config["_yaml"])
+        if latest is None:  # a resumed run writes it once its checkpoint has loaded
+            previous.write_text(resolved_config["_yaml"])
         print(f"world {d.world_size} on {tr.device}: tp {par.tp} pp {par.pp} ep {par.ep} dp "
               f"{ps.get_data_parallel_world_size()}; {topology}; eplb {ec.name}"
               + (f" (policy {ec.policy}, {ec.num_slots} slots, backend {ec.backend}, "
                  f"guard {'on' if ec.guard else 'off'}, capacity {ec.capacity_factor or 'worst case'})"
                  if ec.enabled else ""), flush=True)
+        if ec.unused():
+            print("eplb=none runs megatron's own MoE layer, which does not use " + ", ".join(ec.unused()), flush=True)
 
     with config_errors():  # a corpus too small or not the checkpoint's: one line, every rank exits
         loader = build_loader(job.data, seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
@@ -234,6 +292,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
                                  f"set trainer.resume=false to start anew")
         logger.resume_at(start)
         if is_logger:
+            previous.write_text(resolved_config["_yaml"])
             print(f"resumed from {latest} at step {start}", flush=True)
             kept = schedule_kept(config_schedule, scheduler.state_dict())
             if kept:  # megatron's rule: a resumed run continues its checkpoint's schedule
@@ -283,7 +342,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
             if is_logger:
                 later = step_times[1:] or step_times
                 eta_s = (tr.steps - step) * sum(later) / len(later)
-                logger.log(step, logged, _line(step, tr.steps, logged, ec.enabled, eta_s))
+                logger.log(step, logged, _line(step, tr.steps, logged, ec.enabled, eta_s,
+                                                    ec.enabled and ec.backend == "cuda"))
         else:
             for k, v in metrics.items():
                 if _is_count(k):
@@ -350,7 +410,10 @@ def _eta(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def _line(step, steps, m, balanced, eta_s: float = 0.0) -> str:
+def _line(step, steps, m, balanced, eta_s: float = 0.0, backend_cuda: bool = False) -> str:
+    """The console's line of a logged step: `guard` the calls whose guard fired, `plan skip` those whose routing no
+    plan could pay for (moe/plan_skip), and with backend cuda `slot skip` those its slot hint ran without the
+    replica machinery (moe/slot_skip)."""
     s = (f"step {step:>4}/{steps} ({100 * step / steps:.0f} %, ETA {_eta(eta_s)}) | loss {m['loss']:.4f} | "
          f"lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s | {1e3 * m['step_time_s']:.0f} ms")
     if "moe/imbalance_before" in m:
@@ -358,7 +421,8 @@ def _line(step, steps, m, balanced, eta_s: float = 0.0) -> str:
         if balanced:
             s += (f" -> {m['moe/imbalance_after']:.2f} | inter-node {100 * m['moe/internode_after']:.1f} % | "
                   f"replica {100 * m['moe/replica_fraction']:.1f} % | planner {m['moe/planner_ms']:.1f} ms | "
-                  f"guard {100 * m['moe/guard_fired']:.0f} % (skip {100 * m['moe/slot_skip']:.0f} %)")
+                  f"guard {100 * m['moe/guard_fired']:.0f} % (plan skip {100 * m['moe/plan_skip']:.0f} %"
+                  + (f", slot skip {100 * m['moe/slot_skip']:.0f} %" if backend_cuda else "") + ")")
         else:
             s += f" | inter-node {100 * m['moe/internode_before']:.1f} %"
     return s

@@ -109,7 +109,9 @@ def build_topology(topo: TopologyConfig, ep: int, local_world_size: int) -> Topo
     rpd = topo.ranks_per_domain or min(local_world_size, ep)
     if rpd > ep or ep % rpd:
         raise ValueError(f"the domain size {rpd} (topology.ranks_per_domain, or the ranks per node) does not divide "
-                         f"the expert-parallel size {ep}: set topology.ranks_per_domain to a divisor of {ep}")
+                         f"the expert-parallel size {ep}: set topology.ranks_per_domain to a divisor of {ep}"
+                         + (" (or run more processes: e.g. torchrun --nproc_per_node=4 for trainer=cpu's 2 virtual "
+                            "domains of 2; topology=node makes one domain of the ranks there are)" if ep == 1 else ""))
     return Topology(num_domains=ep // rpd, ranks_per_domain=rpd, intra_cost=1e-9 / topo.intra_gbytes_per_s,
                     inter_cost=1e-9 / topo.inter_gbytes_per_s)
 

@@ -54,6 +54,7 @@ with the breakdown split into forward and backward and plotted in <out>/<name>_b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -72,6 +73,7 @@ from topoep.metrics import ffn_time_per_assignment  # noqa: E402
 from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR, TRANSPORTS  # noqa: E402
 from topoep.runtime.deepep import release_buffers  # noqa: E402
+from topoep.runtime.guard import SERIAL_TOKEN_OVERLAP  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -589,7 +591,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "# One MoE layer: forward + backward time under skewed routing vs the balanced bound (Fig. 15 breakdown)\n",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         f"- {world} ranks, EP {world} ({topo}), {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn}, "
-        f"top-{args.topk}, {dtype}; {args.slots} replica slots; backend cuda transport {args.transport}; "
+        f"top-{args.topk}, {dtype}; {args.slots} replica slots; backends {', '.join(args.backends)}"
+        + (f" (backend cuda on transport {args.transport})" if "cuda" in args.backends else "") + "; "
         f"routing seed {args.seed}; backward replica reload: {_reload_text(args)}; token chunks: "
         f"{args.chunks or 'the backend default (torch 2, cuda 1)'}; backward prefetch (backend cuda): "
         f"{int(args.prefetch)}; backward combine on a side stream: {int(args.combine_side_stream)}; "
@@ -608,7 +611,8 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",
-        f"- net-benefit guard: `{NetBenefitGuard()}`, t_ffn {1e9 * ffn_time_per_assignment(args.hidden, args.ffn):.3g} "
+        f"- net-benefit guard: `{dataclasses.replace(NetBenefitGuard(), token_overlap=SERIAL_TOKEN_OVERLAP)}` (a "
+        "layer's: its calls run dispatch, experts and combine one after another), t_ffn {1e9 * ffn_time_per_assignment(args.hidden, args.ffn):.3g} "
         "ns per assignment (fwd + bwd)",
         f"- reproduce: `torchrun --nproc_per_node={world} {args.command}`\n",
         table, ""])

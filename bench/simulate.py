@@ -47,7 +47,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info  # noqa: E402
+from bench.common import REPO, command, markdown_table, run_info  # noqa: E402
 from topoep import POLICIES, metrics  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 from topoep_research import sim  # noqa: E402
@@ -1060,6 +1060,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plan-cache", action="store_true", help="solve every plan, read and write no cache")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.quick:
         args.eps, args.slots, args.large_slots, args.seeds = [8, 16], [0, 2], [0, 2], 1
     if "static" not in args.policies or "topoep" not in args.policies:
@@ -1097,7 +1098,7 @@ def main(argv=None) -> int:
           f"- date: {info['date']}; commit: `{info['commit']}`; hardware (where the simulator ran): {info['hardware']}",
           "- every time below is a model prediction (`topoep_research.sim`), except the measured column of section 1",
           uncommitted(),
-          f"- reproduce: `python bench/simulate.py` ({elapsed:.0f} s here{cached})\n",
+          f"- reproduce: `{command('simulate.py', args.argv, '--quiet', '--plan-cache')}` ({elapsed:.0f} s here{cached})\n",
           findings(cals, choice, summary, sweep_rows, policies, args, holdout_rows),
           calibration_md(cals, choice, args, holdout_rows), "![calibration](simulation_calibration.png)\n",
           paper_md(summary, policies, args), "![paper testbed](simulation_paper.png)\n",

@@ -45,7 +45,8 @@ def ensure_corpus(cfg: DataConfig, *, progress: bool = False) -> Manifest:
             f"no corpus {cfg.name!r} at {out}. Build it first: python -m data.build data={cfg.name} "
             f"data.output_dir={out} (it needs network access to the Hugging Face Hub; the offline default "
             "needs none: data=offline)")
-    log.info("building the %r corpus in %s (first use)", cfg.name, out)
+    if progress:  # (the logging rank: every rank of a machine calls this, one builds, the others wait)
+        log.info("building the %r corpus in %s (first use)", cfg.name, out)
     return build_corpus(cfg, progress=progress)
 
 

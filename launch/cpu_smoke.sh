@@ -5,4 +5,4 @@ set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TOPOEP_ROOT"
 exec "$TOPOEP_PYTHON" -m torch.distributed.run --standalone --nproc_per_node="${NPROC:-4}" train.py \
-  model=tiny trainer=cpu eplb=topoep trainer.steps=5 "$@"
+  model=tiny trainer=cpu eplb=topoep trainer.steps=5 trainer.run_dir=runs/cpu-smoke "$@"

@@ -27,3 +27,25 @@ def test_outputs_round_trip_through_one_buffer_per_dtype():
         assert (t.data_ptr() - base) % ALIGN == 0
     back[0][0, 0] += 1  # views of the copies: the packed buffers (the graph's) are untouched
     assert torch.equal(packed.unpack(packed.buffers)[0], outs[0])
+
+
+def test_metadata_graphs_keep_at_most_max_graphs_keys(monkeypatch):
+    """A layer called with ever new token counts keeps at most MAX_GRAPHS graphs: a new key beyond them runs eagerly
+    and is counted, taking no graph (its memory pool) for the layer's lifetime."""
+    import types
+
+    from topoep.runtime import cuda_meta
+
+    monkeypatch.setattr(cuda_meta, "MAX_GRAPHS", 3)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no GPU here)
+    graphs = cuda_meta.MetadataGraphs()
+    calls = []
+
+    def fn(idx):
+        calls.append(idx.shape)
+        return (idx.shape,)
+
+    for t in range(1, 6):  # first calls of 5 token counts: each runs eagerly; only 3 take a key
+        idx = types.SimpleNamespace(shape=(t, 8), device="cuda:0", is_cuda=True)
+        assert graphs(fn, idx) == ((t, 8),)
+    assert len(calls) == 5 and len(graphs._graphs) == 3 and graphs.eager_beyond == 2

@@ -265,3 +265,48 @@ def test_layer_graphs_on_the_cpu_names_the_gpu():
 
     for msg in run_ranks(_harness_without_a_gpu, 2):
         assert "captures CUDA graphs: x is on cpu" in msg, msg
+
+
+def _first_calls_without_grad(rank, world):
+    """layer_graphs: calls under no_grad or in eval mode before the first training call run eagerly and capture
+    nothing; the first training call with grad captures (on its inputs) and trains; graph_layer itself refuses to
+    capture under no_grad."""
+    import topoep.runtime.graphs as graphs
+
+    captured = []
+
+    def stand_in(fn, sample, num_warmup_iters):
+        captured.append(tuple(t.requires_grad for t in sample[:3]))
+        for _ in range(num_warmup_iters):
+            fn(*sample).float().sum().backward()
+        return fn
+
+    graphs._capture = stand_in
+    layers, weights, inputs = _two_layers(rank, world)
+    layer = layers[1]
+    layer.config = layer.config.replace(layer_graphs=True)
+    with torch.no_grad():
+        layer(*inputs(1))
+    layer.eval()
+    layer(*inputs(2))
+    layer.train()
+    before = (layer._graphed is None, len(captured))
+    x, idx, w = inputs(3)
+    layer(x, idx, w).float().sum().backward()
+    refused = ""
+    with torch.no_grad():
+        try:
+            graphs.graph_layer(layers[0], *inputs(4))
+        except ValueError as e:
+            refused = str(e)
+    return before, captured, x.grad is not None and all(p.grad is not None for p in weights[1]), refused
+
+
+def test_layer_graphs_capture_the_first_training_call_with_grad():
+    from distributed import run_ranks
+
+    for before, captured, trained, refused in run_ranks(_first_calls_without_grad, 2):
+        assert before == (True, 0)  # the no_grad call and the eval call captured nothing
+        assert captured == [(True, False, True)]  # the training call's inputs (x and the weights need grad)
+        assert trained
+        assert "call it with grad enabled" in refused

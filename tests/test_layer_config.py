@@ -102,7 +102,9 @@ def test_the_eplb_group_is_the_layer_config():
     lc = ec.layer_config(t_ffn=2e-6)
     assert isinstance(lc, LayerConfig) and not isinstance(lc, EplbConfig)
     assert (lc.policy, lc.num_slots, lc.backend, lc.prefetch, lc.t_ffn) == ("topoep_plus", 4, "cuda", True, 2e-6)
-    EplbConfig(name="none")  # megatron's baseline: the layer's fields are not used
+    assert EplbConfig(name="none").unused() == []  # megatron's baseline: the layer's fields are not used
+    assert EplbConfig(name="none", backend="cuda", num_slots=4).unused() == ["eplb.num_slots=4", "eplb.backend=cuda"]
+    assert ec.unused() == []  # (the trainer prints the list with eplb=none)
 
 
 def test_layer_keywords_override_the_config():

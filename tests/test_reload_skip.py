@@ -245,3 +245,23 @@ def test_a_capture_cannot_wait_for_a_prefetch_in_flight(monkeypatch):
     pool.unpublished[0] = object()
     with pytest.raises(RuntimeError, match="capture with prefetch=False"):
         cf._fill(_call(pool, 1), 0)
+
+
+def test_a_kept_call_holds_the_experts_weights_not_a_stacked_copy(monkeypatch):
+    """keep_for_prefetch keeps the per-expert weights as the layer passed them (megatron's parameters: no stacked copy
+    is kept for a forward whose backward may never come); the prefetch stacks them when it runs."""
+    pool = _Pool(banks=2)
+    w1 = [torch.nn.Parameter(torch.full((4, 2), float(e))) for e in range(2)]
+    w2 = [torch.nn.Parameter(torch.full((2, 2), float(e))) for e in range(2)]
+    calls = {t: _call(pool, t) for t in (1, 2, 3)}
+    for t in (1, 2, 3):
+        cf.start_fetch(calls[t], None, None)
+        cf.keep_for_prefetch(calls[t], tuple(w1), tuple(w2))
+    assert all(a is b for a, b in zip(calls[1].weights[0], w1)) and all(a is b for a, b in zip(calls[1].weights[1], w2))
+    fetched = []
+    monkeypatch.setattr(cf, "_fetch", lambda call, W1, W2, *rest: fetched.append((call, W1, W2)))
+    cf.start_fetch(calls[3], None, None, reload=True)
+    cf.prefetch_after_backward(calls[3])  # refills bank 0 with call 1's replicas
+    (call, W1, W2), = fetched
+    assert call is calls[1] and torch.equal(W1, torch.stack([w.detach() for w in w1]))
+    assert torch.equal(W2, torch.stack([w.detach() for w in w2]))

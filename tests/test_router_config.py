@@ -18,6 +18,7 @@ def test_layouts_and_balanced_accepted():
     (dict(name="synthetic", router_skew=-4.0, layout="diagonal"), "router.layout must be megatron or one of"),
     (dict(name="natural", layout="concentrated"), "needs router=synthetic"),
     (dict(name="synthetic", router_skew=2.0, layout="concentrated"), "needs router.router_skew <= 0"),
+    (dict(name="synthetic", router_skew=-4.0, seed=3), "router.seed=3 seeds the bias of our layouts"),
 ])
 def test_bad_router_configs_name_the_field(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -320,6 +320,49 @@ def test_resume_keeps_the_synthetic_routing_and_says_which_schedule_it_keeps(tmp
         layers = [k for k in ra if k.startswith("moe/layer") and k.endswith("imbalance_before")]
         assert layers and all(rb[k] == ra[k] for k in layers), step  # the same random routing
     assert b[2]["moe/imbalance_before"] != b[0]["moe/imbalance_before"]  # not step 1's routing again
+    config = (part / "config.yaml").read_text()
     proc = train(part, *common, "trainer.steps=6", "trainer.lr=1e-2", nproc=2, check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "config error:" in out and "saved with other trainer.lr" in out, out[-3000:]
+    assert proc.returncode != 0 and "config error:" in out and "of a run configured otherwise: trainer.lr: 0.001 -> 0.01" in out, out[-3000:]
+    assert (part / "config.yaml").read_text() == config  # a refused resume leaves the run's record as it was
+    (part / "config.yaml").unlink()  # without the record, the optimizer's groups still refuse it, in trainer terms
+    proc = train(part, *common, "trainer.steps=6", "trainer.lr=1e-2", nproc=2, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "saved with other trainer.lr" in out and "max_lr 0.001" in out, out[-3000:]
+    assert "Parameter group key" not in out  # megatron's own dump of the groups is left out
+    proc = train(part, *common, "trainer.steps=1", "trainer.resume=false", nproc=2)
+    assert "starting anew in" not in proc.stdout  # (no config.yaml was left there to replace)
+    proc = train(part, *common, "trainer.steps=1", "trainer.resume=false", nproc=2)
+    assert f"starting anew in {part}" in proc.stdout and [r["step"] for r in metrics(part)] == [1]
+
+
+def test_resume_changes_tell_what_a_resumed_run_may_change():
+    """app.loop.resume_changes: a resumed run may change how long it trains, what it writes, the balancer and the
+    topology (listed as changes); any other field is a conflict, named with both values."""
+    from app.loop import _yaml_of, resume_changes
+
+    old = {"trainer": {"steps": 10, "lr": 3e-4, "micro_batch_size": 1, "log_interval": 1, "tags": [1, 2]},
+           "eplb": {"name": "none", "num_slots": 2}, "logger": {"name": "wandb"}, "model": {"name": "tiny"}}
+
+    def resolved(**groups):
+        r = {g: {**old[g], **groups.get(g, {})} for g in old}
+        return {**r, "_yaml": _yaml_of(r)}
+
+    assert resume_changes(_yaml_of(old), resolved()) == ([], [])
+    conflicts, changes = resume_changes(_yaml_of(old), resolved(
+        trainer={"steps": 20, "log_interval": 5, "micro_batch_size": 4}, eplb={"name": "topoep"},
+        logger={"name": "none"}))
+    assert conflicts == ["trainer.micro_batch_size: 1 -> 4"]
+    assert changes == ["eplb.name: none -> topoep", "logger.name: wandb -> none", "trainer.log_interval: 1 -> 5",
+                       "trainer.steps: 10 -> 20"]
+    assert resume_changes(_yaml_of(old), resolved(model={"name": "qwen3"}))[0] == ["model.name: tiny -> qwen3"]
+
+
+def test_console_line_says_plan_skip_and_slot_skip_only_with_backend_cuda():
+    from app.loop import _line
+
+    m = {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "step_time_s": 0.1, "moe/imbalance_before": 2.0,
+         "moe/imbalance_after": 1.0, "moe/internode_after": 0.1, "moe/replica_fraction": 0.2, "moe/planner_ms": 0.5,
+         "moe/guard_fired": 1.0, "moe/plan_skip": 1.0, "moe/slot_skip": 0.0}
+    assert _line(1, 10, m, True).endswith("guard 100 % (plan skip 100 %)")
+    assert _line(1, 10, m, True, backend_cuda=True).endswith("guard 100 % (plan skip 100 %, slot skip 0 %)")

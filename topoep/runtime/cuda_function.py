@@ -277,14 +277,15 @@ def _fetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor, role: str 
 PENDING_MAX = 512
 
 
-def keep_for_prefetch(call: "CudaLayerCall", W1: torch.Tensor, W2: torch.Tensor) -> None:
-    """A forward call made with grad mode on: with two banks, kept (with its stacked weights) for
+def keep_for_prefetch(call: "CudaLayerCall", w1, w2) -> None:
+    """A forward call made with grad mode on: with two banks, kept (with its experts' weights as the layer passed
+    them, `stack_experts` applied at the prefetch: a copy of megatron's per-expert weights is never kept here) for
     `prefetch_after_backward`, until its backward comes or PENDING_MAX newer calls push it out. Strong references:
     what a rank decides must never depend on when its garbage collector runs."""
     pool = call.pool
     if pool is None or pool.banks < 2 or not call.grad:
         return
-    call.weights = (W1, W2)
+    call.weights = (w1, w2)
     pool.pending.append(call)
     if len(pool.pending) > PENDING_MAX:
         pool.pending.pop(0).weights = None
@@ -316,7 +317,8 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
     pool.prefetches += 1
     # timed with this call's phases; on the prefetch stream after this rank's gradient-return barrier, when every
     # rank is done with the bank
-    later.prefetched = pool.unpublished[later.bank] = _fetch(later, *later.weights, "prefetch", call.timer)
+    W1, W2 = (stack_experts(list(ws)) if isinstance(ws, (list, tuple)) else ws for ws in later.weights)
+    later.prefetched = pool.unpublished[later.bank] = _fetch(later, W1, W2, "prefetch", call.timer)
 
 
 def return_grads(call: "CudaLayerCall", s1: torch.Tensor, s2: torch.Tensor, main_wgrad) -> tuple:
@@ -394,7 +396,7 @@ class CudaExpertParallelFunction(torch.autograd.Function):
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         fetched = start_fetch(call, W1, W2)
         slot_ready = call.slot_ready  # fetch_overlap: only the slot GEMMs (and the spill path's) wait for the fetch
-        keep_for_prefetch(call, W1, W2)
+        keep_for_prefetch(call, weights[:n], weights[n:])
         slot_w = pool.bank_weights(call.bank) if pool is not None else None
         comm = _comm(call, x, len(call.chunks) > 1)
         in_place = _in_place(call)

@@ -26,6 +26,9 @@ from typing import Callable
 import torch
 
 
+# graphs one layer keeps at most (input shapes x variants): each holds its memory pool and static buffers for the
+# layer's lifetime, so a key beyond them (calls of ever new token counts below max_tokens) runs eagerly instead
+MAX_GRAPHS = 8
 ALIGN = 16  # bytes: each output starts at a multiple of it in its packed buffer (as an allocation of its own would)
 
 
@@ -67,12 +70,13 @@ class _Packed:
 
 class MetadataGraphs:
     """Per-layer cache: (input shape, variant) -> (graph, static input, static outputs); variant: a host value that
-    changes the work (one graph per value)."""
+    changes the work (one graph per value). At most MAX_GRAPHS keys; calls of other keys run eagerly."""
 
     def __init__(self, enabled: bool = True):
         self._graphs: dict = {}
         self.enabled = enabled
         self.replays = 0
+        self.eager_beyond = 0  # calls run eagerly because MAX_GRAPHS keys were taken
 
     def __call__(self, fn: Callable[..., tuple], topk_idx: torch.Tensor, *inputs: torch.Tensor, variant=None) -> tuple:
         """fn(topk_idx, *inputs) -> tuple of tensors, through the graph when possible. Every input is a device
@@ -82,6 +86,9 @@ class MetadataGraphs:
             return fn(topk_idx, *inputs)
         key = (tuple(topk_idx.shape), topk_idx.device, variant)
         entry = self._graphs.get(key)
+        if entry is None and len(self._graphs) >= MAX_GRAPHS:
+            self.eager_beyond += 1
+            return fn(topk_idx, *inputs)
         if entry is None:  # first call: eager (compiles kernels, creates workspaces)
             self._graphs[key] = "warm"
             return fn(topk_idx, *inputs)

@@ -263,7 +263,7 @@ class DeepEPExpertParallelFunction(torch.autograd.Function):
         buf = ws.buffer
         W1, W2 = stack_experts(list(weights[:n])), stack_experts(list(weights[n:]))
         _publish(call, start_fetch(call, W1, W2), x.device)
-        keep_for_prefetch(call, W1, W2)
+        keep_for_prefetch(call, weights[:n], weights[n:])
         with phase(tm, "dispatch_combine", collective=True):
             recv, _, recv_w, handle, _ = buf.dispatch(
                 x.contiguous(), topk_idx=call.deepep_ids, topk_weights=topk_weights.float().contiguous(),

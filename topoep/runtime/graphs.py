@@ -93,6 +93,9 @@ def graph_layer(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(f"num_warmup_iters={num_warmup_iters!r}: at least 1 (the layer's own buffers, Triton kernels "
                          "and metadata must exist before the capture)")
+    if not torch.is_grad_enabled():
+        raise ValueError("graph_layer captures the layer's forward and backward: call it with grad enabled (not "
+                         "under torch.no_grad or inference_mode), on inputs as a training call passes them")
     layer._validate(x, topk_idx, topk_weights)
     # the captured graphs read their inputs from the samples' buffers (later calls copy theirs in): never the
     # caller's own tensors

@@ -123,7 +123,8 @@ class ChunkLayout:
     send_counts: int64[R] rows to each rank; send_group_counts: int64[R, G];
     recv_group_counts: int64[R, G] rows from each source per local group (after the counts exchange);
     recv_counts: int64[R]; group_order: int64[A_recv], received row -> group-major order (groups
-    concatenated, sources in rank order inside a group); group_sizes: int64[G].
+    concatenated, sources in rank order inside a group; made on first use, after `copy_splits_to_host` without
+    reading the device again); group_sizes: int64[G].
     send_split, recv_split, group_split: host lists of send_counts, recv_counts and group_sizes, for a
     backend that needs split sizes on the host (`copy_splits_to_host`: one device-to-host copy for all
     chunks instead of one per collective and grouped call).
@@ -134,20 +135,29 @@ class ChunkLayout:
     send_group_counts: torch.Tensor
     recv_group_counts: torch.Tensor | None = None
     recv_counts: torch.Tensor | None = None
-    group_order: torch.Tensor | None = None
+    _group_order: torch.Tensor | None = None
     group_sizes: torch.Tensor | None = None
     send_split: list[int] | None = None
     recv_split: list[int] | None = None
     group_split: list[int] | None = None
 
     def set_received(self, recv_group_counts: torch.Tensor) -> None:
-        R, G = recv_group_counts.shape
-        dev = recv_group_counts.device
         self.recv_group_counts = recv_group_counts
         self.recv_counts = recv_group_counts.sum(1)
-        row_group = torch.repeat_interleave(torch.arange(G, device=dev).repeat(R), recv_group_counts.reshape(-1))
-        self.group_order = torch.argsort(row_group, stable=True)
         self.group_sizes = recv_group_counts.sum(0)
+        self._group_order = None
+
+    @property
+    def group_order(self) -> torch.Tensor:
+        if self._group_order is None:
+            R, G = self.recv_group_counts.shape
+            dev = self.recv_group_counts.device
+            # the rows' count from the host split where it was copied (repeat_interleave reads it otherwise)
+            rows = sum(self.recv_split) if self.recv_split is not None else None
+            row_group = torch.repeat_interleave(torch.arange(G, device=dev).repeat(R),
+                                                self.recv_group_counts.reshape(-1), output_size=rows)
+            self._group_order = torch.argsort(row_group, stable=True)
+        return self._group_order
 
 
 def copy_splits_to_host(chunks: list[ChunkLayout]) -> None:

@@ -206,14 +206,17 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
         if self.backend.name == "cuda" and topk_idx.is_cuda:  # reading the values would synchronise: _cuda_metadata
             return  # checks them on the device (in its CUDA graph)
-        if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= self.num_experts):
-            raise ValueError(f"topk_idx out of range: values must be in [0, {self.num_experts}), got "
-                             f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+        if topk_idx.numel():
+            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one read of the device
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"topk_idx out of range: values must be in [0, {self.num_experts}), got [{lo}, {hi}]")
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_idx: int64[T, k]; topk_weights: [T, k] -> y: [T, H] (x's dtype)."""
         self._validate(x, topk_idx, topk_weights)
-        if self.config.layer_graphs and self._graphed is None:
+        # the capture takes the first training call with grad on (forward and backward graphs); calls before it (an
+        # eval pass, no_grad, a full recompute's first pass) run eagerly
+        if self.config.layer_graphs and self._graphed is None and self.training and torch.is_grad_enabled():
             graph_layer(self, x, topk_idx, topk_weights)  # its warm-up calls and capture run _forward_with
             return self.forward(x, topk_idx, topk_weights)  # graph_layer's: this call is the first replay
         return self._forward_with(x, topk_idx, topk_weights, *self._weights())
