@@ -89,6 +89,12 @@ REPORTS = [
            "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async"),
     _sweep("link_sweep_oracle_overlap_share_async_peers_gpu",
            "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async --peers-on-gpu"),
+    _sweep("link_sweep_oracle_overlap_share_async_peer_relays",
+           "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async --peer-relays"),
+    _sweep("link_sweep_oracle_overlap_share_async_nic0.5", "--presets paper_h800 --nic-scale 0.5 --fetch-overlap "
+           "--relay-share --spread-planner measured --oracle --relay-schedule async"),
+    _sweep("link_sweep_oracle_overlap_share_async_nic2", "--presets paper_h800 --nic-scale 2 --fetch-overlap "
+           "--relay-share --spread-planner measured --oracle --relay-schedule async"),
     _sweep("link_sweep_overlap_share_measured", "--fetch-overlap --relay-share --spread-planner measured"),
     _sweep("link_sweep_cuda", "--execution cuda"),
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
