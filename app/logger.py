@@ -10,9 +10,13 @@ from app.config import LoggerConfig
 
 class Logger:
     """Prints one line per step, appends every metric to <run_dir>/metrics.jsonl, and mirrors both to
-    W&B (offline by default: the run lands in <run_dir>/wandb, `wandb sync` uploads it later)."""
+    W&B (offline by default: the run lands in <run_dir>/wandb, `wandb sync` uploads it later). Every W&B run of a run
+    directory is in the group named after it; a run resumed from a checkpoint logs into a W&B run of its own, named
+    <run_dir name>-from-<checkpoint> (its steps after the checkpoint would repeat steps the interrupted W&B run may
+    have logged, which W&B refuses within one run)."""
 
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, enabled: bool, fresh: bool = True):
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, enabled: bool, fresh: bool = True,
+                 resumed_from: str | None = None):
         self.enabled = enabled
         self.run_dir = run_dir
         self.wandb = None
@@ -26,8 +30,9 @@ class Logger:
                 import wandb
             except ImportError as err:
                 raise ValueError("logger=wandb needs the wandb package (pip install wandb) or use logger=none") from err
+            name = run_dir.name if resumed_from is None else f"{run_dir.name}-from-{resumed_from}"
             self.wandb = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(run_dir),
-                                    config=config, name=run_dir.name)
+                                    config=config, name=name, group=run_dir.name)
             print(f"W&B run ({cfg.mode}): {self.wandb.dir}", flush=True)
 
     def resume_at(self, step: int) -> None:

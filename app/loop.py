@@ -237,7 +237,8 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
             png.unlink()
         print(f"starting anew in {run_dir}: the earlier run's metrics.jsonl, config.yaml and {len(stale)} heatmaps "
               "there are replaced" + (" (trainer.resume=false)" if not tr.resume else ""), flush=True)
-    logger = Logger(job.logger, run_dir, resolved_config, enabled=is_logger, fresh=latest is None)
+    logger = Logger(job.logger, run_dir, resolved_config, enabled=is_logger, fresh=latest is None,
+                    resumed_from=None if latest is None else latest.name)
     if is_logger:
         if latest is None:  # a resumed run writes it once its checkpoint has loaded
             previous.write_text(resolved_config["_yaml"])

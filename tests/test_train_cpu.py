@@ -366,3 +366,26 @@ def test_console_line_says_plan_skip_and_slot_skip_only_with_backend_cuda():
          "moe/guard_fired": 1.0, "moe/plan_skip": 1.0, "moe/slot_skip": 0.0}
     assert _line(1, 10, m, True).endswith("guard 100 % (plan skip 100 %)")
     assert _line(1, 10, m, True, backend_cuda=True).endswith("guard 100 % (plan skip 100 %, slot skip 0 %)")
+
+
+def test_wandb_runs_of_a_run_directory_share_its_group(tmp_path, monkeypatch):
+    """app.logger.Logger: the W&B run is named after the run directory and grouped by it; a resumed run's W&B run is
+    named after the checkpoint it continues, in the same group."""
+    import sys
+    import types
+
+    from app.config import LoggerConfig
+    from app.logger import Logger
+
+    seen = []
+
+    class _Run:
+        dir = str(tmp_path)
+
+    fake = types.SimpleNamespace(init=lambda **kw: seen.append(kw) or _Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "qwen3-topoep-natural"
+    Logger(LoggerConfig(), run, {}, enabled=True).finish = lambda: None
+    Logger(LoggerConfig(), run, {}, enabled=True, fresh=False, resumed_from="iter_0000025")
+    assert [(kw["name"], kw["group"]) for kw in seen] == [
+        ("qwen3-topoep-natural", "qwen3-topoep-natural"), ("qwen3-topoep-natural-from-iter_0000025", "qwen3-topoep-natural")]
