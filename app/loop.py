@@ -336,7 +336,10 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
                     metrics[f"moe/layer{li + 1}/{c}"] = m[li, j].item()
             metrics.update({f"moe/{k}": v for k, v in pool_counts.items()})
         history.append(metrics)
-        if step % tr.log_interval == 0 or step == tr.steps:
+        saving = bool(tr.save_interval and step % tr.save_interval == 0) or (
+            step == tr.steps and bool(tr.checkpoint_dir or tr.save_interval))
+        # a step that saves a checkpoint is logged too: no count is left unlogged when a run resumes from it
+        if step % tr.log_interval == 0 or step == tr.steps or saving:
             # a logged step's counts include those of the steps since the last logged one
             logged = {k: v + unlogged.get(k, 0.0) if _is_count(k) else v for k, v in metrics.items()}
             unlogged.clear()
@@ -355,8 +358,7 @@ def run(job: Job, resolved_config: dict, keep_distributed: bool = False, cpu_har
             logger.log_image(step, "moe/expert_load_heatmap", png)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
-        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and (tr.checkpoint_dir
-                                                                                      or tr.save_interval)):
+        if saving:
             path = save_checkpoint(ckpt_dir, step, ddp, optimizer, scheduler, loader)
             if is_logger:
                 print(f"saved {path}", flush=True)

@@ -279,7 +279,8 @@ def test_synthetic_router_skews_and_topoep_balances(tmp_path):
 def test_microbatches_log_interval_and_resume(tmp_path):
     """With 4 micro-batches the imbalance before balancing is averaged per micro-batch as the layers' plans are (the
     static plan's "after" equals it); trainer.log_interval logs every 2nd step and the last; the token bytes of both
-    layers reach the logs; a resumed run logs each step once; save_interval also saves the last step."""
+    layers reach the logs; a resumed run logs each step once; save_interval also saves the last step; a step that
+    saves is logged whatever the log interval (its counts would be lost to a resume otherwise)."""
     run = tmp_path / "static"
     common = ("parallel.num_microbatches=4", "trainer.log_interval=2", "trainer.warmup_steps=0", "logger=none")
     train(run, "eplb=static", "trainer.steps=3", "trainer.save_interval=2", *common)
@@ -293,6 +294,9 @@ def test_microbatches_log_interval_and_resume(tmp_path):
     (run / "checkpoints" / "latest").write_text("iter_0000002\n")
     train(run, "eplb=static", "trainer.steps=4", "trainer.save_interval=2", *common)  # resumes at step 2
     assert [r["step"] for r in metrics(run)] == [2, 4]  # step 3's row went with the step it was made in
+    odd = tmp_path / "odd"  # saves at step 3, logs every 2nd: step 3 is logged, with its count of one step
+    train(odd, "eplb=static", "trainer.steps=4", "trainer.save_interval=3", *common)
+    assert [r["step"] for r in metrics(odd)] == [2, 3, 4]
     base = tmp_path / "none"
     train(base, "eplb=none", "trainer.steps=2", *common)
     row = metrics(base)[0]
