@@ -167,8 +167,13 @@ class RouterConfig:
     group: ClassVar[str] = "router"  # how errors name a field: router.<field>
 
     name: str = "natural"
+    """natural, synthetic or balanced (the class docstring)."""
     router_skew: float | None = None
+    """router=synthetic only (required there): megatron's moe_router_force_biased, the bias's scale (paper 6.4:
+    -4 is a stationary bias of std 4; 0: none)."""
     layout: str = "megatron"
+    """router=synthetic: megatron (its own shared random bias) or one of ours (random, clustered, scattered,
+    concentrated)."""
     seed: int = 0
     """With a layout of ours: the seed of its bias (+ the layer number)."""
 
@@ -207,7 +212,9 @@ class TopologyConfig:
     """None: a node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE ranks) is a domain. A number makes
     virtual domains of that many consecutive EP ranks (tests, single-host runs)."""
     intra_gbytes_per_s: float = 200.0
+    """NVLink bandwidth per direction, GB/s: the planners' and the guard's per-byte cost inside a domain."""
     inter_gbytes_per_s: float = 50.0
+    """NIC bandwidth per direction, GB/s: their per-byte cost across domains."""
 
     def __post_init__(self):
         if self.ranks_per_domain is not None:
@@ -221,10 +228,13 @@ class ParallelConfig:
     group: ClassVar[str] = "parallel"  # how errors name a field: parallel.<field>
 
     tp: int = 1
+    """Tensor-parallel size (> 1 needs Transformer Engine)."""
     pp: int = 1
+    """Pipeline-parallel size."""
     ep: int | None = None
     """Expert-parallel size (experts are split over ep ranks); None: world size / (tp * pp)."""
     expert_tp: int = 1
+    """Expert tensor-parallel size: 1 with a TopoEP layer (it computes each expert whole on one rank)."""
     num_microbatches: int = 1
     """Micro-batches per step and data-parallel rank (gradient accumulation / pipeline fill)."""
 
@@ -239,19 +249,33 @@ class TrainerConfig:
     group: ClassVar[str] = "trainer"  # how errors name a field: trainer.<field>
 
     steps: int = 50
+    """Optimizer steps to train (>= 1); the LR schedule decays over them."""
     lr: float = 3e-4
+    """Peak learning rate (Adam, > 0), reached after warmup_steps."""
     min_lr: float = 3e-5
+    """The schedule's final learning rate (0 to lr)."""
     warmup_steps: int = 5
+    """Linear warm-up steps from 0 to lr (0 to steps - 1)."""
     lr_decay_style: str = "cosine"
+    """cosine, linear or constant decay from lr to min_lr after the warm-up."""
     weight_decay: float = 0.1
+    """Adam's weight decay (>= 0)."""
     clip_grad: float = 1.0
+    """Clip the gradients' global norm to this (>= 0; 0: no clipping)."""
     micro_batch_size: int = 1
+    """Sequences per micro-batch and data-parallel rank (>= 1)."""
     seq_length: int = 4096
+    """Tokens per sequence (>= 1)."""
     bf16: bool = True
+    """bf16 weights and activations (megatron's Float16Module; backend cuda needs it); false: fp32."""
     seed: int = 1234
+    """Seeds torch, megatron's RNG tracker (megatron's router bias with router.layout megatron) and the data order
+    (0 to 2^32 - 1)."""
     device: str = "cuda"
     """cuda or cpu (cpu: gloo and the megatron CPU compatibility layer)."""
     run_dir: str = "runs/${model.name}-${eplb.name}-${router.name}"
+    """The run's config.yaml, metrics.jsonl, heatmaps, W&B run and (by default) checkpoints; one directory per
+    configuration (a resume refuses a config that changes what is trained)."""
     checkpoint_dir: str | None = None
     """None: <run_dir>/checkpoints."""
     save_interval: int = 0
@@ -259,8 +283,9 @@ class TrainerConfig:
     resume: bool = True
     """Continue from the latest checkpoint in checkpoint_dir when there is one."""
     log_interval: int = 1
+    """Log every N steps, the last and every step that saves (>= 1); counts cover the steps since the last log."""
     heatmap_interval: int = 25
-    """Every N steps, a per-layer expert-load heatmap (paper Fig. 2)."""
+    """Every N steps, a per-layer expert-load heatmap (paper Fig. 2); 0: none."""
 
     def __post_init__(self):
         _positive(self, "steps", "micro_batch_size", "seq_length", "log_interval")
