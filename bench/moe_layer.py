@@ -54,7 +54,6 @@ with the breakdown split into forward and backward and plotted in <out>/<name>_b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -70,10 +69,9 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from bench.common import REPO, bench_gpu, cuda_ms, markdown_table, run_info, without_options, write_json  # noqa: E402
 from topoep import POLICIES, ExpertParallelMoE, Topology  # noqa: E402
 from topoep.metrics import ffn_time_per_assignment  # noqa: E402
-from topoep.runtime import LAYER_STAT_NAMES, PHASES, NetBenefitGuard, PhaseTimer  # noqa: E402
+from topoep.runtime import LAYER_STAT_NAMES, PHASES, PhaseTimer  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR, TRANSPORTS  # noqa: E402
 from topoep.runtime.deepep import release_buffers  # noqa: E402
-from topoep.runtime.guard import SERIAL_TOKEN_OVERLAP  # noqa: E402
 from topoep.workloads import balanced_topk, biased_topk, routing_counts, static_imbalance  # noqa: E402
 
 LAYER_BACKENDS = ("torch", "cuda")  # ExpertParallelMoE backends measured here (cuda: GPUs only)
@@ -537,7 +535,9 @@ def main(argv=None) -> int:
     for r in rows:
         r.pop("torch_profile", None)
     if rank == 0:
-        report(args, rows, world, topo, dtype, megatron[2] if megatron else None)
+        # the guard the balanced layers built (a layer's own rule for its constants: ExpertParallelMoE)
+        guard = next((layer.guard for layer in layers.values() if layer.guard is not None), None)
+        report(args, rows, world, topo, dtype, megatron[2] if megatron else None, guard)
     if megatron is not None:
         from megatron.core import parallel_state as ps
 
@@ -574,7 +574,7 @@ def _reload_text(args) -> str:
             "MoE layer; `--reload always` shows the others)")
 
 
-def report(args, rows, world, topo, dtype, experts_module) -> None:
+def report(args, rows, world, topo, dtype, experts_module, guard=None) -> None:
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                     | {"world": world, "topology": repr(topo), "dtype": str(dtype), "megatron_experts": experts_module})
     header = ["tokens/rank", "routing", "layer", "fwd+bwd ms", "vs static", "vs bound", "rank imbalance",
@@ -611,8 +611,7 @@ def report(args, rows, world, topo, dtype, experts_module) -> None:
         "- routing: token-level `topoep.workloads` routing (biased_topk, balanced_topk), identical for every layer; "
         "megatron's router output is replaced by it (probs, routing_map); `max_diff` in the JSON is each layer's "
         "largest output difference from the static layer's",
-        f"- net-benefit guard: `{dataclasses.replace(NetBenefitGuard(), token_overlap=SERIAL_TOKEN_OVERLAP)}` (a "
-        "layer's: its calls run dispatch, experts and combine one after another), t_ffn {1e9 * ffn_time_per_assignment(args.hidden, args.ffn):.3g} "
+        f"- net-benefit guard: `{guard if guard is not None else 'off'}` (as the layers built it), t_ffn {1e9 * ffn_time_per_assignment(args.hidden, args.ffn):.3g} "
         "ns per assignment (fwd + bwd)",
         f"- reproduce: `torchrun --nproc_per_node={world} {args.command}`\n",
         table, ""])
