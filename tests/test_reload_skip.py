@@ -39,6 +39,9 @@ def _call(pool, tag, se=None, grad=True):
                             experts_per_rank=1, grad=grad)
 
 
+STACKED = torch.zeros(1, 1, 1)  # a layer's stacked expert weights, as keep_for_prefetch gets them (stack_experts)
+
+
 def _run(pool, script):
     """"fwd": a layer's forward fetch (and, as the autograd function does, the call is kept for a prefetch);
     "bwd": its backward: the reload, the slots used (they must hold the layer's replicas), then the prefetch."""
@@ -50,7 +53,7 @@ def _run(pool, script):
         cf.start_fetch(call, None, None, reload=step == "bwd")
         assert pool.content[call.bank] == tag, (step, tag, pool.content)
         if step == "fwd":
-            cf.keep_for_prefetch(call, None, None)
+            cf.keep_for_prefetch(call, (STACKED,), (STACKED,))
         else:
             cf.prefetch_after_backward(call)
     return pool.log
@@ -172,10 +175,13 @@ class _SE:
 
 
 class _W(_SE):
-    """A stacked weight (only its record_stream is used)."""
+    """A stacked weight (only its record_stream is used; 3-D, so stack_experts takes it as it is)."""
 
     def __init__(self, log):
         super().__init__(None, log)
+
+    def dim(self):
+        return 3
 
 
 def test_the_side_stream_prefetch_is_waited_for_and_published(monkeypatch):
@@ -212,7 +218,7 @@ def test_the_side_stream_prefetch_is_waited_for_and_published(monkeypatch):
     calls = {t: _call(pool, t, se=_SE(t, log)) for t in (1, 2, 3, 4)}
     for t in (1, 2, 3, 4):
         cf.start_fetch(calls[t], None, None)
-        cf.keep_for_prefetch(calls[t], _W(log), _W(log))
+        cf.keep_for_prefetch(calls[t], (_W(log),), (_W(log),))
     assert [c.bank for c in calls.values()] == [0, 1, 0, 1]
     log.clear()
     # layer 4's backward: its replicas are in place; its end refills bank 1 with layer 2's on the prefetch stream
@@ -225,7 +231,7 @@ def test_the_side_stream_prefetch_is_waited_for_and_published(monkeypatch):
     assert cf.start_fetch(calls[2], None, None, reload=True) is events[0]
     assert pool.unpublished == [None, None] and calls[2].prefetched is None
     # a prefetch that nobody consumed: the next fill into its bank waits for it and publishes it first
-    calls[1].weights = (_W(log), _W(log))
+    calls[1].weights = ((_W(log),), (_W(log),))
     pool.pending = [calls[1], calls[3], calls[4]]  # as if 4's backward came again with 1 and 3 pending
     calls[4].bank = calls[1].bank = 0
     pool.holds[0] = -1

@@ -317,7 +317,7 @@ def prefetch_after_backward(call: "CudaLayerCall") -> None:
     pool.prefetches += 1
     # timed with this call's phases; on the prefetch stream after this rank's gradient-return barrier, when every
     # rank is done with the bank
-    W1, W2 = (stack_experts(list(ws)) if isinstance(ws, (list, tuple)) else ws for ws in later.weights)
+    W1, W2 = (stack_experts(list(ws)) for ws in later.weights)
     later.prefetched = pool.unpublished[later.bank] = _fetch(later, W1, W2, "prefetch", call.timer)
 
 
