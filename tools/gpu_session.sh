@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -31,6 +31,39 @@ step_setup() {
     "${WHEELS:-.whl}"/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, megatron.core, hydra; print("torch", torch.__version__, "mcore", megatron.core.__version__)'
+}
+
+step_verify() {  # every GPU test at once, the first check after many changes (correctness only: the suites run side
+  # by side, the one-process files in VERIFY_WORKERS pytest-xdist workers, which that machine's image has): the
+  # one-process GPU test files with backend cuda at EP 1; backend cuda's tests at EP 8 as 2 domains of 4 (ranks sharing
+  # the GPU) with copy-by-copy relay trees of 2; then the sync audits at EP 1 and at that EP 8. Whole logs into
+  # $OUT/verify/ (a test that skips here is listed there with its reason)
+  mkdir -p "$OUT/verify"
+  local one="tests/test_planner_cuda.py tests/test_spread_cuda.py tests/test_peers_cuda.py tests/test_guard_cuda.py
+    tests/test_worth_triton.py tests/test_capacity_cuda.py tests/test_spill.py tests/test_stats_triton.py
+    tests/test_symm_rows.py tests/test_weighting.py tests/test_cuda_layout.py tests/test_grouped_gemm.py
+    tests/test_cutlass_wgrad.py tests/test_runtime_gpu.py tests/test_cuda_backend_gpu.py tests/test_bench_copy_kernels.py
+    tests/test_bench_grouped_gemm.py tests/test_bench_guard_latency.py tests/test_bench_layer_limit.py
+    tests/test_bench_replica_copy.py"
+  local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
+  local limit=${VERIFY_TIMEOUT:-420} p1 p2 rc1 rc2
+  # shellcheck disable=SC2086
+  TOPOEP_GPU_WORLD=1 timeout -k 10 "$limit" python3 -m pytest -q -rA -n "${VERIFY_WORKERS:-8}" $one \
+    > "$OUT/verify/one_process.log" 2>&1 & p1=$!
+  # shellcheck disable=SC2086
+  env $ep8 timeout -k 10 "$limit" python3 -m pytest -q -rA -n 2 tests/test_cuda_backend_gpu.py \
+    > "$OUT/verify/ep8_rpd4_relay2_async.log" 2>&1 & p2=$!
+  wait $p1; rc1=$?; wait $p2; rc2=$?
+  echo "one-process GPU tests (EP 1): rc=$rc1 $(tail -1 "$OUT/verify/one_process.log")"
+  echo "EP 8, 2 domains of 4, async relays of 2: rc=$rc2 $(tail -1 "$OUT/verify/ep8_rpd4_relay2_async.log")"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/verify/*.log | head -30
+  local rc3 rc4
+  TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py > "$OUT/verify/audit_ep1.log" 2>&1; rc3=$?
+  audit_summary "sync audit EP 1" $rc3 "$OUT/verify/audit_ep1.log"; rc3=$?
+  # shellcheck disable=SC2086
+  env $ep8 timeout -k 10 150 python3 tools/sync_audit.py > "$OUT/verify/audit_ep8.log" 2>&1; rc4=$?
+  audit_summary "sync audit EP 8 async relays" $rc4 "$OUT/verify/audit_ep8.log"; rc4=$?
+  [ $rc1 = 0 ] && [ $rc2 = 0 ] && [ $rc3 = 0 ] && [ $rc4 = 0 ]
 }
 
 step_tests() {  # GPU tests of the runtime (grouped GEMM, 2-GPU NCCL vs dense reference)
