@@ -37,7 +37,9 @@ step_verify() {  # every GPU test at once, the first check after many changes (c
   # by side, the one-process files in VERIFY_WORKERS pytest-xdist workers, which that machine's image has): the
   # one-process GPU test files with backend cuda at EP 1; backend cuda's tests at EP 8 as 2 domains of 4 (ranks sharing
   # the GPU) with copy-by-copy relay trees of 2; then the sync audits at EP 1 and at that EP 8. Whole logs into
-  # $OUT/verify/ (a test that skips here is listed there with its reason)
+  # $OUT/verify/, each test named as it ends (a test that skips here is listed there with its reason); a test over
+  # VERIFY_TEST_TIMEOUT seconds fails with its stack (pytest-timeout) instead of holding the call. VERIFY_AUDIT=0
+  # leaves the audits out
   mkdir -p "$OUT/verify"
   local one="tests/test_planner_cuda.py tests/test_spread_cuda.py tests/test_peers_cuda.py tests/test_guard_cuda.py
     tests/test_worth_triton.py tests/test_capacity_cuda.py tests/test_spill.py tests/test_stats_triton.py
@@ -48,15 +50,18 @@ step_verify() {  # every GPU test at once, the first check after many changes (c
   local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
   local limit=${VERIFY_TIMEOUT:-420} p1 p2 rc1 rc2
   # shellcheck disable=SC2086
-  TOPOEP_GPU_WORLD=1 timeout -k 10 "$limit" python3 -m pytest -q -rA -n "${VERIFY_WORKERS:-8}" $one \
+  TOPOEP_GPU_WORLD=1 timeout -k 10 "$limit" python3 -m pytest -v -rA -p no:benchmark \
+    --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10 -n "${VERIFY_WORKERS:-8}" $one \
     > "$OUT/verify/one_process.log" 2>&1 & p1=$!
   # shellcheck disable=SC2086
-  env $ep8 timeout -k 10 "$limit" python3 -m pytest -q -rA -n 2 tests/test_cuda_backend_gpu.py \
+  env $ep8 timeout -k 10 "$limit" python3 -m pytest -v -rA -p no:benchmark \
+    --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10 -n "${VERIFY_EP8_WORKERS:-2}" tests/test_cuda_backend_gpu.py \
     > "$OUT/verify/ep8_rpd4_relay2_async.log" 2>&1 & p2=$!
   wait $p1; rc1=$?; wait $p2; rc2=$?
   echo "one-process GPU tests (EP 1): rc=$rc1 $(tail -1 "$OUT/verify/one_process.log")"
   echo "EP 8, 2 domains of 4, async relays of 2: rc=$rc2 $(tail -1 "$OUT/verify/ep8_rpd4_relay2_async.log")"
-  grep -hE "^(FAILED|ERROR)" "$OUT"/verify/*.log | head -30
+  grep -hE "(FAILED|ERROR) tests/" "$OUT"/verify/*.log | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
+  [ "${VERIFY_AUDIT:-1}" = 1 ] || { [ $rc1 = 0 ] && [ $rc2 = 0 ]; return; }
   local rc3 rc4
   TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py > "$OUT/verify/audit_ep1.log" 2>&1; rc3=$?
   audit_summary "sync audit EP 1" $rc3 "$OUT/verify/audit_ep1.log"; rc3=$?
