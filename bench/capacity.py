@@ -30,7 +30,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.planners.capacity import fit_capacity, overflow_rows  # noqa: E402
 from topoep.workloads import biased_routing  # noqa: E402
@@ -126,8 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     rows = run(args)

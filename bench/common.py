@@ -72,6 +72,14 @@ def without_options(argv: list[str], *names: str) -> list[str]:
     return out
 
 
+def parse_options(parser, argv: list[str] | None):
+    """parser.parse_args(argv), with the options themselves kept as args.argv (None: the process's command line) for
+    the report's reproduce line (`command`)."""
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    return args
+
+
 def command(script: str, argv: list[str] | None, *drop: str) -> str:
     """A report's reproduce command: `python bench/<script>` with the options this run was given (`argv`, what
     main() parsed; None: the process's command line), less --out and `drop` (options that only say where a run

@@ -23,7 +23,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, median_cuda_ms, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, median_cuda_ms, parse_options, run_info, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -35,8 +35,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--name", default="copy_kernels")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if args.slots < 1 or args.hidden < 1 or args.ffn < 1 or args.runs < 1:
         ap.error("--slots, --hidden, --ffn and --runs must be >= 1")
     return args

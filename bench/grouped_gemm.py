@@ -37,7 +37,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_json  # noqa: E402
 
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
 DEFAULT_CONFIGS = ["128,128,64,8,3", "128,128,64,4,4", "128,256,64,8,3", "256,128,64,8,3", "128,128,32,4,4",
@@ -187,7 +187,7 @@ def run(args) -> tuple[list[dict], list[str]]:
 def report(args, rows: list[dict], notes: list[str]) -> str:
     info = run_info(vars(args) | {"out": None})
     cmd = command("grouped_gemm.py", args.argv)
-    out = [f"# The grouped GEMMs of one MoE layer call, kernel by kernel", "",
+    out = ["# The grouped GEMMs of one MoE layer call, kernel by kernel", "",
            f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
            f"- shape: {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn} (SwiGLU), top-{args.topk}, "
            "bf16; the layer's call forms (`bench/grouped_gemm.py` docstring)",
@@ -236,8 +236,7 @@ def parse_args(argv):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--name", default="grouped_gemm")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     return args
 
 

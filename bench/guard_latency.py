@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_report  # noqa: E402
 from bench.planner_latency import _events_median, workload  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
@@ -182,8 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--name", default="guard_latency")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/guard_latency.py times CUDA graphs: run it on a machine with a GPU "
                          "(tools/gpu_session.sh planner)")

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 import topoep_research.joint as joint_mod  # noqa: E402
 import topoep_research.joint_search as search_mod  # noqa: E402
-from bench.common import REPO, command, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_json  # noqa: E402
 from bench.planner_latency import workload  # noqa: E402
 from topoep import solve  # noqa: E402
 
@@ -68,8 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=640)
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="GPU memory bandwidth, bytes/s (H200: 4.8e12)")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     torch.set_num_threads(1)
     rows = []
     for ep in args.eps:

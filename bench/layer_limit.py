@@ -72,8 +72,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (REPO, bench_gpu, cuda_ms, markdown_table, median_cuda_ms, run_info,  # noqa: E402
-                          without_options, write_json)
+from bench.common import (REPO, bench_gpu, cuda_ms, markdown_table, median_cuda_ms, parse_options,  # noqa: E402
+                          run_info, without_options, write_json)
 
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
 BF16 = 2  # bytes per element
@@ -372,8 +372,7 @@ def parse_args(argv):
                          "(cutlass_wgrad.WGRAD_CONFIGS, MM_CONFIGS)")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if args.cutlass:
         from topoep_research.cutlass_wgrad import MM_CONFIGS, check_config
 

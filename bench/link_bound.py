@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_report  # noqa: E402
 from topoep import Topology, solve, workloads  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
@@ -103,8 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_bound")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if args.domains < 1 or any(ep < args.domains or ep % args.domains for ep in args.eps):
         raise SystemExit(f"--eps must be multiples of --domains {args.domains}, got {args.eps}")
     if any(s < 0 for s in args.slots) or args.experts_per_rank < 1 or args.tokens < 1:

@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_report  # noqa: E402
 from topoep import workloads  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
 from topoep_research import sim  # noqa: E402
@@ -108,8 +108,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     for name in ("eps", "slots"):
         if any(v < (1 if name == "eps" else 0) for v in getattr(args, name)):
             raise SystemExit(f"--{name} must be {'>= 1' if name == 'eps' else '>= 0'}")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, without_options, write_json  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, without_options, write_json  # noqa: E402
 from topoep import OFFLINE_POLICIES, POLICIES, Topology, metrics, solve  # noqa: E402
 from topoep.metrics import DEFAULT_T_FFN  # noqa: E402
 from topoep.planners import QWEN3_EXPERT_BYTES, QWEN3_TOKEN_BYTES  # noqa: E402
@@ -547,8 +547,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one-domain-time-limit", type=float, default=60.0, help="MILP makespan time limit (s)")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
 
     torch.set_num_threads(1)
     rows = evaluate(args)

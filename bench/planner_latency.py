@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, cuda_ms, markdown_table, run_info, write_json  # noqa: E402
+from bench.common import REPO, command, cuda_ms, markdown_table, parse_options, run_info, write_json  # noqa: E402
 from topoep import Topology, solve  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
 from topoep.planners.cuda import CudaPlanner  # noqa: E402
@@ -410,8 +410,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", action="store_true", help="only the peers' planners (csrc/peers.cu: flexmoe, deepseek) "
                     "alone and with topoep_plus's pair, EP 8-128 at E 640 and EP 16-256 at 8 experts per rank: writes "
                     "peer_latency.{md,json}")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if not torch.cuda.is_available():
         raise SystemExit("planner_latency needs a GPU")
     torch.set_num_threads(4)

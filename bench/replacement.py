@@ -31,7 +31,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info, write_report  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info, write_report  # noqa: E402
 from topoep import links, solve, workloads  # noqa: E402
 from topoep.plan import default_main_rank  # noqa: E402
 from topoep.runtime import NetBenefitGuard  # noqa: E402
@@ -54,8 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="replacement")
     ap.add_argument("--out", type=Path, default=REPO / "results")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if min(args.eps) < 2 or min(args.every) < 1 or args.microbatches < 1 or args.state_factor < 0:
         raise SystemExit("--eps must be >= 2, --every and --microbatches >= 1, --state-factor >= 0")
     return args

@@ -47,7 +47,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command, markdown_table, run_info  # noqa: E402
+from bench.common import REPO, command, markdown_table, parse_options, run_info  # noqa: E402
 from topoep import POLICIES, metrics  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
 from topoep_research import sim  # noqa: E402
@@ -1059,8 +1059,7 @@ def main(argv=None) -> int:
                     help="folder of cached reference plans (sim.PlanCache)")
     ap.add_argument("--no-plan-cache", action="store_true", help="solve every plan, read and write no cache")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_options(ap, argv)
     if args.quick:
         args.eps, args.slots, args.large_slots, args.seeds = [8, 16], [0, 2], [0, 2], 1
     if "static" not in args.policies or "topoep" not in args.policies:
