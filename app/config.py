@@ -39,42 +39,67 @@ class ModelConfig:
     group: ClassVar[str] = "model"  # how errors name a field: model.<field>
 
     name: str
+    """The model's name in logs, W&B and run directories (configs/model/<name>.yaml)."""
     num_layers: int
     """Transformer layers in total (dense + MoE)."""
     first_k_dense: int = 0
     """Leading dense (non-MoE) layers (GLM-4.5-Air and DeepSeek-V2 have one)."""
     hidden_size: int
+    """Model width (megatron TransformerConfig.hidden_size)."""
     num_attention_heads: int
+    """Query heads per attention layer."""
     num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention; must divide num_attention_heads); None: one per query head."""
     kv_channels: int | None = None
+    """Width of one attention head; None: hidden_size / num_attention_heads."""
     ffn_hidden_size: int
     """FFN size of the dense layers."""
     num_moe_experts: int
+    """Routed experts per MoE layer (spread over the expert-parallel ranks)."""
     moe_ffn_hidden_size: int
+    """FFN size of one routed expert."""
     moe_router_topk: int
+    """Experts each token is routed to (k)."""
     moe_shared_expert_intermediate_size: int | None = None
+    """FFN size of the shared experts every token goes through (Qwen2-MoE, DeepSeek-V2, GLM-4.5); None: none."""
     moe_router_score_function: str = "softmax"
     """softmax or sigmoid (GLM-4.5's router, with expert bias)."""
     moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (GLM-4.5, with the sigmoid score): a per-expert bias added to the scores for the
+    choice of experts only, not to the routing weights."""
     moe_router_num_groups: int | None = None
     """Group-limited routing (DeepSeek-V2): number of expert groups ..."""
     moe_router_group_topk: int | None = None
     """... and how many of them a token may use."""
     moe_router_topk_scaling_factor: float | None = None
+    """Factor the top-k routing weights are multiplied by (DeepSeek-V2's routed_scaling_factor); None: 1."""
     moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (true) or over the chosen k after it (false)."""
     moe_router_load_balancing_type: str = "aux_loss"
+    """megatron-core's balancing loss: aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, quantile_balancing or
+    none. It shapes the routing the balancer sees; the balancer never changes the routing."""
     moe_aux_loss_coeff: float = 1e-3
+    """Weight of the balancing loss in the total loss (>= 0)."""
     moe_router_dtype: str | None = None
+    """The router's score dtype: fp32, fp64, or None (the activations' dtype)."""
     qk_layernorm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
     add_qkv_bias: bool = False
+    """Bias on the query/key/value projection (Qwen2, GLM-4.5)."""
     normalization: str = "RMSNorm"
+    """The model's norm layer (megatron-core's name: RMSNorm or LayerNorm)."""
     layernorm_epsilon: float = 1e-6
+    """Epsilon of the norm layers."""
     rotary_base: float = 10000.0
+    """RoPE base frequency."""
     rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates."""
     multi_latent_attention: bool = False
+    """DeepSeek-V2's multi-head latent attention (MLA; its sizes in `mla`) instead of standard attention."""
     mla: dict[str, Any] = field(default_factory=dict)
     """MLATransformerConfig fields (q_lora_rank, kv_lora_rank, qk_head_dim, ...) when MLA is on."""
     init_method_std: float = 0.02
+    """Standard deviation of the weights' normal initialisation."""
     vocab_size: int | None = None
     """None: the tokenizer's vocabulary (padded to a multiple of 128)."""
     tokenizer: str = "Qwen/Qwen3-30B-A3B"
