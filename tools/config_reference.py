@@ -97,7 +97,23 @@ def render() -> str:
             lines += [_row(f, "eplb.", docs) for f in own]
             continue
         lines += table(cls, f"{group}.")
+    lines += data_group()
     return "\n".join(lines) + "\n"
+
+
+def data_group() -> list[str]:
+    """The `data` group (`data.config.DataConfig`, configs/data/*.yaml): the corpus fields and those of its parts."""
+    from data.config import DataConfig, DedupConfig, SourceConfig, TokenizerConfig
+
+    lines = ["", "### `data` (DataConfig)", "", " ".join(DataConfig.__doc__.split()),
+             "`data=offline` (the default: a corpus built on first use from the Python standard library, no network) "
+             "or `data=paper` (the paper's corpus, built once with `HF_TOKEN=... python -m data.build data=paper`; docs/training.md).", ""]
+    lines += table(DataConfig, "data.")
+    for name, cls in (("data.tokenizer", TokenizerConfig), ("data.dedup", DedupConfig),
+                      ("data.sources.<name>", SourceConfig)):
+        lines += ["", f"`{name}` ({cls.__name__}): {' '.join(cls.__doc__.split())}", ""]
+        lines += table(cls, f"{name}.")
+    return lines
 
 
 def main() -> int:
