@@ -210,6 +210,10 @@ GPU = [
     Entry(("gpu/fetch_overlap",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup fetch_overlap"),
     Entry(("gpu/relay_async",), GPU_SESSION, "-", "1 GPU", "the commands in its README (a part of "
           "bash tools/gpu_session.sh setup relay_async)"),
+    Entry(("gpu/verify_28f58f0",), GPU_SESSION, "-", "1 GPU", "VERIFY_TIMEOUT=360 bash tools/gpu_session.sh setup "
+          "verify"),
+    Entry(("gpu/verify_6d24f18",), GPU_SESSION, "-", "1 GPU", "VERIFY_EP8=0 VERIFY_AUDIT=0 bash tools/gpu_session.sh "
+          "setup verify (its README names the options)"),
     Entry(("gpu/copy_kernels",), "bench/copy_kernels.py", "-", "1 GPU", "bash tools/gpu_session.sh setup copy_kernels "
           "(python bench/copy_kernels.py)"),
     Entry(("gpu/relay_chunks",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup relay_chunks (its "
