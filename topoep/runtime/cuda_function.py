@@ -20,7 +20,8 @@ their results where the GEMM wrote them (CudaChunk.inv; weighting.py's `local`);
 With two chunks (LayerConfig.num_chunks=2) the tokens are split in two halves, each with its own route (the plan's route row
 split at the boundary), layout and region of the receive buffers; on a GPU with the peer transport, dispatch and
 combine then run on a comm stream, the second half's dispatch beside the first half's GEMMs and the first half's
-combine beside the second's (paper 3.3's two-chunk pipeline; not yet run on a GPU).
+combine beside the second's (paper 3.3's two-chunk pipeline; tested on one GPU with the ranks sharing it, its
+overlap not yet measured across GPUs).
 Backward runs the same steps for the token gradients (the dispatch scales each row by its top-k weight as it
 sends it; the weights' gradient is one kernel over the kept expert outputs), computes every data gradient before the weight
 gradients, and returns the replica weight gradients to their main ranks (summed there in source, slot
