@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_cuda_backend_gpu import E_LOC, FD, H, _dense, _routing
+from test_cuda_backend_gpu import E_LOC, FD, H, _dense, _guarded_plus, _routing
 
 WORLD = 4  # as 2 domains of 2; one test runs 8 processes as 2 domains of 4 (issue 10's layout, on the CPU)
 
@@ -204,37 +204,14 @@ def test_two_chunks_with_uneven_token_counts():
         assert max(rel) < 0.05, rel  # bf16: the two backends round differently
 
 
-def _one_rank_guarded_plus(rank, world, spread, peers, probe):
-    """A guarded topoep_plus layer with the gated candidates on one rank, 3 calls (5 with `probe`, the spread gate
-    probing every second call) on both backends: (guard_fired, plan_spread, spread_planned, plan_peer) per call."""
-    from topoep import ExpertParallelMoE, Topology
-    from topoep.runtime import NetBenefitGuard
-
-    out = {}
-    for backend in ("torch", "cuda"):
-        guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=1.0 if probe else 0.0)
-        layer = ExpertParallelMoE(num_experts=E_LOC, hidden_size=H, ffn_hidden_size=FD,
-                                  topology=Topology(num_domains=1, ranks_per_domain=1), num_slots=2,
-                                  policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device="cpu",
-                                  guard=guard, plus_spread=spread, plus_peers=peers, spread_probe=2,
-                                  capacity_factor=None, **harness(backend))
-        rows = []
-        for _ in range(5 if probe else 3):
-            x, idx, w, gy = _routing(1, 30, 3.0, "cpu")[0]
-            y = layer(x.to(torch.bfloat16).requires_grad_(), idx, w.to(torch.bfloat16))
-            (y * gy.to(torch.bfloat16)).sum().backward()
-            s = layer.stats_dict()
-            rows.append((s["guard_fired"], s["plan_spread"], s["spread_planned"], s["plan_peer"]))
-        out[backend] = rows
-    return out
-
-
 @pytest.mark.parametrize("spread,peers,probe", [(True, False, False), (False, True, False), (True, True, True)],
                          ids=["plus_spread", "plus_peers", "probe"])
 def test_one_rank_plans_nothing_and_runs_no_gated_planner(spread, peers, probe):
     """EP 1 (what tests/test_cuda_backend_gpu.py's guarded topoep_plus tests run at TOPOEP_GPU_WORLD=1): no replica
     can help one rank, so the pre-plan bound plans nothing on every call, the spread gate's probes included, and the
     guard fires; both backends log the same."""
-    out = run_ranks(_one_rank_guarded_plus, 1, spread, peers, probe)[0]
+    out = run_ranks(_guarded_plus, 1, spread, probe, peers, True)[0]
     assert out["cuda"] == out["torch"], out
-    assert out["cuda"] == [(1.0, 0.0, 0.0, 0.0)] * (5 if probe else 3), out
+    assert len(out["cuda"]) == (5 if probe else 3), out
+    for fired, local, spread_kept, spread_planned, replicas, _, peer in out["cuda"]:
+        assert (fired, local, spread_kept, spread_planned, replicas, peer) == (1.0, 0.0, 0.0, 0.0, 0.0, 0.0), out

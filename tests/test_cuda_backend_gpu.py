@@ -461,7 +461,7 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world, spread=False, probe=False, peers=False):
+def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
     topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
     csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same
@@ -469,20 +469,22 @@ def _guarded_plus(rank, world, spread=False, probe=False, peers=False):
     beyond beating the others (spread_plan_s 0), probing it on call 2 (spread_probe 2); with `probe`, 5 calls of a
     spread planner that never pays (spread_plan_s 1 s): it runs on the probes, calls 2 and 4, only, the gate's state
     carried through the graph's replays. With `peers` (LayerConfig.plus_peers) FlexMoE's and DeepSeek EPLB's plans
-    (csrc/peers.cu) are candidates too."""
-    from topoep import ExpertParallelMoE
+    (csrc/peers.cu) are candidates too. With `cpu`, on the CPU over gloo (backend cuda's CPU harness, one domain of
+    `world` ranks: tests/test_cuda_backend_cpu.py)."""
+    from topoep import ExpertParallelMoE, Topology
     from topoep.runtime import NetBenefitGuard
 
-    dev = _setup(rank)
+    dev = "cpu" if cpu else _setup(rank)
     E = world * E_LOC
-    topo = _topology()
+    topo = Topology(num_domains=1, ranks_per_domain=world) if cpu else _topology()
     out = {}
     for backend in ("torch", "cuda"):
         guard = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0, spread_plan_s=1.0 if probe else 0.0)
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
                                   guard=guard, plus_spread=spread, plus_peers=peers, spread_probe=2,
-                                  **(cuda_options(capacity_factor=None) if backend == "cuda" else
+                                  **(dict(capacity_factor=None, _cpu_harness=True) if cpu and backend == "cuda" else
+                                     cuda_options(capacity_factor=None) if backend == "cuda" else
                                      dict(capacity_factor=None, relay_fanout=RELAY)))
         rows = []
         for call in range(5 if probe else 3):
