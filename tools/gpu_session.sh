@@ -48,15 +48,15 @@ step_verify() {  # every GPU test at once, the first check after many changes (c
     tests/test_bench_grouped_gemm.py tests/test_bench_guard_latency.py tests/test_bench_layer_limit.py
     tests/test_bench_replica_copy.py"
   local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
-  local limit=${VERIFY_TIMEOUT:-420} p1 p2 rc1 rc2
+  local p1 p2 rc1 rc2
+  # the pytest command of both suites: the whole limit, each test's own, every test named as it ends
+  local run=(timeout -k 10 "${VERIFY_TIMEOUT:-420}" python3 -m pytest -v -rA -p no:benchmark
+             --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10)
   # shellcheck disable=SC2086
-  TOPOEP_GPU_WORLD=1 timeout -k 10 "$limit" python3 -m pytest -v -rA -p no:benchmark \
-    --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10 -n "${VERIFY_WORKERS:-8}" $one \
-    > "$OUT/verify/one_process.log" 2>&1 & p1=$!
+  TOPOEP_GPU_WORLD=1 "${run[@]}" -n "${VERIFY_WORKERS:-8}" $one > "$OUT/verify/one_process.log" 2>&1 & p1=$!
   if [ "${VERIFY_EP8:-1}" = 1 ]; then
     # shellcheck disable=SC2086
-    env $ep8 timeout -k 10 "$limit" python3 -m pytest -v -rA -p no:benchmark \
-      --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10 -n "${VERIFY_EP8_WORKERS:-2}" tests/test_cuda_backend_gpu.py \
+    env $ep8 "${run[@]}" -n "${VERIFY_EP8_WORKERS:-2}" tests/test_cuda_backend_gpu.py \
       > "$OUT/verify/ep8_rpd4_relay2_async.log" 2>&1 & p2=$!
   else
     echo "VERIFY_EP8=0: left out" > "$OUT/verify/ep8_rpd4_relay2_async.log"; p2=
@@ -67,11 +67,11 @@ step_verify() {  # every GPU test at once, the first check after many changes (c
   grep -hE "(FAILED|ERROR) tests/" "$OUT"/verify/*.log | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
   [ "${VERIFY_AUDIT:-1}" = 1 ] || { [ $rc1 = 0 ] && [ $rc2 = 0 ]; return; }
   local rc3 rc4
-  TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py > "$OUT/verify/audit_ep1.log" 2>&1; rc3=$?
-  audit_summary "sync audit EP 1" $rc3 "$OUT/verify/audit_ep1.log"; rc3=$?
+  TOPOEP_GPU_WORLD=1 timeout -k 10 120 python3 tools/sync_audit.py > "$OUT/verify/audit_ep1.log" 2>&1
+  audit_summary "sync audit EP 1" $? "$OUT/verify/audit_ep1.log"; rc3=$?
   # shellcheck disable=SC2086
-  env $ep8 timeout -k 10 150 python3 tools/sync_audit.py > "$OUT/verify/audit_ep8.log" 2>&1; rc4=$?
-  audit_summary "sync audit EP 8 async relays" $rc4 "$OUT/verify/audit_ep8.log"; rc4=$?
+  env $ep8 timeout -k 10 150 python3 tools/sync_audit.py > "$OUT/verify/audit_ep8.log" 2>&1
+  audit_summary "sync audit EP 8 async relays" $? "$OUT/verify/audit_ep8.log"; rc4=$?
   [ $rc1 = 0 ] && [ $rc2 = 0 ] && [ $rc3 = 0 ] && [ $rc4 = 0 ]
 }
 
