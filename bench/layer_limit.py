@@ -10,9 +10,12 @@ same run, so the ratios hold for the GPU the script ran on.
 The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, expert FFN F, A = T k rows):
     GEMMs   the six GEMMs of a SwiGLU expert, forward [A, H] x [H, 2F] and [A, F] x [F, H], their two data
             gradients and two weight gradients (2 A H 3F x 3 FLOPs), each timed as one dense bf16 matmul of the
-            same total size (`dense`; the best a GEMM of that size does on this GPU) and, beside it, as
-            torch._grouped_mm over E perfectly even groups (`even groups`: what the grouped kernel does at
-            our group sizes)
+            same total size (`dense`; the best a GEMM of that size does on this GPU), but never faster than its
+            own HBM bytes at the measured copy bandwidth (`roofline`: a grouped GEMM reads or writes all E
+            experts' weights, E times a dense GEMM's one matrix, besides its rows: 1.2 GB per forward or
+            backward at the Qwen3 shape; on a GPU whose bandwidth is low for its FLOPs this, not the FLOPs, sets
+            the GEMM's time), and, beside it, as torch._grouped_mm over E perfectly even groups (`even groups`:
+            what the grouped kernel does at our group sizes)
     bytes   every row an unfused-but-single-pass layer must move through HBM outside the GEMMs, at the
             measured device copy bandwidth (bytes read + written per second): forward, the gather of x into
             expert order (T H read, A H written), the SwiGLU activation (2 A F read, A F written), the
@@ -20,7 +23,8 @@ The limit of one forward + backward call (T tokens, top-k, E experts, hidden H, 
             the scatter of the output gradient (T H read, A H written), the activation's gradient (3 A F read,
             2 A F written, and A F written: the activation the weight gradient reads), the sum of each token's
             k input gradients (A H read, T H written). 2 bytes per bf16 element.
-    limit   dense GEMMs + bytes (the phases are not overlapped: a layer that overlaps them can go below it)
+    limit   GEMMs (each the larger of its dense time and its HBM bytes' time) + bytes (the phases are not
+            overlapped: a layer that overlaps them can go below it)
 
 Layers, all on the same input, routing, weights and output gradient:
     cuda/static, cuda/topoep     `topoep.ExpertParallelMoE`, backend cuda (transport peer), 2 replica slots;
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -91,6 +96,36 @@ def gemm_flops(A: int, H: int, Fd: int) -> int:
     return sum(2 * M * K * N for _, M, K, N in gemm_shapes(A, H, Fd))
 
 
+def gemm_bytes(A: int, E: int, H: int, Fd: int) -> dict[str, int]:
+    """HBM bytes each of the six grouped GEMMs must move at least once (module docstring): its two operands read
+    and its result written, the E experts' weight matrices being one operand of the forward and data-gradient GEMMs
+    ([E, K, N] read) and the result of the weight gradients ([E, M, N] written)."""
+    out = {}
+    for name, M, K, N in gemm_shapes(A, H, Fd):
+        if name.startswith("wgrad"):  # [M, A] x [A, N] summed per group into E results
+            out[name] = BF16 * (M * K + K * N + E * M * N)
+        else:  # [A, K] x [E, K, N] over groups of rows
+            out[name] = BF16 * (M * K + E * K * N + M * N)
+    return out
+
+
+def limit_parts(dense_ms: dict[str, float], even_ms: dict[str, float], copy_gb_per_s: float, T: int, k: int, E: int,
+                H: int, Fd: int) -> dict:
+    """The limit (module docstring) from the measured parts: each GEMM's dense time and even-groups time (ms), the
+    copy bandwidth (GB/s, bytes read + written); ms."""
+    A = T * k
+    bw = copy_gb_per_s * 1e9
+    flops, moved, gb = gemm_flops(A, H, Fd), row_bytes(T, k, H, Fd), gemm_bytes(A, E, H, Fd)
+    roof = {n: max(dense_ms[n], 1e3 * gb[n] / bw) for n in dense_ms}
+    gemm_ms, roof_ms, even_ms_sum = sum(dense_ms.values()), sum(roof.values()), sum(even_ms.values())
+    bytes_ms = 1e3 * moved / bw
+    return dict(gemm_dense_ms=gemm_ms, gemm_roofline_ms=roof_ms, gemm_even_ms=even_ms_sum, bytes_ms=bytes_ms,
+                limit_ms=roof_ms + bytes_ms, limit_even_ms=even_ms_sum + bytes_ms, tflops=flops / 1e12,
+                dense_tflops_per_s=flops / gemm_ms / 1e9, even_tflops_per_s=flops / even_ms_sum / 1e9,
+                copy_gb_per_s=copy_gb_per_s, row_gb=moved / 1e9, gemm_gb=sum(gb.values()) / 1e9,
+                dense_ms=dict(dense_ms), even_ms=dict(even_ms), roofline_ms=roof)
+
+
 def row_bytes(T: int, k: int, H: int, Fd: int) -> int:
     """HBM bytes an unfused single-pass layer moves outside its GEMMs in forward + backward (module docstring)."""
     A = T * k
@@ -120,13 +155,7 @@ def measure_limit(T: int, k: int, E: int, H: int, Fd: int, dev, iters: int) -> d
     dst = torch.empty_like(src)
     copy_ms = median_cuda_ms(lambda: dst.copy_(src), iters)
     bw = 2 * nbytes / (copy_ms * 1e-3)  # read + written
-    flops, moved = gemm_flops(A, H, Fd), row_bytes(T, k, H, Fd)
-    gemm_ms, even_ms = sum(dense.values()), sum(grouped.values())
-    bytes_ms = 1e3 * moved / bw
-    return dict(gemm_dense_ms=gemm_ms, gemm_even_ms=even_ms, bytes_ms=bytes_ms, limit_ms=gemm_ms + bytes_ms,
-                limit_even_ms=even_ms + bytes_ms, tflops=flops / 1e12, dense_tflops_per_s=flops / gemm_ms / 1e9,
-                even_tflops_per_s=flops / even_ms / 1e9, copy_gb_per_s=bw / 1e9, row_gb=moved / 1e9,
-                dense_ms=dense, even_ms=grouped)
+    return limit_parts(dense, grouped, bw / 1e9, T, k, E, H, Fd)
 
 
 # -- the plain PyTorch layer --------------------------------------------------------------------------------
@@ -370,6 +399,9 @@ def parse_args(argv):
     ap.add_argument("--cutlass-config", type=int, nargs=2, default=[0, 0], metavar=("WGRAD", "MM"),
                     help="with --cutlass: the weight-gradient and the M-grouped configuration, by index "
                          "(cutlass_wgrad.WGRAD_CONFIGS, MM_CONFIGS)")
+    ap.add_argument("--from-json", type=Path, default=None, metavar="JSON",
+                    help="measure nothing: write the report of a run again from its JSON (its measured parts, the "
+                         "limit and ratios as this script computes them; no GPU needed)")
     ap.add_argument("--out", type=Path, default=REPO / "results", help="directory for the report")
     ap.add_argument("--name", default="layer_limit", help="report name")
     args = parse_options(ap, argv)
@@ -386,6 +418,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        return rerender(args.from_json, args.out, args.name)
     if not torch.cuda.is_available():
         raise SystemExit("bench/layer_limit.py measures one GPU: run it on a machine with CUDA")
     dev = bench_gpu()
@@ -443,8 +477,7 @@ def main(argv=None) -> int:
                     profiles.append(f"## {T} tokens, {rname}, {name}\n{profile_table(run)}")
                 if args.host_profile and name.startswith("cuda/"):
                     profiles.append(f"## {T} tokens, {rname}, {name}\n{host_profile(run)}")
-                row.update(vs_limit=row["ms"] / lim["limit_ms"], vs_limit_even=row["ms"] / lim["limit_even_ms"],
-                           gpu_vs_limit=row["gpu_ms"] / lim["limit_ms"])
+                row.update(ratios(row, lim))
                 rows.append(row)
                 print(f"  {T} {rname} {name}: {row['ms']:.2f} ms (GPU {row['gpu_ms']:.2f}, host {row['host_ms']:.2f}) "
                       f"= {row['vs_limit']:.2f}x limit", flush=True)
@@ -454,6 +487,50 @@ def main(argv=None) -> int:
         (args.out / f"{args.name}_profile.txt").write_text("\n".join(profiles))
     dist.destroy_process_group()
     return 0
+
+
+def ratios(row: dict, lim: dict) -> dict:
+    """A layer's times against the limit of its token count."""
+    return dict(vs_limit=row["ms"] / lim["limit_ms"], vs_limit_even=row["ms"] / lim["limit_even_ms"],
+                gpu_vs_limit=row["gpu_ms"] / lim["limit_ms"])
+
+
+def measuring_options(config: dict) -> list[str]:
+    """The measuring options of a run from its JSON's config (bench/layer_limit.py's own options, as parsed)."""
+    argv = ["--tokens", *map(str, config["tokens"]), "--iters", str(config["iters"])]
+    if config.get("routings") not in (None, ["balanced", "uniform"]):
+        argv += ["--routings", *config["routings"]]
+    for flag in ("no_megatron", "graphed", "cutlass"):
+        if config.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
+    if config.get("cutlass") and config.get("cutlass_config", [0, 0]) != [0, 0]:
+        argv += ["--cutlass-config", *map(str, config["cutlass_config"])]
+    return argv
+
+
+def rerender(path: Path, out: Path, name: str) -> int:
+    """--from-json: the report of a run again from its JSON (the measured parts: each GEMM's dense and even-groups
+    time, the copy bandwidth, every layer's times), its limit and ratios computed by this version of the script; the
+    run's date, commit and hardware kept."""
+    data = json.loads(path.read_text())
+    c = data["config"]
+    limits = {int(T): limit_parts(v["dense_ms"], v["even_ms"], v["copy_gb_per_s"], int(T), c["topk"], c["experts"],
+                                  c["hidden"], c["ffn"]) for T, v in data["limits"].items()}
+    rows = [r if "error" in r else {**r, **ratios(r, limits[r["tokens"]])} for r in data["rows"]]
+    args = argparse.Namespace(**{**c, "out": out, "name": name})
+    info = {k: data[k] for k in ("date", "commit", "hardware", "config")}
+    measured = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py", *measuring_options(c)])
+    report(args, rows, limits, info=info,
+           cmd=f"{measured}`, then `python bench/layer_limit.py --from-json {_shown(path)} --name {name}")
+    return 0
+
+
+def _shown(path: Path) -> str:
+    """A path as a report names it: relative to the repository where it lies in it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return path.name
 
 
 def layers_table(rows: list[dict]) -> str:
@@ -475,34 +552,37 @@ def layers_table(rows: list[dict]) -> str:
     return out + ("\n\n" + "\n".join(failed) if failed else "")
 
 
-def report(args, rows: list[dict], limits: dict) -> None:
-    info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-    cmd = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py",
-                    *without_options(args.argv, "--out")])
+def report(args, rows: list[dict], limits: dict, info: dict | None = None, cmd: str | None = None) -> None:
+    """<out>/<name>.md and .json; info and cmd (the provenance and the reproduce line) default to this run's."""
+    info = info or run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    cmd = cmd or " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py", *without_options(args.argv, "--out")])
     text = ["# One MoE layer on one GPU against its physical limit\n",
             f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
             f"- shape: {args.experts} experts, hidden {args.hidden}, expert FFN {args.ffn} (SwiGLU), top-{args.topk}, "
             f"bf16, EP 1; topoep layers: backend cuda, {args.slots} replica slots"
             + (f"; megatron experts: {getattr(args, 'megatron_experts', '-')}" if not args.no_megatron else ""),
-            "- limit: the six expert GEMMs timed as dense bf16 matmuls of the same size, plus the rows an unfused "
-            "single-pass layer moves through HBM at the measured copy bandwidth (`bench/layer_limit.py` docstring); "
-            "`even`: the GEMMs as torch._grouped_mm over perfectly even groups instead",
+            "- limit: the six expert GEMMs, each timed as a dense bf16 matmul of the same size but never below its "
+            "own HBM bytes (its rows and all experts' weights) at the measured copy bandwidth (`roofline`), plus the "
+            "rows an unfused single-pass layer moves through HBM outside them at that bandwidth "
+            "(`bench/layer_limit.py` docstring); `even`: the GEMMs as torch._grouped_mm over perfectly even groups "
+            "instead",
             "- ms: median forward + backward from an idle GPU; GPU ms: the GPU's own time (the call queued behind a "
             "sleep); host ms: the host's time to issue it; phases: serialised (PhaseTimer), ms",
             f"- reproduce: `{cmd}`", "", "## The limit", ""]
     text.append(markdown_table(
-        ["tokens", "TFLOP", "GEMMs dense ms", "dense TFLOP/s", "GEMMs even groups ms", "even TFLOP/s", "row GB",
-         "copy GB/s", "bytes ms", "limit ms", "limit (even) ms"],
+        ["tokens", "TFLOP", "GEMMs dense ms", "dense TFLOP/s", "GEMM GB", "GEMMs roofline ms", "GEMMs even groups ms",
+         "even TFLOP/s", "row GB", "copy GB/s", "bytes ms", "limit ms", "limit (even) ms"],
         [[T, f"{v['tflops']:.3f}", f"{v['gemm_dense_ms']:.2f}", f"{v['dense_tflops_per_s']:.0f}",
+          f"{v['gemm_gb']:.2f}", f"{v['gemm_roofline_ms']:.2f}",
           f"{v['gemm_even_ms']:.2f}", f"{v['even_tflops_per_s']:.0f}", f"{v['row_gb']:.2f}",
           f"{v['copy_gb_per_s']:.0f}", f"{v['bytes_ms']:.2f}", f"{v['limit_ms']:.2f}", f"{v['limit_even_ms']:.2f}"]
          for T, v in limits.items()]))
     text += ["", "## The layers", "", layers_table(rows)]
-    text += ["", "Per-GEMM times (ms): dense / even groups", ""]
+    text += ["", "Per-GEMM times (ms): dense / roofline (the larger of dense and its HBM bytes) / even groups", ""]
     names = [n for n, *_ in gemm_shapes(1, 1, 1)]
     text.append(markdown_table(["tokens", *names],
-                               [[T, *(f"{v['dense_ms'][n]:.3f} / {v['even_ms'][n]:.3f}" for n in names)]
-                                for T, v in limits.items()]))
+                               [[T, *(f"{v['dense_ms'][n]:.3f} / {v['roofline_ms'][n]:.3f} / {v['even_ms'][n]:.3f}"
+                                      for n in names)] for T, v in limits.items()]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text("\n".join(text) + "\n")
     write_json(args.out / f"{args.name}.json", {**info, "limits": {str(T): v for T, v in limits.items()}}, rows)
