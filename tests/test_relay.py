@@ -388,3 +388,92 @@ def test_relays_are_drawn_from_the_ranks_with_the_least_duty():
     source, level = relay_sources(plan, 2)
     assert source.tolist() == [[2, -1], [2, -1], [0, 1], [0, 1]]
     assert level.tolist() == [[2, 0], [2, 0], [1, 1], [1, 1]]
+
+
+def _async_return(plan, fanout):
+    """The copy-by-copy gradient return (`_push_grads_async_kernel`) walked on the host from the tables of
+    `async_return_tables`: a slot sends once every child in its table has sent to it, the sum of its own gradient and
+    what they sent; returns (the slots that never send, {expert: the slots whose gradients its home adds}), the home
+    adding the regions of the level-1 copies fetched from it (`reduce_grads`)."""
+    from collections import Counter
+
+    from topoep.runtime.symm import async_return_tables
+
+    R, N = plan.num_ranks, plan.num_slots
+    se = plan.slot_expert.reshape(-1)
+    source, level = (t.reshape(-1) for t in relay_sources(plan, fanout))
+    levels = max(int(level.max()), 1)
+    children = {}
+    for me in range(R):
+        items, count, table = async_return_tables(se, source, level, levels, me, N, fanout)
+        for t in range(N):
+            children[me * N + t] = [int(c) for c in table[t] if c >= 0]
+    sent, changed = {}, True
+    occupied = [g for g in range(R * N) if se[g] >= 0]
+    while changed:
+        changed = False
+        for g in occupied:
+            if g not in sent and all(c in sent for c in children[g]):
+                sent[g] = Counter([g]) + sum((sent[c] for c in children[g]), Counter())
+                changed = True
+    stuck = [g for g in occupied if g not in sent]
+    home = {}
+    for g in occupied:
+        e = int(se[g])
+        if int(level[g]) == 1 and int(source[g]) == int(plan.main_rank[e]) and g in sent:
+            home[e] = home.get(e, Counter()) + sent[g]
+    return stuck, home
+
+
+def _self_copy_plans():
+    """Plans whose slots hold copies on their experts' home ranks (the capacity step's), among other copies: the
+    slot table of a 4-layer test at EP 8 (2 domains of 4, 8 experts per rank, the hot ones on rank 0) and random
+    tables."""
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    base = solve(torch.ones(8, 64, dtype=torch.int64), topo, num_slots=2, policy="static", backend="reference",
+                 expert_bytes=1000, token_bytes=10)
+    yield dataclasses.replace(base, slot_expert=torch.tensor([[6, 3], [6, 1], [4, 0], [1, 3], [5, 7], [5, 2], [7, 4],
+                                                              [2, 7]]))
+    g = torch.Generator().manual_seed(3)
+    for (M, d, e_loc, N), _ in itertools.product([(2, 4, 2, 2), (1, 6, 1, 3), (3, 2, 2, 2)], range(4)):
+        topo = Topology(num_domains=M, ranks_per_domain=d)
+        R = M * d
+        base = solve(torch.ones(R, R * e_loc, dtype=torch.int64), topo, num_slots=N, policy="static",
+                     backend="reference", expert_bytes=1000, token_bytes=10)
+        hot = torch.randperm(R * e_loc, generator=g)[:3]  # a few hot experts, in every rank's slots, homes included
+        se = torch.full((R, N), -1, dtype=torch.int64)
+        for r in range(R):
+            picks = [int(e) for e in hot[torch.randperm(3, generator=g)[:N]]]
+            se[r, :len(picks)] = torch.tensor(picks)
+        yield dataclasses.replace(base, slot_expert=se)
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_the_copy_by_copy_return_sums_every_copy_once_and_never_waits_on_itself(fanout):
+    """`async_return_tables` gives each slot the copies fetched from it one level deeper (the level-by-level return's
+    children), never the slot itself, and a copy on its expert's home rank none: otherwise that slot waits for its
+    own flag (the return hangs) and the home adds its direct copies twice. Walked on the host, every slot sends and
+    each expert's home adds every copy of it exactly once."""
+    from collections import Counter
+
+    from topoep.runtime.symm import async_return_tables
+
+    plans = list(_self_copy_plans()) + list(_plans())
+    assert any(bool(((p.slot_expert >= 0) & (p.main_rank[p.slot_expert.clamp(min=0)]
+                                              == torch.arange(p.num_ranks)[:, None])).any()) for p in plans)
+    for plan in plans:
+        R, N = plan.num_ranks, plan.num_slots
+        se = plan.slot_expert.reshape(-1)
+        source, level = (t.reshape(-1) for t in relay_sources(plan, fanout))
+        for me in range(R):
+            table = async_return_tables(se, source, level, max(int(level.max()), 1), me, N, fanout)[2]
+            for t in range(N):
+                g = me * N + t
+                want = [s for s in range(R * N) if se[g] >= 0 and int(se[s]) == int(se[g]) and int(source[s]) == me
+                        and int(level[s]) == int(level[g]) + 1]
+                assert [int(c) for c in table[t] if c >= 0] == want[:fanout] and len(want) <= fanout, (me, t)
+                assert g not in table[t].tolist()
+        stuck, home = _async_return(plan, fanout)
+        assert stuck == []
+        for e in {int(x) for x in se if x >= 0}:
+            assert home[e] == Counter(s for s in range(R * N) if int(se[s]) == e), (e, home.get(e))

@@ -622,8 +622,11 @@ def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Ten
                         fanout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(items int64[N], count int64 0-d, children int64[N, fanout]) of rank `me` in a copy-by-copy gradient return
     (`_push_grads_async_kernel`): its occupied slots, deepest level first, then in slot order; and per slot the
-    copies fetched from it (its children in the relay tree: at most `fanout`), in slot order, -1 after the last. On
-    the device, no host sync."""
+    copies fetched from it (its children in the relay tree: at most `fanout`), in slot order, -1 after the last. A
+    child holds the same expert, fetched from `me` one level deeper (the level-by-level return's rule, `_reduce`):
+    where `me` is the expert's home and also holds a copy of it in a slot (the capacity step's copy on its home rank,
+    level 1 from itself), the copies fetched from the home are not that slot's children, nor is the slot itself
+    (its gradient and theirs go to the home's regions, which `reduce_grads` adds). On the device, no host sync."""
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
         raise ValueError(f"the copy-by-copy gradient return needs the trees' fanout (RelayTrees.fanout >= 1), got "
                          f"{fanout!r}")
@@ -632,7 +635,8 @@ def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Ten
     t = torch.arange(N, device=dev)
     occ = my_se >= 0
     items = torch.argsort(torch.where(occ, (levels - my_lvl) * N + t, (levels + 1) * N + t))
-    match = ((se >= 0) & (source == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
+    match = (((se >= 0) & (source == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
+             & (level[None, :] == my_lvl[:, None] + 1))
     pos = match.cumsum(1) - 1
     table = torch.full((N, fanout + 1), -1, dtype=torch.int64, device=dev)  # the last column takes the rest
     table.scatter_(1, torch.where(match & (pos < fanout), pos, fanout),
