@@ -49,8 +49,9 @@ step_verify() {  # every GPU test at once, the first check after many changes (c
     tests/test_bench_replica_copy.py"
   local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
   local p1 p2 rc1 rc2
-  # the pytest command of both suites: the whole limit, each test's own, every test named as it ends
-  local run=(timeout -k 10 "${VERIFY_TIMEOUT:-420}" python3 -m pytest -v -rA -p no:benchmark
+  # the pytest command of both suites: the whole limit, each test's own, every test named as it ends; at the limit
+  # an interrupt (SIGINT), so that pytest still prints each failure's reason and its summary, then a kill 30 s later
+  local run=(timeout -s INT -k 30 "${VERIFY_TIMEOUT:-420}" python3 -m pytest -v -rA -p no:benchmark
              --timeout "${VERIFY_TEST_TIMEOUT:-200}" --durations 10)
   # shellcheck disable=SC2086
   TOPOEP_GPU_WORLD=1 "${run[@]}" -n "${VERIFY_WORKERS:-8}" $one > "$OUT/verify/one_process.log" 2>&1 & p1=$!
