@@ -293,3 +293,65 @@ def test_a_copy_on_its_home_rank_returns_its_gradient_copy_by_copy():
             assert torch.equal(a, b)
         for a, b in zip(out["levels"][0], out["direct"][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# (relay_fanout or None: direct, relay_chunks, bank, the guard's relay choice or None) of the a2a pool check below
+A2A_FETCHES = ((None, 1, 0, None), (1, 1, 0, None), (2, 1, 1, None), (1, 3, 0, None), (2, 2, 1, None),
+               (3, 4, 0, None), (2, 3, 0, False))
+
+
+def _a2a_pool_on_copies_at_home(rank, world):
+    """Backend cuda's a2a replica pool on gloo (its GPU code but the exchange), two banks, on slot tables with copies
+    on their experts' home ranks (tests/test_relay.py `_self_copy_plans` at this EP): every fetch of A2A_FETCHES
+    fills each slot with its expert's weights, and the gradient return adds every copy's gradient to its home once.
+    Integer-valued tensors: every sum is exact. Returns what differed."""
+    from test_relay import _self_copy_plans
+
+    from topoep.relay import relay_trees
+    from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
+
+    H, F = 4, 2
+    errors, pool = [], None
+    for p, plan in enumerate(q for q in _self_copy_plans() if q.num_ranks == world):
+        e_loc, N, se = plan.num_experts // world, plan.num_slots, plan.slot_expert
+        if pool is None or pool.num_slots != N:
+            pool = A2AReplicaPool(GlooExchange(blocks_per_peer=1), N, H, F, torch.float32, banks=2)
+        e0 = rank * e_loc
+        W1 = torch.stack([torch.full((2 * F, H), float(e0 + i)) + torch.arange(H) for i in range(e_loc)])
+        W2 = torch.stack([torch.full((H, F), -float(e0 + i)) - torch.arange(F) for i in range(e_loc)])
+        for fanout, chunks, bank, use in A2A_FETCHES:
+            run = dataclasses.replace(plan, info={} if use is None else {"relay": torch.tensor(use)})
+            relay = relay_trees(run, fanout, chunks) if fanout else None
+            pool.fetch(se, W1, W2, e_loc, bank=bank, relay=relay)
+            fc1, fc2 = pool.bank_weights(bank)
+            case = (p, fanout, chunks, bank, use)
+            for j in range(N):
+                e = int(se[rank, j])
+                if e >= 0 and not (torch.equal(fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
+                                   and torch.equal(fc2[j], torch.full((H, F), -float(e)) - torch.arange(F))):
+                    errors.append(("weights", case, rank, j, e))
+            s1 = torch.stack([torch.full((2 * F, H), float(10 * (rank + 1) + j)) for j in range(N)])
+            s2 = -torch.stack([torch.full((H, F), float(10 * (rank + 1) + j)) for j in range(N)])
+            g1 = torch.stack([torch.full((2 * F, H), 1000.0 * (i + 1)) for i in range(e_loc)])
+            g2 = -g1[:, :H, :F].clone()
+            pool.return_grads(se, g1, g2, e_loc, src=(s1, s2), relay=relay)
+            for i in range(e_loc):
+                want = sum(10 * (r + 1) + j for r in range(world) for j in range(N) if int(se[r, j]) == e0 + i)
+                if not (torch.equal(g1[i], torch.full((2 * F, H), 1000.0 * (i + 1) + want))
+                        and torch.equal(g2[i], torch.full((H, F), -1000.0 * (i + 1) - want))):
+                    errors.append(("gradient", case, rank, i, float(g1[i].flatten()[0]) - 1000.0 * (i + 1), want))
+    return errors
+
+
+@pytest.mark.parametrize("world", [6, 8])
+def test_a2a_pool_fills_and_returns_with_copies_on_home_ranks(world):
+    """The a2a pool (backend cuda's NVSHMEM transport, on gloo here) with a copy of an expert in a slot of its own
+    home rank (the capacity step's; fetched within the rank, no node of a tree) among relayed copies: direct, level
+    by level with chunks, into either bank, and with the guard's direct choice."""
+    from test_relay import _self_copy_plans
+
+    plans = [q for q in _self_copy_plans() if q.num_ranks == world]
+    assert plans and any(bool((q.slot_expert >= 0).logical_and(
+        q.main_rank[q.slot_expert.clamp(min=0)] == torch.arange(world)[:, None]).any()) for q in plans)
+    assert max(int(relay_sources(q, 1)[1].max()) for q in plans) >= 3  # chains of relays
+    assert [e for errs in run_ranks(_a2a_pool_on_copies_at_home, world) for e in errs] == []
