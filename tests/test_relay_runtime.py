@@ -5,6 +5,7 @@ level or copy by copy (LayerConfig.relay_schedule), and the trees really relay (
 more than one level)."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -295,63 +296,86 @@ def test_a_copy_on_its_home_rank_returns_its_gradient_copy_by_copy():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-# (relay_fanout or None: direct, relay_chunks, bank, the guard's relay choice or None) of the a2a pool check below
-A2A_FETCHES = ((None, 1, 0, None), (1, 1, 0, None), (2, 1, 1, None), (1, 3, 0, None), (2, 2, 1, None),
-               (3, 4, 0, None), (2, 3, 0, False))
+# (relay_fanout or None: direct, relay_chunks, bank, the guard's relay choice or None, relay_schedule) of the pool
+# check below; bank 1 and the guard's choice for the a2a pool only, "async" for backend torch only
+POOL_FETCHES = ((None, 1, 0, None, "levels"), (1, 1, 0, None, "levels"), (2, 1, 1, None, "levels"),
+                (1, 3, 0, None, "levels"), (2, 2, 1, None, "levels"), (3, 4, 0, None, "levels"),
+                (2, 3, 0, False, "levels"), (1, 1, 0, None, "async"), (2, 1, 0, None, "async"),
+                (3, 1, 0, None, "async"))
 
 
-def _a2a_pool_on_copies_at_home(rank, world):
-    """Backend cuda's a2a replica pool on gloo (its GPU code but the exchange), two banks, on slot tables with copies
-    on their experts' home ranks (tests/test_relay.py `_self_copy_plans` at this EP): every fetch of A2A_FETCHES
-    fills each slot with its expert's weights, and the gradient return adds every copy's gradient to its home once.
-    Integer-valued tensors: every sum is exact. Returns what differed."""
+def _pools_on_copies_at_home(rank, world):
+    """The replica transfers on gloo, on slot tables with copies on their experts' home ranks (tests/test_relay.py
+    `_self_copy_plans` at this EP): backend cuda's a2a pool (its GPU code but the exchange; two banks) and backend
+    torch's. Every fetch of POOL_FETCHES fills each slot with its expert's weights, and the gradient return adds
+    every copy's gradient to its home once. Integer-valued tensors: every sum is exact. Returns (what differed, the
+    cases each backend ran)."""
     from test_relay import _self_copy_plans
 
     from topoep.relay import relay_trees
     from topoep.runtime.a2a import A2AReplicaPool, GlooExchange
+    from topoep.runtime.backend import TorchBackend
+    from topoep.runtime.pool import ReplicaPool
 
     H, F = 4, 2
-    errors, pool = [], None
-    for p, plan in enumerate(q for q in _self_copy_plans() if q.num_ranks == world):
+    errors, pool, torch_backend, ran = [], None, TorchBackend(), {"a2a": 0, "torch": 0}
+    for (p, plan), backend, (fanout, chunks, bank, use, schedule) in itertools.product(
+            enumerate(q for q in _self_copy_plans() if q.num_ranks == world), ("a2a", "torch"), POOL_FETCHES):
+        if (backend == "a2a" and schedule == "async") or (backend == "torch" and (bank or use is not None)):
+            continue
+        ran[backend] += 1
         e_loc, N, se = plan.num_experts // world, plan.num_slots, plan.slot_expert
-        if pool is None or pool.num_slots != N:
-            pool = A2AReplicaPool(GlooExchange(blocks_per_peer=1), N, H, F, torch.float32, banks=2)
         e0 = rank * e_loc
         W1 = torch.stack([torch.full((2 * F, H), float(e0 + i)) + torch.arange(H) for i in range(e_loc)])
         W2 = torch.stack([torch.full((H, F), -float(e0 + i)) - torch.arange(F) for i in range(e_loc)])
-        for fanout, chunks, bank, use in A2A_FETCHES:
-            run = dataclasses.replace(plan, info={} if use is None else {"relay": torch.tensor(use)})
+        run = dataclasses.replace(plan, info={} if use is None else {"relay": torch.tensor(use)})
+        if backend == "a2a":
+            if pool is None or pool.num_slots != N:
+                pool = A2AReplicaPool(GlooExchange(blocks_per_peer=1), N, H, F, torch.float32, banks=2)
             relay = relay_trees(run, fanout, chunks) if fanout else None
             pool.fetch(se, W1, W2, e_loc, bank=bank, relay=relay)
             fc1, fc2 = pool.bank_weights(bank)
-            case = (p, fanout, chunks, bank, use)
-            for j in range(N):
-                e = int(se[rank, j])
-                if e >= 0 and not (torch.equal(fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
-                                   and torch.equal(fc2[j], torch.full((H, F), -float(e)) - torch.arange(F))):
-                    errors.append(("weights", case, rank, j, e))
-            s1 = torch.stack([torch.full((2 * F, H), float(10 * (rank + 1) + j)) for j in range(N)])
-            s2 = -torch.stack([torch.full((H, F), float(10 * (rank + 1) + j)) for j in range(N)])
-            g1 = torch.stack([torch.full((2 * F, H), 1000.0 * (i + 1)) for i in range(e_loc)])
-            g2 = -g1[:, :H, :F].clone()
+        else:
+            slots = ReplicaPool(N, H, F)
+            torch_backend.fetch_replicas(run, list(W1), list(W2), slots, fanout, chunks, schedule)
+            fc1, fc2 = slots.fc1, slots.fc2
+        case = (p, backend, fanout, chunks, bank, use, schedule)
+        for j in range(N):
+            e = int(se[rank, j])
+            if e >= 0 and not (torch.equal(fc1[j], torch.full((2 * F, H), float(e)) + torch.arange(H))
+                               and torch.equal(fc2[j], torch.full((H, F), -float(e)) - torch.arange(F))):
+                errors.append(("weights", case, rank, j, e))
+        s1 = torch.stack([torch.full((2 * F, H), float(10 * (rank + 1) + j)) for j in range(N)])
+        s2 = -torch.stack([torch.full((H, F), float(10 * (rank + 1) + j)) for j in range(N)])
+        g1 = torch.stack([torch.full((2 * F, H), 1000.0 * (i + 1)) for i in range(e_loc)])
+        g2 = -g1[:, :H, :F].clone()
+        if backend == "a2a":
             pool.return_grads(se, g1, g2, e_loc, src=(s1, s2), relay=relay)
-            for i in range(e_loc):
-                want = sum(10 * (r + 1) + j for r in range(world) for j in range(N) if int(se[r, j]) == e0 + i)
-                if not (torch.equal(g1[i], torch.full((2 * F, H), 1000.0 * (i + 1) + want))
-                        and torch.equal(g2[i], torch.full((H, F), -1000.0 * (i + 1) - want))):
-                    errors.append(("gradient", case, rank, i, float(g1[i].flatten()[0]) - 1000.0 * (i + 1), want))
-    return errors
+        else:  # the slots hold their gradients; the main gradients are a list per expert
+            slots.fc1.copy_(s1)
+            slots.fc2.copy_(s2)
+            torch_backend.return_grads(run, slots, list(g1), list(g2), fanout, chunks, schedule)
+        for i in range(e_loc):
+            want = sum(10 * (r + 1) + j for r in range(world) for j in range(N) if int(se[r, j]) == e0 + i)
+            if not (torch.equal(g1[i], torch.full((2 * F, H), 1000.0 * (i + 1) + want))
+                    and torch.equal(g2[i], torch.full((H, F), -1000.0 * (i + 1) - want))):
+                errors.append(("gradient", case, rank, i, float(g1[i].flatten()[0]) - 1000.0 * (i + 1), want))
+    return errors, ran
 
 
 @pytest.mark.parametrize("world", [6, 8])
-def test_a2a_pool_fills_and_returns_with_copies_on_home_ranks(world):
-    """The a2a pool (backend cuda's NVSHMEM transport, on gloo here) with a copy of an expert in a slot of its own
-    home rank (the capacity step's; fetched within the rank, no node of a tree) among relayed copies: direct, level
-    by level with chunks, into either bank, and with the guard's direct choice."""
+def test_pools_fill_and_return_with_copies_on_home_ranks(world):
+    """The a2a pool (backend cuda's NVSHMEM transport, on gloo here) and backend torch's transfers with a copy of an
+    expert in a slot of its own home rank (the capacity step's; fetched within the rank, no node of a tree) among
+    relayed copies: direct, level by level with chunks, copy by copy (backend torch), into either bank and with the
+    guard's direct choice (the a2a pool)."""
     from test_relay import _self_copy_plans
 
     plans = [q for q in _self_copy_plans() if q.num_ranks == world]
     assert plans and any(bool((q.slot_expert >= 0).logical_and(
         q.main_rank[q.slot_expert.clamp(min=0)] == torch.arange(world)[:, None]).any()) for q in plans)
     assert max(int(relay_sources(q, 1)[1].max()) for q in plans) >= 3  # chains of relays
-    assert [e for errs in run_ranks(_a2a_pool_on_copies_at_home, world) for e in errs] == []
+    out = run_ranks(_pools_on_copies_at_home, world)
+    assert [e for errs, _ in out for e in errs] == []
+    per_plan = {"a2a": 7, "torch": 7}  # POOL_FETCHES each backend runs
+    assert all(ran == {k: v * len(plans) for k, v in per_plan.items()} for _, ran in out)
