@@ -72,6 +72,14 @@ def without_options(argv: list[str], *names: str) -> list[str]:
     return out
 
 
+def repo_relative(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it (a reproduce line names committed files)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def parse_options(parser, argv: list[str] | None):
     """parser.parse_args(argv), with the options themselves kept as args.argv (None: the process's command line) for
     the report's reproduce line (`command`)."""

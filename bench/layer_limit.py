@@ -78,7 +78,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (REPO, bench_gpu, cuda_ms, markdown_table, median_cuda_ms, parse_options,  # noqa: E402
-                          run_info, without_options, write_json)
+                          repo_relative, run_info, without_options, write_json)
 
 QWEN3 = dict(hidden=2048, ffn=768, experts=128, topk=8)
 BF16 = 2  # bytes per element
@@ -521,16 +521,8 @@ def rerender(path: Path, out: Path, name: str) -> int:
     info = {k: data[k] for k in ("date", "commit", "hardware", "config")}
     measured = " ".join(["torchrun --nproc_per_node=1 bench/layer_limit.py", *measuring_options(c)])
     report(args, rows, limits, info=info,
-           cmd=f"{measured}`, then `python bench/layer_limit.py --from-json {_shown(path)} --name {name}")
+           cmd=f"{measured}`, then `python bench/layer_limit.py --from-json {repo_relative(path)} --name {name}")
     return 0
-
-
-def _shown(path: Path) -> str:
-    """A path as a report names it: relative to the repository where it lies in it."""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return path.name
 
 
 def layers_table(rows: list[dict]) -> str:

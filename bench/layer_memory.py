@@ -29,7 +29,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, markdown_table, run_info  # noqa: E402
+from bench.common import REPO, markdown_table, repo_relative, run_info  # noqa: E402
 from topoep import ExpertParallelMoE, Topology  # noqa: E402
 from topoep.memory import layer_memory  # noqa: E402
 from topoep.config import DEFAULT_CAPACITY_FACTOR  # noqa: E402
@@ -162,14 +162,6 @@ def model_scaling(config: dict, tokens: list[int]) -> list[list]:
     return table
 
 
-def _repo_relative(path: Path) -> str:
-    """`path` relative to the repository where it lies inside it (a reproduce line names committed files)."""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
-
-
 def report_md(records: list[dict], infos: list[dict], info: dict, cmd: str) -> str:
     """The report of the raw runs `infos` (their records joined), written under `info` (run_info) by `cmd`."""
     eps = sorted({r["ep"] for r in records})
@@ -274,7 +266,7 @@ def main(argv=None) -> int:
         records = summary([r for run in runs for r in with_model(run["rows"], run["config"])])
         infos = sorted(({k: v for k, v in run.items() if k != "rows"} for run in runs),
                        key=lambda i: i["config"]["world"])
-        named = [_repo_relative(p) for p in args.report]
+        named = [repo_relative(p) for p in args.report]
         info = run_info({"report": named})
         out.mkdir(parents=True, exist_ok=True)
         (out / "layer_memory.json").write_text(json.dumps({**info, "runs": infos, "rows": records}, indent=1) + "\n")
