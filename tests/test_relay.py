@@ -425,6 +425,12 @@ def _async_return(plan, fanout):
     return stuck, home
 
 
+def copies_at_home(plan) -> torch.Tensor:
+    """bool [R, N]: the slots holding a copy of an expert on that expert's own home rank (the capacity step's)."""
+    home = plan.main_rank[plan.slot_expert.clamp(min=0)]
+    return (plan.slot_expert >= 0) & (home == torch.arange(plan.num_ranks)[:, None])
+
+
 def _self_copy_plans():
     """Plans whose slots hold copies on their experts' home ranks (the capacity step's), among other copies: the
     slot table of a 4-layer test at EP 8 (2 domains of 4, 8 experts per rank, the hot ones on rank 0) and random
@@ -459,8 +465,7 @@ def test_the_copy_by_copy_return_sums_every_copy_once_and_never_waits_on_itself(
     from topoep.runtime.symm import async_return_tables
 
     plans = list(_self_copy_plans()) + list(_plans())
-    assert any(bool(((p.slot_expert >= 0) & (p.main_rank[p.slot_expert.clamp(min=0)]
-                                              == torch.arange(p.num_ranks)[:, None])).any()) for p in plans)
+    assert any(bool(copies_at_home(p).any()) for p in plans)
     for plan in plans:
         R, N = plan.num_ranks, plan.num_slots
         se = plan.slot_expert.reshape(-1)

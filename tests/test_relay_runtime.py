@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from test_relay import copies_at_home
 from test_runtime_multirank import dense_reference, make_inputs
 from topoep import ExpertParallelMoE, LayerConfig, Topology
 from topoep.relay import max_level, relay_sources
@@ -277,9 +278,7 @@ def _own_copy(rank, world, seed):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = layer(xr, idx, wr)
         y.sum().backward()
-        plan = layer.last_plan
-        home = plan.main_rank[plan.slot_expert.clamp(min=0)]
-        own = int(((plan.slot_expert >= 0) & (home == torch.arange(world)[:, None])).sum())
+        own = int(copies_at_home(layer.last_plan).sum())
         out[name] = ([y.detach(), xr.grad, wr.grad, layer.fc1.grad.clone(), layer.fc2.grad.clone()], own)
     return out
 
@@ -372,8 +371,7 @@ def test_pools_fill_and_return_with_copies_on_home_ranks(world):
     from test_relay import _self_copy_plans
 
     plans = [q for q in _self_copy_plans() if q.num_ranks == world]
-    assert plans and any(bool((q.slot_expert >= 0).logical_and(
-        q.main_rank[q.slot_expert.clamp(min=0)] == torch.arange(world)[:, None]).any()) for q in plans)
+    assert plans and any(bool(copies_at_home(q).any()) for q in plans)
     assert max(int(relay_sources(q, 1)[1].max()) for q in plans) >= 3  # chains of relays
     out = run_ranks(_pools_on_copies_at_home, world)
     assert [e for errs, _ in out for e in errs] == []

@@ -99,13 +99,13 @@ def _plan(self_copies: bool = False):
 def test_peer_transport_in_the_interpreter(fanout, self_copies, monkeypatch):
     import torch.multiprocessing as mp
 
+    from test_relay import copies_at_home
     from topoep.runtime.symm import SymmReplicaPool
 
     plan = _plan(self_copies)
     source, level = relay_sources(plan, fanout)
     assert int(level.max()) >= 3  # chains of relays
-    home = plan.main_rank[plan.slot_expert.clamp(min=0)]
-    assert bool(((plan.slot_expert >= 0) & (home == torch.arange(R)[:, None])).any()) == self_copies
+    assert bool(copies_at_home(plan).any()) == self_copies
     gen = torch.Generator().manual_seed(fanout)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).share_memory_()  # noqa: E731
     inputs = [(rnd(R, E_LOC, 2 * F, H), rnd(R, E_LOC, H, F), rnd(R, N, 2 * F, H), rnd(R, N, H, F)) for _ in range(2)]
