@@ -216,6 +216,8 @@ GPU = [
           "setup verify (its README names the options)"),
     Entry(("gpu/verify_2890182_h100",), GPU_SESSION, "-", "1 GPU (H100)", "VERIFY_TIMEOUT=420 VERIFY_EP8_WORKERS=3 "
           "bash tools/gpu_session.sh setup verify; then step limit and bench/grouped_gemm.py (its README names them)"),
+    Entry(("gpu/relay_async_88ddfdf_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
+          "(tests/test_cuda_backend_gpu.py at EP 8 with async relays; bench/planner_latency.py, --spread)"),
     Entry(("gpu/copy_kernels",), "bench/copy_kernels.py", "-", "1 GPU", "bash tools/gpu_session.sh setup copy_kernels "
           "(python bench/copy_kernels.py)"),
     Entry(("gpu/relay_chunks",), GPU_SESSION, "-", "1 GPU", "bash tools/gpu_session.sh setup relay_chunks (its "
