@@ -156,6 +156,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                   int64_t token_transfers, double token_overlap, int64_t token_chunks, double plan_s, double latency,
                   int64_t exposed,
                   int64_t fanout, int64_t levels, int64_t chunks, bool share, bool async_fetch,
+                  bool fetch_overlap,
                   const c10::optional<at::Tensor>& allow,
                   const c10::optional<at::Tensor>& planned, at::Tensor route_out,
                   at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor fired, at::Tensor relay,
@@ -216,6 +217,7 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.t_ffn = t_ffn, a.h = token_overlap, a.plan_s = plan_s, a.latency = latency;
   a.m = (int)token_transfers, a.n = (int)exposed, a.fanout = (int)fanout, a.levels = (int)levels;
   a.chunks = (int)chunks, a.share = share, a.async_fetch = async_fetch, a.k = (int)token_chunks;
+  a.fetch_overlap = fetch_overlap;
   a.allow = allow.has_value() ? allow->data_ptr<bool>() : nullptr;
   a.planned = planned.has_value() ? planned->data_ptr<bool>() : nullptr;
   a.route_out = route_out.data_ptr<int64_t>(), a.slot_out = slot_out.data_ptr<int64_t>();
@@ -368,7 +370,7 @@ TORCH_LIBRARY(topoep, m) {
   m.def("guard_select(Tensor omega, Tensor main_rank, Tensor cost_fs, Tensor[] routes, Tensor[] slots, "
         "int ranks_per_domain, int token_bytes, int expert_bytes, float t_ffn, int token_transfers, "
         "float token_overlap, int token_chunks, float plan_s, float latency, int exposed, int fanout, int levels, "
-        "int chunks, bool share, bool async_fetch, "
+        "int chunks, bool share, bool async_fetch, bool fetch_overlap, "
         "Tensor? allow, "
         "Tensor? planned, "
         "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "

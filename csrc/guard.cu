@@ -66,7 +66,7 @@ __device__ void relay_duty(const i64* __restrict__ slot, const i64* __restrict__
 }
 
 struct Acc {  // the workspace's accumulators (guard_layout), then the counter of finished blocks
-  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *beyond, *chain, *done;
+  i64 *load, *tok, *fetch, *relayed, *copies, *occupied, *beyond, *chain, *slotload, *done;
   size_t elems;  // the accumulators' size (the counter is the element after them)
 };
 
@@ -76,10 +76,11 @@ __host__ __device__ inline Acc guard_layout(i64* ws, int P, int R, int L, size_t
   const size_t load = b.take((size_t)Q * R), tok = b.take((size_t)Q * kLinks * R);
   const size_t fetch = b.take((size_t)P * kLinks * R), relayed = b.take((size_t)P * L * kLinks * R);
   const size_t copies = b.take((size_t)P * L), occupied = b.take(P), beyond = b.take(P), chain = b.take(P);
+  const size_t slotload = b.take((size_t)P * R);
   const size_t accumulated = b.end, done = b.take(1);
   if (elems) *elems = b.end;
-  return Acc{ws + load,     ws + tok,    ws + fetch, ws + relayed, ws + copies,
-             ws + occupied, ws + beyond, ws + chain, ws + done,    accumulated};
+  return Acc{ws + load,  ws + tok,   ws + fetch,    ws + relayed, ws + copies, ws + occupied,
+             ws + beyond, ws + chain, ws + slotload, ws + done,    accumulated};
 }
 
 // one flow of `fs` femtoseconds from s to r (s != r) onto a [kLinks][R] link array
@@ -110,9 +111,11 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
     }
   } else {
     const i64* route = a.route[q - 1] + (i64)s * I;
+    i64* slotload = acc.slotload + (i64)(q - 1) * R;  // (fetch_overlap: each rank's rows on its slots)
     for (int i = threadIdx.x; i < I; i += blockDim.x) {
       const i64 v = route[i];
       if (v) atomicAdd(reinterpret_cast<u64*>(rows + (i < E ? a.main_rank[i] : (i - E) / N)), (u64)v);
+      if (v && i >= E && a.fetch_overlap) add(slotload + (i - E) / N, v);
     }
   }
   __syncthreads();
@@ -215,13 +218,17 @@ __device__ __forceinline__ double layer_time(double x, double t, int m, double h
 __device__ void decide(const GuardArgs& a, const Acc& acc) {
   // maxima: per plan q in 0..P: its largest rank load and busiest token link; per balanced plan: the direct fetch's
   // busiest link and each relay step's (relay.relay_steps: step s carries the levels l - 1 in [s - C + 1, s])
-  __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelaySteps)];
+  __shared__ i64 maxima[2 * (kMaxGuardPlans + 1) + kMaxGuardPlans * (1 + kMaxRelaySteps) + 2 * kMaxGuardPlans];
   __shared__ i64 relay_steps_used[kMaxGuardPlans];
   const int R = a.R, P = a.P, L = a.levels, C = a.chunks, Q = P + 1;
   // relay steps per plan: levels + chunks - 1, or copy by copy one, the busiest link over all levels
   const bool async = a.fanout > 0 && a.async_fetch;
   const int S = L > 0 ? (async ? 1 : L + C - 1) : 0;
-  const int items = 2 * Q + P * (1 + S);
+  // fetch_overlap: per plan the busiest link of its dispatch with the fetch's bytes added where the dispatch runs,
+  // for the direct fetch and (with relays) the trees' (every level's copies)
+  const bool overlap = a.fetch_overlap && a.n > 0;
+  const int V = overlap ? (a.fanout > 0 ? 2 : 1) : 0, shared_at = 2 * Q + P * (1 + S);
+  const int items = shared_at + P * V;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int it = warp; it < items; it += warps) {
     const i64* src;
@@ -232,10 +239,26 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
       src = acc.tok + (i64)(it - Q) * kLinks * R, n = kLinks * R;
     } else if (it < 2 * Q + P) {
       src = acc.fetch + (i64)(it - 2 * Q) * kLinks * R, n = kLinks * R;
-    } else {
+    } else if (it < shared_at) {
       const int p = (it - 2 * Q - P) / S, s = (it - 2 * Q - P) % S;
       const int first = async ? 0 : (s - C + 1 > 0 ? s - C + 1 : 0), last = async ? L - 1 : (s < L - 1 ? s : L - 1);
       src = acc.relayed + ((i64)p * L + first) * kLinks * R, n = kLinks * R, window = last - first + 1;
+    } else {  // fetch_overlap: tok + fetch on the links the dispatch uses (the direct fetch, or the trees')
+      const int p = (it - shared_at) / V, relayed = (it - shared_at) % V;
+      const i64* tok = acc.tok + (i64)(p + 1) * kLinks * R;
+      const i64* rep = relayed ? acc.relayed + (i64)p * L * kLinks * R : acc.fetch + (i64)p * kLinks * R;
+      const int levels = relayed ? L : 1;
+      i64 v = 0;
+      for (int k = lane; k < kLinks * R; k += 32) {
+        const i64 t = ld_l2(tok + k);
+        i64 x = 0;
+        for (int l = 0; l < levels; ++l) x += ld_l2(rep + (i64)l * kLinks * R + k);
+        x = t > 0 ? t + x : t;
+        v = x > v ? x : v;
+      }
+      v = warp_max(v);
+      if (lane == 0) maxima[it] = v;
+      continue;
     }
     i64 v = 0;
     for (int k = lane; k < n; k += 32) {
@@ -261,19 +284,15 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
                                     (ld_l2(acc.occupied + threadIdx.x) > 0);
   }
   __syncthreads();
-  for (size_t k = threadIdx.x; k < acc.elems; k += blockDim.x) acc.load[k] = 0;  // the workspace is zero again
-  if (threadIdx.x == 0) *acc.done = 0;
-  if (threadIdx.x != 0) return;
   const double kSecondsPerFs = 1e-15;
-  double x_static = __dmul_rn(a.t_ffn, (double)maxima[0]);
-  const double X_static = layer_time(x_static, __dmul_rn((double)maxima[Q], kSecondsPerFs), a.m, a.h, a.k);
-  int best = 0;
-  double best_net = 0, saved_best = 0, cost_best = 0;
-  bool relay_best = false;
-  for (int p = 0; p < P; ++p) {
-    const double x = __dmul_rn(a.t_ffn, (double)maxima[1 + p]);
-    const double t_dispatch = __dmul_rn((double)maxima[Q + 1 + p], kSecondsPerFs);
-    const double saved = __dsub_rn(X_static, layer_time(x, t_dispatch, a.m, a.h, a.k));
+  // each plan's fetch (a thread per plan): direct, or relayed where that is faster (or relay_share asks), its time,
+  // and with fetch_overlap the forward's chunk time, stretch and time without the fetch
+  __shared__ double fetch_s[kMaxGuardPlans], chunk_s[kMaxGuardPlans], stretch_s[kMaxGuardPlans],
+      alone_s[kMaxGuardPlans], wait_s[kMaxGuardPlans];
+  __shared__ bool relay_s[kMaxGuardPlans];
+  const int kk = a.k > 0 ? a.k : 1;  // the forward's chunks (guard.token_chunks, or 1)
+  if (threadIdx.x < P) {
+    const int p = threadIdx.x;
     double t = __dadd_rn(__dmul_rn((double)maxima[2 * Q + p], kSecondsPerFs), a.latency);
     bool relay = false;
     if (a.fanout > 0) {
@@ -287,8 +306,67 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
       relay = relayed < t || (a.share && beyond);
       if (relay) t = relayed;
     }
+    fetch_s[p] = t, relay_s[p] = relay;
+    if (overlap) {  // links.overlapped_forward_s's scalars, in guard._overlapped's order of operations
+      const double t_dispatch = a.m ? __dmul_rn((double)maxima[Q + 1 + p], kSecondsPerFs) : 0.0;
+      const double tc = __ddiv_rn(t_dispatch, (double)kk);
+      const double x = __dmul_rn(a.t_ffn, (double)maxima[1 + p]);
+      const double c = __ddiv_rn(__ddiv_rn(x, 3.0), (double)kk);
+      alone_s[p] = pipeline_pass(tc, c, 0.0, kk);
+      const i64 shared = maxima[shared_at + p * V + (relay ? 1 : 0)];
+      const double delay = __dmul_rn((double)(shared - maxima[Q + 1 + p]), kSecondsPerFs);
+      const double span = __dmul_rn((double)kk, tc);
+      chunk_s[p] = tc;
+      stretch_s[p] = span > 0 ? __dadd_rn(1.0, __ddiv_rn(fmax(delay, 0.0), span)) : 1.0;
+    }
+  }
+  __syncthreads();
+  if (overlap) {  // a warp per plan: every rank's chunks (lanes over ranks), then the forward's end and the wait
+    for (int p = warp; p < P; p += warps) {
+      const double tc = chunk_s[p], st = stretch_s[p], t_rep = fetch_s[p];
+      double top[kMaxTokenChunks];
+      for (int i = 0; i < kk; ++i) top[i] = 0.0;
+      for (int r = lane; r < R; r += 32) {
+        const i64 on_slots = ld_l2(acc.slotload + (i64)p * R + r);
+        const double main = (double)(ld_l2(acc.load + (i64)(p + 1) * R + r) - on_slots), slot = (double)on_slots;
+        const double mp = __ddiv_rn(__ddiv_rn(__dmul_rn(a.t_ffn, main), 3.0), (double)kk);
+        const double sp = __ddiv_rn(__ddiv_rn(__dmul_rn(a.t_ffn, slot), 3.0), (double)kk);
+        double comp = 0.0;
+        for (int i = 0; i < kk; ++i) {
+          comp = __dadd_rn(fmax(comp, __dmul_rn(__dmul_rn((double)(i + 1), tc), st)), mp);
+          comp = __dadd_rn(fmax(comp, t_rep), sp);
+          top[i] = fmax(top[i], comp);
+        }
+      }
+      for (int i = 0; i < kk; ++i)
+        for (int o = 16; o > 0; o >>= 1) top[i] = fmax(top[i], __shfl_xor_sync(0xffffffffu, top[i], o));
+      if (lane == 0) {
+        double t = __dmul_rn(__dmul_rn((double)kk, tc), st);
+        for (int i = 0; i < kk; ++i) t = __dadd_rn(fmax(t, top[i]), tc);
+        const double wait = __dsub_rn(t, alone_s[p]);
+        wait_s[p] = wait > 0 ? wait : 0.0;
+      }
+    }
+    __syncthreads();
+  }
+  for (size_t k = threadIdx.x; k < acc.elems; k += blockDim.x) acc.load[k] = 0;  // the workspace is zero again
+  if (threadIdx.x == 0) *acc.done = 0;
+  if (threadIdx.x != 0) return;
+  double x_static = __dmul_rn(a.t_ffn, (double)maxima[0]);
+  const double X_static = layer_time(x_static, __dmul_rn((double)maxima[Q], kSecondsPerFs), a.m, a.h, a.k);
+  int best = 0;
+  double best_net = 0, saved_best = 0, cost_best = 0;
+  bool relay_best = false;
+  for (int p = 0; p < P; ++p) {
+    const double x = __dmul_rn(a.t_ffn, (double)maxima[1 + p]);
+    const double t_dispatch = __dmul_rn((double)maxima[Q + 1 + p], kSecondsPerFs);
+    const double saved = __dsub_rn(X_static, layer_time(x, t_dispatch, a.m, a.h, a.k));
+    const double t = fetch_s[p];
+    const bool relay = relay_s[p];
     const double occupied = (relay_steps_used[p] & 1) ? 1.0 : 0.0;
-    const double cost = __dadd_rn(a.plan_s, __dmul_rn(__dmul_rn((double)a.n, t), occupied));
+    const double transfer = overlap ? __dmul_rn(__dadd_rn(__dmul_rn((double)(a.n - 1), t), wait_s[p]), occupied)
+                                    : __dmul_rn(__dmul_rn((double)a.n, t), occupied);
+    const double cost = __dadd_rn(a.plan_s, transfer);
     const double net = __dsub_rn(saved, cost);
     if (p == 0 || net > best_net) {  // the first of equal ones (torch.argmax)
       best = p, best_net = net, saved_best = saved, cost_best = cost, relay_best = relay;

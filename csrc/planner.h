@@ -110,6 +110,8 @@ struct GuardArgs {
   bool share;  // relay every plan whose direct fetch exceeds a tree's share (relay.direct_beyond_tree)
   bool async_fetch;  // the relayed fetch runs copy by copy (relay.async_fetch_fs; chunks 1): priced as the longer of
                      // its busiest link over all levels and its longest chain of hops
+  bool fetch_overlap;  // the forward fetch runs beside the dispatch and the main GEMMs (guard.fetch_overlap): the first
+                       // exposed transfer is priced at what the forward waits for it (links.overlapped_forward_s)
   const bool* allow;
   const bool* planned;  // null, or false: the planners left this call out (worth_planning), nothing is priced
   int64_t *route_out, *slot_out, *choice;

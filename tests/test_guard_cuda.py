@@ -52,6 +52,11 @@ def guards(rng):
     # copy by copy (relay_schedule "async": the longer of the busiest link over all levels and the longest chain)
     yield NetBenefitGuard(relay_fanout=rng.choice([1, 2, 3]), relay_schedule="async", relay_share=rng.choice([False, True]),
                           transfer_latency_s=rng.choice([0.0, 2e-5]))
+    # the forward fetch beside the dispatch (fetch_overlap: the forward's wait for it, links.overlapped_forward_s)
+    yield NetBenefitGuard(fetch_overlap=True, token_chunks=rng.choice([None, 1, 2, 3]),
+                          relay_fanout=rng.choice([None, 2]), relay_share=rng.choice([False, True]))
+    yield NetBenefitGuard(fetch_overlap=True, token_chunks=2, relay_fanout=rng.choice([1, 2]), relay_schedule="async",
+                          token_transfers=rng.choice([0, 4]), transfer_latency_s=rng.choice([0.0, 2e-5]))
 
 
 def to(plan, device):
@@ -112,8 +117,8 @@ def test_kernel_applies_to_cuda_plans_with_rows_per_assignment_only():
 @gpu
 @pytest.mark.parametrize("chunk", range(4))
 def test_guard_kernel_equals_reference(chunk):
-    """Random routings x 8 guards (relay trees of 1-3 children in 1-64 chunks or copy by copy, with and without
-    relay_share, among them) x 3 values of t_ffn x
+    """Random routings x 10 guards (relay trees of 1-3 children in 1-64 chunks or copy by copy, with and without
+    relay_share, and the forward fetch beside the dispatch, fetch_overlap, among them) x 3 values of t_ffn x
     {1, 2, 3} plans x the flags (allow, planned) of FLAGS: the
     executed plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
     bit for bit, on the GPU's torch reference and on the CPU's."""

@@ -13,7 +13,7 @@ from topoep.runtime import LAYER_STAT_NAMES
 from topoep.relay import relay_sources
 from topoep.links import chunk_pipeline, pipelined_layer_s
 from topoep.runtime.guard import NetBenefitGuard, SlotSkipHint
-from topoep.workloads import balanced_topk, biased_topk
+from topoep.workloads import balanced_topk, biased_routing, biased_topk
 
 IDX = {n: i for i, n in enumerate(LAYER_STAT_NAMES)}
 
@@ -308,6 +308,50 @@ def test_layer_guard_prices_its_serial_execution():
     assert ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo, guard=own).guard == own
 
 
+def test_fetch_overlap_prices_what_the_forward_waits_for():
+    """fetch_overlap on the hand-worked plan (one chunk: dispatch, expert rows, combine): rank 1 holds only the replica,
+    so its rows start when the fetch ends; the dispatch ran before them, so the forward waits the fetch less one
+    dispatch. The other exposed transfers keep their whole time; a plan without replicas costs the plan time only."""
+    plan = hand_plan()
+    assert plan.route[:, 4:].sum().item() == 8 and plan.route[1, 2:4].sum().item() == 0  # rank 1: 8 rows, all slot
+    g = NetBenefitGuard(token_transfers=2, token_overlap=0.0)
+    t_rep = 1000 / 200e9 + 2e-5  # one fetch, latency included
+    t_disp = 30 / 200e9  # one dispatch of the plan
+    for n in (1, 3):
+        cost = NetBenefitGuard(token_transfers=2, token_overlap=0.0, fetch_overlap=True).predict(plan, 1e-6, n)[1]
+        assert cost.item() == pytest.approx(1e-4 + (n - 1) * t_rep + (t_rep - t_disp), rel=1e-9)
+        assert cost.item() < g.predict(plan, 1e-6, n)[1].item()
+    # no exposed transfer, or no replica: nothing to wait for
+    assert NetBenefitGuard(fetch_overlap=True).predict(plan, 1e-6, 0)[1].item() == pytest.approx(1e-4)
+    static = solve(plan.omega, plan.topology, num_slots=1, policy="static", expert_bytes=1000, token_bytes=10)
+    assert NetBenefitGuard(fetch_overlap=True).predict(static, 1e-6, 3)[1].item() == pytest.approx(1e-4)
+    # the layer's guard prices the overlap its backend runs
+    topo = Topology(num_domains=1, ranks_per_domain=1)
+    assert not ExpertParallelMoE(num_experts=4, hidden_size=8, ffn_hidden_size=4, topology=topo).guard.fetch_overlap
+
+
+@pytest.mark.parametrize("chunks", [None, 2])
+def test_fetch_overlap_waits_at_most_the_fetch_and_its_stretch(chunks):
+    """On random routings (2 domains of 4 ranks, 2 slots, relayed or direct fetches): the forward's wait for an
+    overlapped fetch is never negative and never more than the fetch itself plus what its bytes add to the busiest
+    link the dispatch shares with it; so fetch_overlap's cost lies between (n - 1) T_fetch and n T_fetch + that."""
+    topo = Topology(num_domains=2, ranks_per_domain=4)
+    for seed in range(6):
+        omega = biased_routing(8, 64, 512, 4, -3.0, seed=seed)
+        for policy in ("topoep_plus", "topoep"):
+            plan = solve(omega, topo, num_slots=2, policy=policy, expert_bytes=1 << 20, token_bytes=4096)
+            if not (plan.slot_expert >= 0).any():
+                continue
+            for fanout in (None, 2):
+                g = NetBenefitGuard(token_chunks=chunks, relay_fanout=fanout)
+                t_fetch = g.transfer_time(plan, 1).item()
+                plain = g.predict(plan, 1e-7, 3)[1].item() - g.plan_s
+                over = NetBenefitGuard(token_chunks=chunks, relay_fanout=fanout,
+                                       fetch_overlap=True).predict(plan, 1e-7, 3)[1].item() - g.plan_s
+                assert plain == pytest.approx(3 * t_fetch, rel=1e-12)
+                assert 2 * t_fetch - 1e-15 <= over <= 3 * t_fetch + t_fetch, (seed, policy, fanout)
+
+
 def test_bad_guard_arguments():
     for kw, match in [(dict(plan_s=-1.0), "plan_s"), (dict(transfer_latency_s=float("inf")), "transfer_latency_s"),
                       (dict(bytes_per_s=0), "bytes_per_s"), (dict(exposed_transfers=-1), "exposed_transfers"),
@@ -317,7 +361,8 @@ def test_bad_guard_arguments():
                       (dict(token_overlap=1.5), "token_overlap"), (dict(token_overlap=None), "token_overlap"),
                       (dict(token_chunks=0), "token_chunks"), (dict(token_chunks=65), "token_chunks"),
                       (dict(token_chunks=2.0), "token_chunks"),
-                      (dict(token_chunks=2, token_transfers=2), "token_transfers must be 4")]:
+                      (dict(token_chunks=2, token_transfers=2), "token_transfers must be 4"),
+                      (dict(fetch_overlap=1), "fetch_overlap")]:
         with pytest.raises(ValueError, match=match):
             NetBenefitGuard(**kw)
     topo = Topology(num_domains=1, ranks_per_domain=1)

@@ -56,10 +56,13 @@ def chunk_pipeline(dispatch, compute, combine, *, compute_ready=0.0, tail_comput
     return t, comp + tail_compute
 
 
-def _div(a, b: float):
+def _div(a, b):
     """a / b, correctly rounded for floats and float64 tensors alike: a tensor is divided by a tensor on its device
-    (torch divides a CUDA tensor by a Python number as a product with its reciprocal, which can differ in the last
-    bit from the division the CPU and the guard's CUDA kernel make)."""
+    (torch divides a CUDA tensor by a Python number as a product with its reciprocal, and a Python number by a tensor
+    as the tensor's reciprocal times the number, either of which can differ in the last bit from the division the CPU
+    and the guard's CUDA kernel make)."""
+    if isinstance(b, torch.Tensor):
+        return torch.as_tensor(a, dtype=torch.float64, device=b.device) / b
     if isinstance(a, torch.Tensor):
         return a / a.new_full((), float(b))
     return a / b
@@ -76,6 +79,38 @@ def pipelined_layer_s(x, t, chunks: int):
     fwd = chunk_pipeline([d] * chunks, [c] * chunks, [d] * chunks)
     bwd = chunk_pipeline([d] * chunks, [c] * chunks, [d] * chunks, tail_compute=third)
     return _later(*fwd) + _later(*bwd)
+
+
+def overlapped_forward_s(main, slot, t_ffn: float, t_chunk, delay, t_rep, chunks: int, compute_overhead: float = 0.0):
+    """The forward of `chunk_pipeline` (dispatch, compute, combine of `chunks` chunks of t_chunk each) with the replica
+    fetch running beside it (backend cuda's LayerConfig.fetch_overlap, the simulator's Execution.fetch_overlap): its
+    end, seconds from the fetch's start.
+
+    The fetch goes first on every link it shares with the dispatches, so it ends at t_rep, and the dispatches end
+    `delay` later than alone (what the busiest shared link carries beyond the dispatches' own busiest link; below 0
+    counts as 0), stretched evenly. Per rank (main, slot: float64[R], its assignments on main experts and on slots):
+    chunk i's main rows (1/chunks of the rank's main load at t_ffn each; the forward is a third of forward + backward)
+    start once dispatch i and the rank's previous chunk are done; its slot rows then wait for the fetch. A combine
+    waits for every rank's chunk. t_chunk, delay and t_rep are floats or float64 0-d tensors (then the result is one,
+    and nothing is read on the host). The simulator (`topoep_research.sim`) and the net-benefit guard
+    (`NetBenefitGuard.fetch_overlap`) both time it here; the operations run in this fixed order, each division
+    correctly rounded (`_div`), so the guard's CUDA kernel can repeat them."""
+    n = chunks
+    span = n * t_chunk
+    if isinstance(span, torch.Tensor):  # (no host read: a plan without token transfers is not stretched)
+        stretch = torch.where(span > 0, 1.0 + _div(_later(delay, 0.0), span), torch.ones_like(span))
+    else:
+        stretch = 1.0 + _div(_later(delay, 0.0), span) if span > 0 else 1.0
+    comp = torch.zeros_like(main, dtype=torch.float64)
+    t = span * stretch
+    main_part = _div(_div(t_ffn * main, 3), n)
+    slot_part = _div(_div(t_ffn * slot, 3), n)
+    overhead = compute_overhead / 3 / n
+    for i in range(n):
+        comp = _later(comp, (i + 1) * t_chunk * stretch) + overhead + main_part
+        comp = _later(comp, t_rep) + slot_part
+        t = _later(t, comp.max()) + t_chunk
+    return t
 
 
 @dataclass(frozen=True)

@@ -586,14 +586,7 @@ def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: floa
     # busiest link (both `transfer_time`s pay one latency, so the difference is bandwidth only; each chunk keeps its own)
     shared, _ = transfer_time({k: (tok_loads[k] + rep_loads[k]) * (tok_loads[k] > 0) for k in tok_loads}, cluster)
     alone, _ = transfer_time(tok_loads, cluster)
-    stretch = 1.0 + max(0.0, shared - alone) / (n * t_chunk) if t_chunk > 0 else 1.0
-    comp = torch.zeros(R, dtype=torch.float64)
-    t = n * t_chunk * stretch
-    for i in range(n):
-        comp = comp.clamp(min=(i + 1) * t_chunk * stretch) + expert_overhead_s / 3 / n + t_ffn * main / 3 / n
-        comp = comp.clamp(min=t_rep) + t_ffn * slot / 3 / n
-        t = max(t, comp.max().item()) + t_chunk
-    return t
+    return float(links.overlapped_forward_s(main, slot, t_ffn, t_chunk, shared - alone, t_rep, n, expert_overhead_s))
 
 
 # paper 3.3's two-stream chunk schedule: topoep.links.chunk_pipeline (the guard predicts with it too)
@@ -941,6 +934,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
     if guard is not None and execution.relay_fanout is not None:  # the guard prices the relayed fetch that runs
         guard = guard.pricing_relays(execution.relay_fanout, execution.relay_chunks, execution.relay_share,
                                       execution.relay_schedule)
+    if guard is not None and execution.fetch_overlap and not guard.fetch_overlap:  # and the fetch beside the dispatch
+        guard = replace(guard, fetch_overlap=True)
     given = isinstance(plan_or_omega, Plan)
     if given:
         omega, topo, main_rank, name, N = plan.omega, plan.topology, plan.main_rank, plan.policy, plan.num_slots

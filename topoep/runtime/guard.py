@@ -69,15 +69,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from topoep.links import loads_seconds, pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs
+from topoep.links import (_div, _later, _link_sums, chunk_pipeline, loads_seconds, overlapped_forward_s,
+                          pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs)
 from topoep.plan import Plan, static_route
-from topoep.relay import async_fetch_fs, check_chunks, check_schedule, direct_beyond_tree, relay_fetch_fs
+from topoep.relay import (async_fetch_fs, check_chunks, check_schedule, direct_beyond_tree, max_level, relay_fetch_fs,
+                          relay_levels, relay_sources)
 from topoep.runtime import worth_triton
 from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
 from topoep.planners.common import static_rank_load
 from topoep.topology import FEMTO, MAX_COST_FS, Topology
 
 SECONDS_PER_FS = 1e-15  # link femtoseconds to seconds: one multiplication, the same on every device (csrc/guard.cu)
+
+
+def _links_fs(counts: torch.Tensor, unit_bytes: int, cost_fs: torch.Tensor, domain_of: torch.Tensor) -> torch.Tensor:
+    """int64[4, R]: femtoseconds of one transfer of counts[s, r] units of unit_bytes on every link (NVLink out, in,
+    NIC out, in; `topoep.links.transfer_fs` before its maximum)."""
+    off = ~torch.eye(counts.shape[-1], dtype=torch.bool, device=counts.device)
+    return torch.stack(_link_sums(counts.to(torch.int64) * int(unit_bytes) * cost_fs * off, domain_of))
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,6 +169,13 @@ class NetBenefitGuard:
     another: `topoep.relay.direct_beyond_tree`), even where the model predicts the direct one faster; so no sender
     carries more than a tree's share (`LayerConfig.relay_share`). False: the faster by the model."""
 
+    fetch_overlap: bool = False
+    """The forward replica fetch runs beside the dispatch and the main experts' GEMMs (`LayerConfig.fetch_overlap`,
+    the simulator's `Execution.fetch_overlap`; the layer sets it): the first of the n exposed transfers is priced at
+    what the forward waits for it, `topoep.links.overlapped_forward_s` (its bytes on the links it shares with the
+    dispatch, the slot rows waiting for it) less the same forward without it (`topoep.links.chunk_pipeline`), in
+    token_chunks chunks (1 without); the others at their whole time. False: every one at its whole time."""
+
     spread_plan_s: float | None = None
     """The gated planners' time (seconds) that the spread gate (`SpreadGate`, LayerConfig.spread_gate) asks a gated
     plan (a spread or a peer candidate) to save beyond the plan kept without them. None: as measured on one H200 at
@@ -214,6 +230,8 @@ class NetBenefitGuard:
                              f">= 1, got {f!r}")
         check_chunks(self.relay_chunks, "NetBenefitGuard.relay_chunks")
         check_schedule(self.relay_schedule, self.relay_chunks, "NetBenefitGuard.relay_schedule")
+        if not isinstance(self.fetch_overlap, bool):
+            raise ValueError(f"NetBenefitGuard.fetch_overlap must be true or false, got {self.fetch_overlap!r}")
         if not isinstance(self.relay_share, bool):
             raise ValueError(f"NetBenefitGuard.relay_share must be true or false, got {self.relay_share!r}")
         lag = self.skip_lag
@@ -312,11 +330,70 @@ class NetBenefitGuard:
                 t_static = self.static_dispatch_time(plan)
                 t = torch.stack([self.dispatch_time(p) for p in plans])
         saved = self._layer(x_static, t_static) - self._layer(x, t)
-        transfer, relay = self._fetch_choices(plans, exposed_transfers)
+        t_fetch, relay, occupied = self._fetch_times(plans)
+        if self.fetch_overlap and exposed_transfers:
+            transfer = self._overlapped(plans, routes, x, t, t_fetch, relay, occupied, t_ffn, exposed_transfers)
+        else:
+            transfer = exposed_transfers * t_fetch * occupied
         return saved, self.plan_s + transfer, relay
 
+    def _overlapped(self, plans: tuple[Plan, ...], routes: torch.Tensor, x: torch.Tensor, t: torch.Tensor | None,
+                    t_fetch: torch.Tensor, relay: torch.Tensor, occupied: torch.Tensor, t_ffn: float,
+                    n: int) -> torch.Tensor:
+        """T_transfer of every plan with fetch_overlap, float64[P]: (n - 1) T_fetch plus the forward's wait for the
+        fetch (the class docstring), 0 without a replica. Link times in the guard's own units: integer femtoseconds
+        with rows per assignment, seconds per link with the deduplicated estimate."""
+        plan = plans[0]
+        R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
+        topo = self._cost_topology(plan.topology).on(routes.device)
+        dom = topo.domain_of
+        chunks = self.token_chunks or 1
+        out = []
+        for i, p in enumerate(plans):
+            inst = routes[i].sum(0).to(torch.float64)  # assignments per instance
+            main = torch.zeros(R, dtype=torch.float64, device=inst.device).index_add_(0, p.main_rank.to(inst.device),
+                                                                                     inst[:E])
+            slot = inst[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.float64, device=inst.device)
+            direct = replica_matrix(p)
+            copies = direct
+            if self.relay_fanout is not None:  # the fetch that runs: the trees' copies of every level, or direct
+                trees = relay_levels(p, *relay_sources(p, self.relay_fanout),
+                                     max_level(p.topology, self.relay_fanout)).sum(0)
+                copies = torch.where(relay[i], trees, direct)
+            tok, rep = self._token_links(p), _links_fs(copies, p.expert_bytes, topo.cost_fs, dom)
+            if self.token_top_k is None:  # exact integers, one multiplication (transfer_fs's arithmetic)
+                alone = tok.amax()
+                delay = ((tok + rep * (tok > 0)).amax() - alone).double() * SECONDS_PER_FS
+            else:
+                rep_s = rep.double() * SECONDS_PER_FS
+                delay = (tok + rep_s * (tok > 0)).amax() - tok.amax()
+            t_disp = t[i] if t is not None else torch.zeros((), dtype=torch.float64, device=inst.device)
+            t_chunk = _div(t_disp, float(chunks))
+            compute = _div(_div(x[i], 3.0), float(chunks))
+            alone_fwd = _later(*chunk_pipeline([t_chunk] * chunks, [compute] * chunks, [t_chunk] * chunks))
+            with_fetch = overlapped_forward_s(main, slot, t_ffn, t_chunk, delay, t_fetch[i], chunks)
+            wait = (with_fetch - alone_fwd).clamp(min=0.0)
+            out.append(((n - 1) * t_fetch[i] + wait) * occupied[i])
+        return torch.stack(out)
+
+    def _token_links(self, plan: Plan) -> torch.Tensor:
+        """One dispatch of `plan` on every link (int64[4, R] femtoseconds with rows per assignment; float64[4, R]
+        seconds with token_top_k): the loads `dispatch_time` takes the busiest of."""
+        topo = self._cost_topology(plan.topology).on(plan.route.device)
+        if self.token_top_k is None:
+            return _links_fs(token_matrix(plan), plan.token_bytes, topo.cost_fs, topo.domain_of)
+        loads = token_loads(plan, self.token_top_k)
+        intra, inter = float(topo.intra_cost), float(topo.inter_cost)
+        return torch.stack([loads.nvl_out * intra, loads.nvl_in * intra, loads.nic_out * inter, loads.nic_in * inter])
+
     def _fetch_choices(self, plans: tuple[Plan, ...], exposed_transfers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`fetch_choice` of every plan: (float64[P], bool[P]); the direct fetches in one `transfer_fs`."""
+        """`fetch_choice` of every plan: (float64[P], bool[P]), every fetch at its whole time."""
+        t, relay, occupied = self._fetch_times(plans)
+        return exposed_transfers * t * occupied, relay
+
+    def _fetch_times(self, plans: tuple[Plan, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T_fetch float64[P] latency included, relay bool[P], whether the plan has a replica float64[P] 0 or 1): one
+        fetch of every plan, relayed or direct as `fetch_choice` chooses; the direct fetches in one `transfer_fs`."""
         plan = plans[0]
         topo = self._cost_topology(plan.topology)
         copies = torch.stack([replica_matrix(p) for p in plans])
@@ -334,7 +411,7 @@ class NetBenefitGuard:
                 relay = relay | torch.stack([direct_beyond_tree(p, self.relay_fanout) for p in plans])
             t = torch.where(relay, relayed, t)
         occupied = torch.stack([(p.slot_expert >= 0).any() for p in plans]).to(torch.float64)
-        return exposed_transfers * t * occupied, relay
+        return t, relay, occupied
 
     def worth_planning(self, omega: torch.Tensor, topology, main_rank: torch.Tensor, t_ffn: float, expert_bytes: int,
                        exposed_transfers: int) -> torch.Tensor:

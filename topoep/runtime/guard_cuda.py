@@ -58,7 +58,7 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      int(guard.token_chunks or 0), float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
                      guard.relay_chunks if fanout else 1, bool(guard.relay_share),
-                     bool(fanout) and guard.relay_schedule == "async",
+                     bool(fanout) and guard.relay_schedule == "async", bool(guard.fetch_overlap),
                      allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
     return slot, route, choice, fired, relay, saved, cost
 

@@ -124,6 +124,8 @@ class ExpertParallelMoE(nn.Module):
         if self.guard is not None and config.relay_fanout is not None:  # it prices the fetch that runs
             self.guard = self.guard.pricing_relays(config.relay_fanout, config.relay_chunks, config.relay_share,
                                                    config.relay_schedule)
+        if self.guard is not None and config.fetch_overlap:  # and the forward fetch beside the dispatch
+            self.guard = dataclasses.replace(self.guard, fetch_overlap=True)
         self.capacity_factor = config.capacity_factor
         self.backend = make_backend(config.backend, group, config.max_tokens,
                                     harness_transport(config.transport) if cpu_harness else config.transport)
