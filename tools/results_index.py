@@ -95,6 +95,12 @@ REPORTS = [
            "--relay-share --spread-planner measured --oracle --relay-schedule async"),
     _sweep("link_sweep_oracle_overlap_share_async_nic2", "--presets paper_h800 --nic-scale 2 --fetch-overlap "
            "--relay-share --spread-planner measured --oracle --relay-schedule async"),
+    _sweep("link_sweep_oracle_overlap_share_async_gp", "--guard-pipeline --fetch-overlap --relay-share "
+           "--spread-planner measured --oracle --relay-schedule async"),
+    _sweep("link_sweep_oracle_overlap_share_async_gp_nic0.5", "--guard-pipeline --presets paper_h800 --nic-scale 0.5 "
+           "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async"),
+    _sweep("link_sweep_oracle_overlap_share_async_gp_nic2", "--guard-pipeline --presets paper_h800 --nic-scale 2 "
+           "--fetch-overlap --relay-share --spread-planner measured --oracle --relay-schedule async"),
     _sweep("link_sweep_overlap_share_measured", "--fetch-overlap --relay-share --spread-planner measured"),
     _sweep("link_sweep_cuda", "--execution cuda"),
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
@@ -216,6 +222,8 @@ GPU = [
           "setup verify (its README names the options)"),
     Entry(("gpu/verify_2890182_h100",), GPU_SESSION, "-", "1 GPU (H100)", "VERIFY_TIMEOUT=420 VERIFY_EP8_WORKERS=3 "
           "bash tools/gpu_session.sh setup verify; then step limit and bench/grouped_gemm.py (its README names them)"),
+    Entry(("gpu/guard_overlap_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
+          "(tests/test_guard_cuda.py, the layer with fetch_overlap at EP 2, bench/guard_latency.py)"),
     Entry(("gpu/relay_async_88ddfdf_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
           "(tests/test_cuda_backend_gpu.py at EP 8 with async relays; bench/planner_latency.py, --spread)"),
     Entry(("gpu/copy_kernels",), "bench/copy_kernels.py", "-", "1 GPU", "bash tools/gpu_session.sh setup copy_kernels "

@@ -81,7 +81,8 @@ class LayerConfig:
     """Backend cuda, transport peer: the forward replica fetch (and the backward reload) runs on a high-priority side
     stream beside the dispatch and the main experts' GEMMs (data gradients in backward) and publishes the slots with
     its own barrier; only the slot GEMMs wait for it. False: it runs on the layer's stream before the dispatch, whose
-    barriers publish it. The results are the same bit for bit."""
+    barriers publish it. The results are the same bit for bit. The layer's guard then prices what the forward waits for
+    the fetch instead of its whole time (`NetBenefitGuard.fetch_overlap`)."""
     cuda_graphs: bool = True
     """Backend cuda: replay each call's metadata (counts, plan, guard, statistics, layout) as a CUDA graph; false
     runs it eagerly (debugging). Policies without a GPU planner always run it eagerly."""
