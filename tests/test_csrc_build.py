@@ -33,7 +33,7 @@ assert ops.fit_workspace_elems(32, 640, 2) > 0
 # the guard's ops (csrc/guard.cu): schemas with every output mutated, and the workspace of its accumulators (per plan
 # and the static plan: loads and 4 token links per rank; per plan: 4 fetch links per rank, 4 per rank and relay
 # level, copies per level, occupied slots, plans whose direct fetch exceeds a tree's share, the longest chain of hops
-# copy by copy) and one block counter
+# copy by copy, each rank's rows on slots for fetch_overlap) and one block counter
 for name in ("guard_select", "relay_trees", "guard_workspace_elems"):
     assert hasattr(ops, name), name
 schema = str(ops.guard_select.default._schema)
@@ -41,8 +41,8 @@ for out in ("route_out", "slot_out", "choice", "use", "fired", "relay", "saved",
     assert f"!) {out}" in schema, (out, schema)
 assert "Tensor(a!) source, Tensor(b!) level" in str(ops.relay_trees.default._schema)
 for P, R, L in ((1, 8, 0), (2, 32, 3), (4, 128, 9)):
-    assert ops.guard_workspace_elems(P, R, L) == (P + 1) * 5 * R + P * 4 * R + P * L * 4 * R + P * L + 3 * P + 1
-assert "int levels, int chunks, bool share, bool async_fetch, Tensor? allow" in schema, schema
+    assert ops.guard_workspace_elems(P, R, L) == (P + 1) * 5 * R + P * 4 * R + P * L * 4 * R + P * L + 3 * P + P * R + 1
+assert "int levels, int chunks, bool share, bool async_fetch, bool fetch_overlap, Tensor? allow" in schema, schema
 print(lib)
 """
 
