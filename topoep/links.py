@@ -246,10 +246,16 @@ def transfer_fs(counts: torch.Tensor, unit_bytes: int, topology) -> torch.Tensor
     int64 0-d, or [...] for counts [..., R, R]. Integer sums do not depend on their order, so any device and any
     kernel (`topoep.runtime.guard_cuda`) gets the same value; the net-benefit guard decides on these. Exact while a
     link's femtoseconds stay below 2^63 (e.g. 10^6 rows of 8 KiB at 50 GB/s: 1.6e17)."""
+    return link_fs(counts, unit_bytes, topology).amax(-1).amax(0)
+
+
+def link_fs(counts: torch.Tensor, unit_bytes: int, topology) -> torch.Tensor:
+    """`transfer_fs` before its maxima: int64[4, ..., R], the femtoseconds of every rank's NVLink out, NVLink in, NIC
+    out and NIC in (`LinkLoads` order), every flow at the topology's integer per-byte cost."""
     topo = topology.on(counts.device)
     off = ~torch.eye(counts.shape[-1], dtype=torch.bool, device=counts.device)
     fs = counts.to(torch.int64) * int(unit_bytes) * topo.cost_fs * off
-    return torch.stack([t.amax(-1) for t in _link_sums(fs, topo.domain_of)]).amax(0)
+    return torch.stack(_link_sums(fs, topo.domain_of))
 
 
 LINK_STAT_NAMES = (

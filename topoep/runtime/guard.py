@@ -69,8 +69,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from topoep.links import (_div, _later, _link_sums, chunk_pipeline, loads_seconds, overlapped_forward_s,
-                          pipelined_layer_s, replica_matrix, token_loads, token_matrix, transfer_fs)
+from topoep.links import (_div, _later, chunk_pipeline, link_fs, loads_seconds, overlapped_forward_s, pipelined_layer_s,
+                          replica_matrix, token_loads, token_matrix, transfer_fs)
 from topoep.plan import Plan, static_route
 from topoep.relay import (async_fetch_fs, check_chunks, check_schedule, direct_beyond_tree, max_level, relay_fetch_fs,
                           relay_levels, relay_sources)
@@ -80,13 +80,6 @@ from topoep.planners.common import static_rank_load
 from topoep.topology import FEMTO, MAX_COST_FS, Topology
 
 SECONDS_PER_FS = 1e-15  # link femtoseconds to seconds: one multiplication, the same on every device (csrc/guard.cu)
-
-
-def _links_fs(counts: torch.Tensor, unit_bytes: int, cost_fs: torch.Tensor, domain_of: torch.Tensor) -> torch.Tensor:
-    """int64[4, R]: femtoseconds of one transfer of counts[s, r] units of unit_bytes on every link (NVLink out, in,
-    NIC out, in; `topoep.links.transfer_fs` before its maximum)."""
-    off = ~torch.eye(counts.shape[-1], dtype=torch.bool, device=counts.device)
-    return torch.stack(_link_sums(counts.to(torch.int64) * int(unit_bytes) * cost_fs * off, domain_of))
 
 
 @functools.lru_cache(maxsize=64)
@@ -346,7 +339,6 @@ class NetBenefitGuard:
         plan = plans[0]
         R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
         topo = self._cost_topology(plan.topology).on(routes.device)
-        dom = topo.domain_of
         chunks = self.token_chunks or 1
         out = []
         for i, p in enumerate(plans):
@@ -360,7 +352,7 @@ class NetBenefitGuard:
                 trees = relay_levels(p, *relay_sources(p, self.relay_fanout),
                                      max_level(p.topology, self.relay_fanout)).sum(0)
                 copies = torch.where(relay[i], trees, direct)
-            tok, rep = self._token_links(p), _links_fs(copies, p.expert_bytes, topo.cost_fs, dom)
+            tok, rep = self._token_links(p), link_fs(copies, p.expert_bytes, topo)
             if self.token_top_k is None:  # exact integers, one multiplication (transfer_fs's arithmetic)
                 alone = tok.amax()
                 delay = ((tok + rep * (tok > 0)).amax() - alone).double() * SECONDS_PER_FS
@@ -381,7 +373,7 @@ class NetBenefitGuard:
         seconds with token_top_k): the loads `dispatch_time` takes the busiest of."""
         topo = self._cost_topology(plan.topology).on(plan.route.device)
         if self.token_top_k is None:
-            return _links_fs(token_matrix(plan), plan.token_bytes, topo.cost_fs, topo.domain_of)
+            return link_fs(token_matrix(plan), plan.token_bytes, topo)
         loads = token_loads(plan, self.token_top_k)
         intra, inter = float(topo.intra_cost), float(topo.inter_cost)
         return torch.stack([loads.nvl_out * intra, loads.nvl_in * intra, loads.nic_out * inter, loads.nic_in * inter])
