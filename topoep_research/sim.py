@@ -96,6 +96,7 @@ from topoep.relay import copy_arrival, executed_sources, relay_levels, relay_ste
 from topoep.planners import POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
 from topoep.planners.baselines import peer_solo_s
+from topoep.planners.capacity import region_loads
 from topoep.planners.cuda import CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES
 from topoep.topology import Topology
 
@@ -578,10 +579,7 @@ def overlapped_forward(plan: Plan, tok_loads: dict, rep_loads: dict, t_rep: floa
     Compute, per rank: chunk i's main-expert rows (1/n of the rank's main load) start once dispatch i and the rank's
     previous chunk are done; its slot rows then wait for the fetch, which ends with a barrier of the group (every
     rank waits, slot rows or not: the host does not know). A combine waits for every rank's chunk (a collective)."""
-    R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
-    il = plan.instance_load.double()
-    main = torch.zeros(R, dtype=torch.float64).index_add_(0, plan.main_rank, il[:E])
-    slot = il[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.float64)
+    main, slot = region_loads(plan).double().unbind(1)  # each rank's rows on main experts and on slots
     # the fetch's bytes delay the dispatches by what the busiest shared link carries beyond the dispatches' own
     # busiest link (both `transfer_time`s pay one latency, so the difference is bandwidth only; each chunk keeps its own)
     shared, _ = transfer_time({k: (tok_loads[k] + rep_loads[k]) * (tok_loads[k] > 0) for k in tok_loads}, cluster)

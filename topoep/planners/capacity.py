@@ -56,7 +56,7 @@ def region_loads(plan: Plan) -> torch.Tensor:
     """int64[R, 2]: rows of each rank's main region (column 0) and slot region (column 1)."""
     R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
     U = plan.instance_load
-    main = torch.zeros(R, dtype=torch.int64, device=U.device).index_add_(0, plan.main_rank, U[:E])
+    main = torch.zeros(R, dtype=torch.int64, device=U.device).index_add_(0, plan.main_rank.to(U.device), U[:E])
     slot = U[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.int64, device=U.device)
     return torch.stack([main, slot], 1)
 

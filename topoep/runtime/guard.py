@@ -76,6 +76,7 @@ from topoep.relay import (async_fetch_fs, check_chunks, check_schedule, direct_b
                           relay_levels, relay_sources)
 from topoep.runtime import worth_triton
 from topoep.runtime.guard_cuda import MAX_TOKEN_CHUNKS
+from topoep.planners.capacity import region_loads
 from topoep.planners.common import static_rank_load
 from topoep.topology import FEMTO, MAX_COST_FS, Topology
 
@@ -325,33 +326,27 @@ class NetBenefitGuard:
         saved = self._layer(x_static, t_static) - self._layer(x, t)
         t_fetch, relay, occupied = self._fetch_times(plans)
         if self.fetch_overlap and exposed_transfers:
-            transfer = self._overlapped(plans, routes, x, t, t_fetch, relay, occupied, t_ffn, exposed_transfers)
+            transfer = self._overlapped(plans, x, t, t_fetch, relay, occupied, t_ffn, exposed_transfers)
         else:
             transfer = exposed_transfers * t_fetch * occupied
         return saved, self.plan_s + transfer, relay
 
-    def _overlapped(self, plans: tuple[Plan, ...], routes: torch.Tensor, x: torch.Tensor, t: torch.Tensor | None,
+    def _overlapped(self, plans: tuple[Plan, ...], x: torch.Tensor, t: torch.Tensor | None,
                     t_fetch: torch.Tensor, relay: torch.Tensor, occupied: torch.Tensor, t_ffn: float,
                     n: int) -> torch.Tensor:
         """T_transfer of every plan with fetch_overlap, float64[P]: (n - 1) T_fetch plus the forward's wait for the
         fetch (the class docstring), 0 without a replica. Link times in the guard's own units: integer femtoseconds
         with rows per assignment, seconds per link with the deduplicated estimate."""
-        plan = plans[0]
-        R, E, N = plan.num_ranks, plan.num_experts, plan.num_slots
-        topo = self._cost_topology(plan.topology).on(routes.device)
+        topo = self._cost_topology(plans[0].topology).on(plans[0].route.device)
         chunks = self.token_chunks or 1
         out = []
         for i, p in enumerate(plans):
-            inst = routes[i].sum(0).to(torch.float64)  # assignments per instance
-            main = torch.zeros(R, dtype=torch.float64, device=inst.device).index_add_(0, p.main_rank.to(inst.device),
-                                                                                     inst[:E])
-            slot = inst[E:].view(R, N).sum(1) if N else torch.zeros(R, dtype=torch.float64, device=inst.device)
-            direct = replica_matrix(p)
-            copies = direct
+            main, slot = region_loads(p).double().unbind(1)  # each rank's rows on main experts and on slots
+            copies = replica_matrix(p)
             if self.relay_fanout is not None:  # the fetch that runs: the trees' copies of every level, or direct
                 trees = relay_levels(p, *relay_sources(p, self.relay_fanout),
                                      max_level(p.topology, self.relay_fanout)).sum(0)
-                copies = torch.where(relay[i], trees, direct)
+                copies = torch.where(relay[i], trees, copies)
             tok, rep = self._token_links(p), link_fs(copies, p.expert_bytes, topo)
             if self.token_top_k is None:  # exact integers, one multiplication (transfer_fs's arithmetic)
                 alone = tok.amax()
@@ -359,7 +354,7 @@ class NetBenefitGuard:
             else:
                 rep_s = rep.double() * SECONDS_PER_FS
                 delay = (tok + rep_s * (tok > 0)).amax() - tok.amax()
-            t_disp = t[i] if t is not None else torch.zeros((), dtype=torch.float64, device=inst.device)
+            t_disp = t[i] if t is not None else torch.zeros((), dtype=torch.float64, device=main.device)
             t_chunk = _div(t_disp, float(chunks))
             compute = _div(_div(x[i], 3.0), float(chunks))
             alone_fwd = _later(*chunk_pipeline([t_chunk] * chunks, [compute] * chunks, [t_chunk] * chunks))
