@@ -253,10 +253,9 @@ def _sends(rows: list[dict], layer: str) -> str:
 
 
 def beyond_tree(row: dict, layer: str, fanout: int = 2) -> tuple[bool, bool]:
-    """Whether a rank of `layer`'s fetch in this cell sent more copies of one expert than a relay tree of `fanout`
-    children lets it: over NVLink (more than fanout), over the NIC (more than one per other domain)."""
-    return (row[f"{layer}_sends_nvlink_expert"] > fanout,
-            row[f"{layer}_sends_nic_expert"] > row["domains"] - 1)
+    """Whether a rank of `layer`'s fetch in this cell sent more copies of one expert than the relay trees of `fanout`
+    children let it: over NVLink or over the NIC, more than fanout (`topoep.relay`)."""
+    return (row[f"{layer}_sends_nvlink_expert"] > fanout, row[f"{layer}_sends_nic_expert"] > fanout)
 
 
 def _beyond(rows: list[dict], layer: str, fanout: int) -> str:
@@ -356,8 +355,8 @@ def report(args, rows: list[dict]) -> str:
               "",
               "Busiest sender: the most replica copies one rank sends in a fetch as it ran (relayed or direct, the "
               "guard's choice), the maximum over the cells (`topoep.relay.sender_copies`). With relay trees of f "
-              "children a rank sends at most f copies of one expert over NVLink and its home one per other domain "
-              f"over the NIC; cells beyond a tree's share: those where a rank sent more than a tree of "
+              "children a rank sends at most f copies of one expert over NVLink and at most f over its NIC (the "
+              f"remote domains' roots form a tree of f children below the home); cells beyond a tree's share: those where a rank sent more than a tree of "
               f"{args.relay_fanout} lets it (the "
               "layers without relays fetch every copy from its home; " + ("the relay layers' guard relays every such "
               "fetch)." if args.relay_share else "the relay layers' guard runs the direct fetch where its model finds "

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
     if (a.fanout > 0) {
       i64 src, lvl;
       bool beyond;
-      relay_node(slot, a.main_rank, duty, N, a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
+      relay_node(slot, a.main_rank, duty, N, a.rpd, R / a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
       add(acc.copies + (i64)p * a.levels + (lvl - 1), 1);
       if (beyond) add(acc.beyond + p, 1);
       if (src != s)
@@ -412,7 +412,7 @@ __global__ void relay_trees_kernel(const i64* __restrict__ slot, const i64* __re
   } else if (relay != nullptr && !*relay) {
     source[g] = main_rank[e], level[g] = 1;
   } else {
-    relay_node(slot, main_rank, duty_s, N, rpd, fanout, g, e, source + g, level + g);
+    relay_node(slot, main_rank, duty_s, N, rpd, R / rpd, fanout, g, e, source + g, level + g);
   }
 }
 

@@ -24,16 +24,36 @@ TOPOEP_HD i64 heap_depth(i64 index, int fanout) {
   return depth;
 }
 
+// The root of the j-th (1-based) remote domain holding expert e, in the domains' cyclic order from the home's
+// (relay._nic_order): the rank of that domain's first copy of e in list order (least duty, then slot index); -1 if
+// fewer domains hold one
+TOPOEP_HD i64 nic_root(const i64* __restrict__ slot, const int* __restrict__ duty, int N, int rpd, int M, int home_dom,
+                       i64 e, i64 j) {
+  i64 seen = 0;
+  for (int q = 1; q < M; ++q) {
+    const int base = ((home_dom + q) % M) * rpd * N, end = base + rpd * N;
+    int root = -1;
+    for (int k = base; k < end; ++k)
+      if (slot[k] == e && (root < 0 || duty[k / N] < duty[root / N])) root = k;
+    if (root >= 0 && ++seen == j) return root / N;
+  }
+  return -1;
+}
+
 // relay.relay_sources for the occupied slot g = rank * N + j holding expert e: (source rank, level); with `beyond`,
 // also whether the direct fetch of this copy exceeds a tree's share (relay.direct_beyond_tree): it is the home's
-// (fanout + 1)-th copy of e into its own domain or the second into another. duty[r] (relay.relay_duty): how many of
-// rank r's experts have a copy; a domain's copies are listed by (duty of their rank, slot index). A copy on e's home
-// rank is copied within that rank (level 1) and is no node of a tree: it is not listed
+// (fanout + 1)-th copy of e into its own domain or over its NIC. duty[r] (relay.relay_duty): how many of rank r's
+// experts have a copy; a domain's copies are listed by (duty of their rank, slot index); the remote domains' roots
+// hang below the home as a heap of `fanout` children (the NIC tree), the domains in cyclic order from the home's. M:
+// the number of domains. A copy on e's home rank is copied within that rank (level 1) and is no node of a tree: it
+// is not listed
 TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ main_rank, const int* __restrict__ duty,
-                          int N, int rpd, int fanout, int g, i64 e, i64* source, i64* level, bool* beyond = nullptr) {
+                          int N, int rpd, int M, int fanout, int g, i64 e, i64* source, i64* level,
+                          bool* beyond = nullptr) {
   const int rank = g / N, dom = rank / rpd;
   const i64 home = main_rank[e];
-  const bool local = home / rpd == dom;
+  const int home_dom = (int)(home / rpd);
+  const bool local = home_dom == dom;
   if (rank == home) {
     *source = home;
     *level = 1;
@@ -48,10 +68,29 @@ TOPOEP_HD void relay_node(const i64* __restrict__ slot, const i64* __restrict__ 
     p += dk < dg || (dk == dg && k < g);
   }
   const i64 idx = local ? p + 1 : p;
-  *level = heap_depth(idx, fanout) + (local ? 0 : 1);
-  if (beyond) *beyond = local ? idx > fanout : idx >= 1;
-  const i64 parent_idx = idx >= 1 ? (idx - 1) / fanout : -1;
-  if ((local && parent_idx == 0) || (!local && idx == 0)) {
+  // a remote domain's index in the NIC tree (1 + the remote domains before it that hold e) and the copies of e in
+  // those domains (the direct fetch sends them all over the home's NIC)
+  i64 nic = 0, before = 0;
+  if (!local) {
+    const int rel = (dom - home_dom + M) % M;
+    for (int q = 1; q < rel; ++q) {
+      const int b2 = ((home_dom + q) % M) * rpd * N;
+      i64 c = 0;
+      for (int k = b2; k < b2 + rpd * N; ++k) c += slot[k] == e;
+      nic += c > 0;
+      before += c;
+    }
+    ++nic;
+  }
+  *level = heap_depth(idx, fanout) + (local ? 0 : heap_depth(nic, fanout));
+  if (beyond) *beyond = local ? idx > fanout : before + idx >= fanout;
+  if (!local && idx == 0) {  // a remote domain's root: from its parent in the NIC tree
+    const i64 j = (nic - 1) / fanout;
+    *source = j == 0 ? home : nic_root(slot, duty, N, rpd, M, home_dom, e, j);
+    return;
+  }
+  const i64 parent_idx = (idx - 1) / fanout;
+  if (local && parent_idx == 0) {
     *source = home;
     return;
   }
@@ -85,7 +124,7 @@ TOPOEP_HD i64 relay_arrival(const i64* __restrict__ slot, const i64* __restrict_
       if (slot[rank * N + j] == e) gp = rank * N + j;
     if (gp < 0) break;  // unreachable: a relay holds the expert it sends
     i64 psrc, plvl;
-    relay_node(slot, main_rank, duty, N, rpd, fanout, gp, e, &psrc, &plvl);
+    relay_node(slot, main_rank, duty, N, rpd, R / rpd, fanout, gp, e, &psrc, &plvl);
     if (psrc != rank) t += expert_bytes * cost_fs[psrc * R + rank];
     rank = (int)psrc;
   }

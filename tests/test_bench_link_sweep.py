@@ -50,8 +50,9 @@ def test_link_sweep_small(tmp_path):
         beyond = f"{sum(a or b for a, b in flags)} ({sum(a for a, _ in flags)} / {sum(b for _, b in flags)})"
         assert line.rstrip(" |").endswith(f"{m['nvlink']} / {m['nic']} ({m['nvlink_expert']} / {m['nic_expert']}) | "
                                           + beyond)
-    row = {"domains": 4, "x_sends_nvlink_expert": 3.0, "x_sends_nic_expert": 3.0}
-    assert link_sweep.beyond_tree(row, "x") == (True, False)  # 3 > 2 over NVLink; 3 NIC copies for 3 other domains
+    row = {"domains": 4, "x_sends_nvlink_expert": 3.0, "x_sends_nic_expert": 2.0}
+    assert link_sweep.beyond_tree(row, "x") == (True, False)  # 3 > 2 over NVLink; 2 NIC copies: a NIC tree's share
+    assert link_sweep.beyond_tree(row | {"x_sends_nic_expert": 3.0}, "x") == (True, True)  # 3 > 2 over the NIC
     assert link_sweep.beyond_tree(row | {"x_sends_nic_expert": 4.0}, "x", fanout=3) == (False, True)
 
 

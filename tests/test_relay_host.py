@@ -58,7 +58,7 @@ def random_plans():
 
     rng = random.Random(5)
     for _ in range(60):
-        rpd, M = rng.choice([(1, 4), (2, 2), (4, 2), (8, 1), (8, 4), (3, 3), (16, 1)])
+        rpd, M = rng.choice([(1, 4), (2, 2), (4, 2), (8, 1), (8, 4), (3, 3), (16, 1), (1, 8), (2, 6)])
         R, N = rpd * M, rng.choice([1, 2, 4])
         E = R * 2
         topo = Topology(num_domains=M, ranks_per_domain=rpd, intra_cost=1 / rng.choice([155e9, 287e9]),
@@ -73,7 +73,7 @@ def random_plans():
 def test_device_rule_equals_the_reference(host_lib, fanout):
     """Sources, levels and each copy's arrival copy by copy equal relay_sources and copy_arrival bit for bit; the
     share flags give direct_beyond_tree."""
-    deep = 0
+    deep = nic_relays = 0
     for plan in (*_plans(), duty_plan(), *random_plans()):
         source, level, beyond, arrival = host_trees(host_lib, plan, fanout)
         want_s, want_l = relay_sources(plan, fanout)
@@ -82,4 +82,10 @@ def test_device_rule_equals_the_reference(host_lib, fanout):
         hop = plan.topology.on("cpu").cost_fs * plan.expert_bytes
         assert torch.equal(arrival, copy_arrival(plan, want_s, want_l, hop, max_level(plan.topology, fanout)))
         deep += int(level.max()) >= 3
+        d = plan.topology.ranks_per_domain
+        occ = plan.slot_expert >= 0
+        dst = torch.arange(plan.num_ranks)[:, None] // d
+        home = plan.main_rank[plan.slot_expert.clamp(min=0)]
+        nic_relays += int((occ & (want_s // d != dst) & (want_s != home)).sum())
     assert deep > 0  # chains of three hops and more were compared
+    assert nic_relays > 0  # and remote roots fetching from another domain's root (the NIC tree's deeper levels)

@@ -184,9 +184,10 @@ def test_relay_fanout_is_checked():
         LayerConfig(relay_fanout=0)
     with pytest.raises(ValueError, match="fanout must be an integer >= 1"):
         max_level(Topology(num_domains=2, ranks_per_domain=4), 0)
-    # one level per depth of a tree over a domain's ranks, plus the NIC hop into the other domains
+    # one level per depth of a tree over a domain's ranks, plus one per depth of the NIC tree over the domains
     assert [max_level(Topology(num_domains=m, ranks_per_domain=d), f) for m, d, f in
-            ((1, 1, 2), (1, 4, 2), (2, 4, 2), (2, 4, 1), (4, 8, 2), (2, 8, 8))] == [1, 2, 3, 4, 4, 2]
+            ((1, 1, 2), (1, 4, 2), (2, 4, 2), (2, 4, 1), (4, 8, 2), (2, 8, 8), (16, 8, 2), (4, 8, 1))] == [
+                1, 2, 3, 4, 5, 2, 7, 10]
 
 
 def test_relay_chunks_are_checked_and_reach_the_guard():

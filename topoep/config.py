@@ -115,9 +115,10 @@ class LayerConfig:
     is off, off while it is on), so a routing that turns warm or cools is found within them (>= 2)."""
     relay_fanout: int | None = None
     """Fetch replicas down relay trees of this many children per node (topoep.relay: one NIC crossing per expert and
-    domain, then NVLink), level by level, and return their gradients up the same trees; None: every copy from its
-    home. Both backends and both transports of backend cuda; backend cuda runs a fixed number of levels
-    (topoep.relay.max_level: 1 + log of the domain size), each ending with a barrier of the group."""
+    domain, the domains' first copies a tree of this many children below the home, then NVLink inside each domain),
+    level by level, and return their gradients up the same trees; None: every copy from its home. Both backends and
+    both transports of backend cuda; backend cuda runs a fixed number of levels (topoep.relay.max_level: the log of
+    the domain size plus that of the number of domains), each ending with a barrier of the group."""
     relay_chunks: int = 1
     """With relay_fanout: every relayed copy travels in this many chunks, and a relay forwards each chunk as soon as
     it has it, so the trees' levels overlap (levels + relay_chunks - 1 steps instead of one level after the other,

@@ -2,13 +2,18 @@
 
 Without relays every copy of expert e comes from its home rank h = main_rank[e]: a hot expert with a copy on every
 rank makes h send R - 1 copies through one NVLink port and one NIC. With relays (`relay_sources`), the copies of e
-form one tree per domain, in a fixed order that every rank computes alike from the plan:
-  - in h's domain the tree's root is h; elsewhere its root is the domain's first copy, which fetches from h over the
-    NIC (the only copy of e that crosses into that domain);
+form one tree per domain, and the domains' roots one tree across the NIC, in a fixed order that every rank computes
+alike from the plan:
+  - in h's domain the tree's root is h; elsewhere its root is the domain's first copy (the only copy of e that
+    crosses into that domain, over the NIC);
   - the domain's copies hang below the root as a heap of `fanout` children per node: node i of the list [root,
     copy 1, copy 2, ...] fetches from node (i - 1) // fanout. The list is in order of the copies' ranks' duty (how
     many replicated experts the rank is home to, `relay_duty`), then in slot order (rank, then slot): the first nodes
-    relay, so relays are drawn first from the ranks with the fewest trees of their own to feed.
+    relay, so relays are drawn first from the ranks with the fewest trees of their own to feed;
+  - the remote domains' roots hang below h the same way (the NIC tree): node i of the list [h, root of domain
+    dom(h) + 1, root of dom(h) + 2, ...] (the domains that hold a copy of e, in cyclic order from h's) fetches from
+    node (i - 1) // fanout, so h sends at most `fanout` copies of e over its NIC, not one per domain, and a root
+    relays to at most `fanout` other domains beside its own domain's children (`max_children`).
 A copy can only be sent once it has arrived, so a relayed fetch runs in levels (the copies at depth 1 first, then
 depth 2, ...). With `chunks` C > 1 every copy travels in C chunks (contiguous element ranges of the weights), and a
 node forwards a chunk as soon as it has it: the fetch is a pipeline of L + C - 1 steps (`relay_steps`), step s moving
@@ -54,6 +59,12 @@ class RelayTrees(NamedTuple):
     chunks: int = 1  # chunks per copy (`relay_steps`): the runtime runs levels + chunks - 1 steps
     schedule: str = "levels"  # RELAY_SCHEDULES: level by level, or copy by copy ("async")
     fanout: int = 0  # children per node (the copy-by-copy return's table of children; 0: not given)
+
+
+def max_children(fanout: int) -> int:
+    """The most copies of one expert that a node of the trees of `relay_sources` sends: `fanout` into its domain over
+    NVLink and, a home or a remote domain's root, `fanout` roots of other domains over its NIC."""
+    return 2 * fanout
 
 
 def check_chunks(chunks, what: str = "chunks") -> int:
@@ -107,13 +118,14 @@ def _heap_depth(index: torch.Tensor, fanout: int, max_depth: int) -> torch.Tenso
 def max_level(topology, fanout: int) -> int:
     """The deepest level any relay tree of `relay_sources` can reach on this topology: a rank holds an expert at most
     once beside its own main experts (the plan's invariants), and a copy on the expert's home rank is no node of a
-    tree, so a tree's list holds at most ranks_per_domain nodes; a remote domain's tree starts one level down (its
-    root crossed the NIC)."""
+    tree, so a tree's list holds at most ranks_per_domain nodes; a remote domain's tree starts as deep as its root sits
+    in the NIC tree (at most num_domains nodes)."""
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
         raise ValueError(f"fanout must be an integer >= 1 (copies one node of a relay tree sends), got {fanout!r}")
-    d = topology.ranks_per_domain
+    d, M = topology.ranks_per_domain, topology.num_domains
     depth = int(_heap_depth(torch.tensor([d - 1]), fanout, d).item())
-    return max(1, depth + (topology.num_domains > 1))
+    nic = int(_heap_depth(torch.tensor([M - 1]), fanout, M).item())  # the deepest root of the NIC tree
+    return max(1, depth + nic)
 
 
 def relay_duty(plan: Plan) -> torch.Tensor:
@@ -129,8 +141,9 @@ def relay_duty(plan: Plan) -> torch.Tensor:
 
 def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """(source int64[R, N], level int64[R, N]): the rank each slot fetches its replica from and the level of that
-    transfer (1: from the home, or the first hop of a tree; -1 and 0 for an empty slot). Deterministic: the same plan
-    gives the same trees on every rank and device."""
+    transfer (1: from the home; deeper: down a tree, the NIC tree's levels first; -1 and 0 for an empty slot).
+    Deterministic: the same plan gives the same trees on every rank and device (csrc/relay_tree.cuh runs the same
+    rule per copy)."""
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
         raise ValueError(f"fanout must be an integer >= 1 (copies one node of a relay tree sends), got {fanout!r}")
     R, N = plan.num_ranks, plan.num_slots
@@ -142,6 +155,7 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
         return source.view(R, N), level.view(R, N)
     d = plan.topology.ranks_per_domain
     M = plan.topology.num_domains
+    E = plan.num_experts
     slot_rank = torch.arange(R * N, device=dev) // max(N, 1)
     home = plan.main_rank.to(dev)[se.clamp(min=0)]
     # a copy on its expert's own home rank (the capacity step may place one) is copied within that rank at level 1
@@ -149,33 +163,48 @@ def relay_sources(plan: Plan, fanout: int = 2) -> tuple[torch.Tensor, torch.Tens
     own = (se >= 0) & (slot_rank == home)
     occ = (se >= 0) & ~own
     dom, home_dom = slot_rank // d, home // d
-    # copies sorted by (expert, domain, duty of their rank, slot index), duty = how many replicated experts the rank
-    # is home to (`relay_duty`): the ranks with the least of it come first and relay
-    E = plan.num_experts
+    rel = (dom - home_dom) % M  # domains in cyclic order from the home's (0: the home's own)
+    # copies sorted by (expert, domain in that order, duty of their rank, slot index), duty = how many replicated
+    # experts the rank is home to (`relay_duty`): the ranks with the least of it come first and relay
     duty = relay_duty(plan)
-    key = ((se.clamp(min=0) * M + dom) * (E + 1) + duty[slot_rank]) * (R * N) + torch.arange(R * N, device=dev)
+    key = ((se.clamp(min=0) * M + rel) * (E + 1) + duty[slot_rank]) * (R * N) + torch.arange(R * N, device=dev)
     key = torch.where(occ, key, torch.full_like(se, E * M * (E + 1) * R * N))
     order = torch.argsort(key)
-    group = torch.where(occ, se * M + dom, torch.full_like(se, plan.num_experts * M))[order]  # (expert, domain)
+    o_occ = occ[order]
+    o_e = torch.where(o_occ, se[order], E)  # (the unoccupied sort last, as expert E)
+    group = o_e * M + rel[order]  # (expert, domain)
     pos_sorted = torch.arange(R * N, device=dev)
     first = torch.ones(R * N, dtype=torch.bool, device=dev)
     first[1:] = group[1:] != group[:-1]
     start = torch.cummax(torch.where(first, pos_sorted, torch.zeros_like(pos_sorted)), 0).values
     p = pos_sorted - start  # position of the copy within its (expert, domain) group
-    o_home, o_dom, o_hdom = home[order], dom[order], home_dom[order]
-    local = o_dom == o_hdom
-    # list index of the copy in its tree and of its parent: [home, copies...] at home, [copies...] elsewhere
+    o_home = home[order]
+    local = rel[order] == 0
+    # list index of the copy in its domain's tree and of its parent: [home, copies...] at home, [copies...] elsewhere
     idx = torch.where(local, p + 1, p)
     parent_idx = torch.div(idx - 1, fanout, rounding_mode="floor")
     # the parent's rank: the home (list index 0 at home), else the copy at that list index of the same group
     parent_pos = torch.where(local, parent_idx - 1, parent_idx)  # its position within the group
     parent_sorted = (start + parent_pos.clamp(min=0)).clamp(max=R * N - 1)
-    parent_rank = slot_rank[order][parent_sorted]
+    o_rank = slot_rank[order]
+    parent_rank = o_rank[parent_sorted]
     src = torch.where(local & (parent_idx == 0), o_home, parent_rank)
-    src = torch.where(~local & (idx == 0), o_home, src)  # a remote domain's root fetches from the home
+    # the remote domains' roots form the NIC tree of the expert: [home, roots in domain order from the home's...], a
+    # heap of `fanout` children per node; nic: a remote copy's domain's index in that list (its root's)
+    root = first & ~local & o_occ
+    expert_first = torch.ones(R * N, dtype=torch.bool, device=dev)
+    expert_first[1:] = o_e[1:] != o_e[:-1]
+    roots_so_far = torch.cumsum(root.to(torch.int64), 0)
+    e_start = torch.cummax(torch.where(expert_first, pos_sorted, torch.zeros_like(pos_sorted)), 0).values
+    nic = torch.where(local, torch.zeros_like(p), roots_so_far - roots_so_far[e_start] + root[e_start].to(torch.int64))
+    root_rank = torch.full((E * M + 1,), -1, dtype=torch.int64, device=dev)  # (expert, NIC index) -> the root's rank
+    root_rank.index_copy_(0, torch.where(root, o_e * M + nic, E * M), o_rank)
+    nic_parent = torch.div(nic - 1, fanout, rounding_mode="floor")
+    nic_src = torch.where(nic_parent == 0, o_home, root_rank[(o_e.clamp(max=E - 1) * M + nic_parent.clamp(min=0))])
+    src = torch.where(~local & (idx == 0), nic_src, src)  # a remote domain's root: from its parent in the NIC tree
     max_depth = R * N if fanout == 1 else int(R * N).bit_length() + 1  # a chain, or a heap's depth at most
-    lvl = _heap_depth(idx, fanout, max_depth) + (~local).to(torch.int64)
-    o_occ = occ[order]
+    lvl = _heap_depth(idx, fanout, max_depth) + torch.where(local, torch.zeros_like(nic),
+                                                            _heap_depth(nic, fanout, max_depth))
     source[order] = torch.where(o_occ, src, torch.full_like(src, -1))
     level[order] = torch.where(o_occ, lvl, torch.zeros_like(lvl))
     source = torch.where(own, home, source)
@@ -290,10 +319,10 @@ def async_fetch_fs(plan: Plan, fanout: int, topology) -> tuple[torch.Tensor, tor
 
 def direct_beyond_tree(plan: Plan, fanout: int) -> torch.Tensor:
     """bool 0-d: whether the direct fetch of `plan` (every copy from its home) makes a home send more copies of one
-    expert than a relay tree of `fanout` children lets any rank send: more than `fanout` into the home's own domain
-    (over NVLink), or more than one into another domain (over the NIC). The net-benefit guard then relays that plan's
-    fetch even where the direct one is predicted faster, so no sender carries more than a tree's share. No host
-    synchronisation."""
+    expert than the relay trees of `fanout` children let any rank send: more than `fanout` into the home's own domain
+    (over NVLink), or more than `fanout` into the other domains together (over the NIC). The net-benefit guard then
+    relays that plan's fetch even where the direct one is predicted faster, so no sender carries more than a tree's
+    share. No host synchronisation."""
     se = plan.slot_expert
     occ = se >= 0
     dom = plan.topology.domain_of.to(se.device)
@@ -306,7 +335,7 @@ def direct_beyond_tree(plan: Plan, fanout: int) -> torch.Tensor:
     home_dom = dom[plan.main_rank.to(se.device)][:, None]
     same = counts.gather(1, home_dom)
     other = counts.scatter(1, home_dom, 0)
-    return (same > fanout).any() | (other > 1).any()
+    return (same > fanout).any() | (other.sum(1) > fanout).any()
 
 
 def sender_copies(plan: Plan, source: torch.Tensor | None = None) -> dict[str, int]:
@@ -314,8 +343,8 @@ def sender_copies(plan: Plan, source: torch.Tensor | None = None) -> dict[str, i
     `executed_sources`' first tensor) as the slots fetch, else every copy from its home. "nvlink" and "nic": the most
     copies one rank sends over its NVLink port and over its NIC, all experts together; "nvlink_expert" and
     "nic_expert": the most copies of one expert one rank sends over each. With relay trees of `fanout` children a
-    rank sends at most `fanout` copies of an expert over NVLink and its home at most one per other domain over the
-    NIC. Reads the counts on the host (a report, not the runtime)."""
+    rank sends at most `fanout` copies of an expert over NVLink and at most `fanout` over its NIC. Reads the counts
+    on the host (a report, not the runtime)."""
     R, E = plan.num_ranks, plan.num_experts
     se = plan.slot_expert
     occ = se >= 0

@@ -24,7 +24,8 @@ extern "C" void relay_sources_host(const int64_t* slot, const int64_t* main_rank
       continue;
     }
     bool b = false;
-    topoep::relay::relay_node(slot, main_rank, duty.data(), N, rpd, fanout, g, e, source + g, level + g, &b);
+    topoep::relay::relay_node(slot, main_rank, duty.data(), N, rpd, R / rpd, fanout, g, e, source + g, level + g,
+                              &b);
     beyond[g] = b;
     if (cost_fs)
       arrival[g] = topoep::relay::relay_arrival(slot, main_rank, duty.data(), cost_fs, R, N, rpd, fanout, levels,

@@ -210,8 +210,9 @@ def solve_topoep_plus_spread(omega, topology, *, num_slots, main_rank, expert_by
                              max_moves: int | None = None, trees: bool = False, move_cost_fs: int | None = None,
                              **kw) -> Plan:
     """The `topoep_plus_spread` policy (module docstring); with `trees`, `topoep_plus_spread_tree`: the replica term
-    counts each remote domain's copies of an expert as its relay tree fetches them (`topoep.relay`): the first over
-    the NIC from the home, the others over NVLink from that first copy. info: "moves" (kept after the rollback),
+    counts each remote domain's copies of an expert as a relay tree fetches them, approximately: the first over the
+    NIC from the home, the others over NVLink from that first copy (`topoep.relay`'s trees are heaps, and the domains'
+    first copies form a tree of their own across the NIC; the guard prices the fetch as it runs). info: "moves" (kept after the rollback),
     "greedy_moves" (made before it), "objective_fs" and "static_objective_fs" (the objective of the kept prefix and
     of static), "dropped" (replicas of the kept prefix left with no load, step 3)."""
     R, E = omega.shape

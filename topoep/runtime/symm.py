@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from topoep.relay import max_children
 from topoep.runtime.pool import SlotBanks
 
 try:
@@ -620,9 +621,10 @@ def async_send_items(se: torch.Tensor, source: torch.Tensor, level: torch.Tensor
 
 def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Tensor, levels: int, me: int, N: int,
                         fanout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(items int64[N], count int64 0-d, children int64[N, fanout]) of rank `me` in a copy-by-copy gradient return
+    """(items int64[N], count int64 0-d, children int64[N, F]) of rank `me` in a copy-by-copy gradient return
     (`_push_grads_async_kernel`): its occupied slots, deepest level first, then in slot order; and per slot the
-    copies fetched from it (its children in the relay tree: at most `fanout`), in slot order, -1 after the last. A
+    copies fetched from it (its children in the relay trees of `fanout`: at most F = `topoep.relay.max_children`, over
+    NVLink and over the NIC), in slot order, -1 after the last. A
     child holds the same expert, fetched from `me` one level deeper (the level-by-level return's rule, `_reduce`):
     where `me` is the expert's home and also holds a copy of it in a slot (the capacity step's copy on its home rank,
     level 1 from itself), the copies fetched from the home are not that slot's children, nor is the slot itself
@@ -638,10 +640,11 @@ def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Ten
     match = (((se >= 0) & (source == me))[None, :] & (se[None, :] == my_se[:, None]) & occ[:, None]
              & (level[None, :] == my_lvl[:, None] + 1))
     pos = match.cumsum(1) - 1
-    table = torch.full((N, fanout + 1), -1, dtype=torch.int64, device=dev)  # the last column takes the rest
-    table.scatter_(1, torch.where(match & (pos < fanout), pos, fanout),
+    F = max_children(fanout)
+    table = torch.full((N, F + 1), -1, dtype=torch.int64, device=dev)  # the last column takes the rest (none)
+    table.scatter_(1, torch.where(match & (pos < F), pos, F),
                    torch.where(match, torch.arange(RN, device=dev).expand(N, RN), -1))
-    return items, occ.sum(), table[:, :fanout].contiguous()
+    return items, occ.sum(), table[:, :F].contiguous()
 
 
 def _aligned(numel: int, span: int, *tensors: torch.Tensor) -> int:
@@ -785,14 +788,14 @@ class SymmReplicaPool(SlotBanks):
 
     def _push_grads_async(self, se: torch.Tensor, srcs: tuple, relay) -> None:
         """`push_grads` copy by copy (relay.schedule "async", `_push_grads_async_kernel`): my slots deepest level
-        first, each relay adding its children's regions (a table of at most relay.fanout per slot, made on the
-        device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1 regions to the
+        first, each relay adding its children's regions (a table of at most relay.max_children(relay.fanout) per
+        slot, made on the device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1 regions to the
         homes' experts after its barrier, as level by level."""
         src = relay.source.reshape(-1).contiguous()
         N, me = self.num_slots, self.rank
         items, count, children = async_return_tables(se, src, relay.level.reshape(-1), relay.levels, me, N,
                                                      relay.fanout)
-        F = relay.fanout
+        F = children.shape[1]
         epoch = self._ret_epoch
         epoch.add_(1)
         chunk0 = 0
