@@ -274,7 +274,8 @@ def test_relayed_replicas_match_the_direct_path():
     against the direct path (tests/test_relay_runtime.py's check_relays, as on the CPU harness)."""
     from test_relay_runtime import check_relays, relay_cuda
 
-    check_relays(run_ranks(relay_cuda, WORLD, RPD, CHUNKS, PREFETCH, cuda_options(), backend="nccl"), PREFETCH)
+    check_relays(run_ranks(relay_cuda, WORLD, RPD, CHUNKS, PREFETCH, cuda_options(), backend="nccl"), PREFETCH,
+                 WORLD // RPD)
 
 
 SIDE_FETCHES = {"prefetch": 0, "fetch": 0}  # fetches the slowed pools ran on each side stream (this process)

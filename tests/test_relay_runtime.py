@@ -53,12 +53,24 @@ def _relay(rank, world, rpd):
         source, level = relay_sources(layer.last_plan, fanout or 1)
         home = layer.last_plan.main_rank[layer.last_plan.slot_expert.clamp(min=0)]
         relayed = int(((source >= 0) & (source != home)).sum())
-        out[name] = (got, relayed, int(level.max()))
+        out[name] = (got, relayed, int(level.max()), nic_relays(layer.last_plan, source))
     return out
 
 
-def test_relayed_fetch_and_tree_return_match_the_direct_path():
-    for out in run_ranks(_relay, 8, 4):
+def nic_relays(plan, source) -> int:
+    """Copies that crossed the NIC from another domain's first copy, not from their home (the NIC tree's deeper
+    levels)."""
+    se = plan.slot_expert.cpu()
+    home = plan.main_rank.cpu()[se.clamp(min=0)]
+    d = plan.topology.ranks_per_domain
+    dst = torch.arange(plan.num_ranks)[:, None] // d
+    return int(((se >= 0) & (source.cpu() // d != dst) & (source.cpu() != home)).sum())
+
+
+@pytest.mark.parametrize("rpd", [4, 2])
+def test_relayed_fetch_and_tree_return_match_the_direct_path(rpd):
+    """8 ranks as 2 domains of 4, and as 4 domains of 2 (the remote domains' first copies relay across the NIC)."""
+    for out in run_ranks(_relay, 8, rpd):
         direct, relay1, relay2, again = (out[k][0] for k in ("direct", "relay1", "relay2", "relay2_again"))
         for got in (relay1, relay2):
             assert torch.equal(got[0], direct[0])  # forward: the same weights in the same slots
@@ -72,6 +84,7 @@ def test_relayed_fetch_and_tree_return_match_the_direct_path():
         for copies, plain in (("relay1_async", "relay1"), ("relay2_async", "relay2"), ("relay3_async", "relay3")):
             assert all(torch.equal(a, b) for a, b in zip(out[copies][0], out[plain][0])), copies
         assert out["relay1"][1] >= 4 and out["relay1"][2] >= 3  # chains: copies sent on by other copies
+        assert (out["relay1"][3] > 0) == (rpd == 2)  # a domain's first copy sent on to another domain
 
 
 def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
@@ -126,12 +139,13 @@ def relay_cuda(rank, world, rpd, chunks, prefetch, options=None):
         relayed = int(((source >= 0) & (source != home)).sum())
         pool = layers[0].pool  # shared by the runs: their counts are the differences
         counts = (pool.fills, pool.reloads_skipped, pool.prefetches)
-        out[name] = (got, relayed, int(level.max()), tuple(c - p for c, p in zip(counts, before)))
+        out[name] = (got, relayed, int(level.max()), tuple(c - p for c, p in zip(counts, before)),
+                     nic_relays(plan, source))
         before = counts
     return out
 
 
-def check_relays(results, prefetch):
+def check_relays(results, prefetch, domains=2):
     """relay_cuda's results on every rank: relayed fetches give the same slots, so the same outputs bit for bit; the
     tree return gives the same gradients up to bf16 rounding of the relays' partial sums; runs repeat bit for bit;
     reloads and prefetches happen as on the direct path; copies were fetched from other copies."""
@@ -157,14 +171,17 @@ def check_relays(results, prefetch):
                 assert all(torch.equal(a, b) for a, b in zip(out[copies][0], out[plain][0])), copies
                 assert out[copies][3] == out["direct"][3]
         assert out["relay1"][1] >= 1 and out["relay1"][2] >= 2  # copies fetched from other copies
+        if domains > 2:  # a domain's first copy sent on to another domain
+            assert out["relay1"][4] > 0
 
 
-@pytest.mark.parametrize("rpd,chunks,prefetch", [(2, 1, False), (2, 2, True),
-                                                 pytest.param(4, 1, False, marks=pytest.mark.slow)])
-def test_backend_cuda_relays_match_its_direct_path(rpd, chunks, prefetch):
-    """Backend cuda's a2a pool on the CPU harness, 2 domains of rpd ranks (check_relays). The peer-pointer pool runs
-    the same check on the GPU (tests/test_cuda_backend_gpu.py)."""
-    check_relays(run_ranks(relay_cuda, 2 * rpd, rpd, chunks, prefetch), prefetch)
+@pytest.mark.parametrize("domains,rpd,chunks,prefetch", [(2, 2, 1, False), (2, 2, 2, True), (4, 1, 1, False),
+                                                         pytest.param(2, 4, 1, False, marks=pytest.mark.slow)])
+def test_backend_cuda_relays_match_its_direct_path(domains, rpd, chunks, prefetch):
+    """Backend cuda's a2a pool on the CPU harness, `domains` domains of rpd ranks (check_relays; 4 domains: the remote
+    domains' first copies relay across the NIC). The peer-pointer pool runs the same check on the GPU
+    (tests/test_cuda_backend_gpu.py)."""
+    check_relays(run_ranks(relay_cuda, domains * rpd, rpd, chunks, prefetch), prefetch, domains)
 
 
 def test_the_layers_guard_prices_the_relayed_fetch():

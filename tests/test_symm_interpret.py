@@ -1,7 +1,7 @@
 """Backend cuda's peer transport for replica weights (topoep/runtime/symm.py, `SymmReplicaPool`: the fetch and the
 gradient return, level by level and copy by copy, LayerConfig.relay_schedule) run on the CPU in Triton's interpreter:
-one process per rank of 8 (2 domains of 4, hot experts: relay trees of fanout 1 and 2 with chains of 3 and more
-hops), the pool's symmetric buffers replaced by tensors in shared memory whose addresses every process maps, its
+one process per rank of 8 (2 domains of 4, and 4 domains of 2 where the remote domains' first copies relay to each
+other across the NIC; hot experts: relay trees of fanout 1 and 2 with chains of 3 and more hops), the pool's symmetric buffers replaced by tensors in shared memory whose addresses every process maps, its
 barriers by a barrier of the processes. The pool's own code runs (its buffers, tables and launches): three rounds,
 level by level then twice copy by copy (the flags keep the earlier round's epoch; the later must wait for its own).
 Every slot receives its expert's weights of that round bit for bit, and the copy-by-copy return leaves the same
@@ -39,7 +39,7 @@ def _patch_interpreter():
     ti._patch_lang_tensor = patched
 
 
-def _rank(me, fanout, trees, inputs, buffers, barrier, out):
+def _rank(me, fanout, rpd, trees, inputs, buffers, barrier, out):
     _patch_interpreter()
     from topoep.runtime.symm import SymmReplicaPool
 
@@ -67,7 +67,7 @@ def _rank(me, fanout, trees, inputs, buffers, barrier, out):
     pool = Pool(None, N, H, F, torch.bfloat16, "cpu")
     se, source, level = trees
     for k, (schedule, which) in enumerate(ROUNDS):
-        relay = RelayTrees(source, level, max_level(Topology(num_domains=R // RPD, ranks_per_domain=RPD), fanout),
+        relay = RelayTrees(source, level, max_level(Topology(num_domains=R // rpd, ranks_per_domain=rpd), fanout),
                            1, schedule, fanout)
         W1, W2, g1, g2 = (t[me].clone() for t in inputs[which])
         pool.fetch(se, W1, W2, E_LOC, 0, relay)
@@ -80,11 +80,11 @@ def _rank(me, fanout, trees, inputs, buffers, barrier, out):
         barrier.wait()  # every rank summed its regions before the next round writes them
 
 
-def _plan(self_copies: bool = False):
+def _plan(self_copies: bool = False, rpd: int = RPD):
     """Two hot experts (0 and 4) and one warm (9) on most ranks of both domains: deep trees, one empty slot; with
     self_copies also on their home ranks (the capacity step's copy there is fetched within the rank and is no node
     of a tree: its gradient goes to the home's own regions)."""
-    topo = Topology(num_domains=R // RPD, ranks_per_domain=RPD)
+    topo = Topology(num_domains=R // rpd, ranks_per_domain=rpd)
     base = solve(torch.ones(R, R * E_LOC, dtype=torch.int64), topo, num_slots=N, policy="static",
                  backend="reference")
     se = torch.full((R, N), -1, dtype=torch.int64)
@@ -95,16 +95,21 @@ def _plan(self_copies: bool = False):
     return dataclasses.replace(base, slot_expert=se)
 
 
-@pytest.mark.parametrize("fanout,self_copies", [(1, False), (2, False), (2, True)])
-def test_peer_transport_in_the_interpreter(fanout, self_copies, monkeypatch):
+@pytest.mark.parametrize("fanout,self_copies,rpd", [(1, False, 4), (2, False, 4), (2, True, 4), (1, False, 2),
+                                                    (2, True, 2)])
+def test_peer_transport_in_the_interpreter(fanout, self_copies, rpd, monkeypatch):
     import torch.multiprocessing as mp
 
     from test_relay import copies_at_home
     from topoep.runtime.symm import SymmReplicaPool
 
-    plan = _plan(self_copies)
+    plan = _plan(self_copies, rpd)
     source, level = relay_sources(plan, fanout)
     assert int(level.max()) >= 3  # chains of relays
+    home = plan.main_rank[plan.slot_expert.clamp(min=0)]
+    dst = torch.arange(R)[:, None] // rpd
+    nic_relays = int(((plan.slot_expert >= 0) & (source // rpd != dst) & (source != home)).sum())
+    assert (nic_relays > 0) == (R // rpd > 2)  # 4 domains: remote roots fetch from other domains' roots
     assert bool(copies_at_home(plan).any()) == self_copies
     gen = torch.Generator().manual_seed(fanout)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).share_memory_()  # noqa: E731
@@ -119,7 +124,7 @@ def test_peer_transport_in_the_interpreter(fanout, self_copies, monkeypatch):
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(R, timeout=300)  # a rank that fails breaks it for the others
     trees = tuple(t.reshape(-1).contiguous() for t in (plan.slot_expert, source, level))
-    procs = [ctx.Process(target=_rank, args=(me, fanout, trees, inputs, buffers, barrier, out)) for me in range(R)]
+    procs = [ctx.Process(target=_rank, args=(me, fanout, rpd, trees, inputs, buffers, barrier, out)) for me in range(R)]
     for p in procs:
         p.start()
     for p in procs:

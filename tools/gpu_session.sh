@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async relay_nic fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -442,6 +442,26 @@ step_relay_chunks() {  # relay trees whose copies travel in chunks (LayerConfig.
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 280 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
   _c audit_ep8_rpd4_relay2_c4 TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 \
     TOPOEP_GPU_RELAY_CHUNKS=4 timeout -k 10 150 python3 tools/sync_audit.py
+}
+
+step_relay_nic() {  # the NIC tree of the relay trees (the remote domains' first copies below the home as a heap of
+  # fanout children, topoep.relay): the guard kernel's trees and two of its four bit-equality chunks
+  # (csrc/relay_tree.cuh on the GPU against the reference, 4 domains and more among the plans), then backend cuda's
+  # GPU tests at EP 8 as 4 domains of 2 (ranks sharing the GPU), where a third domain's root fetches from another
+  # root: trees of 1 (a NIC chain) level by level, trees of 2 copy by copy (the widened table of children of the
+  # copy-by-copy return). Correctness only. Whole pytest logs into $OUT/relay_nic/
+  mkdir -p "$OUT/relay_nic"
+  _n() { local name=$1 limit=$2 vars=$3; shift 3  # _n NAME SECONDS "VAR=value ..." PYTEST_ARGS...
+    env $vars timeout -k 10 "$limit" python3 -m pytest -v -rA --durations=6 "$@" > "$OUT/relay_nic/$name.log" 2>&1
+    local rc=$?; echo "$name: rc=$rc $(tail -1 "$OUT/relay_nic/$name.log")"; return $rc; }
+  local first="relayed_replicas or no_host_sync or matches_torch"
+  _n guard_relay 240 "" tests/test_guard_cuda.py::test_relay_trees_kernel_equals_reference \
+    "tests/test_guard_cuda.py::test_guard_kernel_equals_reference[0]" "tests/test_guard_cuda.py::test_guard_kernel_equals_reference[1]"
+  _n ep8_rpd2_relay1_levels 280 "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=2 TOPOEP_GPU_RELAY=1" \
+    -x tests/test_cuda_backend_gpu.py -k "$first"
+  _n ep8_rpd2_relay2_async 280 \
+    "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=2 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async" \
+    -x tests/test_cuda_backend_gpu.py -k "$first"
 }
 
 step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer):

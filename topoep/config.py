@@ -134,8 +134,8 @@ class LayerConfig:
     in symmetric memory); relay_chunks must be 1. Results do not depend on it."""
     relay_share: bool = False
     """With relay_fanout: the guard relays every fetch whose direct form would make a home send more copies of one
-    expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than one into each
-    other domain), even where its per-link model predicts the direct fetch faster: no sender carries more than a
+    expert than a relay tree lets a rank send (more than relay_fanout into its own domain, more than relay_fanout over
+    its NIC into the others), even where its per-link model predicts the direct fetch faster: no sender carries more than a
     tree's share. False: the guard keeps the faster fetch by its model."""
     deepep_deterministic: bool = False
     """Transport deepep: DeepEP sorts each expert's received rows into a fixed order, so the weight gradients are the
