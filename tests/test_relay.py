@@ -445,6 +445,16 @@ def _async_return(plan, fanout):
     return stuck, home
 
 
+def nic_relays(plan, source) -> int:
+    """Copies that crossed the NIC from another domain's first copy, not from their home (the NIC tree's deeper
+    levels), where the slots fetch from `source` (int64[R, N])."""
+    se = plan.slot_expert.cpu()
+    home = plan.main_rank.cpu()[se.clamp(min=0)]
+    d = plan.topology.ranks_per_domain
+    dst = torch.arange(plan.num_ranks)[:, None] // d
+    return int(((se >= 0) & (source.cpu() // d != dst) & (source.cpu() != home)).sum())
+
+
 def copies_at_home(plan) -> torch.Tensor:
     """bool [R, N]: the slots holding a copy of an expert on that expert's own home rank (the capacity step's)."""
     home = plan.main_rank[plan.slot_expert.clamp(min=0)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_relay import _plans, duty_plan
+from test_relay import _plans, duty_plan, nic_relays
 from topoep.relay import copy_arrival, direct_beyond_tree, max_level, relay_sources
 
 SOURCE = Path(__file__).parent / "csrc" / "relay_host.cpp"
@@ -73,7 +73,7 @@ def random_plans():
 def test_device_rule_equals_the_reference(host_lib, fanout):
     """Sources, levels and each copy's arrival copy by copy equal relay_sources and copy_arrival bit for bit; the
     share flags give direct_beyond_tree."""
-    deep = nic_relays = 0
+    deep = roots_relayed = 0
     for plan in (*_plans(), duty_plan(), *random_plans()):
         source, level, beyond, arrival = host_trees(host_lib, plan, fanout)
         want_s, want_l = relay_sources(plan, fanout)
@@ -82,10 +82,6 @@ def test_device_rule_equals_the_reference(host_lib, fanout):
         hop = plan.topology.on("cpu").cost_fs * plan.expert_bytes
         assert torch.equal(arrival, copy_arrival(plan, want_s, want_l, hop, max_level(plan.topology, fanout)))
         deep += int(level.max()) >= 3
-        d = plan.topology.ranks_per_domain
-        occ = plan.slot_expert >= 0
-        dst = torch.arange(plan.num_ranks)[:, None] // d
-        home = plan.main_rank[plan.slot_expert.clamp(min=0)]
-        nic_relays += int((occ & (want_s // d != dst) & (want_s != home)).sum())
+        roots_relayed += nic_relays(plan, want_s)
     assert deep > 0  # chains of three hops and more were compared
-    assert nic_relays > 0  # and remote roots fetching from another domain's root (the NIC tree's deeper levels)
+    assert roots_relayed > 0  # and remote roots fetching from another domain's root (the NIC tree's deeper levels)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_relay import copies_at_home
+from test_relay import copies_at_home, nic_relays
 from test_runtime_multirank import dense_reference, make_inputs
 from topoep import ExpertParallelMoE, LayerConfig, Topology
 from topoep.relay import max_level, relay_sources
@@ -56,15 +56,6 @@ def _relay(rank, world, rpd):
         out[name] = (got, relayed, int(level.max()), nic_relays(layer.last_plan, source))
     return out
 
-
-def nic_relays(plan, source) -> int:
-    """Copies that crossed the NIC from another domain's first copy, not from their home (the NIC tree's deeper
-    levels)."""
-    se = plan.slot_expert.cpu()
-    home = plan.main_rank.cpu()[se.clamp(min=0)]
-    d = plan.topology.ranks_per_domain
-    dst = torch.arange(plan.num_ranks)[:, None] // d
-    return int(((se >= 0) & (source.cpu() // d != dst) & (source.cpu() != home)).sum())
 
 
 @pytest.mark.parametrize("rpd", [4, 2])

@@ -100,16 +100,13 @@ def _plan(self_copies: bool = False, rpd: int = RPD):
 def test_peer_transport_in_the_interpreter(fanout, self_copies, rpd, monkeypatch):
     import torch.multiprocessing as mp
 
-    from test_relay import copies_at_home
+    from test_relay import copies_at_home, nic_relays
     from topoep.runtime.symm import SymmReplicaPool
 
     plan = _plan(self_copies, rpd)
     source, level = relay_sources(plan, fanout)
     assert int(level.max()) >= 3  # chains of relays
-    home = plan.main_rank[plan.slot_expert.clamp(min=0)]
-    dst = torch.arange(R)[:, None] // rpd
-    nic_relays = int(((plan.slot_expert >= 0) & (source // rpd != dst) & (source != home)).sum())
-    assert (nic_relays > 0) == (R // rpd > 2)  # 4 domains: remote roots fetch from other domains' roots
+    assert (nic_relays(plan, source) > 0) == (R // rpd > 2)  # 4 domains: remote roots fetch from other domains' roots
     assert bool(copies_at_home(plan).any()) == self_copies
     gen = torch.Generator().manual_seed(fanout)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).share_memory_()  # noqa: E731
