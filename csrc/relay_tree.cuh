@@ -25,7 +25,7 @@ TOPOEP_HD i64 heap_depth(i64 index, int fanout) {
 }
 
 // The root of the j-th (1-based) remote domain holding expert e, in the domains' cyclic order from the home's
-// (relay._nic_order): the rank of that domain's first copy of e in list order (least duty, then slot index); -1 if
+// (relay.relay_sources' NIC tree): the rank of that domain's first copy of e in list order (least duty, then slot index); -1 if
 // fewer domains hold one
 TOPOEP_HD i64 nic_root(const i64* __restrict__ slot, const int* __restrict__ duty, int N, int rpd, int M, int home_dom,
                        i64 e, i64 j) {

@@ -1,8 +1,9 @@
 """Backend cuda's peer transport for replica weights (topoep/runtime/symm.py, `SymmReplicaPool`: the fetch and the
 gradient return, level by level and copy by copy, LayerConfig.relay_schedule) run on the CPU in Triton's interpreter:
 one process per rank of 8 (2 domains of 4, and 4 domains of 2 where the remote domains' first copies relay to each
-other across the NIC; hot experts: relay trees of fanout 1 and 2 with chains of 3 and more hops), the pool's symmetric buffers replaced by tensors in shared memory whose addresses every process maps, its
-barriers by a barrier of the processes. The pool's own code runs (its buffers, tables and launches): three rounds,
+other across the NIC; hot experts: relay trees of fanout 1 and 2 with chains of 3 and more hops), the pool's
+symmetric buffers replaced by tensors in shared memory whose addresses every process maps, its barriers by a barrier
+of the processes. The pool's own code runs (its buffers, tables and launches): three rounds,
 level by level then twice copy by copy (the flags keep the earlier round's epoch; the later must wait for its own).
 Every slot receives its expert's weights of that round bit for bit, and the copy-by-copy return leaves the same
 homes' gradients and relays' sums, bit for bit, as the level-by-level one, also where home ranks hold copies of their

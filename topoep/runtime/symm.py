@@ -624,8 +624,8 @@ def async_return_tables(se: torch.Tensor, source: torch.Tensor, level: torch.Ten
     """(items int64[N], count int64 0-d, children int64[N, F]) of rank `me` in a copy-by-copy gradient return
     (`_push_grads_async_kernel`): its occupied slots, deepest level first, then in slot order; and per slot the
     copies fetched from it (its children in the relay trees of `fanout`: at most F = `topoep.relay.max_children`, over
-    NVLink and over the NIC), in slot order, -1 after the last. A
-    child holds the same expert, fetched from `me` one level deeper (the level-by-level return's rule, `_reduce`):
+    NVLink and over the NIC), in slot order, -1 after the last. A child holds the same expert, fetched from `me` one
+    level deeper (the level-by-level return's rule, `_reduce`):
     where `me` is the expert's home and also holds a copy of it in a slot (the capacity step's copy on its home rank,
     level 1 from itself), the copies fetched from the home are not that slot's children, nor is the slot itself
     (its gradient and theirs go to the home's regions, which `reduce_grads` adds). On the device, no host sync."""
@@ -789,8 +789,8 @@ class SymmReplicaPool(SlotBanks):
     def _push_grads_async(self, se: torch.Tensor, srcs: tuple, relay) -> None:
         """`push_grads` copy by copy (relay.schedule "async", `_push_grads_async_kernel`): my slots deepest level
         first, each relay adding its children's regions (a table of at most relay.max_children(relay.fanout) per
-        slot, made on the device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1 regions to the
-        homes' experts after its barrier, as level by level."""
+        slot, made on the device) before it sends on; one launch per weight. `reduce_grads` then adds the level-1
+        regions to the homes' experts after its barrier, as level by level."""
         src = relay.source.reshape(-1).contiguous()
         N, me = self.num_slots, self.rank
         items, count, children = async_return_tables(se, src, relay.level.reshape(-1), relay.levels, me, N,
