@@ -13,6 +13,11 @@ and the decision of a call whose replica machinery backend cuda's slot hint left
 after the first `skip_lag`): the bound and the static plan only.
 
     python bench/guard_latency.py            # EP 8, 32, 128 (domains of 8), 640 experts, 2 slots
+    python bench/guard_latency.py --eps 16 32 64 --rpd 64 --name guard_latency_one_domain   # one NVLink domain
+
+On one domain (EP 8 at the default --rpd, every EP size at --rpd >= EP) the layer plans topoep_plus without its local
+candidate (the same plan there: moe.py `_plus_policies`), and so does every chain here. With relays the executed
+plan's trees come from the guard kernel's own launches (info["relay_trees"]), as in the layer without a capacity step.
 
 The plans come from the CUDA planner on planner_latency.py's workload (megatron's biased router, skew -2.5, top-8).
 Median over 200 replays after 20 warm-ups, CUDA events. Writes results/guard_latency.{md,json}.
@@ -47,13 +52,24 @@ W_BYTES, S_BYTES = 3 * 2048 * 768 * 2, 2048 * 2
 
 
 def _decide(variant: str, plan, local):
-    """The variant's work: the guard's selection (and with relays the trees of the kept plan)."""
+    """The variant's work: the guard's selection (and with relays the trees of the kept plan). local: the local
+    candidate, or None (one domain: the layer plans topoep_plus alone)."""
     relay, cuda = "relay" in variant, variant.endswith("_cuda")
     guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
-    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), backend="cuda" if cuda else "reference")[0]
-    if relay:
-        return executed.route, *(guard_cuda.executed_sources if cuda else executed_sources)(executed, 2)
-    return executed.route,
+    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=_others(local),
+                            backend="cuda" if cuda else "reference")[0]
+    return (executed.route, *_trees(executed)) if relay else (executed.route,)
+
+
+def _others(*plans) -> tuple:
+    """The guard's candidates beside topoep_plus's plan: those given, None left out."""
+    return tuple(p for p in plans if p is not None)
+
+
+def _plus_names(topo, *more: str) -> tuple[str, ...]:
+    """The plans a guarded topoep_plus layer makes at once (moe.py `_plus_policies`): its local candidate only on
+    more than one domain."""
+    return ("topoep_plus",) + (("topoep_plus_local",) if topo.num_domains > 1 else ()) + more
 
 
 def _bound(omega: torch.Tensor, topo, relay: bool = False):
@@ -64,17 +80,25 @@ def _bound(omega: torch.Tensor, topo, relay: bool = False):
 
 
 def _trees(plan):
-    """The executed plan's relay trees of 2 (the kernel on a GPU)."""
+    """The executed plan's relay trees of 2, as the layer gets them: from the guard kernel's launches where it ran
+    (info["relay_trees"]), else by the trees kernel on a GPU (the reference elsewhere)."""
+    if "relay_trees" in plan.info:
+        return tuple(plan.info["relay_trees"].unbind(0))
     return (guard_cuda.executed_sources if plan.route.is_cuda else executed_sources)(plan, 2)
 
 
-def _chain(relay: bool, omega: torch.Tensor, topo, slots: int):
+def _chain(relay: bool, omega: torch.Tensor, topo, slots: int, pair: bool = False, separate: bool = False):
     """A guarded topoep_plus layer's decision (moe.py `_guarded_plan`, capacity step left out): the pre-plan bound,
-    topoep_plus and topoep_plus_local at once (static where the bound says no), the guard's selection, the trees."""
+    topoep_plus and topoep_plus_local at once (static where the bound says no; on one domain topoep_plus alone), the
+    guard's selection, the trees. The baselines of the same run: `pair`, the local candidate planned and priced on one
+    domain too; `separate`, the trees by their own kernel (as after a capacity step) instead of the guard's."""
     guard, worth = _bound(omega, topo, relay)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    plan, local = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local"), kw)
-    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local,), planned=worth)[0]  # kernel on a GPU
+    names = ("topoep_plus", "topoep_plus_local") if pair else _plus_names(topo)
+    plan, *local = plan_concurrently(omega, topo, names, kw)
+    executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(local), planned=worth)[0]  # kernel on a GPU
+    if separate:
+        executed.info.pop("relay_trees", None)
     return (executed.route, *_trees(executed)) if relay else (executed.route,)
 
 
@@ -86,10 +110,10 @@ def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
     guard, worth = _bound(omega, topo)
     run = gate.enable(worth)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    plan, local, spread = plan_concurrently(omega, topo, ("topoep_plus", "topoep_plus_local", "topoep_plus_spread"),
-                                            [kw, kw, {**kw, "enable": run}])
-    executed, fired, saved, cost = guard.select(plan, DEFAULT_T_FFN, 1, candidates=(local, spread), planned=worth)
-    gate.record(worth, run, fired, saved, cost, executed.info["guard_choice"], 2)
+    names = _plus_names(topo, "topoep_plus_spread")
+    plan, *others = plan_concurrently(omega, topo, names, [kw] * (len(names) - 1) + [{**kw, "enable": run}])
+    executed, fired, saved, cost = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(others), planned=worth)
+    gate.record(worth, run, fired, saved, cost, executed.info["guard_choice"], len(names) - 1)
     return executed.route,
 
 
@@ -110,12 +134,12 @@ def _floor(x: torch.Tensor):
     return x.add_(1),
 
 
-def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
-    topo, omega_cpu = workload(ep, experts)
+def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int = 8) -> dict:
+    topo, omega_cpu = workload(ep, experts, rpd=rpd)
     omega = omega_cpu.cuda()
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES)
     plan = solve(omega, topo, policy="topoep_plus", **kw)
-    local = solve(omega, topo, policy="topoep_plus_local", **kw)
+    local = solve(omega, topo, policy="topoep_plus_local", **kw) if topo.num_domains > 1 else None
     row = {"ep": ep, "experts": experts, "domains": topo.num_domains, "slots": slots}
     one = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -136,6 +160,11 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int) -> dict:
     gate.enable(torch.ones((), dtype=torch.bool, device="cuda"))
     gate.state.copy_(torch.tensor([0.0, 0.0, float("nan"), float("nan")]))  # no probe since: never due in this run
     works["chain_gate_off"] = lambda: _gate_chain(gate, omega, topo, slots)
+    # the same run's baselines: the trees by their own kernel; on one domain, the local candidate planned as well
+    works["chain_plan_relay_separate"] = lambda: _chain(True, omega, topo, slots, separate=True)
+    if topo.num_domains == 1:
+        works["chain_plan_pair"] = lambda: _chain(False, omega, topo, slots, pair=True)
+        works["chain_plan_relay_pair"] = lambda: _chain(True, omega, topo, slots, pair=True, separate=True)
     for variant, work in works.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -173,33 +202,58 @@ def chain_table(rows: list[dict]) -> str:
                             f"{r['chain_hint_relay_us']:.1f}", f"{r['static_plan_us']:.1f}"] for r in rows])
 
 
+def baseline_table(rows: list[dict]) -> str:
+    """The decision against the same run's baselines: the relayed chain with the trees from the guard's launches and
+    with their own kernel; on one domain, topoep_plus alone and with its local candidate."""
+    def us(r, key):
+        return f"{r[key]:.1f}" if key in r else "-"
+
+    def ratio(r, a, b):
+        return f"{r[a] / r[b]:.3f}" if a in r and b in r else "-"
+
+    return markdown_table(["EP", "domains", "+ relays: trees from the guard us", "trees by their own kernel us",
+                           "ratio", "one domain: topoep_plus alone us", "with its local candidate us", "ratio",
+                           "+ relays, alone us", "+ relays, with its local candidate (own trees kernel) us", "ratio"],
+                          [[r["ep"], r["domains"], us(r, "chain_plan_relay_us"), us(r, "chain_plan_relay_separate_us"),
+                            ratio(r, "chain_plan_relay_us", "chain_plan_relay_separate_us"), us(r, "chain_plan_us"),
+                            us(r, "chain_plan_pair_us"), ratio(r, "chain_plan_us", "chain_plan_pair_us"),
+                            us(r, "chain_plan_relay_us"), us(r, "chain_plan_relay_pair_us"),
+                            ratio(r, "chain_plan_relay_us", "chain_plan_relay_pair_us")] for r in rows])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eps", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--experts", type=int, default=640)
     ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--rpd", type=int, default=8,
+                    help="ranks per NVLink domain (at least the EP size: one domain, as on GB200 NVL72, where the "
+                         "layer plans topoep_plus without its local candidate)")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--name", default="guard_latency")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = parse_options(ap, argv)
+    if any(ep < 1 or args.experts % ep for ep in args.eps):
+        raise SystemExit(f"--eps must be positive divisors of --experts {args.experts}, got {args.eps}")
+    if args.rpd < 1 or any(ep > args.rpd and ep % args.rpd for ep in args.eps):
+        raise SystemExit(f"--rpd must be >= 1 and divide every EP size above it (or be at least the EP size: one "
+                         f"domain), got --rpd {args.rpd} for --eps {args.eps}")
     if not torch.cuda.is_available():
         raise SystemExit("bench/guard_latency.py times CUDA graphs: run it on a machine with a GPU "
                          "(tools/gpu_session.sh planner)")
-    if any(ep < 1 or args.experts % ep for ep in args.eps):
-        raise SystemExit(f"--eps must be positive divisors of --experts {args.experts}, got {args.eps}")
-    rows = [measure(ep, args.experts, args.slots, args.runs, args.warmup) for ep in args.eps]
+    rows = [measure(ep, args.experts, args.slots, args.runs, args.warmup, args.rpd) for ep in args.eps]
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     text = "\n".join([
         "# The net-benefit guard's time in a layer call's metadata, planning left out",
         "",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         "- guard: `NetBenefitGuard.select` of topoep_plus's plan and its local candidate (per-link prediction of "
-        "both, the static layer once); guard + relays: the same with `relay_fanout=2` (relayed or direct fetch "
+        "both, the static layer once; on one domain the plan alone, as the layer runs it there); guard + relays: the same with `relay_fanout=2` (relayed or direct fetch "
         "priced per plan) and the relay trees of the kept plan (`topoep.relay.executed_sources`). torch: the "
         "reference (backend='reference'); kernel: csrc/guard.cu (backend='cuda', the layer's path on a GPU; the same "
         f"results bit for bit). CUDA graph replay on a busy stream, median of {args.runs}; workload of "
-        f"bench/planner_latency.py, {args.slots} slots; one-kernel graph: a graph of one tiny kernel timed the same way "
+        f"bench/planner_latency.py ({args.rpd} ranks per domain), {args.slots} slots; one-kernel graph: a graph of one tiny kernel timed the same way "
         "(what replaying any graph costs; the guard runs inside the metadata graph a layer replays anyway)",
         f"- reproduce: `{command('guard_latency.py', args.argv)}`",
         "",
@@ -208,7 +262,8 @@ def main(argv=None) -> int:
         "## A guarded topoep_plus layer's whole decision",
         "",
         "The pre-plan bound (`worth_planning`), topoep_plus and topoep_plus_local at once (`plan_concurrently`, the "
-        "static plan where the bound says no) and the guard's selection (kernel; + relays: relay_fanout=2 and the "
+        "static plan where the bound says no; on one domain topoep_plus alone) and the guard's selection (kernel; + "
+        "relays: relay_fanout=2 and the "
         "kept plan's trees), one CUDA graph on a busy stream. Uniform routing: the bound leaves planning out and the "
         "guard prices nothing, so this is what a guarded layer adds to the static layer's metadata there "
         "(`topoep_research.sim.GPU_DECISION_SKIP_US`). Slot hint left out: a call of backend cuda whose replica "
@@ -222,10 +277,22 @@ def main(argv=None) -> int:
         "",
         chain_table(rows),
         "",
+        "## Against the same run's baselines",
+        "",
+        "The planned chains above beside what they replace, in the same run: with relays, the executed plan's trees "
+        "written by the guard kernel's own launches (`NetBenefitGuard.select`'s info[\"relay_trees\"]: the layer's "
+        "path without a capacity step) against the trees kernel after the guard (`guard_cuda.executed_sources`: the "
+        "path after a capacity step); on one domain, topoep_plus planned alone (the layer's `_plus_policies`) against "
+        "topoep_plus and topoep_plus_local at once (the same plan twice; with relays, with the trees kernel as well: "
+        "the whole decision before both changes). Ratio: the first / the second.",
+        "",
+        baseline_table(rows),
+        "",
     ])
     write_report(args, text, rows)
     print(table(rows))
     print(chain_table(rows))
+    print(baseline_table(rows))
     return 0
 
 

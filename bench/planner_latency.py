@@ -404,6 +404,11 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank of the generated workload")
     ap.add_argument("--out", type=Path, default=REPO / "results")
+    ap.add_argument("--rpd", type=int, default=8,
+                    help="ranks per NVLink domain; at least the EP size: one domain (GB200 NVL72). Other than 8: "
+                         "sweep (a) only, over --eps, written as --name")
+    ap.add_argument("--eps", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="sweep (a)'s EP sizes")
+    ap.add_argument("--name", default="planner_latency")
     ap.add_argument("--profile", action="store_true", help="add a per-kernel time breakdown (torch.profiler)")
     ap.add_argument("--spread", action="store_true", help="only the spread candidates (csrc/spread.cu), EP 8-128 at "
                     "E 640: writes spread_latency.{md,json}")
@@ -420,10 +425,15 @@ def main(argv=None) -> int:
         return peers_main(args)
     # (b): the paper uses E = 40 and 80 at EP 32; TopoEP (like megatron) needs E to be a multiple of EP, so
     # those two points become 64 and 96
-    configs = [("a", ep, 640) for ep in (8, 16, 32, 64, 128)] + [("b", 32, e) for e in (64, 96, 160, 320, 640)]
+    if args.rpd < 1 or any(ep < 1 or 640 % ep or (ep > args.rpd and ep % args.rpd) for ep in args.eps):
+        raise SystemExit(f"--eps must divide 640 experts and --rpd (>= 1) must divide every EP size above it, got "
+                         f"--eps {args.eps} --rpd {args.rpd}")
+    configs = [("a", ep, 640) for ep in args.eps]
+    if args.rpd == 8:
+        configs += [("b", 32, e) for e in (64, 96, 160, 320, 640)]
     rows = []
     for sweep, ep, e in configs:
-        r = measure(ep, e, args.slots, 8, args.runs, args.warmup, args.tokens)
+        r = measure(ep, e, args.slots, args.rpd, args.runs, args.warmup, args.tokens)
         r["sweep"] = sweep
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
@@ -442,15 +452,15 @@ def main(argv=None) -> int:
                              f"{r['reference_ms']:.2f}", paper.get((r["ep"], r["experts"]), "")] for r in rows])
     md = (f"# Planner latency (paper Fig. 11)\n\n- date: {info['date']}; commit: `{info['commit']}`; "
           f"hardware: {info['hardware']}\n- workload: biased router, router_skew -2.5, top-8, {args.tokens} tokens "
-          f"per rank, 8 ranks per domain, {args.slots} slots; median of {args.runs} runs after {args.warmup} "
+          f"per rank, {args.rpd} ranks per domain (at most the EP size), {args.slots} slots; median of {args.runs} runs after {args.warmup} "
           "warm-ups (CUDA events). eager = the whole `topoep.solve(..., backend='cuda')` call; graph = the planner "
           "replayed from a CUDA graph. Idle stream: events around one call on an idle GPU (the host's launch latency "
           "counts); busy stream: a GPU spin is queued ahead, so only the time on the GPU counts, as in a training "
           "step whose host runs ahead. Every measured plan equals the CPU reference plan.\n- reproduce: "
           f"`{command('planner_latency.py', args.argv)}`\n\n" + table + "\n" + breakdown)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "planner_latency.md").write_text(md)
-    write_json(args.out / "planner_latency.json", info, rows)
+    (args.out / f"{args.name}.md").write_text(md)
+    write_json(args.out / f"{args.name}.json", info, rows)
     print(md)
     return 0
 

@@ -160,7 +160,8 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
                   const c10::optional<at::Tensor>& allow,
                   const c10::optional<at::Tensor>& planned, at::Tensor route_out,
                   at::Tensor slot_out, at::Tensor choice, at::Tensor use, at::Tensor fired, at::Tensor relay,
-                  at::Tensor saved, at::Tensor cost, at::Tensor workspace) {
+                  at::Tensor saved, at::Tensor cost, at::Tensor workspace,
+                  const c10::optional<at::Tensor>& trees) {
   check_i64_cuda(omega, "omega");
   TORCH_CHECK(omega.dim() == 2, "omega must be int64[R, E]");
   const int64_t R = omega.size(0), E = omega.size(1), P = (int64_t)routes.size();
@@ -224,6 +225,16 @@ void guard_select(const at::Tensor& omega, const at::Tensor& main_rank, const at
   a.choice = choice.data_ptr<int64_t>(), a.use = use.data_ptr<bool>(), a.fired = fired.data_ptr<bool>();
   a.relay = relay.data_ptr<bool>();
   a.saved = saved.data_ptr<double>(), a.cost = cost.data_ptr<double>();
+  a.trees = nullptr;
+  if (trees.has_value()) {
+    check_i64_cuda(*trees, "trees");
+    check_same_device(*trees, omega, "trees");
+    TOPOEP_CHECK(fanout >= 1 && trees->numel() == (P + 1) * 2 * R * N, "trees (the executed plan's relay trees and "
+                 "each plan's) needs relay trees (fanout >= 1) and int64[P + 1, 2, R, N] = %lld elements, got fanout "
+                 "%lld and %lld elements", (long long)((P + 1) * 2 * R * N), (long long)fanout,
+                 (long long)trees->numel());
+    a.trees = trees->data_ptr<int64_t>();
+  }
   const c10::cuda::CUDAGuard guard(omega.device());
   C10_CUDA_CHECK(topoep::guard_select(a, workspace.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -374,7 +385,7 @@ TORCH_LIBRARY(topoep, m) {
         "Tensor? allow, "
         "Tensor? planned, "
         "Tensor(a!) route_out, Tensor(b!) slot_out, Tensor(c!) choice, Tensor(d!) use, Tensor(e!) fired, "
-        "Tensor(f!) relay, Tensor(g!) saved, Tensor(h!) cost, Tensor(i!) workspace) -> ()");
+        "Tensor(f!) relay, Tensor(g!) saved, Tensor(h!) cost, Tensor(i!) workspace, Tensor(j!)? trees=None) -> ()");
   m.def("guard_workspace_elems(int P, int R, int levels) -> int", &guard_workspace_elems);
   m.def("relay_trees(Tensor slot_expert, Tensor main_rank, int ranks_per_domain, int fanout, Tensor? relay, "
         "Tensor(a!) source, Tensor(b!) level) -> ()");

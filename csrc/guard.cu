@@ -153,6 +153,10 @@ __global__ void __launch_bounds__(kGuardThreads) guard_flows(GuardArgs a, i64* w
       i64 src, lvl;
       bool beyond;
       relay_node(slot, a.main_rank, duty, N, a.rpd, R / a.rpd, a.fanout, g, e, &src, &lvl, &beyond);
+      if (a.trees != nullptr) {  // this plan's trees, for guard_execute to copy where the guard keeps the plan
+        a.trees[(i64)(2 * (1 + p)) * R * N + g] = src;
+        a.trees[(i64)(2 * (1 + p) + 1) * R * N + g] = lvl;
+      }
       add(acc.copies + (i64)p * a.levels + (lvl - 1), 1);
       if (beyond) add(acc.beyond + p, 1);
       if (src != s)
@@ -381,19 +385,34 @@ __device__ void decide(const GuardArgs& a, const Acc& acc) {
   *a.cost = cost_best;
 }
 
-// the executed plan: the kept plan's route and slot table where the guard uses it, else the static plan's
+// the executed plan: the kept plan's route and slot table where the guard uses it, else the static plan's; with
+// a.trees also its relay trees (relay.executed_sources: the kept plan's trees from guard_flows where the fetch runs
+// relayed, else every copy from its home at level 1; the static plan has no copy)
 __global__ void guard_execute(GuardArgs a) {
   const int R = a.R, E = a.E, N = a.N, I = E + R * N;
+  const i64 RN = (i64)R * N;
   const bool use = *a.use;
   const int c = (int)*a.choice;
-  const i64 route_elems = (i64)R * I, total = route_elems + (i64)R * N;
+  const i64 route_elems = (i64)R * I, slots_end = route_elems + RN, total = slots_end + (a.trees ? RN : 0);
   for (i64 k = blockIdx.x * (i64)blockDim.x + threadIdx.x; k < total; k += (i64)gridDim.x * blockDim.x) {
     if (k < route_elems) {
       const i64 s = k / I, i = k % I;
       a.route_out[k] = use ? a.route[c][k] : (i < E ? a.omega[s * E + i] : 0);
-    } else {
+    } else if (k < slots_end) {
       const i64 g = k - route_elems;
       a.slot_out[g] = use ? a.slot[c][g] : -1;
+    } else {
+      const i64 g = k - slots_end, e = use ? a.slot[c][g] : -1;
+      i64 src = -1, lvl = 0;
+      if (e >= 0 && *a.relay) {
+        src = a.trees[(i64)(2 * (1 + c)) * RN + g];
+        lvl = a.trees[(i64)(2 * (1 + c) + 1) * RN + g];
+      } else if (e >= 0) {
+        src = a.main_rank[e];
+        lvl = 1;
+      }
+      a.trees[g] = src;
+      a.trees[RN + g] = lvl;
     }
   }
 }
@@ -432,7 +451,7 @@ cudaError_t guard_select(const GuardArgs& a, i64* ws, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   guard_flows<<<dim3(a.R, a.P + 1), kGuardThreads, smem, stream>>>(a, ws);
-  const i64 total = (i64)a.R * (a.E + (i64)a.R * a.N) + (i64)a.R * a.N;
+  const i64 total = (i64)a.R * (a.E + (i64)a.R * a.N) + (i64)a.R * a.N * (a.trees != nullptr ? 2 : 1);
   const int blocks = (int)((total + 255) / 256 < 1024 ? (total + 255) / 256 : 1024);
   guard_execute<<<blocks > 0 ? blocks : 1, 256, 0, stream>>>(a);
   return cudaGetLastError();

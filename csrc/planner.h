@@ -117,6 +117,9 @@ struct GuardArgs {
   int64_t *route_out, *slot_out, *choice;
   bool *use, *fired, *relay;
   double *saved, *cost;
+  // null, or (fanout >= 1) int64[P + 1][2][R * N]: [0] receives the executed plan's relay trees (source, level:
+  // topoep.relay.executed_sources of the executed plan and the fetch choice), [1 + p] the trees of plan p (scratch)
+  int64_t* trees;
 };
 size_t guard_workspace_elems(int P, int R, int levels);
 cudaError_t guard_select(const GuardArgs& args, int64_t* ws, cudaStream_t stream);

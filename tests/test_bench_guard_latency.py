@@ -5,7 +5,8 @@ CUDA it says where to run it."""
 import pytest
 import torch
 
-from bench.guard_latency import VARIANTS, _chain, _decide, _gate_chain, _hint_chain, chain_table, main, table
+from bench.guard_latency import (VARIANTS, _chain, _decide, _gate_chain, _hint_chain, _plus_names, chain_table, main,
+                                  table)
 from bench.planner_latency import workload
 from topoep import solve
 from topoep.runtime.guard import SpreadGate
@@ -59,7 +60,45 @@ def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
     assert gate.state[0] == 0 and gate.state[1] == 1 and not bool(gate.flag)
 
 
+def test_on_one_domain_the_chains_plan_topoep_plus_alone():
+    """--rpd at least the EP size: one NVLink domain, where the layer plans no local candidate (moe.py
+    `_plus_policies`); the chains then make the plan a layer with both would keep (the local plan is the same)."""
+    topo, omega = workload(16, 64, rpd=16)
+    assert topo.num_domains == 1 and _plus_names(topo) == ("topoep_plus",)
+    assert _plus_names(workload(16, 64)[0], "topoep_plus_spread") == ("topoep_plus", "topoep_plus_local",
+                                                                       "topoep_plus_spread")
+    kw = dict(num_slots=2, expert_bytes=10 ** 7, token_bytes=4096)
+    plan, local = (solve(omega, topo, policy=p, **kw) for p in ("topoep_plus", "topoep_plus_local"))
+    for relay in (False, True):
+        alone, both = (_decide(VARIANTS[relay], plan, other) for other in (None, local))
+        assert all(torch.equal(a, b) for a, b in zip(alone, both))
+    chained = _chain(True, omega, topo, 2)
+    assert torch.equal(chained[0], _decide("guard_relay", plan, None)[0]) and len(chained) == 3
+    gate = SpreadGate(probe=1 << 40, spread_s=1.0)
+    gate.enable(torch.ones((), dtype=torch.bool))
+    gate.state.copy_(torch.tensor([0.0, 0.0, float("nan"), float("nan")]))
+    assert torch.equal(_gate_chain(gate, omega, topo, 2)[0], _chain(False, omega, topo, 2)[0])
+
+
+def test_rpd_must_fit_the_ep_sizes():
+    with pytest.raises(SystemExit, match="--rpd must be >= 1 and divide"):
+        main(["--eps", "16", "32", "--rpd", "24"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_without_a_gpu_it_says_where_to_run():
     with pytest.raises(SystemExit, match="run it on a machine with a GPU"):
         main(["--eps", "8"])
+
+
+def test_baseline_table_shows_each_ratio_where_measured():
+    from bench.guard_latency import baseline_table
+
+    text = baseline_table([dict(ep=8, domains=1, chain_plan_relay_us=60.0, chain_plan_relay_separate_us=64.0,
+                                chain_plan_us=50.0, chain_plan_pair_us=55.0, chain_plan_relay_pair_us=66.0),
+                           dict(ep=32, domains=4, chain_plan_relay_us=62.0, chain_plan_relay_separate_us=65.0,
+                                chain_plan_us=58.0)])
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| 8 ")
+            or ln.startswith("| 32 ")]
+    assert rows[0] == ["8", "1", "60.0", "64.0", "0.938", "50.0", "55.0", "0.909", "60.0", "66.0", "0.909"]
+    assert rows[1] == ["32", "4", "62.0", "65.0", "0.954", "58.0", "-", "-", "62.0", "-", "-"]

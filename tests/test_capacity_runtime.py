@@ -221,9 +221,10 @@ def _unplanned(rank, world):
 def test_a_call_the_slot_hint_left_out_plans_nothing():
     """Calls 3-4 (uniform, the hint skips): only the static plan is made, nothing priced, wanted = the bound's
     verdict (no). Calls 5-6 (skewed) are skipped too (lag 2) but their bound says a plan may pay, so calls 7-8 plan
-    both candidates, the guard decides and replicas run."""
+    (topoep_plus alone: one NVLink domain, where its local candidate is the same plan), the guard decides and replicas
+    run."""
     for solved, stats in run_ranks(_unplanned, 2):
-        plus = ["topoep_plus", "topoep_plus_local"]
+        plus = ["topoep_plus"]
         assert solved == [plus, plus, ["static"], ["static"], ["static"], ["static"], plus, plus], solved
         for skipped, wanted, plan_skipped, saved, cost, replicas in stats[2:4]:
             assert (skipped, wanted, plan_skipped, saved, cost, replicas) == (1.0, 0.0, 1.0, 0.0, 0.0, 0.0)

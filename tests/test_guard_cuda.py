@@ -121,8 +121,9 @@ def test_guard_kernel_equals_reference(chunk):
     relay_share, and the forward fetch beside the dispatch, fetch_overlap, among them) x 3 values of t_ffn x
     {1, 2, 3} plans x the flags (allow, planned) of FLAGS: the
     executed plan, the kept candidate, the fired flag, T_saved, T_plan + T_transfer and the fetch choice are the reference's
-    bit for bit, on the GPU's torch reference and on the CPU's."""
-    decisions = set()
+    bit for bit, on the GPU's torch reference and on the CPU's; with relays, so are the executed plan's relay trees
+    the kernel writes beside them (info["relay_trees"], `executed_sources` of the CPU reference's executed plan)."""
+    decisions, trees = set(), 0
     for seed in range(chunk * 12, chunk * 12 + 12):
         cpu_plans, rng = plans_of(seed)
         gpu_plans = [to(p, "cuda") for p in cpu_plans]
@@ -145,11 +146,16 @@ def test_guard_kernel_equals_reference(chunk):
                         for i, (x, y, z) in enumerate(zip(g, r, h)):
                             assert torch.equal(x, y), f"output {i} differs from the GPU reference: {where}"
                             assert torch.equal(x, z), f"output {i} differs from the CPU reference: {where}"
+                        if relay_flag:  # the executed plan's trees from the same launches: the reference's of it
+                            want = torch.stack(executed_sources(host[0], guard.relay_fanout))
+                            assert torch.equal(got[0].info["relay_trees"].cpu(), want), f"relay trees differ: {where}"
+                            trees += bool((want[1] > 1).any())
                         decisions.add((bool(g[3]), int(g[2]), bool(g[-1]) if relay_flag else None))
     # both decisions, more than one kept candidate and both fetches occur (the cases are not all alike)
     assert {d[0] for d in decisions} == {True, False}
     assert len({d[1] for d in decisions}) > 1
     assert {d[2] for d in decisions} >= {True, False}
+    assert trees > 0  # some executed trees relay (a level beyond the home's copies)
 
 
 def random_slots(R: int, E: int, N: int, main_rank: torch.Tensor, rng: random.Random, hot: int) -> torch.Tensor:
@@ -210,9 +216,11 @@ def test_no_host_synchronisation_and_graph_replay():
     def call():
         ex, fired, saved, cost = guard.select(g[0], 2e-7, 1, allow=allow, candidates=tuple(g[1:]))
         src, lvl = guard_cuda.executed_sources(ex, 2)
-        return ex.slot_expert, ex.route, ex.info["guard_choice"], ex.info["relay"], fired, saved, cost, src, lvl
+        return (ex.slot_expert, ex.route, ex.info["guard_choice"], ex.info["relay"], fired, saved, cost, src, lvl,
+                ex.info["relay_trees"])
 
     eager = [t.clone() for t in call()]  # builds the extension on first use
+    assert torch.equal(torch.stack(eager[7:9]), eager[9])  # the guard's own trees: the trees kernel's of its plan
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -152,3 +152,30 @@ def test_local_plan_keeps_replicas_in_their_domain():
 
     assert has_cuda_kernel("topoep_plus_local", topo)
     assert not has_cuda_kernel("topoep_plus_local", Topology(num_domains=4, ranks_per_domain=8, cost=odd_cost))
+
+
+def test_local_plan_is_the_plan_itself_on_one_domain():
+    """On one NVLink domain the paper's stage 1 places nothing (there is no other domain), so topoep_plus_local's plan
+    is topoep_plus's bit for bit (slot table, route, loads, moves): the guarded topoep_plus layer plans it once there
+    (`ExpertParallelMoE._plus_policies`). Random routings and the Fig. 10 workloads, 1-4 slots, 2-16 ranks."""
+    from topoep.workloads import biased_routing
+
+    cases = 0
+    for ranks, slots, seed in itertools.product((2, 8, 16), (1, 2, 4), range(3)):
+        topo = Topology(num_domains=1, ranks_per_domain=ranks)
+        experts = 8 * ranks
+        layouts = ("random", "scattered", "clustered")
+        om = biased_routing(ranks, experts, 512, 4, -2.5, seed=seed, layout=layouts[seed])
+        kw = dict(num_slots=slots, expert_bytes=3 * 2048 * 768 * 2, token_bytes=4096)
+        plus, local = (solve(om, topo, policy=p, **kw).check() for p in ("topoep_plus", "topoep_plus_local"))
+        assert torch.equal(plus.slot_expert, local.slot_expert) and torch.equal(plus.route, local.route)
+        assert plus.info["global_moves"] == local.info["global_moves"]
+        assert plus.info["stage1_replicas"] == 0 == local.info["stage1_replicas"]
+        cases += plus.num_replicas > 0
+    assert cases > 20  # most cases place replicas: the equality is not the static plan's
+    for name in ("random", "scattered"):
+        om = fig10_workload(layout=name)  # 32 ranks, 640 experts, here as one domain of 32
+        R = om.shape[0]
+        topo = Topology(num_domains=1, ranks_per_domain=R)
+        plus, local = (solve(om, topo, policy=p, num_slots=2) for p in ("topoep_plus", "topoep_plus_local"))
+        assert torch.equal(plus.slot_expert, local.slot_expert) and torch.equal(plus.route, local.route)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async relay_nic fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async relay_nic decision fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -462,6 +462,37 @@ step_relay_nic() {  # the NIC tree of the relay trees (the remote domains' first
   _n ep8_rpd2_relay2_async 280 \
     "TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=2 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async" \
     -x tests/test_cuda_backend_gpu.py -k "$first"
+}
+
+step_decision() {  # the decision's fixed costs: the guard's statistics and the spread gate's update on the metadata's
+  # side stream (moe.py GuardOutcome), the executed plan's relay trees from the guard kernel's own launches, topoep_plus
+  # planned alone on one NVLink domain. DECISION_PART=1: the guard kernel's tests (the bit-equality chunks 2 3, the
+  # trees kernel, no host sync and graph replay; chunks 0 1 run in step relay_nic), then the decision's time against
+  # the same run's baselines (bench/guard_latency.py: domains of 8, and one domain at EP 16-64 ->
+  # guard_latency_one_domain); DECISION_PART=2: backend cuda's GPU tests at EP 1 and at EP 8 (ranks sharing the GPU) as
+  # 2 domains of 4 with relay trees of 2 copy by copy and as one domain, with the sync audits. Short logs into
+  # $OUT/decision/
+  mkdir -p "$OUT/decision"
+  _d() { short_log decision "$@"; }
+  if [ "${DECISION_PART:-1}" = 1 ]; then
+    _d guard_kernel timeout -k 10 300 python3 -m pytest -q -rA tests/test_guard_cuda.py tests/test_bench_guard_latency.py \
+      -k "not (equals_reference and (0 or 1))" || { echo "guard kernel tests failed: no benchmark"; return 1; }
+    timeout 200 python3 bench/guard_latency.py --out "$OUT" 2>&1 | grep -E "^\||Error" | tail -16
+    timeout 150 python3 bench/guard_latency.py --eps 16 32 64 --rpd 64 --name guard_latency_one_domain --out "$OUT" \
+      2>&1 | grep -E "^\||Error" | tail -16
+  fi
+  if [ "${DECISION_PART:-2}" = 2 ]; then
+    local ep8="TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RPD=4 TOPOEP_GPU_RELAY=2 TOPOEP_GPU_RELAY_SCHEDULE=async"
+    _d ep1 TOPOEP_GPU_WORLD=1 timeout -k 10 200 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py
+    env TOPOEP_GPU_WORLD=1 timeout -k 10 90 python3 tools/sync_audit.py > "$OUT/decision/audit_ep1.log" 2>&1
+    audit_summary audit_ep1 $? "$OUT/decision/audit_ep1.log"
+    _d ep8_rpd4_relay2_async $ep8 timeout -k 10 200 python3 -m pytest -q -rA tests/test_cuda_backend_gpu.py \
+      -k "relay or guarded or matches_torch or capacity"
+    env $ep8 timeout -k 10 90 python3 tools/sync_audit.py > "$OUT/decision/audit_ep8.log" 2>&1
+    audit_summary audit_ep8_rpd4_relay2_async $? "$OUT/decision/audit_ep8.log"
+    _d ep8_one_domain TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RELAY=2 timeout -k 10 120 python3 -m pytest -q -rA \
+      tests/test_cuda_backend_gpu.py -k "guarded_topoep_plus or matches_torch"
+  fi
 }
 
 step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer):

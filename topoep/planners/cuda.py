@@ -109,8 +109,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("topoep::guard_select")
     def _(omega, main_rank, cost_fs, routes, slots, ranks_per_domain, token_bytes, expert_bytes, t_ffn, token_transfers,
-          token_overlap, token_chunks, plan_s, latency, exposed, fanout, levels, chunks, share, async_fetch, allow, planned,
-          route_out, slot_out, choice, use, fired, relay, saved, cost, workspace):
+          token_overlap, token_chunks, plan_s, latency, exposed, fanout, levels, chunks, share, async_fetch, fetch_overlap,
+          allow, planned, route_out, slot_out, choice, use, fired, relay, saved, cost, workspace, trees=None):
         return None
 
     @torch.library.register_fake("topoep::plan_spread")

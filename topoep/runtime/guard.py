@@ -450,7 +450,8 @@ class NetBenefitGuard:
         optional): False forces the static plan (the host left out the replica machinery, or `worth_planning`
         skipped the planner); `T_saved > T_plan + T_transfer` of the kept plan is the guard's own decision either
         way. With relay_fanout, info["relay"] (bool 0-d) says whether the kept plan's fetch runs relayed
-        (`fetch_choice`; `topoep.relay.executed_sources` reads it). `planned` (bool 0-d, optional): False when the
+        (`fetch_choice`; `topoep.relay.executed_sources` reads it), and on the kernel info["relay_trees"] holds the
+        executed plan's trees (int64[2, R, N], `executed_sources` of it, from the same launches). `planned` (bool 0-d, optional): False when the
         planners left this call out (`worth_planning`): nothing is priced, the static plan runs, choice is 0, relay
         False and T_saved = T_plan + T_transfer = 0 (the kernel returns at once; the reference masks its results).
 
@@ -474,10 +475,12 @@ class NetBenefitGuard:
                              f"{guard_cuda.MAX_CHUNKS} chunks; use "
                              "backend='reference'")
         if kernel:
-            slot_expert, route, choice, fired, relay, saved, cost = guard_cuda.select(self, plans, t_ffn,
-                                                                                      exposed_transfers, allow,
-                                                                                      planned)
-            return self._executed(plan, slot_expert, route, choice, relay), fired, saved, cost
+            slot_expert, route, choice, fired, relay, saved, cost, trees = guard_cuda.select(
+                self, plans, t_ffn, exposed_transfers, allow, planned)
+            executed = self._executed(plan, slot_expert, route, choice, relay)
+            if trees is not None:  # its relay trees, from the same launches (relay.executed_sources of it)
+                executed.info["relay_trees"] = trees
+            return executed, fired, saved, cost
         saved, cost, relay = self._predict(plans, t_ffn, exposed_transfers)
         if candidates:  # the largest net saving; argmax returns the first of equal ones (ties: the earliest)
             choice = torch.argmax(saved - cost)

@@ -1,7 +1,9 @@
 """The net-benefit guard's selection and the relay trees on the GPU (csrc/guard.cu), bit for bit the references:
 `NetBenefitGuard.select` with token rows per assignment (topoep/runtime/guard.py) and `topoep.relay.executed_sources`.
 
-The reference is a few hundred small torch operations per layer call; the kernel is two launches
+The reference is a few hundred small torch operations per layer call; the kernel is two launches, which with relay
+trees also write the executed plan's trees (the separate `executed_sources` kernel is for a plan the capacity step
+changed after the guard)
 (results/guard_latency.md has both). Link times are exact integers (femtoseconds) and the float64 steps follow the
 reference's order, so the executed plan, the kept candidate and the fetch choice are the reference's bit for bit on
 every input (tests/test_guard_cuda_gpu.py). No host synchronisation; CUDA-graph capturable (the ops have fake
@@ -36,8 +38,10 @@ def usable(guard, plans: tuple[Plan, ...]) -> bool:
 def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int, allow: torch.Tensor | None,
            planned: torch.Tensor | None = None):
     """(slot_expert int64[R, N], route int64[R, E + R N] of the executed plan, choice int64 0-d, fired bool 0-d (the
-    static plan runs), relay bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d) of the kept plan: what
-    `NetBenefitGuard.select` computes, on the plans' device."""
+    static plan runs), relay bool 0-d, T_saved float64 0-d, T_plan + T_transfer float64 0-d, trees) of the kept plan:
+    what `NetBenefitGuard.select` computes, on the plans' device. trees: with relay trees (guard.relay_fanout), the
+    executed plan's int64[2, R, N] (`topoep.relay.executed_sources`: source, level), computed in the same two
+    launches (the guard prices every plan's trees anyway); None without."""
     from topoep.planners.cuda import load_extension
 
     load_extension()
@@ -53,14 +57,15 @@ def select(guard, plans: tuple[Plan, ...], t_ffn: float, exposed_transfers: int,
     choice = torch.empty((), dtype=torch.int64, device=dev)
     use, fired, relay = (torch.empty((), dtype=torch.bool, device=dev) for _ in range(3))
     saved, cost = (torch.empty((), dtype=torch.float64, device=dev) for _ in range(2))
+    trees = torch.empty(len(plans) + 1, 2, R, plan.num_slots, dtype=torch.int64, device=dev) if fanout else None
     ops.guard_select(plan.omega, plan.main_rank.to(dev), topo.cost_fs, [p.route for p in plans],
                      [p.slot_expert for p in plans], plan.topology.ranks_per_domain, int(plan.token_bytes),
                      int(plan.expert_bytes), float(t_ffn), guard.token_transfers, float(guard.token_overlap),
                      int(guard.token_chunks or 0), float(guard.plan_s), float(guard.transfer_latency_s), int(exposed_transfers), fanout, levels,
                      guard.relay_chunks if fanout else 1, bool(guard.relay_share),
                      bool(fanout) and guard.relay_schedule == "async", bool(guard.fetch_overlap),
-                     allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws)
-    return slot, route, choice, fired, relay, saved, cost
+                     allow, planned, route, slot, choice, use, fired, relay, saved, cost, ws, trees)
+    return slot, route, choice, fired, relay, saved, cost, None if trees is None else trees[0]
 
 
 _workspaces: dict = {}

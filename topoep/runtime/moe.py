@@ -70,6 +70,50 @@ LAYER_STAT_NAMES = STAT_NAMES + (
 _UNSET = object()
 
 
+@dataclasses.dataclass
+class GuardOutcome:
+    """What one call's net-benefit guard decided, as device tensors (0-d): the pre-plan bound's verdict (`worth`), and
+    unless `unplanned` (the slot hint left planning out: the bound alone ran) the guard's `fired`, T_saved, T_plan +
+    T_transfer, the kept plan's index (`choice`), the spread planners' enable flag (`spread_run`, None without
+    them) and the layer's spread gate (None without one), with the indices of the plans by kind (local: -1 where
+    the layer planned no local candidate). `finish` turns it into the call's statistics and the guard's own decision
+    and updates the spread gate: nothing of that feeds the plan, so backend cuda runs it on the metadata's side
+    stream beside the receive layout, off the plan's path (the next call's gate flag is read after the two streams
+    join)."""
+
+    worth: torch.Tensor | None
+    fired: torch.Tensor | None = None
+    saved: torch.Tensor | None = None
+    cost: torch.Tensor | None = None
+    choice: torch.Tensor | None = None
+    spread_run: torch.Tensor | None = None
+    gate: SpreadGate | None = None
+    local: int = -1
+    first_gated: int = 0
+    first_spread: int = 0
+    unplanned: bool = False
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64[GUARD_STATS] statistics: guard_fired .. spread_planned of LAYER_STAT_NAMES, wanted: bool 0-d,
+        True when the guard itself wants the balanced plan; in an unplanned call the bound's verdict). Call it once
+        per call: it records the call in the spread gate."""
+        worth = self.worth
+        f64 = torch.float64
+        if self.unplanned:
+            zero = torch.zeros((), dtype=f64, device=worth.device)
+            return torch.stack([zero + 1, zero, zero, worth.to(f64), (~worth).to(f64), zero, zero, zero, zero]), worth
+        fired, choice = self.fired, self.choice
+        kept = ~fired
+        wanted = (self.saved > self.cost) & worth
+        local = (choice == self.local) & kept
+        spread, peer = (choice >= self.first_spread) & kept, (choice >= self.first_gated) & (choice < self.first_spread) & kept
+        ran = torch.zeros_like(worth) if self.spread_run is None else self.spread_run
+        if self.gate is not None:
+            self.gate.record(worth, self.spread_run, fired, self.saved, self.cost, choice, self.first_gated)
+        flags = torch.stack([fired, wanted, ~worth, local, spread, peer, ran]).to(f64)
+        return torch.cat([flags[:1], 1e3 * torch.stack([self.saved, self.cost]), flags[1:]]), wanted
+
+
 class ExpertParallelMoE(nn.Module):
     """Balanced expert-parallel MoE layer.
 
@@ -247,22 +291,37 @@ class ExpertParallelMoE(nn.Module):
         cap = None
         if self.capacity_factor is not None:
             cap = capacity_rows(max(1, int(omega.sum(1).max())), self.capacity_factor, omega.shape[0])
-        plan, guard_stats, _, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
+        plan, outcome, fit_stats = self._guarded_plan(omega, token_bytes, capacity=cap)
+        guard_stats = self._guard_stats(outcome, omega.device)[0]
         # slot_skipped, slot_skip_missed: backend cuda's
         no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)
-        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit_stats])
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, self._fit_stats(fit_stats, omega.device)])
+
+    @staticmethod
+    def _guard_stats(outcome: GuardOutcome | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64[GUARD_STATS], wanted bool 0-d) of a call: `GuardOutcome.finish`, zeros and False without a guard."""
+        if outcome is None:
+            return (torch.zeros(GUARD_STATS, dtype=torch.float64, device=device),
+                    torch.zeros((), dtype=torch.bool, device=device))
+        return outcome.finish()
+
+    @staticmethod
+    def _fit_stats(fit_stats: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """float64[2] capacity statistics: the step's, or zeros where no capacity step ran."""
+        return torch.zeros(2, dtype=torch.float64, device=device) if fit_stats is None else fit_stats
 
     def _guarded_plan(self, omega: torch.Tensor, token_bytes: int, allow: torch.Tensor | None = None,
                       capacity: int | None = None,
-                      planning: bool = True) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the plan after the net-benefit guard and the capacity step, float64[GUARD_STATS] guard statistics, the
-        guard's own decision: a bool 0-d tensor, True when it wants the balanced plan, None without a guard,
-        float64[2] capacity statistics: rows beyond the capacity, the step's moves). `allow` False (a bool 0-d tensor) forces the static
+                      planning: bool = True) -> tuple[Plan, GuardOutcome | None, torch.Tensor | None]:
+        """(the plan after the net-benefit guard and the capacity step, what the guard decided (`GuardOutcome`: its
+        `finish` makes the statistics; None without a guard), float64[2] capacity statistics: rows beyond the
+        capacity, the step's moves, None without a capacity step). `allow` False (a bool 0-d tensor) forces the static
         plan and keeps the capacity step off the slots: the host left this call's replica machinery out. `planning`
         False (host; backend cuda, where the slot hint left the replica machinery out, so the static plan runs
         anyway): no planner and no guard run, only the pre-plan bound, whose verdict stands in for the guard's
         decision (`wanted`: the hint brings the machinery back `skip_lag` calls after the bound says a plan may pay;
-        the guard then decides in full)."""
+        the guard then decides in full). On one NVLink domain a topoep_plus layer plans no local candidate: there
+        topoep_plus_local's plan is topoep_plus's (`_plus_policies`)."""
         N = self.num_slots
         guarded = self.guard is not None and self.policy != "static" and N > 0
         worth = None
@@ -277,8 +336,8 @@ class ExpertParallelMoE(nn.Module):
             return self._unplanned(omega, worth, kw, allow, capacity)
         candidates, spread_run = (), None
         names = self._plus_policies() if guarded and self.policy == "topoep_plus" else (self.policy,)
-        # the candidates' kinds by index: topoep_plus's own (0), its local plan (1), then the gated ones: the peers',
-        # the spread plans
+        # the candidates' kinds by index: topoep_plus's own (0), its local plan (1, on more than one domain), then the
+        # gated ones: the peers', the spread plans
         first_gated = next((i for i, name in enumerate(names) if name in SPREAD_POLICIES + PEER_CANDIDATES), len(names))
         first_spread = next((i for i, name in enumerate(names) if name in SPREAD_POLICIES), len(names))
         gate = self._spread_gate if first_gated < len(names) else None
@@ -290,29 +349,23 @@ class ExpertParallelMoE(nn.Module):
             plan, *candidates = plan_concurrently(omega, self.topology, names, kw)
         else:
             plan = solve(omega, self.topology, policy=self.policy, **kw)
-        guard_stats = torch.zeros(GUARD_STATS, dtype=torch.float64, device=omega.device)
-        wanted = None
+        outcome = None
         if guarded:
             plan, fired, saved, cost = self.guard.select(plan, self.t_ffn, n, allow, candidates=tuple(candidates),
                                                          planned=worth)
-            wanted = (saved > cost) & worth
-            choice = plan.info["guard_choice"]
-            local, spread = (choice == 1) & ~fired, (choice >= first_spread) & ~fired
-            peer = (choice >= first_gated) & (choice < first_spread) & ~fired
-            ran = torch.zeros_like(worth) if spread_run is None else spread_run
-            if gate is not None:
-                gate.record(worth, spread_run, fired, saved, cost, choice, first_gated)
-            guard_stats = torch.stack([fired.to(torch.float64), 1e3 * saved, 1e3 * cost, wanted.to(torch.float64),
-                                       (~worth).to(torch.float64), local.to(torch.float64), spread.to(torch.float64),
-                                       peer.to(torch.float64), ran.to(torch.float64)])
+            outcome = GuardOutcome(worth, fired, saved, cost, plan.info["guard_choice"], spread_run, gate,
+                                   names.index("topoep_plus_local") if "topoep_plus_local" in names else -1,
+                                   first_gated, first_spread)
         plan, fit_stats = self._fit(plan, capacity, allow)
-        return plan, guard_stats, wanted, fit_stats
+        return plan, outcome, fit_stats
 
     def _plus_policies(self) -> tuple[str, ...]:
         """The plans of the guarded topoep_plus layer, the policy's own first (the guard's choice 0), then its local
         candidate (1), with plus_peers FlexMoE's and DeepSeek EPLB's plans, and with plus_spread the spread candidates
-        (with relay trees two)."""
-        names = ("topoep_plus", "topoep_plus_local")
+        (with relay trees two). The local candidate only on more than one NVLink domain: on one, the paper's stage 1
+        places nothing (no other domain), so topoep_plus_local's plan equals topoep_plus's bit for bit
+        (tests/test_topoep_plus.py) and planning and pricing it twice would only cost time."""
+        names = ("topoep_plus",) + (("topoep_plus_local",) if self.topology.num_domains > 1 else ())
         if self.config.plus_peers:
             names += PEER_CANDIDATES
         if self.config.plus_spread:
@@ -320,27 +373,26 @@ class ExpertParallelMoE(nn.Module):
         return names
 
     def _unplanned(self, omega: torch.Tensor, worth: torch.Tensor, kw: dict, allow: torch.Tensor | None,
-                   capacity: int | None) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   capacity: int | None) -> tuple[Plan, GuardOutcome, torch.Tensor | None]:
         """`_guarded_plan` of a call that plans nothing: the static plan (then the capacity step, without new slots
         where `allow` is False), the guard's statistics as fired with nothing priced, wanted = the bound's verdict."""
         plan = solve(omega, self.topology, policy="static", num_slots=kw["num_slots"], expert_bytes=kw["expert_bytes"],
                      token_bytes=kw["token_bytes"])
-        zero = torch.zeros((), dtype=torch.float64, device=omega.device)
         plan.info["guard_choice"] = torch.zeros((), dtype=torch.int64, device=omega.device)
         if self.guard.relay_fanout is not None:
             plan.info["relay"] = torch.zeros((), dtype=torch.bool, device=omega.device)
-        guard_stats = torch.stack([zero + 1, zero, zero, worth.to(torch.float64), (~worth).to(torch.float64), zero,
-                                   zero, zero, zero])
         plan, fit_stats = self._fit(plan, capacity, allow)
-        return plan, guard_stats, worth, fit_stats
+        return plan, GuardOutcome(worth, unplanned=True), fit_stats
 
-    def _fit(self, plan: Plan, capacity: int | None, allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor]:
+    def _fit(self, plan: Plan, capacity: int | None,
+             allow: torch.Tensor | None) -> tuple[Plan, torch.Tensor | None]:
         """The capacity step on the GPU (no host synchronisation) or on the CPU; (plan, float64[2] statistics). The
-        guard's choice of fetch (info["relay"]) holds for the fitted plan. No capacity: the plan as it is."""
+        guard's choice of fetch (info["relay"]) holds for the fitted plan. No capacity: the plan as it is, None."""
         if capacity is None:
-            return plan, torch.zeros(2, dtype=torch.float64, device=plan.omega.device)
+            return plan, None
         relay = plan.info.get("relay")
         plan, stats = self._fit_capacity(plan, capacity, allow)
+        plan.info.pop("relay_trees", None)  # the guard's trees are the unfitted plan's
         if relay is not None:
             plan.info["relay"] = relay
         return plan, stats
@@ -486,28 +538,31 @@ class ExpertParallelMoE(nn.Module):
         cap = None
         if self.capacity_factor is not None:
             cap = capacity_rows(ws.a_cap, self.capacity_factor, omega.shape[0])
-        plan, guard_stats, wanted, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap, planning)
-        if wanted is None:
-            wanted = torch.zeros((), dtype=torch.bool, device=omega.device)
-        if cap is not None:  # the slots are needed again when the capacity step placed a replica, or would have
-            # placed one but for the slot hint (rows spilled while the slots were left out)
-            wanted = wanted | (plan.slot_expert >= 0).any() | ((fit_stats[0] > 0) & ~allow)
-        # the statistics only feed the logs: on a GPU they are computed on a side stream beside the layout
-        # (into a buffer of this stream, so the allocator needs no record_stream)
+        plan, outcome, fit_stats = self._guarded_plan(omega, token_bytes, allow, cap, planning)
+        # the statistics, the guard's own decision (wanted) and the spread gate's update do not feed the plan: on a GPU
+        # they run on a side stream beside the layout, into buffers of this stream (so the allocator needs no
+        # record_stream), and the streams join before the metadata ends
         stats = torch.empty(len(LAYER_STAT_NAMES) - 1, dtype=torch.float64, device=omega.device)
+        wanted = torch.empty((), dtype=torch.bool, device=omega.device)
         plan.instance_expert, plan.instance_rank  # noqa: B018 - cached on this stream: the layout reads them
         main = side = None
         if omega.is_cuda:
             main, side = torch.cuda.current_stream(omega.device), side_stream(omega.device)
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            # a copy, so that what plan_stats caches (made on the side stream) never reaches the main stream
+            guard_stats, wanted_ = self._guard_stats(outcome, omega.device)
+            fit = self._fit_stats(fit_stats, omega.device)
+            if cap is not None:  # the slots are needed again when the capacity step placed a replica, or would have
+                # placed one but for the slot hint (rows spilled while the slots were left out)
+                wanted_ = wanted_ | (plan.slot_expert >= 0).any() | ((fit[0] > 0) & ~allow)
+            wanted.copy_(wanted_)
             # the slot hint's: this call's replica machinery left out (the host's flag `allow` False), and the guard
             # wanting the balanced plan all the same
             skipped = ((~allow).to(torch.float64) if self.slot_hint is not None else
                        torch.zeros((), dtype=torch.float64, device=omega.device))
             hint = torch.stack([skipped, skipped * guard_stats[3]])
-            stats.copy_(torch.cat([stats_triton.stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit_stats]))
+            # a copy of the plan, so that what plan_stats caches (made on the side stream) never reaches the main stream
+            stats.copy_(torch.cat([stats_triton.stats(copy.copy(plan), self.t_ffn), guard_stats, hint, fit]))
         T = topk_idx.shape[0]
         if getattr(ws, "deepep", False):  # transport deepep: each assignment's DeepEP expert id is its whole layout
             layouts = (deepep_expert_ids(topk_idx, plan, self.rank),)
@@ -527,8 +582,10 @@ class ExpertParallelMoE(nn.Module):
         if side is not None:
             main.wait_stream(side)
         fanout = self.config.relay_fanout
-        relay = plan.slot_expert.new_empty(0)
-        if fanout:  # one kernel on the GPU (guard_cuda), the reference elsewhere
+        relay = plan.info.get("relay_trees")  # the guard kernel's (no capacity step changed the plan after it)
+        if not fanout:
+            relay = plan.slot_expert.new_empty(0)
+        elif relay is None:  # one kernel on the GPU (guard_cuda), the reference elsewhere
             trees = guard_cuda.executed_sources if plan.slot_expert.is_cuda else executed_sources
             relay = torch.stack(trees(plan, fanout))
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
