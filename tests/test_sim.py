@@ -420,6 +420,31 @@ def test_gpu_planner_latency_model():
     assert min(lo, hi) * 1e-6 < sim.gpu_planner_s(24) < max(lo, hi) * 1e-6  # interpolated between them
 
 
+def test_planner_latency_grows_with_the_domain_for_the_refined_policies():
+    """GPU_DOMAIN_EXTRA_US: domains of more than 8 ranks add their refinement's time to topoep, topoep_plus and its
+    local plan (measured one-domain points, 0 at 8, interpolated in log2 between, linear beyond 64), not to the peers'
+    or the spread planner's; a one-domain GB200 layer is charged it, the same layer in domains of 8 is not."""
+    for (rpd, extra), (_, extra_plus) in zip(sim.GPU_DOMAIN_EXTRA_US, sim.GPU_DOMAIN_EXTRA_PLUS_US):
+        for R in (64, 128):
+            assert sim.gpu_planner_s(R, "topoep", rpd) == pytest.approx(sim.gpu_planner_s(R) + extra * 1e-6)
+            for policy in ("topoep_plus", "topoep_plus_local"):
+                assert sim.gpu_planner_s(R, policy, rpd) == pytest.approx(sim.gpu_planner_s(R, policy)
+                                                                          + extra_plus * 1e-6)
+            for policy in ("deepseek", "flexmoe", "topoep_plus_spread"):
+                assert sim.gpu_planner_s(R, policy, rpd) == sim.gpu_planner_s(R, policy)
+    assert sim.gpu_planner_s(64, "topoep", 4) == sim.gpu_planner_s(64)
+    base = sim.gpu_planner_s(128)
+    assert 18.9e-6 < sim.gpu_planner_s(128, "topoep", 24) - base < 72.0e-6  # between the 16 and 32 points
+    assert sim.gpu_planner_s(128, "topoep", 72) - base > 613.8e-6  # beyond 64: the last segment's slope
+    cl, model = sim.CLUSTERS["gb200_nvl72"], sim.MODELS["qwen3"].with_experts(32 * 8)
+    om = workloads.scenario("hot_rank", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=32, seed=0)
+    one = sim.simulate(om, cl, model=model, policy="topoep", num_slots=2)
+    eight = sim.simulate(om, replace(cl, gpus_per_domain=8), model=model, policy="topoep", num_slots=2)
+    gap = sim.gpu_planner_s(32, "topoep", 32) - sim.gpu_planner_s(32, "topoep", 8)
+    assert one.exposed["plan"] - sim.gather_s(32, model.num_experts, cl) == pytest.approx(
+        eight.exposed["plan"] - sim.gather_s(32, model.num_experts, replace(cl, gpus_per_domain=8)) + gap)
+
+
 # -- workloads -------------------------------------------------------------------------------------------
 def test_sample_routing_exact_and_sampled_agree():
     R, E, T, k = 8, 64, 2048, 8
@@ -657,11 +682,14 @@ def test_spread_speedup_divides_the_measured_planner_time():
     r1, r10 = (sim.simulate(om, cl, model=model, policy="topoep_plus", guard=NetBenefitGuard(),
                             plus_candidates=("topoep_plus_local", "topoep_plus_spread"),
                             execution=replace(ex, spread_speedup=x)) for x in (1.0, 10.0))
-    # a planner 10x faster: a tenth of the time for the moves it makes, and its greedy stops 10x later
+    # a planner 10x faster: a tenth of the time for the moves it makes, and its greedy stops 10x later; the plans
+    # beside it (topoep_plus and its local plan) then take longer, and the longer chain sets the time
     m1, m10 = (_spread_moves(om, cl, model, 2, ("topoep_plus_spread",), x) for x in (1.0, 10.0))
     assert m10 > m1
-    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(sim.gpu_spread_s(32, moves=m1)
-                                                                  - sim.gpu_spread_s(32, moves=m10) / 10)
+    plus = sim.gpu_planner_s(32, "topoep_plus")
+    fast = sim.gpu_spread_s(32, moves=m10) / 10
+    assert fast < plus < sim.gpu_spread_s(32, moves=m1)
+    assert r1.terms["plan"] - r10.terms["plan"] == pytest.approx(sim.gpu_spread_s(32, moves=m1) - plus)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="spread_speedup must be a finite number > 0"):
             replace(ex, spread_speedup=bad)

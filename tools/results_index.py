@@ -224,6 +224,8 @@ GPU = [
           "bash tools/gpu_session.sh setup verify; then step limit and bench/grouped_gemm.py (its README names them)"),
     Entry(("gpu/guard_overlap_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
           "(tests/test_guard_cuda.py, the layer with fetch_overlap at EP 2, bench/guard_latency.py)"),
+    Entry(("gpu/decision_4b23704_h100",), GPU_SESSION, "-", "1 GPU (H100)", "bash tools/gpu_session.sh setup relay_nic "
+          "decision (DECISION_PART 1 and 2); bench/planner_latency.py --rpd 64 --eps 16 32 64 (results/gpu/README.md)"),
     Entry(("gpu/relay_async_88ddfdf_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
           "(tests/test_cuda_backend_gpu.py at EP 8 with async relays; bench/planner_latency.py, --spread)"),
     Entry(("gpu/copy_kernels",), "bench/copy_kernels.py", "-", "1 GPU", "bash tools/gpu_session.sh setup copy_kernels "

@@ -32,7 +32,8 @@ class LayerConfig:
     policy: str = "topoep"
     """Planner policy: static (no balancing), topoep (the paper's), topoep_plus (topoep with free load moves across
     domains and its own-rank-first route; with the guard, the layer also plans topoep_plus_local at the same time and
-    keeps whichever the per-link model predicts faster), topoep_plus_local (topoep_plus without the paper's
+    keeps whichever the per-link model predicts faster, on more than one NVLink domain: on one it is the same plan),
+    topoep_plus_local (topoep_plus without the paper's
     inter-domain replicas: every replica in its main's domain), topoep_plus_spread (load moved across the whole EP
     group, priced on the busiest link; a GPU planner, csrc/spread.cu), topoep_plus_spread_tree (the same, its remote
     copies priced as relay trees fetch them: for relay_fanout), deepseek, fastermoe, flexmoe (peer policies on the

@@ -360,14 +360,33 @@ class Execution:
 GPU_PLANNER_US = ((8, 36.5), (16, 29.4), (32, 32.6), (64, 39.4), (128, 46.3))
 # the same for topoep_plus (same run)
 GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4))
+# What larger NVLink domains add to those (us, by ranks per domain; the tables above are domains of 8). The paper's
+# refinement (stage 3) runs per domain, a warp each, one move per iteration: its iterations grow with the domain's
+# ranks (35, 100, 227 at 16, 32, 64 on the latency workload) and so does each iteration's scan, so a domain of 64
+# (GB200 NVL72 at EP 64, and every domain of EP 128-256 there) refines for about 0.63 ms. Measured: one domain of
+# that many ranks (EP = ranks per domain) on one H100, graph on a busy stream
+# (results/gpu/decision_4b23704_h100/planner_latency_one_domain.md), less the tables' value at that EP (one H200):
+# mixed devices (H100 against H200 for a few microseconds of the difference; the one-domain times are not measured
+# on an H200). Interpolated in log2(ranks per domain), 0 at 8, linear beyond 64. Charged to the policies that run
+# the refinement (topoep, topoep_plus and its local plan); the peers' planners and the spread planner keep theirs.
+GPU_DOMAIN_EXTRA_US = ((8, 0.0), (16, 18.9), (32, 72.0), (64, 613.8))
+GPU_DOMAIN_EXTRA_PLUS_US = ((8, 0.0), (16, 19.6), (32, 71.6), (64, 652.9))
+REFINED_POLICIES = ("topoep", "topoep_plus", "topoep_plus_local")
 # The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
 # H200, replayed from a CUDA graph on a busy stream, from results/guard_latency.md; with relay_fanout=2 (the relay
 # choice and the executed plan's trees) the second table. A guarded layer runs it in every call that plans.
 # Interpolated as the planner's. The whole graph's time is charged, though a graph of one tiny kernel takes about
 # 3 us the same way and the metadata graph is replayed anyway. Every GPU_DECISION_* and GPU_STATIC_PLAN_US below
-# comes from the same run.
+# comes from the same run. The relayed tables (*_RELAY_US but HINT) are that run's values scaled by what the guard's
+# relay trees changed since, measured on one H100 before and after (results/gpu/guard_overlap_h100/guard_latency.md,
+# then results/gpu/decision_4b23704_h100/guard_latency.md; no H200 could be started): the NIC tree (a remote domain's
+# first copy fetched from another domain's, which costs the guard's kernel more at many domains) and the executed
+# plan's trees written by the guard's own launches instead of a kernel of their own (the layer without a capacity
+# step); at EP 8 also the layer planning topoep_plus alone on one domain. Scales: guard 17.9 / 20.7, 22.9 / 25.6,
+# 51.6 / 35.8; skipped 12.2 / 13.8, 12.5 / 14.5, 15.3 / 17.1; planned 71.6 / 74.8, 71.3 / 73.4, 114.9 / 99.1 (EP 8,
+# 32, 128).
 GPU_GUARD_US = ((8, 11.7), (32, 11.4), (128, 15.7))
-GPU_GUARD_RELAY_US = ((8, 16.2), (32, 18.0), (128, 24.1))
+GPU_GUARD_RELAY_US = ((8, 14.0), (32, 16.1), (128, 34.7))
 # A guarded topoep_plus layer's whole decision (us; results/guard_latency.md, same run conditions): the pre-plan bound
 # (worth_planning's kernel), topoep_plus and topoep_plus_local at once on two streams, the guard's kernel (and with
 # relays the trees). SKIP: on uniform routing, where the bound leaves planning out (the planners write the static
@@ -376,9 +395,9 @@ GPU_GUARD_RELAY_US = ((8, 16.2), (32, 18.0), (128, 24.1))
 # out (`SlotSkipHint`): the bound and the static plan only. STATIC_PLAN: the static plan alone, which the static
 # layer runs too (the simulator charges the static layer no plan time, so a hint's call is charged HINT less it).
 GPU_DECISION_SKIP_US = ((8, 11.7), (32, 11.8), (128, 14.8))
-GPU_DECISION_SKIP_RELAY_US = ((8, 12.8), (32, 13.1), (128, 16.0))
+GPU_DECISION_SKIP_RELAY_US = ((8, 11.3), (32, 11.3), (128, 14.3))
 GPU_DECISION_PLUS_US = ((8, 64.6), (32, 58.9), (128, 79.5))
-GPU_DECISION_PLUS_RELAY_US = ((8, 69.4), (32, 66.0), (128, 87.6))
+GPU_DECISION_PLUS_RELAY_US = ((8, 66.4), (32, 64.1), (128, 101.6))
 GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
 GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
 GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
@@ -389,6 +408,10 @@ GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
 # three plans. Charged to every call of a gated layer (where the spread planner runs, its time instead of
 # topoep_plus's as well).
 GPU_SPREAD_GATE_US = ((8, 6.2), (32, 5.6), (128, 6.0))
+# The same on one NVLink domain (the whole EP group; by EP), where the layer plans no local candidate (two plans beside
+# the spread planner's static one become one): one H100, results/gpu/decision_4b23704_h100/guard_latency.md (EP 8)
+# and guard_latency_one_domain.md (EP 16-64), the gate-off chain less the plain one
+GPU_SPREAD_GATE_ONE_DOMAIN_US = ((8, 3.1), (16, 2.7), (32, 2.7), (64, 1.7))
 # The CUDA spread planner (csrc/spread.cu) on one H200: topoep_plus_spread alone (the candidate of a layer without
 # relays: the pair beside it is faster), and the four plans of a relayed layer at once (topoep.planners.spread, from
 # results/spread_latency.md).
@@ -643,9 +666,14 @@ def async_fetch_s(plan: Plan, source: torch.Tensor, level: torch.Tensor, loads: 
     return max(busiest, chain)
 
 
-def gpu_planner_s(num_ranks: int, policy: str = "topoep") -> float:
-    """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus)."""
-    return _interpolated_s(GPU_PLANNER_PLUS_US if policy.startswith("topoep_plus") else GPU_PLANNER_US, num_ranks)
+def gpu_planner_s(num_ranks: int, policy: str = "topoep", ranks_per_domain: int = 8) -> float:
+    """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus), with what domains of
+    ranks_per_domain add to the refinement of a policy that runs it (GPU_DOMAIN_EXTRA_US, REFINED_POLICIES)."""
+    plus = policy.startswith("topoep_plus")
+    t = _interpolated_s(GPU_PLANNER_PLUS_US if plus else GPU_PLANNER_US, num_ranks)
+    if policy in REFINED_POLICIES and ranks_per_domain > 8:
+        t += _interpolated_s(GPU_DOMAIN_EXTRA_PLUS_US if plus else GPU_DOMAIN_EXTRA_US, ranks_per_domain)
+    return t
 
 
 def spread_move_cost_fs(execution: Execution) -> int:
@@ -1005,7 +1033,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         choice = float(int(plan.info["guard_choice"])) if candidates and not bool(fired) else 0.0
         local_plan = float(choice == 1 and plus_candidates[:1] == ("topoep_plus_local",))
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
-    dom = plan.topology.domain_of
+    dom, rpd = plan.topology.domain_of, plan.topology.ranks_per_domain
     S, W = float(model.token_bytes), float(model.expert_bytes)
 
     # plan (and the guard's selection on the device, which a guarded layer runs in every call). Where its pre-plan
@@ -1032,17 +1060,20 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
             solve_s = plan_s
         elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
             spread_s = gated_planner_s(execution, R, N, plus_candidates, spread_moves)
-            plus_s = gpu_planner_s(R, "topoep_plus")
-            solve_s = _interpolated_s(GPU_SPREAD_GATE_US, R) + (
+            plus_s = gpu_planner_s(R, "topoep_plus", rpd)
+            solve_s = _interpolated_s(GPU_SPREAD_GATE_ONE_DOMAIN_US if rpd == R else GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif ((spread and execution.spread_planner == "measured")
               or (peers and execution.peer_planner == "measured")):  # csrc/spread.cu, csrc/peers.cu beside the pair
             solve_s = gated_planner_s(execution, R, N, spread | peers, spread_moves)
+            if candidates:  # beside topoep_plus's own plans: the longer chain sets the time (a large domain's
+                # refinement, or a spread greedy that stopped after a few moves, can make topoep_plus's the longer)
+                solve_s = max(solve_s, gpu_planner_s(R, "topoep_plus", rpd))
         elif execution.peers_on_gpu and plan.policy in PEER_POLICIES and not candidates:
             solve_s = peer_solo_s(plan.policy, R, N)  # csrc/peers.cu, as this runtime runs a peer's layer
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES + PEER_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
-            solve_s = gpu_planner_s(R, name if candidates else plan.policy)
+            solve_s = gpu_planner_s(R, name if candidates else plan.policy, rpd)
         else:  # a host planner; the peers' policies too, as their own systems plan them (csrc/peers.cu's GPU time,
             # baselines.peer_set_s, is a topoep_plus layer's with plus_peers: Execution.peer_planner)
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)
