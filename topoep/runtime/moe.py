@@ -106,7 +106,8 @@ class GuardOutcome:
         kept = ~fired
         wanted = (self.saved > self.cost) & worth
         local = (choice == self.local) & kept
-        spread, peer = (choice >= self.first_spread) & kept, (choice >= self.first_gated) & (choice < self.first_spread) & kept
+        spread = (choice >= self.first_spread) & kept
+        peer = (choice >= self.first_gated) & (choice < self.first_spread) & kept
         ran = torch.zeros_like(worth) if self.spread_run is None else self.spread_run
         if self.gate is not None:
             self.gate.record(worth, self.spread_run, fired, self.saved, self.cost, choice, self.first_gated)
@@ -295,7 +296,8 @@ class ExpertParallelMoE(nn.Module):
         guard_stats = self._guard_stats(outcome, omega.device)[0]
         # slot_skipped, slot_skip_missed: backend cuda's
         no_hint = torch.zeros(2, dtype=torch.float64, device=guard_stats.device)
-        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, self._fit_stats(fit_stats, omega.device)])
+        fit = self._fit_stats(fit_stats, omega.device)
+        return plan, torch.cat([plan_stats(plan, self.t_ffn), guard_stats, no_hint, fit])
 
     @staticmethod
     def _guard_stats(outcome: GuardOutcome | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
