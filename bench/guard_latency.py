@@ -16,7 +16,7 @@ after the first `skip_lag`): the bound and the static plan only.
     python bench/guard_latency.py --eps 16 32 64 --rpd 64 --name guard_latency_one_domain   # one NVLink domain
 
 On one domain (EP 8 at the default --rpd, every EP size at --rpd >= EP) the layer plans topoep_plus without its local
-candidate (the same plan there: moe.py `_plus_policies`), and so does every chain here. With relays the executed
+candidate (the same plan there: `topoep.runtime.moe.plus_policies`), and so does every chain here. With relays the executed
 plan's trees come from the guard kernel's own launches (info["relay_trees"]), as in the layer without a capacity step.
 
 The plans come from the CUDA planner on planner_latency.py's workload (megatron's biased router, skew -2.5, top-8).
@@ -42,6 +42,7 @@ from topoep.planners import plan_concurrently, solve  # noqa: E402
 from topoep.relay import executed_sources  # noqa: E402
 from topoep.runtime import guard_cuda  # noqa: E402
 from topoep.runtime.guard import NetBenefitGuard, SpreadGate  # noqa: E402
+from topoep.runtime.moe import plus_policies  # noqa: E402
 
 # select with the local candidate; the same with relay_fanout=2 and the trees; each on the reference and the kernel
 VARIANTS = ("guard", "guard_relay", "guard_cuda", "guard_relay_cuda")
@@ -66,12 +67,6 @@ def _others(*plans) -> tuple:
     return tuple(p for p in plans if p is not None)
 
 
-def _plus_names(topo, *more: str) -> tuple[str, ...]:
-    """The plans a guarded topoep_plus layer makes at once (moe.py `_plus_policies`): its local candidate only on
-    more than one domain."""
-    return ("topoep_plus",) + (("topoep_plus_local",) if topo.num_domains > 1 else ()) + more
-
-
 def _bound(omega: torch.Tensor, topo, relay: bool = False):
     """A layer's guard (relay trees of 2 with `relay`) and its pre-plan bound's verdict on omega."""
     guard = NetBenefitGuard(relay_fanout=2) if relay else NetBenefitGuard()
@@ -94,7 +89,7 @@ def _chain(relay: bool, omega: torch.Tensor, topo, slots: int, pair: bool = Fals
     domain too; `separate`, the trees by their own kernel (as after a capacity step) instead of the guard's."""
     guard, worth = _bound(omega, topo, relay)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    names = ("topoep_plus", "topoep_plus_local") if pair else _plus_names(topo)
+    names = ("topoep_plus", "topoep_plus_local") if pair else plus_policies(topo)
     plan, *local = plan_concurrently(omega, topo, names, kw)
     executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(local), planned=worth)[0]  # kernel on a GPU
     if separate:
@@ -110,7 +105,7 @@ def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
     guard, worth = _bound(omega, topo)
     run = gate.enable(worth)
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    names = _plus_names(topo, "topoep_plus_spread")
+    names = plus_policies(topo, spread=True)
     plan, *others = plan_concurrently(omega, topo, names, [kw] * (len(names) - 1) + [{**kw, "enable": run}])
     executed, fired, saved, cost = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(others), planned=worth)
     gate.record(worth, run, fired, saved, cost, executed.info["guard_choice"], len(names) - 1)
@@ -249,11 +244,13 @@ def main(argv=None) -> int:
         "",
         f"- date: {info['date']}; commit: `{info['commit']}`; hardware: {info['hardware']}",
         "- guard: `NetBenefitGuard.select` of topoep_plus's plan and its local candidate (per-link prediction of "
-        "both, the static layer once; on one domain the plan alone, as the layer runs it there); guard + relays: the same with `relay_fanout=2` (relayed or direct fetch "
+        "both, the static layer once; on one domain the plan alone, as the layer runs it there); guard + relays: the "
+        "same with `relay_fanout=2` (relayed or direct fetch "
         "priced per plan) and the relay trees of the kept plan (`topoep.relay.executed_sources`). torch: the "
         "reference (backend='reference'); kernel: csrc/guard.cu (backend='cuda', the layer's path on a GPU; the same "
         f"results bit for bit). CUDA graph replay on a busy stream, median of {args.runs}; workload of "
-        f"bench/planner_latency.py ({args.rpd} ranks per domain), {args.slots} slots; one-kernel graph: a graph of one tiny kernel timed the same way "
+        f"bench/planner_latency.py ({args.rpd} ranks per domain), {args.slots} slots; one-kernel graph: a graph of one "
+        "tiny kernel timed the same way "
         "(what replaying any graph costs; the guard runs inside the metadata graph a layer replays anyway)",
         f"- reproduce: `{command('guard_latency.py', args.argv)}`",
         "",
@@ -282,7 +279,7 @@ def main(argv=None) -> int:
         "The planned chains above beside what they replace, in the same run: with relays, the executed plan's trees "
         "written by the guard kernel's own launches (`NetBenefitGuard.select`'s info[\"relay_trees\"]: the layer's "
         "path without a capacity step) against the trees kernel after the guard (`guard_cuda.executed_sources`: the "
-        "path after a capacity step); on one domain, topoep_plus planned alone (the layer's `_plus_policies`) against "
+        "path after a capacity step); on one domain, topoep_plus planned alone (the layer's `plus_policies`) against "
         "topoep_plus and topoep_plus_local at once (the same plan twice; with relays, with the trees kernel as well: "
         "the whole decision before both changes). Ratio: the first / the second.",
         "",

@@ -5,11 +5,11 @@ CUDA it says where to run it."""
 import pytest
 import torch
 
-from bench.guard_latency import (VARIANTS, _chain, _decide, _gate_chain, _hint_chain, _plus_names, chain_table, main,
-                                  table)
+from bench.guard_latency import VARIANTS, _chain, _decide, _gate_chain, _hint_chain, chain_table, main, table
 from bench.planner_latency import workload
 from topoep import solve
 from topoep.runtime.guard import SpreadGate
+from topoep.runtime.moe import plus_policies
 
 
 def test_table_shows_the_four_timings_and_the_kernels_share():
@@ -62,11 +62,12 @@ def test_chain_table_and_the_chain_on_uniform_routing_runs_static():
 
 def test_on_one_domain_the_chains_plan_topoep_plus_alone():
     """--rpd at least the EP size: one NVLink domain, where the layer plans no local candidate (moe.py
-    `_plus_policies`); the chains then make the plan a layer with both would keep (the local plan is the same)."""
+    `plus_policies`); the chains then make the plan a layer with both would keep (the local plan is the same)."""
     topo, omega = workload(16, 64, rpd=16)
-    assert topo.num_domains == 1 and _plus_names(topo) == ("topoep_plus",)
-    assert _plus_names(workload(16, 64)[0], "topoep_plus_spread") == ("topoep_plus", "topoep_plus_local",
-                                                                       "topoep_plus_spread")
+    assert topo.num_domains == 1 and plus_policies(topo) == ("topoep_plus",)
+    assert plus_policies(workload(16, 64)[0], spread=True) == ("topoep_plus", "topoep_plus_local", "topoep_plus_spread")
+    assert plus_policies(topo, peers=True, spread=True, tree=True) == ("topoep_plus", "flexmoe", "deepseek",
+                                                                     "topoep_plus_spread", "topoep_plus_spread_tree")
     kw = dict(num_slots=2, expert_bytes=10 ** 7, token_bytes=4096)
     plan, local = (solve(omega, topo, policy=p, **kw) for p in ("topoep_plus", "topoep_plus_local"))
     for relay in (False, True):

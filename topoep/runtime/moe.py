@@ -70,6 +70,21 @@ LAYER_STAT_NAMES = STAT_NAMES + (
 _UNSET = object()
 
 
+def plus_policies(topology: Topology, peers: bool = False, spread: bool = False, tree: bool = False) -> tuple[str, ...]:
+    """The plans a guarded topoep_plus layer makes at once, the policy's own first (the guard's choice 0), then its
+    local candidate (1), with `peers` FlexMoE's and DeepSeek EPLB's plans (LayerConfig.plus_peers), with `spread` the
+    spread candidate (plus_spread) and with `tree` also its relay-tree variant (relay_fanout). The local candidate
+    only on more than one NVLink domain: on one, the paper's stage 1 places nothing (no other domain), so
+    topoep_plus_local's plan equals topoep_plus's bit for bit (tests/test_topoep_plus.py) and planning and pricing it
+    twice would only cost time."""
+    names = ("topoep_plus",) + (("topoep_plus_local",) if topology.num_domains > 1 else ())
+    if peers:
+        names += PEER_CANDIDATES
+    if spread:
+        names += ("topoep_plus_spread",) + (("topoep_plus_spread_tree",) if tree else ())
+    return names
+
+
 @dataclasses.dataclass
 class GuardOutcome:
     """What one call's net-benefit guard decided, as device tensors (0-d): the pre-plan bound's verdict (`worth`), and
@@ -362,17 +377,9 @@ class ExpertParallelMoE(nn.Module):
         return plan, outcome, fit_stats
 
     def _plus_policies(self) -> tuple[str, ...]:
-        """The plans of the guarded topoep_plus layer, the policy's own first (the guard's choice 0), then its local
-        candidate (1), with plus_peers FlexMoE's and DeepSeek EPLB's plans, and with plus_spread the spread candidates
-        (with relay trees two). The local candidate only on more than one NVLink domain: on one, the paper's stage 1
-        places nothing (no other domain), so topoep_plus_local's plan equals topoep_plus's bit for bit
-        (tests/test_topoep_plus.py) and planning and pricing it twice would only cost time."""
-        names = ("topoep_plus",) + (("topoep_plus_local",) if self.topology.num_domains > 1 else ())
-        if self.config.plus_peers:
-            names += PEER_CANDIDATES
-        if self.config.plus_spread:
-            names += ("topoep_plus_spread",) + (("topoep_plus_spread_tree",) if self.config.relay_fanout else ())
-        return names
+        """`plus_policies` of this layer's topology and options."""
+        return plus_policies(self.topology, peers=self.config.plus_peers, spread=self.config.plus_spread,
+                             tree=bool(self.config.relay_fanout))
 
     def _unplanned(self, omega: torch.Tensor, worth: torch.Tensor, kw: dict, allow: torch.Tensor | None,
                    capacity: int | None) -> tuple[Plan, GuardOutcome, torch.Tensor | None]:
@@ -584,12 +591,12 @@ class ExpertParallelMoE(nn.Module):
         if side is not None:
             main.wait_stream(side)
         fanout = self.config.relay_fanout
-        relay = plan.info.get("relay_trees")  # the guard kernel's (no capacity step changed the plan after it)
-        if not fanout:
-            relay = plan.slot_expert.new_empty(0)
-        elif relay is None:  # one kernel on the GPU (guard_cuda), the reference elsewhere
-            trees = guard_cuda.executed_sources if plan.slot_expert.is_cuda else executed_sources
-            relay = torch.stack(trees(plan, fanout))
+        relay = plan.slot_expert.new_empty(0)
+        if fanout:  # the guard kernel's trees where no capacity step changed the plan after it
+            relay = plan.info.get("relay_trees")
+            if relay is None:  # one kernel on the GPU (guard_cuda), the reference elsewhere
+                trees = guard_cuda.executed_sources if plan.slot_expert.is_cuda else executed_sources
+                relay = torch.stack(trees(plan, fanout))
         return (plan.omega, plan.slot_expert, plan.route, stats, wanted, relay, *layouts)
 
     def _cuda_layout(self, topk_idx: torch.Tensor, plan: Plan, region_rows: int, prev: torch.Tensor | None = None,
