@@ -82,14 +82,17 @@ def _trees(plan):
     return (guard_cuda.executed_sources if plan.route.is_cuda else executed_sources)(plan, 2)
 
 
-def _chain(relay: bool, omega: torch.Tensor, topo, slots: int, pair: bool = False, separate: bool = False):
+def _chain(relay: bool, omega: torch.Tensor, topo, slots: int, pair: bool = False, separate: bool = False,
+           plan_domain: int | None = None):
     """A guarded topoep_plus layer's decision (moe.py `_guarded_plan`, capacity step left out): the pre-plan bound,
     topoep_plus and topoep_plus_local at once (static where the bound says no; on one domain topoep_plus alone), the
     guard's selection, the trees. The baselines of the same run: `pair`, the local candidate planned and priced on one
-    domain too; `separate`, the trees by their own kernel (as after a capacity step) instead of the guard's."""
+    domain too; `separate`, the trees by their own kernel (as after a capacity step) instead of the guard's.
+    plan_domain: the planners on groups of at most that many ranks of a domain (LayerConfig.plan_domain)."""
     guard, worth = _bound(omega, topo, relay)
-    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    names = ("topoep_plus", "topoep_plus_local") if pair else plus_policies(topo)
+    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth,
+              plan_domain=plan_domain)
+    names = ("topoep_plus", "topoep_plus_local") if pair else plus_policies(topo, plan_domain=plan_domain)
     plan, *local = plan_concurrently(omega, topo, names, kw)
     executed = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(local), planned=worth)[0]  # kernel on a GPU
     if separate:
@@ -129,7 +132,8 @@ def _floor(x: torch.Tensor):
     return x.add_(1),
 
 
-def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int = 8) -> dict:
+def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int = 8,
+            plan_domain: int | None = None) -> dict:
     topo, omega_cpu = workload(ep, experts, rpd=rpd)
     omega = omega_cpu.cuda()
     kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES)
@@ -149,7 +153,8 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int 
     row["workload_planned"] = bool(guard.worth_planning(omega, topo, mr, DEFAULT_T_FFN, W_BYTES, 1).item())
     works = {v: (lambda v=v: _decide(v, plan, local)) for v in VARIANTS}
     works.update({c: (lambda c=c: (_hint_chain if "hint" in c else _chain)(
-        c.endswith("relay"), omega if "plan" in c else uniform, topo, slots)) for c in CHAINS})
+        c.endswith("relay"), omega if "plan" in c else uniform, topo, slots,
+        **({} if "hint" in c else {"plan_domain": plan_domain}))) for c in CHAINS})
     works["static_plan"] = lambda: (solve(uniform, topo, policy="static", **kw).route,)  # what the static layer runs
     gate = SpreadGate(probe=1 << 40, spread_s=1.0)  # off, and no probe in reach: the spread planner left out
     gate.enable(torch.ones((), dtype=torch.bool, device="cuda"))
@@ -157,6 +162,9 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int 
     works["chain_gate_off"] = lambda: _gate_chain(gate, omega, topo, slots)
     # the same run's baselines: the trees by their own kernel; on one domain, the local candidate planned as well
     works["chain_plan_relay_separate"] = lambda: _chain(True, omega, topo, slots, separate=True)
+    if topo.planning_groups(plan_domain) is not topo:  # the planners on whole domains (plan_domain null)
+        works["chain_plan_whole"] = lambda: _chain(False, omega, topo, slots)
+        works["chain_plan_relay_whole"] = lambda: _chain(True, omega, topo, slots)
     if topo.num_domains == 1:
         works["chain_plan_pair"] = lambda: _chain(False, omega, topo, slots, pair=True)
         works["chain_plan_relay_pair"] = lambda: _chain(True, omega, topo, slots, pair=True, separate=True)
@@ -216,6 +224,17 @@ def baseline_table(rows: list[dict]) -> str:
                             ratio(r, "chain_plan_relay_us", "chain_plan_relay_pair_us")] for r in rows])
 
 
+def groups_table(rows: list[dict]) -> str:
+    """The decision with the planners on groups against the same run's decision on whole domains."""
+    return markdown_table(["EP", "domains", "planned on groups us", "on whole domains us", "ratio",
+                           "+ relays, on groups us", "on whole domains us", "ratio"],
+                          [[r["ep"], r["domains"], f"{r['chain_plan_us']:.1f}", f"{r['chain_plan_whole_us']:.1f}",
+                            f"{r['chain_plan_us'] / r['chain_plan_whole_us']:.3f}",
+                            f"{r['chain_plan_relay_us']:.1f}", f"{r['chain_plan_relay_whole_us']:.1f}",
+                            f"{r['chain_plan_relay_us'] / r['chain_plan_relay_whole_us']:.3f}"]
+                           for r in rows if "chain_plan_whole_us" in r])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eps", type=int, nargs="+", default=[8, 32, 128])
@@ -224,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rpd", type=int, default=8,
                     help="ranks per NVLink domain (at least the EP size: one domain, as on GB200 NVL72, where the "
                          "layer plans topoep_plus without its local candidate)")
+    ap.add_argument("--plan-domain", type=int, default=0,
+                    help="the layer's planners on groups of at most this many ranks of a domain (LayerConfig.plan_domain), "
+                         "with the same run's decision on whole domains beside it; 0 (default): whole domains")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--name", default="guard_latency")
@@ -237,7 +259,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench/guard_latency.py times CUDA graphs: run it on a machine with a GPU "
                          "(tools/gpu_session.sh planner)")
-    rows = [measure(ep, args.experts, args.slots, args.runs, args.warmup, args.rpd) for ep in args.eps]
+    if args.plan_domain < 0:
+        raise SystemExit(f"--plan-domain must be >= 1, or 0 for whole domains, got {args.plan_domain}")
+    rows = [measure(ep, args.experts, args.slots, args.runs, args.warmup, args.rpd, args.plan_domain or None)
+            for ep in args.eps]
     info = run_info({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     text = "\n".join([
         "# The net-benefit guard's time in a layer call's metadata, planning left out",
@@ -285,7 +310,15 @@ def main(argv=None) -> int:
         "",
         baseline_table(rows),
         "",
-    ])
+    ] + ([
+        f"## The planners on groups of at most {args.plan_domain} ranks (`--plan-domain`, LayerConfig.plan_domain)",
+        "",
+        "The planned chains above (topoep_plus and, with more than one group, its local plan on the groups; the bound "
+        "and the guard on the real domains) against the same chains with the planners on whole domains, same run.",
+        "",
+        groups_table(rows),
+        "",
+    ] if args.plan_domain and any("chain_plan_whole_us" in r for r in rows) else []))
     write_report(args, text, rows)
     print(table(rows))
     print(chain_table(rows))

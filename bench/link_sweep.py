@@ -101,6 +101,10 @@ def parse_args(argv=None):
     ap.add_argument("--guard-pipeline", action="store_true",
                     help="every guard predicts the compute and token time with the simulator's chunk pipeline "
                          "(NetBenefitGuard.token_chunks = the execution's chunks) instead of its token_overlap formula")
+    ap.add_argument("--plan-domain", type=int, default=sim.Execution.plan_domain,
+                    help="the refining planners (topoep, and topoep_plus with its local plan) balance inside groups of at "
+                         "most this many ranks of an NVLink domain (LayerConfig.plan_domain, sim.Execution.plan_domain; "
+                         "default %(default)s); 0: whole domains")
     ap.add_argument("--oracle", action="store_true",
                     help="where a topoep_plus layer misses a target, also run each plan it planned in that call (and "
                          "the static plan) in the guard's place (sim.simulate's force_choice) and report the fastest: "
@@ -121,6 +125,9 @@ def parse_args(argv=None):
                          f"{args.execution}) and no --token-overlap")
     if args.token_overlap is not None and not 0 <= args.token_overlap <= 1:
         raise SystemExit("--token-overlap must be in [0, 1]")
+    if args.plan_domain is not None and args.plan_domain < 0:
+        raise SystemExit("--plan-domain must be >= 1, or 0 for whole domains")
+    args.plan_domain = args.plan_domain or None
     if args.spread_probe < 2:
         raise SystemExit("--spread-probe must be >= 2")
     if args.relay_schedule == "async" and args.relay_chunks != 1:
@@ -192,7 +199,8 @@ def run(args) -> list[dict]:
             ex = dataclasses.replace(sim.EXECUTIONS[args.execution], fetch_overlap=args.fetch_overlap,
                                      spread_planner=args.spread_planner, spread_speedup=args.spread_speedup,
                                      spread_gate=args.spread_gate == "on", spread_probe=args.spread_probe,
-                                     peer_planner=args.peer_planner, peers_on_gpu=args.peers_on_gpu)
+                                     peer_planner=args.peer_planner, peers_on_gpu=args.peers_on_gpu,
+                                     plan_domain=args.plan_domain)
             if args.peer_relays and policy in PEERS:
                 fanout = args.relay_fanout
             if fanout:
@@ -334,6 +342,10 @@ def report(args, rows: list[dict]) -> str:
         + ("; they fetch their replicas as the relay layers do (`--peer-relays`: relay trees of "
            f"{args.relay_fanout}, the guard choosing relayed or direct, the relay guard's time paid)"
            if args.peer_relays else "; every copy from its home (`--peer-relays`: down relay trees as ours)"),
+        "- the refining planners (topoep, and topoep_plus with its local plan) balance inside "
+        + (f"groups of at most {args.plan_domain} ranks of each NVLink domain (`--plan-domain`, LayerConfig.plan_domain: "
+           "a larger domain, GB200's, is planned as groups and timed at the groups' size)" if args.plan_domain else
+           "whole NVLink domains (`--plan-domain 0`), timed at the domain's size"),
         f"- reproduce: `{command('link_sweep.py', args.argv)}`",
         "",
     ]

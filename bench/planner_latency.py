@@ -79,8 +79,10 @@ def _captured(planner: CudaPlanner, omega, topo, policy: str, slots: int, grid_b
     return graph, args
 
 
-def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int) -> dict:
+def measure(ep: int, experts: int, slots: int, rpd: int, runs: int, warmup: int, tokens: int,
+            plan_domain: int | None = None) -> dict:
     topo, omega_cpu = workload(ep, experts, tokens, rpd)
+    topo = topo.planning_groups(plan_domain)  # what `solve(..., plan_domain=...)` plans on
     omega = omega_cpu.cuda()
     eager_fn = lambda: solve(omega, topo, num_slots=slots, backend="cuda")  # noqa: E731
     eager = _events_median(eager_fn, runs, warmup)
@@ -408,6 +410,9 @@ def main(argv=None) -> int:
                     help="ranks per NVLink domain; at least the EP size: one domain (GB200 NVL72). Other than 8: "
                          "sweep (a) only, over --eps, written as --name")
     ap.add_argument("--eps", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="sweep (a)'s EP sizes")
+    ap.add_argument("--plan-domain", type=int, default=0,
+                    help="plan each domain as groups of at most this many ranks (LayerConfig.plan_domain; sweep (a) "
+                         "only, written as --name); 0 (default): whole domains")
     ap.add_argument("--name", default="planner_latency")
     ap.add_argument("--profile", action="store_true", help="add a per-kernel time breakdown (torch.profiler)")
     ap.add_argument("--spread", action="store_true", help="only the spread candidates (csrc/spread.cu), EP 8-128 at "
@@ -429,11 +434,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--eps must divide 640 experts and --rpd (>= 1) must divide every EP size above it, got "
                          f"--eps {args.eps} --rpd {args.rpd}")
     configs = [("a", ep, 640) for ep in args.eps]
-    if args.rpd == 8:
+    if args.plan_domain < 0:
+        raise SystemExit(f"--plan-domain must be >= 1, or 0 for whole domains, got {args.plan_domain}")
+    if args.rpd == 8 and not args.plan_domain:
         configs += [("b", 32, e) for e in (64, 96, 160, 320, 640)]
     rows = []
     for sweep, ep, e in configs:
-        r = measure(ep, e, args.slots, args.rpd, args.runs, args.warmup, args.tokens)
+        r = measure(ep, e, args.slots, args.rpd, args.runs, args.warmup, args.tokens, args.plan_domain or None)
         r["sweep"] = sweep
         rows.append(r)
         print(f"({sweep}) EP {ep:>3} E {e:>4}: eager {r['eager_us']:8.1f} us  graph {r['graph_us']:8.1f} us  "
@@ -452,7 +459,9 @@ def main(argv=None) -> int:
                              f"{r['reference_ms']:.2f}", paper.get((r["ep"], r["experts"]), "")] for r in rows])
     md = (f"# Planner latency (paper Fig. 11)\n\n- date: {info['date']}; commit: `{info['commit']}`; "
           f"hardware: {info['hardware']}\n- workload: biased router, router_skew -2.5, top-8, {args.tokens} tokens "
-          f"per rank, {args.rpd} ranks per domain (at most the EP size), {args.slots} slots; median of {args.runs} runs after {args.warmup} "
+          f"per rank, {args.rpd} ranks per domain (at most the EP size)"
+          + (f", planned as groups of at most {args.plan_domain} ranks (`Topology.planning_groups`, as "
+             "LayerConfig.plan_domain plans)" if args.plan_domain else "") + f", {args.slots} slots; median of {args.runs} runs after {args.warmup} "
           "warm-ups (CUDA events). eager = the whole `topoep.solve(..., backend='cuda')` call; graph = the planner "
           "replayed from a CUDA graph. Idle stream: events around one call on an idle GPU (the host's launch latency "
           "counts); busy stream: a GPU spin is queued ahead, so only the time on the GPU counts, as in a training "

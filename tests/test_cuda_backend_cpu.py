@@ -215,3 +215,11 @@ def test_one_rank_plans_nothing_and_runs_no_gated_planner(spread, peers, probe):
     assert len(out["cuda"]) == (5 if probe else 3), out
     for fired, local, spread_kept, spread_planned, replicas, _, peer in out["cuda"]:
         assert (fired, local, spread_kept, spread_planned, replicas, peer) == (1.0, 0.0, 0.0, 0.0, 0.0, 0.0), out
+
+
+def test_guarded_topoep_plus_plans_groups_alike_on_both_backends():
+    """LayerConfig.plan_domain=2 on one domain of 4 (backend cuda's CPU harness): both backends plan topoep_plus and
+    its local plan on the groups and keep the same plan on every call; the layer plans and keeps a balancing plan."""
+    for out in run_ranks(_guarded_plus, 4, False, False, False, True, 2):
+        assert out["cuda"] == out["torch"], out
+        assert len(set(out["cuda"])) == 1 and out["cuda"][0][0] == 0.0 and out["cuda"][0][4] > 0.0, out

@@ -462,7 +462,7 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False):
+def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False, plan_domain=8):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
     topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
     csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same
@@ -471,7 +471,7 @@ def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False
     spread planner that never pays (spread_plan_s 1 s): it runs on the probes, calls 2 and 4, only, the gate's state
     carried through the graph's replays. With `peers` (LayerConfig.plus_peers) FlexMoE's and DeepSeek EPLB's plans
     (csrc/peers.cu) are candidates too. With `cpu`, on the CPU over gloo (backend cuda's CPU harness, one domain of
-    `world` ranks: tests/test_cuda_backend_cpu.py)."""
+    `world` ranks: tests/test_cuda_backend_cpu.py). plan_domain: LayerConfig.plan_domain of both layers."""
     from topoep import ExpertParallelMoE, Topology
     from topoep.runtime import NetBenefitGuard
 
@@ -484,6 +484,7 @@ def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False
         layer = ExpertParallelMoE(num_experts=E, hidden_size=H, ffn_hidden_size=FD, topology=topo, num_slots=2,
                                   policy="topoep_plus", backend=backend, dtype=torch.bfloat16, device=dev,
                                   guard=guard, plus_spread=spread, plus_peers=peers, spread_probe=2,
+                                  plan_domain=plan_domain,
                                   **(dict(capacity_factor=None, _cpu_harness=True) if cpu and backend == "cuda" else
                                      cuda_options(capacity_factor=None) if backend == "cuda" else
                                      dict(capacity_factor=None, relay_fanout=RELAY)))
@@ -513,6 +514,15 @@ def test_guarded_topoep_plus_keeps_the_same_candidate_on_both_backends(spread, p
             assert out["cuda"][2] == out["cuda"][1] or not kept, out
         else:
             assert len(set(out["cuda"])) == 1  # the same decision on every call (eager, captured, replayed)
+
+
+@pytest.mark.skipif(RPD < 2, reason="needs a domain of 2 or more ranks to plan as groups")
+def test_guarded_topoep_plus_plans_groups_alike_on_both_backends():
+    """LayerConfig.plan_domain below the domain's size: both backends plan topoep_plus and its local plan on groups of
+    half the domain (the CUDA planner on the groups' topology) and keep the same plan on every call."""
+    for out in run_ranks(_guarded_plus, WORLD, False, False, False, False, RPD // 2, backend="nccl"):
+        assert out["cuda"] == out["torch"], out
+        assert len(set(out["cuda"])) == 1 and out["cuda"][0][0] == 0.0, out  # planned, the same on every call
 
 
 def test_guarded_topoep_plus_spread_gate_probes():

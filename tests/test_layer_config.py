@@ -29,6 +29,7 @@ BAD = [  # (field, bad value, what the error says)
     ("t_ffn", -1.0, "LayerConfig.t_ffn must be a positive number"),
     ("planner_blocks", -2, "LayerConfig.planner_blocks must be an integer >= 0, got -2"),
     ("max_tokens", 0, "LayerConfig.max_tokens must be an integer >= 1, got 0"),
+    ("plan_domain", 0, "LayerConfig.plan_domain must be an integer >= 1, got 0"),
     ("prefetch", 1, "LayerConfig.prefetch must be true or false, got 1"),
     ("combine_side_stream", None, "LayerConfig.combine_side_stream must be true or false"),
     ("cuda_graphs", "0", "LayerConfig.cuda_graphs must be true or false"),

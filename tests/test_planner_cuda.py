@@ -337,3 +337,39 @@ def test_extension_checks_raise_their_messages():
     lines = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("RAISED", "NO", "OTHER")]
     assert out.returncode == 0, f"the process ended with {out.returncode}: {out.stdout[-2000:]} {out.stderr[-2000:]}"
     assert len(lines) == 6 and all(line.startswith("RAISED") for line in lines), "\n".join(lines)
+
+
+@pytest.mark.parametrize("domains,rpd,plan_domain", [(1, 64, 8), (1, 32, 16), (2, 16, 4)])
+def test_plan_domain_on_the_gpu_equals_reference_without_host_sync(domains, rpd, plan_domain):
+    """`solve(..., plan_domain=...)` (LayerConfig.plan_domain): the CUDA planner on the groups returns the reference's
+    plan bit for bit, on the real topology, without host synchronisation, and replays in a CUDA graph alike."""
+    R, E, N = domains * rpd, 640, 2
+    topo = Topology(num_domains=domains, ranks_per_domain=rpd)
+    omega = biased_routing(R, E, 1024, 8, -2.5, seed=13).cuda()
+    policies = ("topoep", "topoep_plus", "topoep_plus_local")
+    for policy in policies:
+        got = solve(omega, topo, num_slots=N, policy=policy, plan_domain=plan_domain)  # auto: the CUDA planner
+        ref = solve(omega.cpu(), topo, num_slots=N, policy=policy, backend="reference", plan_domain=plan_domain)
+        assert got.info["backend"] == "cuda" and got.topology is topo and got.info["plan_domain"] == plan_domain
+        assert torch.equal(got.slot_expert.cpu(), ref.slot_expert) and torch.equal(got.route.cpu(), ref.route), policy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for policy in policies:
+            solve(omega, topo, num_slots=N, policy=policy, plan_domain=plan_domain)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    buf = omega.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        solve(buf, topo, num_slots=N, policy="topoep_plus", plan_domain=plan_domain)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = solve(buf, topo, num_slots=N, policy="topoep_plus", plan_domain=plan_domain)
+    other = biased_routing(R, E, 1024, 8, -3.0, seed=4, layout="clustered").cuda()
+    buf.copy_(other)
+    graph.replay()
+    ref = solve(other.cpu(), topo, num_slots=N, policy="topoep_plus", backend="reference", plan_domain=plan_domain)
+    assert torch.equal(captured.slot_expert.cpu(), ref.slot_expert) and torch.equal(captured.route.cpu(), ref.route)

@@ -725,3 +725,43 @@ def test_a_bandwidth_too_slow_for_the_integer_costs_is_refused():
     with pytest.raises(ValueError, match="NetBenefitGuard.bytes_per_s must be a number of bytes/s above 0.11"):
         NetBenefitGuard(bytes_per_s=0.1)
     NetBenefitGuard(bytes_per_s=10.0)
+
+
+def _plan_domain_layers(rank, world):
+    """Guarded topoep_plus layers on 4 ranks as ONE NVLink domain of 4: with plan_domain=2 the planners see 2 groups
+    of 2, so the layer plans topoep_plus and its local plan on the groups (as `solve(..., plan_domain=2)` does) and the
+    guard keeps one; without grouping (plan_domain=null) the domain is whole and there is no local plan."""
+    topo = Topology(num_domains=1, ranks_per_domain=4)
+    layer, run = _harness(rank, topo, 64, 5)
+    idx = biased_topk(world, 16, 64, 2, -3.0, seed=3, layout="clustered")[rank]
+    cheap = NetBenefitGuard(plan_s=0.0, transfer_latency_s=0.0)
+    out = {}
+    for pd in (2, None):
+        guarded = layer("topoep_plus", cheap, 1e-5, plan_domain=pd, capacity_factor=None)  # (no capacity step)
+        res = run(guarded, idx)
+        s, plan = guarded.stats_dict(), guarded.last_plan
+        kept = "topoep_plus_local" if s["plan_local"] else "topoep_plus"
+        ref_layer = layer(kept, False, 1e-5, plan_domain=pd, capacity_factor=None)
+        ref = run(ref_layer, idx)
+        solved = solve(plan.omega, topo, num_slots=2, policy=kept, plan_domain=pd,
+                       expert_bytes=ref_layer.expert_bytes, token_bytes=plan.token_bytes)
+        out[pd] = dict(fired=s["guard_fired"], local=s["plan_local"], names=guarded._plus_policies(),
+                       slots=plan.slot_expert.tolist(),
+                       domains=plan.topology.ranks_per_domain, plan_domain=plan.info.get("plan_domain"),
+                       same_plan=torch.equal(plan.slot_expert, solved.slot_expert)
+                       and torch.equal(plan.route, solved.route),
+                       bit_equal=all(torch.equal(a, b) for a, b in zip(res, ref)))
+    return out
+
+
+def test_plan_domain_plans_a_large_domain_as_groups():
+    results = run_ranks(_plan_domain_layers, 4)
+    for r in results:
+        grouped, whole = r[2], r[None]
+        assert grouped["names"] == ("topoep_plus", "topoep_plus_local") and whole["names"] == ("topoep_plus",)
+        for c in (grouped, whole):
+            assert c["fired"] == 0.0 and c["same_plan"] and c["bit_equal"], c
+            assert c["domains"] == 4  # the executed plan is on the real domain (the guard priced its real links)
+        assert grouped["plan_domain"] == 2 and whole["plan_domain"] is None and whole["local"] == 0.0
+        assert grouped["slots"] != whole["slots"]  # the groups plan differently here (stage 1 between the groups)
+    assert len({(r[2]["local"], r[None]["local"]) for r in results}) == 1  # every rank decided alike

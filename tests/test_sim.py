@@ -438,8 +438,9 @@ def test_planner_latency_grows_with_the_domain_for_the_refined_policies():
     assert sim.gpu_planner_s(128, "topoep", 72) - base > 613.8e-6  # beyond 64: the last segment's slope
     cl, model = sim.CLUSTERS["gb200_nvl72"], sim.MODELS["qwen3"].with_experts(32 * 8)
     om = workloads.scenario("hot_rank", 32, model.num_experts, 4096, model.top_k, ranks_per_domain=32, seed=0)
-    one = sim.simulate(om, cl, model=model, policy="topoep", num_slots=2)
-    eight = sim.simulate(om, replace(cl, gpus_per_domain=8), model=model, policy="topoep", num_slots=2)
+    whole = replace(sim.EXECUTIONS["topoep"], plan_domain=None)  # the planner on the whole domain of 32
+    one = sim.simulate(om, cl, model=model, policy="topoep", num_slots=2, execution=whole)
+    eight = sim.simulate(om, replace(cl, gpus_per_domain=8), model=model, policy="topoep", num_slots=2, execution=whole)
     gap = sim.gpu_planner_s(32, "topoep", 32) - sim.gpu_planner_s(32, "topoep", 8)
     assert one.exposed["plan"] - sim.gather_s(32, model.num_experts, cl) == pytest.approx(
         eight.exposed["plan"] - sim.gather_s(32, model.num_experts, replace(cl, gpus_per_domain=8)) + gap)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (device tool), in one place so anyone can rerun it:
-#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async relay_nic decision fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
+#   bash tools/gpu_session.sh setup verify shape relay relay_chunks relay_async relay_nic decision plan_domain fetch_overlap spread peers guard tests cuda a2a deepep layer_cuda local limit cutlass meta reload_ab fetch_overlap_ab combine_ab prefetch_ab chunks replica_copy copy_kernels ep1 ep1_paths shared shared_ep8 planner gemm graphs capacity capacity_ep8 memory capacity_time moe_layer eval eval_rest scale fig15 fig16_layer train train_backends pp
 # Needs the wheels of tools/device-wheels.sh in .whl/ (megatron-core, hydra, wandb, datasets, datasketch),
 # and for `planner` the extension built here (python -c 'from topoep.planners.cuda import load_extension as l; l()'),
 # carried as build/ext.
@@ -493,6 +493,23 @@ step_decision() {  # the decision's fixed costs: the guard's statistics and the 
     _d ep8_one_domain TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 TOPOEP_GPU_RELAY=2 timeout -k 10 120 python3 -m pytest -q -rA \
       tests/test_cuda_backend_gpu.py -k "guarded_topoep_plus or matches_torch"
   fi
+}
+
+step_plan_domain() {  # a large NVLink domain planned as groups (LayerConfig.plan_domain, topoep.solve's plan_domain):
+  # the CUDA planner on the groups against the reference (one domain of 64 as groups of 8, of 32 as groups of 16, 2
+  # domains of 16 as groups of 4; no host sync, graph replay), backend cuda's guarded topoep_plus at EP 8 as one domain
+  # planned as 2 groups of 4 against backend torch (ranks sharing the GPU) and its sync audit, then the planner's and
+  # the decision's time on one domain of 16-64 ranks planned as groups of 8, beside the same run's whole-domain
+  # decision. Short logs into $OUT/plan_domain/
+  mkdir -p "$OUT/plan_domain"
+  _p() { short_log plan_domain "$@"; }
+  _p planner timeout -k 10 200 python3 -m pytest -q -rA tests/test_planner_cuda.py -k plan_domain
+  _p ep8_one_domain TOPOEP_GPU_SHARE=1 TOPOEP_GPU_WORLD=8 timeout -k 10 150 python3 -m pytest -q -rA \
+    tests/test_cuda_backend_gpu.py -k "groups_alike or keeps_the_same_candidate"
+  timeout 200 python3 bench/planner_latency.py --rpd 64 --eps 16 32 64 --plan-domain 8 --runs 100 \
+    --name planner_latency_one_domain_groups8 --out "$OUT" 2>&1 | grep -E "^\||Error" | head -8
+  timeout 200 python3 bench/guard_latency.py --eps 16 32 64 --rpd 64 --plan-domain 8 --runs 100 \
+    --name guard_latency_one_domain_groups8 --out "$OUT" 2>&1 | grep -E "^\||Error" | tail -6
 }
 
 step_relay_async() {  # relayed copies moved copy by copy (LayerConfig.relay_schedule=async, transport peer):

@@ -69,6 +69,14 @@ class LayerConfig:
     """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the grid
     starts only when every block has one, so lower it where collectives on other streams hold many SMs. The plans
     do not depend on it."""
+    plan_domain: int | None = 8
+    """The refining planners (topoep, and topoep_plus with its local plan) balance inside groups of at most this many
+    ranks of each NVLink domain (the largest divisor of the domain's size not above it; `topoep.Topology.planning_groups`)
+    instead of whole domains. Their refinement makes one move at a time inside a domain, and a large domain needs
+    many more of them: on an H100 a domain of 64 ranks (GB200 NVL72) refines for about 0.65 ms per call, groups of 8
+    for tens of microseconds. Replicas still go to other groups where the paper's stage 1 asks, the guard and the
+    transfers use the real domains, and domains of at most this size plan as before. null: whole domains (the
+    paper's)."""
     max_tokens: int | None = None
     """Backend cuda: the most tokens per rank of one call (its receive regions are sized from it). None: the
     largest first call's T over the EP group."""
@@ -181,6 +189,8 @@ class LayerConfig:
                 raise ValueError(f"{p}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_tokens is not None:
             _check_int(self, "max_tokens", 1)
+        if self.plan_domain is not None:
+            _check_int(self, "plan_domain", 1)
         if not isinstance(self.spread_probe, int) or isinstance(self.spread_probe, bool) or self.spread_probe < 2:
             raise ValueError(f"{p}.spread_probe must be an integer >= 2 (calls between the spread gate's probes), got "
                              f"{self.spread_probe!r}")

@@ -11,6 +11,7 @@ only so that the CUDA planner reproduces the reference bit for bit.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -136,6 +137,26 @@ class Topology:
         )
 
     # -- constructors --------------------------------------------------------------------------
+    def planning_groups(self, max_ranks: int | None) -> "Topology":
+        """The topology the refining planners (`topoep`, `topoep_plus`, `topoep_plus_local`) see when they balance
+        inside groups of at most `max_ranks` ranks of each NVLink domain instead of whole domains: domains of g
+        ranks, g the largest divisor of ranks_per_domain not above max_ranks (a group never spans two domains).
+        The paper's refinement makes one move at a time inside a domain, and the moves grow with the domain's
+        ranks (on an H100 a domain of 64 takes 0.65 ms, domains of 8 about 40 us at the same EP:
+        bench/planner_latency.py --rpd), so a large NVLink domain (GB200 NVL72) is planned as groups;
+        stage 1 still places replicas across groups where its criterion asks (eq. 9), and `topoep.solve`
+        returns the plan on the real topology, so guard, metrics and transfers see the real links. Costs: the
+        domain's own inside a group; between groups the inter-domain cost where there are several domains (the
+        CUDA planner's model has one price for every link across groups: between two groups of one domain it
+        overprices, so load moves between them only where it is free) and the domain's own where there is one
+        (every link is NVLink: exact). None, or max_ranks >= ranks_per_domain: this topology itself. Cached (the
+        runtime asks for it in every call)."""
+        if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int) or max_ranks < 1):
+            raise ValueError(f"max_ranks (ranks per planning group) must be an integer >= 1 or None, got {max_ranks!r}")
+        if max_ranks is None or max_ranks >= self.ranks_per_domain:
+            return self
+        return _planning_groups(self, max(g for g in range(1, max_ranks + 1) if self.ranks_per_domain % g == 0))
+
     @classmethod
     def from_cost_matrix(cls, cost, ranks_per_domain: int | None = None) -> "Topology":
         """Build from an explicit symmetric float[R, R] per-byte cost matrix (seconds per byte).
@@ -214,3 +235,18 @@ def slurm_tasks_per_node(value: str | None) -> str | None:
     if not value:
         return None
     return value.split("(")[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _planning_groups(topology: Topology, group: int) -> Topology:
+    c, dom = topology.cost, topology.domain_of
+    same = dom[:, None] == dom[None, :]
+    off = ~torch.eye(topology.num_ranks, dtype=torch.bool)
+
+    def price(links: torch.Tensor) -> float:  # a two-level matrix's own value; else the links' mean
+        return float(links[0]) if bool((links == links[0]).all()) else float(links.mean())
+
+    intra = price(c[same & off]) if topology.ranks_per_domain > 1 else topology.intra_cost
+    inter = price(c[~same]) if topology.num_domains > 1 else intra
+    return Topology(num_domains=topology.num_ranks // group, ranks_per_domain=group, intra_cost=intra,
+                    inter_cost=inter)

@@ -93,7 +93,7 @@ from topoep.metrics import DEFAULT_T_FFN, FLOPS_PER_ASSIGNMENT_FACTOR, metrics
 from topoep.links import chunk_pipeline, replica_matrix, token_matrix
 from topoep.plan import Plan, default_main_rank
 from topoep.relay import copy_arrival, executed_sources, relay_levels, relay_steps, sender_copies
-from topoep.planners import POLICIES, solve, validate
+from topoep.planners import POLICIES, REFINED_POLICIES, solve, validate
 from topoep.planners import spread as spread_planner
 from topoep.planners.baselines import peer_solo_s
 from topoep.planners.capacity import region_loads
@@ -314,6 +314,11 @@ class Execution:
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
     (gpu_hint_s). One routing stands for every call here, so the bound's verdict is taken as steady; where it flips
     from call to call the hint lags, which this does not model. False: the whole skipped decision (gpu_decision_s)."""
+    plan_domain: int | None = 8
+    """The refining planners (topoep, topoep_plus, topoep_plus_local: REFINED_POLICIES) balance inside groups of at
+    most this many ranks of each NVLink domain (`topoep.solve`'s plan_domain, LayerConfig.plan_domain, whose default
+    this is) and are timed at the groups' size (gpu_planner_s); the plans run on the real domains. None: whole
+    domains (the paper's; a GB200 domain of 64 then refines for about 0.65 ms: GPU_DOMAIN_EXTRA_US)."""
 
     def __post_init__(self):
         _check(self, "num_chunks", "int", 1)
@@ -325,6 +330,8 @@ class Execution:
         if self.relay_schedule == "async" and self.relay_chunks != 1:
             raise ValueError("Execution.relay_schedule='async' moves whole copies: relay_chunks must be 1")
         _check(self, "spread_probe", "int", 2)
+        if self.plan_domain is not None:
+            _check(self, "plan_domain", "int", 1)
         if not isinstance(self.peers_on_gpu, bool):
             raise ValueError(f"Execution.peers_on_gpu must be True or False, got {self.peers_on_gpu!r}")
         for name in ("layer_overhead_s", "row_overhead_s", "expert_overhead_s", "comm_overhead_s",
@@ -371,7 +378,6 @@ GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4
 # the refinement (topoep, topoep_plus and its local plan); the peers' planners and the spread planner keep theirs.
 GPU_DOMAIN_EXTRA_US = ((8, 0.0), (16, 18.9), (32, 72.0), (64, 613.8))
 GPU_DOMAIN_EXTRA_PLUS_US = ((8, 0.0), (16, 19.6), (32, 71.6), (64, 652.9))
-REFINED_POLICIES = ("topoep", "topoep_plus", "topoep_plus_local")
 # The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
 # H200, replayed from a CUDA graph on a busy stream, from results/guard_latency.md; with relay_fanout=2 (the relay
 # choice and the executed plan's trees) the second table. A guarded layer runs it in every call that plans.
@@ -801,12 +807,17 @@ class PlanCache:
         self._recent: OrderedDict = OrderedDict()
 
     def key(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
-            token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None) -> str:
+            token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None,
+            plan_domain: int | None = None) -> str:
         om = omega.detach().to("cpu", torch.int64).contiguous()
+        if policy not in REFINED_POLICIES or topology.planning_groups(plan_domain) is topology:
+            plan_domain = None  # changes nothing: the key of the plan on whole domains
+        else:
+            plan_domain = topology.planning_groups(plan_domain).ranks_per_domain
         head = {"format": PLAN_CACHE_FORMAT, "planner": self.fingerprint, "policy": policy, "num_slots": num_slots,
                 "expert_bytes": expert_bytes, "token_bytes": token_bytes, "shape": list(om.shape),
                 "t_ffn": float(DEFAULT_T_FFN if t_ffn is None else t_ffn).hex(),  # solve's default
-                "move_cost_fs": move_cost_fs,
+                "move_cost_fs": move_cost_fs, **({"plan_domain": plan_domain} if plan_domain is not None else {}),
                 "domains": [topology.num_domains, topology.ranks_per_domain]}
         h = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
         for t in (om, topology.cost_fs, topology.cost):
@@ -817,12 +828,13 @@ class PlanCache:
         return self.root / key[:2] / f"{key}.plan"
 
     def solve(self, omega: torch.Tensor, topology: Topology, *, num_slots: int, policy: str, expert_bytes: int,
-              token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None) -> tuple[Plan, float]:
+              token_bytes: int, t_ffn: float | None = None, move_cost_fs: int | None = None,
+              plan_domain: int | None = None) -> tuple[Plan, float]:
         """(plan, solve seconds): `topoep.solve(omega, topology, ..., backend="reference")`, from the cache
         when the same inputs were solved before. Raises what `topoep.solve` raises for bad input."""
         omega, main_rank = validate(omega, topology, num_slots, policy, expert_bytes, token_bytes, None)
         key = self.key(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
-                       token_bytes=token_bytes, t_ffn=t_ffn, move_cost_fs=move_cost_fs)
+                       token_bytes=token_bytes, t_ffn=t_ffn, move_cost_fs=move_cost_fs, plan_domain=plan_domain)
         if key in self._recent:
             self.hits += 1
             self._recent.move_to_end(key)
@@ -836,7 +848,8 @@ class PlanCache:
             return got
         t0 = time.perf_counter()
         plan = solve(omega, topology, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
-                     token_bytes=token_bytes, t_ffn=t_ffn, backend="reference", move_cost_fs=move_cost_fs)
+                     token_bytes=token_bytes, t_ffn=t_ffn, backend="reference", move_cost_fs=move_cost_fs,
+                     plan_domain=plan_domain)
         solve_s = time.perf_counter() - t0
         self.misses += 1
         if solve_s >= self.min_solve_s and self._write(key, plan, solve_s):
@@ -983,7 +996,8 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         plans = []
         for each in (name, *plus_candidates) if guarded and name == "topoep_plus" else (name,):
             kw = dict(num_slots=N, policy=each, expert_bytes=model.expert_bytes, token_bytes=model.token_bytes,
-                      t_ffn=t_ffn, move_cost_fs=spread_move_cost_fs(execution) if each in SPREAD_POLICIES else None)
+                      t_ffn=t_ffn, move_cost_fs=spread_move_cost_fs(execution) if each in SPREAD_POLICIES else None,
+                      plan_domain=execution.plan_domain if each in REFINED_POLICIES else None)
             if each in _solved:  # the spread gate's call for the other candidates' layer: the plans made already
                 p, m = _solved[each]
             elif plan_cache is not None:
@@ -1034,6 +1048,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         local_plan = float(choice == 1 and plus_candidates[:1] == ("topoep_plus_local",))
     R, E, n = plan.num_ranks, plan.num_experts, execution.num_chunks
     dom, rpd = plan.topology.domain_of, plan.topology.ranks_per_domain
+    plan_rpd = plan.topology.planning_groups(execution.plan_domain).ranks_per_domain  # what the refinement runs on
     S, W = float(model.token_bytes), float(model.expert_bytes)
 
     # plan (and the guard's selection on the device, which a guarded layer runs in every call). Where its pre-plan
@@ -1060,7 +1075,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
             solve_s = plan_s
         elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
             spread_s = gated_planner_s(execution, R, N, plus_candidates, spread_moves)
-            plus_s = gpu_planner_s(R, "topoep_plus", rpd)
+            plus_s = gpu_planner_s(R, "topoep_plus", plan_rpd)
             solve_s = _interpolated_s(GPU_SPREAD_GATE_ONE_DOMAIN_US if rpd == R else GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif ((spread and execution.spread_planner == "measured")
@@ -1068,12 +1083,12 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
             solve_s = gated_planner_s(execution, R, N, spread | peers, spread_moves)
             if candidates:  # beside topoep_plus's own plans: the longer chain sets the time (a large domain's
                 # refinement, or a spread greedy that stopped after a few moves, can make topoep_plus's the longer)
-                solve_s = max(solve_s, gpu_planner_s(R, "topoep_plus", rpd))
+                solve_s = max(solve_s, gpu_planner_s(R, "topoep_plus", plan_rpd))
         elif execution.peers_on_gpu and plan.policy in PEER_POLICIES and not candidates:
             solve_s = peer_solo_s(plan.policy, R, N)  # csrc/peers.cu, as this runtime runs a peer's layer
         elif candidates or (plan.policy in CUDA_POLICIES and plan.policy not in SPREAD_POLICIES + PEER_POLICIES):
             # candidates: planned beside topoep_plus on the GPU
-            solve_s = gpu_planner_s(R, name if candidates else plan.policy, rpd)
+            solve_s = gpu_planner_s(R, name if candidates else plan.policy, plan_rpd)
         else:  # a host planner; the peers' policies too, as their own systems plan them (csrc/peers.cu's GPU time,
             # baselines.peer_set_s, is a topoep_plus layer's with plus_peers: Execution.peer_planner)
             host = measured if execution.measured_host_plan and measured is not None else gpu_planner_s(R)

@@ -40,6 +40,8 @@ POLICIES = ("static", "topoep", "topoep_plus", "topoep_plus_local", "topoep_plus
 # outside the library and are bound by `register_policy`: "joint" by `import topoep_research` (seconds per
 # plan on the CPU reference at EP 32; its search needs K x R^3 tensors).
 OFFLINE_POLICIES = ("joint",)
+# Policies whose plans refine inside NVLink domains one move at a time (`solve`'s plan_domain groups them).
+REFINED_POLICIES = ("topoep", "topoep_plus", "topoep_plus_local")
 # Policies that weigh expert compute against transfers, and so take t_ffn.
 T_FFN_POLICIES = ("fastermoe", "joint", "topoep_plus_spread", "topoep_plus_spread_tree")
 # The offline policies' planners, name -> fn, as `register_policy` bound them.
@@ -104,7 +106,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
           expert_bytes: int = QWEN3_EXPERT_BYTES, token_bytes: int = QWEN3_TOKEN_BYTES,
           main_rank: torch.Tensor | None = None, t_ffn: float | None = None, backend: str = "auto",
           capacity: int | None = None, grid_blocks: int = 0, enable: torch.Tensor | None = None,
-          move_cost_fs: int | None = None) -> Plan:
+          move_cost_fs: int | None = None, plan_domain: int | None = None) -> Plan:
     """Plan replicas and the token split for one MoE layer and microbatch.
 
     Args:
@@ -145,6 +147,11 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
         move_cost_fs: topoep_plus_spread and topoep_plus_spread_tree only: the greedy stops once no move gains more
             than this (fs; `topoep.planners.spread`, default MOVE_COST_US: the GPU planner's time per move), an
             integer >= 0; None for the default. Both backends.
+        plan_domain: the refining policies (REFINED_POLICIES: topoep, topoep_plus, topoep_plus_local) balance inside
+            groups of at most this many ranks of each NVLink domain (`Topology.planning_groups`: a large domain's
+            refinement costs far more than the groups'), and the plan comes back on `topoep.Topology` `topology`
+            (its C4 holds there too: a group's demand is at most its domain's). None (default): whole domains, the
+            paper's. The other policies do not refine and ignore it. An integer >= 1 or None.
 
     Returns:
         a `Plan` on omega's device. Raises ValueError for bad input (for "joint" also when its int64
@@ -167,6 +174,22 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     if enable is not None and not (isinstance(enable, torch.Tensor) and enable.dtype == torch.bool
                                    and enable.numel() == 1):
         raise ValueError(f"enable must be None or a 0-d bool tensor (NetBenefitGuard.worth_planning), got {enable!r}")
+    if plan_domain is not None and (isinstance(plan_domain, bool) or not isinstance(plan_domain, int)
+                                    or plan_domain < 1):
+        raise ValueError(f"plan_domain must be an integer >= 1 (ranks per planning group) or None (whole NVLink "
+                         f"domains), got {plan_domain!r}")
+    if plan_domain is not None and policy in REFINED_POLICIES and isinstance(topology, Topology):
+        groups = topology.planning_groups(plan_domain)
+        if groups is not topology:  # plan on the groups, return the plan on the real domains
+            if capacity is not None:
+                from topoep.planners.capacity import check_capacity
+
+                check_capacity(capacity)
+            plan = solve(omega, groups, num_slots=num_slots, policy=policy, expert_bytes=expert_bytes,
+                         token_bytes=token_bytes, main_rank=main_rank, t_ffn=t_ffn, backend=backend,
+                         grid_blocks=grid_blocks, enable=enable)
+            plan = on_topology(plan, topology, groups)
+            return plan if capacity is None else _fit_capacity(plan, capacity, plan.info.get("backend") == "cuda")
     if backend == "auto":
         use_cuda = (isinstance(omega, torch.Tensor) and omega.is_cuda and main_rank is None
                     and isinstance(topology, Topology) and has_cuda_kernel(policy, topology))
@@ -179,8 +202,8 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
 
         check_capacity(capacity)
     if use_cuda:
-        from topoep.planners.cuda import (CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES, fit_capacity_cuda, solve_cuda,
-                                          solve_peer_cuda, solve_spread_cuda)
+        from topoep.planners.cuda import (CUDA_POLICIES, PEER_POLICIES, SPREAD_POLICIES, solve_cuda, solve_peer_cuda,
+                                          solve_spread_cuda)
 
         if not omega.is_cuda:
             raise ValueError("backend='cuda' needs omega on a CUDA device (omega.cuda())")
@@ -200,7 +223,7 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
             plan = solve_cuda(omega, topology, num_slots=num_slots, policy=policy, main_rank=main_rank,
                               expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), grid_blocks=grid_blocks,
                               enable=enable)
-        return plan if capacity is None else fit_capacity_cuda(plan, capacity)
+        return plan if capacity is None else _fit_capacity(plan, capacity, True)
     kw = {}
     if policy in T_FFN_POLICIES:
         kw["t_ffn"] = _checked_t_ffn(t_ffn)
@@ -213,11 +236,26 @@ def solve(omega: torch.Tensor, topology: Topology, *, num_slots: int = 2, policy
     else:
         plan = _policies()[policy](omega, topology, num_slots=num_slots, main_rank=main_rank,
                                    expert_bytes=int(expert_bytes), token_bytes=int(token_bytes), **kw)
-    if capacity is None:
-        return plan
+    return plan if capacity is None else _fit_capacity(plan, capacity, False)
+
+
+def _fit_capacity(plan: Plan, capacity: int, use_cuda: bool) -> Plan:
+    """The capacity step: csrc's kernel (use_cuda) or the reference."""
+    if use_cuda:
+        from topoep.planners.cuda import fit_capacity_cuda
+
+        return fit_capacity_cuda(plan, capacity)
     from topoep.planners.capacity import fit_capacity
 
     return fit_capacity(plan, capacity)
+
+
+def on_topology(plan: Plan, topology: Topology, groups: Topology) -> Plan:
+    """`plan`, made on the planning groups `groups` of `topology` (`Topology.planning_groups`), as a plan on
+    `topology`: the same slots and route (tensors shared), info["plan_domain"] the groups' size."""
+    return Plan(omega=plan.omega, topology=topology, num_slots=plan.num_slots, main_rank=plan.main_rank,
+                slot_expert=plan.slot_expert, route=plan.route, policy=plan.policy, expert_bytes=plan.expert_bytes,
+                token_bytes=plan.token_bytes, info={**plan.info, "plan_domain": groups.ranks_per_domain})
 
 
 def plan_concurrently(omega: torch.Tensor, topology: Topology, policies: tuple[str, ...],

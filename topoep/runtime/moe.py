@@ -70,14 +70,17 @@ LAYER_STAT_NAMES = STAT_NAMES + (
 _UNSET = object()
 
 
-def plus_policies(topology: Topology, peers: bool = False, spread: bool = False, tree: bool = False) -> tuple[str, ...]:
+def plus_policies(topology: Topology, peers: bool = False, spread: bool = False, tree: bool = False,
+                  plan_domain: int | None = None) -> tuple[str, ...]:
     """The plans a guarded topoep_plus layer makes at once, the policy's own first (the guard's choice 0), then its
     local candidate (1), with `peers` FlexMoE's and DeepSeek EPLB's plans (LayerConfig.plus_peers), with `spread` the
     spread candidate (plus_spread) and with `tree` also its relay-tree variant (relay_fanout). The local candidate
-    only on more than one NVLink domain: on one, the paper's stage 1 places nothing (no other domain), so
-    topoep_plus_local's plan equals topoep_plus's bit for bit (tests/test_topoep_plus.py) and planning and pricing it
-    twice would only cost time."""
-    names = ("topoep_plus",) + (("topoep_plus_local",) if topology.num_domains > 1 else ())
+    only where the planners see more than one domain (NVLink domains, or the planning groups of `plan_domain`,
+    LayerConfig.plan_domain): on one, the paper's stage 1 places nothing (no other domain), so topoep_plus_local's
+    plan equals topoep_plus's bit for bit (tests/test_topoep_plus.py) and planning and pricing it twice would only
+    cost time."""
+    groups = topology.planning_groups(plan_domain)
+    names = ("topoep_plus",) + (("topoep_plus_local",) if groups.num_domains > 1 else ())
     if peers:
         names += PEER_CANDIDATES
     if spread:
@@ -348,7 +351,7 @@ class ExpertParallelMoE(nn.Module):
             main_rank = default_main_rank(self.num_experts, self.topology.num_ranks, omega.device)
             worth = self.guard.worth_planning(omega, self.topology, main_rank, self.t_ffn, self.expert_bytes, n)
         kw = dict(num_slots=N, expert_bytes=self.expert_bytes, token_bytes=token_bytes, t_ffn=self.t_ffn,
-                  grid_blocks=self.config.planner_blocks, enable=worth)
+                  grid_blocks=self.config.planner_blocks, enable=worth, plan_domain=self.config.plan_domain)
         if guarded and not planning:
             return self._unplanned(omega, worth, kw, allow, capacity)
         candidates, spread_run = (), None
@@ -379,7 +382,7 @@ class ExpertParallelMoE(nn.Module):
     def _plus_policies(self) -> tuple[str, ...]:
         """`plus_policies` of this layer's topology and options."""
         return plus_policies(self.topology, peers=self.config.plus_peers, spread=self.config.plus_spread,
-                             tree=bool(self.config.relay_fanout))
+                             tree=bool(self.config.relay_fanout), plan_domain=self.config.plan_domain)
 
     def _unplanned(self, omega: torch.Tensor, worth: torch.Tensor, kw: dict, allow: torch.Tensor | None,
                    capacity: int | None) -> tuple[Plan, GuardOutcome, torch.Tensor | None]:
