@@ -379,20 +379,14 @@ GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4
 GPU_DOMAIN_EXTRA_US = ((8, 0.0), (16, 18.9), (32, 72.0), (64, 613.8))
 GPU_DOMAIN_EXTRA_PLUS_US = ((8, 0.0), (16, 19.6), (32, 71.6), (64, 652.9))
 # The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
-# H200, replayed from a CUDA graph on a busy stream, from results/guard_latency.md; with relay_fanout=2 (the relay
-# choice and the executed plan's trees) the second table. A guarded layer runs it in every call that plans.
+# H200, replayed from a CUDA graph on a busy stream, from bench/guard_latency.py
+# (results/gpu/plan_domain_h200/guard_latency.md); with relay_fanout=2 (the relay choice and the executed plan's
+# trees, written by the guard's own launches) the second table. A guarded layer runs it in every call that plans.
 # Interpolated as the planner's. The whole graph's time is charged, though a graph of one tiny kernel takes about
 # 3 us the same way and the metadata graph is replayed anyway. Every GPU_DECISION_* and GPU_STATIC_PLAN_US below
-# comes from the same run. The relayed tables (*_RELAY_US but HINT) are that run's values scaled by what the guard's
-# relay trees changed since, measured on one H100 before and after (results/gpu/guard_overlap_h100/guard_latency.md,
-# then results/gpu/decision_4b23704_h100/guard_latency.md; no H200 could be started): the NIC tree (a remote domain's
-# first copy fetched from another domain's, which costs the guard's kernel more at many domains) and the executed
-# plan's trees written by the guard's own launches instead of a kernel of their own (the layer without a capacity
-# step); at EP 8 also the layer planning topoep_plus alone on one domain. Scales: guard 17.9 / 20.7, 22.9 / 25.6,
-# 51.6 / 35.8; skipped 12.2 / 13.8, 12.5 / 14.5, 15.3 / 17.1; planned 71.6 / 74.8, 71.3 / 73.4, 114.9 / 99.1 (EP 8,
-# 32, 128).
-GPU_GUARD_US = ((8, 11.7), (32, 11.4), (128, 15.7))
-GPU_GUARD_RELAY_US = ((8, 14.0), (32, 16.1), (128, 34.7))
+# comes from the same run.
+GPU_GUARD_US = ((8, 13.1), (32, 12.6), (128, 20.0))
+GPU_GUARD_RELAY_US = ((8, 17.9), (32, 22.5), (128, 49.8))
 # A guarded topoep_plus layer's whole decision (us; results/guard_latency.md, same run conditions): the pre-plan bound
 # (worth_planning's kernel), topoep_plus and topoep_plus_local at once on two streams, the guard's kernel (and with
 # relays the trees). SKIP: on uniform routing, where the bound leaves planning out (the planners write the static
@@ -400,24 +394,24 @@ GPU_GUARD_RELAY_US = ((8, 14.0), (32, 16.1), (128, 34.7))
 # layer's planning and guard cost together. HINT: a call of backend cuda whose replica machinery the slot hint left
 # out (`SlotSkipHint`): the bound and the static plan only. STATIC_PLAN: the static plan alone, which the static
 # layer runs too (the simulator charges the static layer no plan time, so a hint's call is charged HINT less it).
-GPU_DECISION_SKIP_US = ((8, 11.7), (32, 11.8), (128, 14.8))
-GPU_DECISION_SKIP_RELAY_US = ((8, 11.3), (32, 11.3), (128, 14.3))
-GPU_DECISION_PLUS_US = ((8, 64.6), (32, 58.9), (128, 79.5))
-GPU_DECISION_PLUS_RELAY_US = ((8, 66.4), (32, 64.1), (128, 101.6))
-GPU_DECISION_HINT_US = ((8, 8.3), (32, 8.0), (128, 10.1))
-GPU_DECISION_HINT_RELAY_US = ((8, 10.6), (32, 10.4), (128, 12.4))
-GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.7), (128, 4.0))
+GPU_DECISION_SKIP_US = ((8, 11.4), (32, 11.9), (128, 15.0))
+GPU_DECISION_SKIP_RELAY_US = ((8, 11.3), (32, 12.2), (128, 14.7))
+GPU_DECISION_PLUS_US = ((8, 67.3), (32, 61.5), (128, 83.8))
+GPU_DECISION_PLUS_RELAY_US = ((8, 72.3), (32, 71.6), (128, 114.3))
+GPU_DECISION_HINT_US = ((8, 8.0), (32, 8.1), (128, 10.3))
+GPU_DECISION_HINT_RELAY_US = ((8, 10.8), (32, 10.7), (128, 12.8))
+GPU_STATIC_PLAN_US = ((8, 3.6), (32, 3.6), (128, 3.9))
 # What a layer with plus_spread and its spread gate adds to that decision (GPU_DECISION_PLUS_US) on a call the gate
-# leaves the spread planner out of (results/gpu/gate/guard_latency_sim.md, the run conditions of
-# results/guard_latency.md: its chain less the plain one; the run at the commit is within 0.3 us of it): the
-# gate's flag and update kernel, the spread planner writing the static plan beside the other two, the guard over
-# three plans. Charged to every call of a gated layer (where the spread planner runs, its time instead of
-# topoep_plus's as well).
-GPU_SPREAD_GATE_US = ((8, 6.2), (32, 5.6), (128, 6.0))
-# The same on one NVLink domain (the whole EP group; by EP), where the layer plans no local candidate (two plans beside
-# the spread planner's static one become one): one H100, results/gpu/decision_4b23704_h100/guard_latency.md (EP 8)
-# and guard_latency_one_domain.md (EP 16-64), the gate-off chain less the plain one
-GPU_SPREAD_GATE_ONE_DOMAIN_US = ((8, 3.1), (16, 2.7), (32, 2.7), (64, 1.7))
+# leaves the spread planner out of (the gate-off chain less the plain one): the gate's flag and update kernel, the
+# spread planner writing the static plan beside the other two, the guard over three plans. Charged to every call of a
+# gated layer (where the spread planner runs, its time instead of topoep_plus's as well). EP 32 and 128: the run of
+# GPU_DECISION_*; EP 8 (where that run's layer is one domain) from an earlier H200 run whose layer planned the
+# local candidate there too (results/gpu/gate/guard_latency_sim.md).
+GPU_SPREAD_GATE_US = ((8, 6.2), (32, 6.1), (128, 6.0))
+# The same where the planners see one domain (the whole EP group unplanned as groups; by EP): the layer plans no local
+# candidate (two plans beside the spread planner's static one become one): the same H200 run, guard_latency.md (EP 8)
+# and guard_latency_one_domain.md (EP 16-64, whole domains) beside it
+GPU_SPREAD_GATE_ONE_DOMAIN_US = ((8, 2.5), (16, 2.6), (32, 3.2), (64, 2.8))
 # The CUDA spread planner (csrc/spread.cu) on one H200: topoep_plus_spread alone (the candidate of a layer without
 # relays: the pair beside it is faster), and the four plans of a relayed layer at once (topoep.planners.spread, from
 # results/spread_latency.md).
@@ -1076,7 +1070,7 @@ def simulate(plan_or_omega, cluster: Cluster, *, model: ModelShape, execution: E
         elif gate is not None:  # on: the spread planner beside the others (its probes: gate_cheap); off: on probes
             spread_s = gated_planner_s(execution, R, N, plus_candidates, spread_moves)
             plus_s = gpu_planner_s(R, "topoep_plus", plan_rpd)
-            solve_s = _interpolated_s(GPU_SPREAD_GATE_ONE_DOMAIN_US if rpd == R else GPU_SPREAD_GATE_US, R) + (
+            solve_s = _interpolated_s(GPU_SPREAD_GATE_ONE_DOMAIN_US if plan_rpd == R else GPU_SPREAD_GATE_US, R) + (
                 max(plus_s, spread_s) if gate else plus_s + max(0.0, spread_s - plus_s) / execution.spread_probe)
         elif ((spread and execution.spread_planner == "measured")
               or (peers and execution.peer_planner == "measured")):  # csrc/spread.cu, csrc/peers.cu beside the pair
