@@ -462,7 +462,7 @@ def test_guard_that_fires_skips_the_replica_machinery_and_equals_static():
             assert skipped_never == 0 and all(r > 0 for r in replicas) and logged[1] == 0.0, replicas
 
 
-def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False, plan_domain=8):
+def _guarded_plus(rank, world, spread=False, probe=False, peers=False, cpu=False, plan_domain=32):
     """Guarded topoep_plus on backends torch and cuda, 3 calls (eager, graph capture, replay): the CUDA path plans
     topoep_plus and its local candidate (with `spread`, LayerConfig.plus_spread, also the spread candidates,
     csrc/spread.cu) at the same time (topoep.planners.plan_concurrently, in the metadata graph) and keeps the same

@@ -71,7 +71,7 @@ def test_the_layer_plans_a_local_candidate_only_where_the_planners_see_domains()
     assert plus_policies(one) == ("topoep_plus",)
     assert plus_policies(one, plan_domain=8) == ("topoep_plus", "topoep_plus_local")
     assert plus_policies(one, plan_domain=16) == ("topoep_plus",)
-    assert LayerConfig().plan_domain == 8 and LayerConfig(plan_domain=None).plan_domain is None
+    assert LayerConfig().plan_domain == 32 and LayerConfig(plan_domain=None).plan_domain is None
     for bad in (0, 1.5, "8"):
         with pytest.raises(ValueError, match="LayerConfig.plan_domain"):
             LayerConfig(plan_domain=bad)
@@ -87,6 +87,6 @@ def test_the_simulator_times_the_refinement_at_the_groups_size():
     # one domain of 64 refines for about 0.6 ms more than domains of 8 (GPU_DOMAIN_EXTRA_US)
     extra = r[None].terms["plan"] - r[8].terms["plan"]
     assert extra == pytest.approx(sim.GPU_DOMAIN_EXTRA_US[-1][1] * 1e-6, rel=1e-6)
-    assert sim.Execution().plan_domain == 8
+    assert sim.Execution().plan_domain == 32
     with pytest.raises(ValueError, match="Execution.plan_domain"):
         sim.Execution(plan_domain=0)

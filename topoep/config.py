@@ -69,14 +69,15 @@ class LayerConfig:
     """Blocks of the CUDA planner's cooperative grid (0: half the GPU's SMs). A block takes a whole SM and the grid
     starts only when every block has one, so lower it where collectives on other streams hold many SMs. The plans
     do not depend on it."""
-    plan_domain: int | None = 8
+    plan_domain: int | None = 32
     """The refining planners (topoep, and topoep_plus with its local plan) balance inside groups of at most this many
     ranks of each NVLink domain (the largest divisor of the domain's size not above it; `topoep.Topology.planning_groups`)
-    instead of whole domains. Their refinement makes one move at a time inside a domain, and a large domain needs
-    many more of them: on an H100 a domain of 64 ranks (GB200 NVL72) refines for about 0.65 ms per call, groups of 8
-    for tens of microseconds. Replicas still go to other groups where the paper's stage 1 asks, the guard and the
-    transfers use the real domains, and domains of at most this size plan as before. null: whole domains (the
-    paper's)."""
+    instead of whole domains. Their refinement makes one move at a time inside a domain, and a larger domain needs
+    more moves, each slower beyond 32 ranks (the CUDA kernel keeps a domain of up to 32 ranks in a warp's registers,
+    a rank per lane): on an H100 one domain of 64 ranks (GB200 NVL72) refines for about 0.63 ms per call, of 32 for
+    86 us, of 8 for a few. Smaller groups plan faster but balance less (replicas reach other groups only where the
+    paper's stage 1 asks); 32 keeps every domain of up to 32 ranks whole and was the simulator's best choice on GB200
+    (results/plan_domain.md). The guard and the transfers use the real domains. null: whole domains (the paper's)."""
     max_tokens: int | None = None
     """Backend cuda: the most tokens per rank of one call (its receive regions are sized from it). None: the
     largest first call's T over the EP group."""

@@ -314,7 +314,7 @@ class Execution:
     bound has said so for `skip_lag` calls (`SlotSkipHint`): the bound and the static plan, no planner, no guard
     (gpu_hint_s). One routing stands for every call here, so the bound's verdict is taken as steady; where it flips
     from call to call the hint lags, which this does not model. False: the whole skipped decision (gpu_decision_s)."""
-    plan_domain: int | None = 8
+    plan_domain: int | None = 32
     """The refining planners (topoep, topoep_plus, topoep_plus_local: REFINED_POLICIES) balance inside groups of at
     most this many ranks of each NVLink domain (`topoep.solve`'s plan_domain, LayerConfig.plan_domain, whose default
     this is) and are timed at the groups' size (gpu_planner_s); the plans run on the real domains. None: whole
