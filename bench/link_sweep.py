@@ -110,6 +110,9 @@ def parse_args(argv=None):
                          "the static plan) in the guard's place (sim.simulate's force_choice) and report the fastest: "
                          "which misses a perfect pick would meet, and which need better plans")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plan-cache", default="build/plan_cache",
+                    help="solve each plan once across runs (sim.PlanCache: the same plans, the same report; keyed on "
+                         "every input and the planners' source); 'none': solve every plan here")
     ap.add_argument("--name", default="link_sweep")
     ap.add_argument("--out", type=Path, default=REPO / "results")
     args = parse_options(ap, argv)
@@ -177,6 +180,7 @@ def run(args) -> list[dict]:
     guard = guard_of(args)
     omegas, bounds, rows = {}, {}, []
     ours = layers(args)
+    cache = None if args.plan_cache == "none" else sim.PlanCache(REPO / args.plan_cache, min_solve_s=0.0)
     todo = list(cells(args))
     for preset, ep, slots, scen in tqdm(todo, desc="cells", unit="cell"):
         base = sim.CLUSTERS[preset]
@@ -207,7 +211,7 @@ def run(args) -> list[dict]:
                 ex = dataclasses.replace(ex, relay_fanout=fanout, relay_chunks=args.relay_chunks,
                                          relay_share=args.relay_share, relay_schedule=args.relay_schedule)
             kw = dict(model=model, policy=policy if policy not in ours else "topoep_plus", num_slots=slots,
-                      guard=None if policy == "static" else guard, execution=ex,
+                      guard=None if policy == "static" else guard, execution=ex, plan_cache=cache,
                       **({"plus_candidates": cands} if policy in ours else {}))
             r = sim.simulate(omegas[key], cl, **kw)
             if policy in ours:
