@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from cuda_checks import captured, without_host_sync
 
 from topoep import Topology, solve
 from topoep.plan import Plan
@@ -89,21 +90,9 @@ def test_no_host_synchronisation_and_graph_replay():
     om = biased_routing(16, 128, 512, 8, -4.0, seed=5, layout="concentrated").cuda()
     cap = int(1.25 * 512 * 8)
     fit_capacity_cuda(solve(om, topo, num_slots=2, policy="static", backend="cuda"), cap)  # build, allocate
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fit_capacity_cuda(solve(om, topo, num_slots=2, policy="static", backend="cuda"), cap)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    without_host_sync(lambda: fit_capacity_cuda(solve(om, topo, num_slots=2, policy="static", backend="cuda"), cap))
     buf = om.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fit_capacity_cuda(solve(buf, topo, num_slots=2, policy="topoep", backend="cuda"), cap)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fit_capacity_cuda(solve(buf, topo, num_slots=2, policy="topoep", backend="cuda"), cap)
+    graph, out = captured(lambda: fit_capacity_cuda(solve(buf, topo, num_slots=2, policy="topoep", backend="cuda"), cap))
     for seed in (6, 7):
         new = biased_routing(16, 128, 512, 8, -4.0, seed=seed, layout="clustered")
         buf.copy_(new.cuda())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import planner_cases as pc
+from cuda_checks import captured, without_host_sync
 from topoep import Topology, solve
 from topoep.planners.cuda import CudaPlanner
 from topoep.workloads import biased_routing
@@ -352,24 +353,12 @@ def test_plan_domain_on_the_gpu_equals_reference_without_host_sync(domains, rpd,
         ref = solve(omega.cpu(), topo, num_slots=N, policy=policy, backend="reference", plan_domain=plan_domain)
         assert got.info["backend"] == "cuda" and got.topology is topo and got.info["plan_domain"] == plan_domain
         assert torch.equal(got.slot_expert.cpu(), ref.slot_expert) and torch.equal(got.route.cpu(), ref.route), policy
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for policy in policies:
-            solve(omega, topo, num_slots=N, policy=policy, plan_domain=plan_domain)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    without_host_sync(lambda: [solve(omega, topo, num_slots=N, policy=p, plan_domain=plan_domain) for p in policies])
     buf = omega.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        solve(buf, topo, num_slots=N, policy="topoep_plus", plan_domain=plan_domain)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = solve(buf, topo, num_slots=N, policy="topoep_plus", plan_domain=plan_domain)
+    graph, captured_plan = captured(lambda: solve(buf, topo, num_slots=N, policy="topoep_plus", plan_domain=plan_domain))
     other = biased_routing(R, E, 1024, 8, -3.0, seed=4, layout="clustered").cuda()
     buf.copy_(other)
     graph.replay()
     ref = solve(other.cpu(), topo, num_slots=N, policy="topoep_plus", backend="reference", plan_domain=plan_domain)
-    assert torch.equal(captured.slot_expert.cpu(), ref.slot_expert) and torch.equal(captured.route.cpu(), ref.route)
+    assert torch.equal(captured_plan.slot_expert.cpu(), ref.slot_expert)
+    assert torch.equal(captured_plan.route.cpu(), ref.route)
