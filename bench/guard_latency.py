@@ -100,15 +100,16 @@ def _chain(relay: bool, omega: torch.Tensor, topo, slots: int, pair: bool = Fals
     return (executed.route, *_trees(executed)) if relay else (executed.route,)
 
 
-def _gate_chain(gate, omega: torch.Tensor, topo, slots: int):
+def _gate_chain(gate, omega: torch.Tensor, topo, slots: int, plan_domain: int | None = None):
     """A guarded topoep_plus layer with plus_spread and its spread gate (moe.py `_guarded_plan`, guard.SpreadGate), on
     a call the gate leaves the spread planner out of: the bound, the gate's flag, topoep_plus, topoep_plus_local and
     the spread planner (which writes the static plan at once) at once, the guard's selection over the three, the
     gate's update."""
     guard, worth = _bound(omega, topo)
     run = gate.enable(worth)
-    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth)
-    names = plus_policies(topo, spread=True)
+    kw = dict(num_slots=slots, expert_bytes=W_BYTES, token_bytes=S_BYTES, t_ffn=DEFAULT_T_FFN, enable=worth,
+              plan_domain=plan_domain)
+    names = plus_policies(topo, spread=True, plan_domain=plan_domain)
     plan, *others = plan_concurrently(omega, topo, names, [kw] * (len(names) - 1) + [{**kw, "enable": run}])
     executed, fired, saved, cost = guard.select(plan, DEFAULT_T_FFN, 1, candidates=tuple(others), planned=worth)
     gate.record(worth, run, fired, saved, cost, executed.info["guard_choice"], len(names) - 1)
@@ -159,7 +160,7 @@ def measure(ep: int, experts: int, slots: int, runs: int, warmup: int, rpd: int 
     gate = SpreadGate(probe=1 << 40, spread_s=1.0)  # off, and no probe in reach: the spread planner left out
     gate.enable(torch.ones((), dtype=torch.bool, device="cuda"))
     gate.state.copy_(torch.tensor([0.0, 0.0, float("nan"), float("nan")]))  # no probe since: never due in this run
-    works["chain_gate_off"] = lambda: _gate_chain(gate, omega, topo, slots)
+    works["chain_gate_off"] = lambda: _gate_chain(gate, omega, topo, slots, plan_domain)
     # the same run's baselines: the trees by their own kernel; on one domain, the local candidate planned as well
     works["chain_plan_relay_separate"] = lambda: _chain(True, omega, topo, slots, separate=True)
     if topo.planning_groups(plan_domain) is not topo:  # the planners on whole domains (plan_domain null)

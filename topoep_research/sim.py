@@ -378,6 +378,12 @@ GPU_PLANNER_PLUS_US = ((8, 48.8), (16, 37.9), (32, 41.1), (64, 51.6), (128, 60.4
 # the refinement (topoep, topoep_plus and its local plan); the peers' planners and the spread planner keep theirs.
 GPU_DOMAIN_EXTRA_US = ((8, 0.0), (16, 18.9), (32, 72.0), (64, 613.8))
 GPU_DOMAIN_EXTRA_PLUS_US = ((8, 0.0), (16, 19.6), (32, 71.6), (64, 652.9))
+# Several such domains (or planning groups, Execution.plan_domain) in a larger EP group refine at once, a warp each,
+# and the slowest sets the time: on one H100 at EP 64 as 2 groups of 32 ranks topoep took 138.7 and topoep_plus 156.1
+# us against 39.4 and 50.7 in groups of 8 (same device; results/gpu/plan_domain_h200/h100/), an extra of 99.3 and
+# 105.4 where one domain of 32 at EP 32 adds 71.0 and 70.5 (same device). That ratio scales the extra wherever the EP
+# group holds more than one domain or group larger than 8 (measured at 2 groups of 32 only).
+GPU_GROUPS_EXTRA_SCALE = (99.3 / 71.0, 105.4 / 70.5)  # (topoep, topoep_plus)
 # The net-benefit guard's CUDA kernel (us; topoep_plus's plan and its local candidate, 640 experts, 2 slots) on one
 # H200, replayed from a CUDA graph on a busy stream, from bench/guard_latency.py
 # (results/gpu/plan_domain_h200/guard_latency.md); with relay_fanout=2 (the relay choice and the executed plan's
@@ -668,11 +674,13 @@ def async_fetch_s(plan: Plan, source: torch.Tensor, level: torch.Tensor, loads: 
 
 def gpu_planner_s(num_ranks: int, policy: str = "topoep", ranks_per_domain: int = 8) -> float:
     """GPU planner latency (GPU_PLANNER_US; GPU_PLANNER_PLUS_US for topoep_plus), with what domains of
-    ranks_per_domain add to the refinement of a policy that runs it (GPU_DOMAIN_EXTRA_US, REFINED_POLICIES)."""
+    ranks_per_domain add to the refinement of a policy that runs it (GPU_DOMAIN_EXTRA_US, REFINED_POLICIES; more than
+    one such domain: GPU_GROUPS_EXTRA_SCALE)."""
     plus = policy.startswith("topoep_plus")
     t = _interpolated_s(GPU_PLANNER_PLUS_US if plus else GPU_PLANNER_US, num_ranks)
     if policy in REFINED_POLICIES and ranks_per_domain > 8:
-        t += _interpolated_s(GPU_DOMAIN_EXTRA_PLUS_US if plus else GPU_DOMAIN_EXTRA_US, ranks_per_domain)
+        extra = _interpolated_s(GPU_DOMAIN_EXTRA_PLUS_US if plus else GPU_DOMAIN_EXTRA_US, ranks_per_domain)
+        t += extra * (GPU_GROUPS_EXTRA_SCALE[plus] if num_ranks > ranks_per_domain else 1.0)
     return t
 
 
