@@ -106,6 +106,8 @@ REPORTS = [
     _sweep("link_sweep_cuda_serial_guard", "--execution cuda --token-overlap 0"),
     _sweep("link_sweep_guard_pipeline_overlap_share",
            "--guard-pipeline --fetch-overlap --relay-share --spread-planner measured"),
+    Entry(("plan_domain.md", "plan_domain.json"), "bench/plan_domain.py",
+          "- (scenarios generated; the simulator's presets)", "CPU", "python bench/plan_domain.py"),
     Entry(("replacement.md", "replacement.json"), "bench/replacement.py",
           "- (scenarios generated; the simulator's presets)", "CPU", "python bench/replacement.py"),
     Entry(("joint_work.md", "joint_work.json"), "bench/joint_work.py", "-", "CPU", "python bench/joint_work.py"),
@@ -224,6 +226,8 @@ GPU = [
           "bash tools/gpu_session.sh setup verify; then step limit and bench/grouped_gemm.py (its README names them)"),
     Entry(("gpu/guard_overlap_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
           "(tests/test_guard_cuda.py, the layer with fetch_overlap at EP 2, bench/guard_latency.py)"),
+    Entry(("gpu/plan_domain_h200",), GPU_SESSION, "-", "1 GPU (H200)", "bash tools/gpu_session.sh setup plan_domain; "
+          "bench/guard_latency.py and --rpd 64 (results/gpu/README.md)"),
     Entry(("gpu/decision_4b23704_h100",), GPU_SESSION, "-", "1 GPU (H100)", "bash tools/gpu_session.sh setup relay_nic "
           "decision (DECISION_PART 1 and 2); bench/planner_latency.py --rpd 64 --eps 16 32 64 (results/gpu/README.md)"),
     Entry(("gpu/relay_async_88ddfdf_h100",), GPU_SESSION, "-", "1 GPU (H100)", "the commands in its README "
